@@ -1,0 +1,110 @@
+"""hybridkv.kernels: paged attention and slot-indexed state kernels, each with a torch reference.
+
+Every public function here dispatches (see dispatch.py) to a Triton kernel on CUDA and to its
+torch reference on CPU; `HYBRIDKV_BACKEND=torch|triton` forces one. Shapes are documented on
+the reference functions, which are the specification.
+
+Packed/varlen convention: T tokens of R requests, request r owns rows
+`query_start_loc[r]:query_start_loc[r+1]`. Recurrent kernels read and write pool tensors in place
+through `slot_idx [R]` (int32); slot 0 is the null slot. `has_initial_state [R]` False means the
+request starts from a zero state (the slot's old contents are ignored and overwritten).
+"""
+from __future__ import annotations
+
+from .dispatch import backend_for
+
+
+def _pick(t, ref, triton_name, module):
+    if backend_for(t) == "triton":
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{module}"), triton_name)
+    return ref
+
+
+def paged_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale, causal=True,
+                    sliding_window=None, soft_cap=None, max_query_len=None, max_seq_len=None):
+    """q [T, Hq, D], kv_cache [num_blocks, 2, bs, Hkv, D] -> out [T, Hq, D]; see attention_ref."""
+    from .attention_ref import paged_attention_ref
+
+    fn = _pick(q, paged_attention_ref, "paged_attention_triton", "paged_attention")
+    return fn(q, kv_cache, query_start_loc, seq_lens, block_table, scale, causal=causal,
+              sliding_window=sliding_window, soft_cap=soft_cap, max_query_len=max_query_len,
+              max_seq_len=max_seq_len)
+
+
+def write_kv(k, v, kv_cache, slot_mapping):
+    """k, v [T, Hkv, D] into kv_cache at flat slots `slot_mapping [T]` (-1 skipped)."""
+    from .attention_ref import write_kv_ref
+
+    return _pick(k, write_kv_ref, "write_kv_triton", "write_kv")(k, v, kv_cache, slot_mapping)
+
+
+def causal_conv1d(x, conv_state, weight, bias, query_start_loc, slot_idx, has_initial_state,
+                  activation="silu"):
+    """Varlen prefill conv. x [T, dim], conv_state [S, dim, k-1], weight [dim, k] -> [T, dim]."""
+    from .conv1d_ref import causal_conv1d_ref
+
+    fn = _pick(x, causal_conv1d_ref, "causal_conv1d_triton", "conv1d")
+    return fn(x, conv_state, weight, bias, query_start_loc, slot_idx, has_initial_state, activation)
+
+
+def conv1d_update(x, conv_state, weight, bias, slot_idx, activation="silu"):
+    """Decode conv, one token per request. x [B, dim] -> [B, dim]; conv_state updated in place."""
+    from .conv1d_ref import conv1d_update_ref
+
+    fn = _pick(x, conv1d_update_ref, "conv1d_update_triton", "conv1d")
+    return fn(x, conv_state, weight, bias, slot_idx, activation)
+
+
+def mamba1_state_update(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, dt_softplus=True):
+    """Selective-scan step. ssm_state [S, d_inner, N]; x, dt, z [B, d_inner]; B, C [B, N]."""
+    from .mamba1_ref import mamba1_state_update_ref
+
+    fn = _pick(x, mamba1_state_update_ref, "mamba1_state_update_triton", "mamba1")
+    return fn(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, dt_softplus)
+
+
+def mamba1_scan(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_loc, slot_idx,
+                has_initial_state, dt_softplus=True, return_states_at=None):
+    """Varlen selective scan from each slot's state; leaves the final state in the slot."""
+    from .mamba1_ref import mamba1_scan_ref
+
+    return mamba1_scan_ref(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_loc, slot_idx,
+                           has_initial_state, dt_softplus, return_states_at)
+
+
+def mamba2_state_update(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, dt_softplus=True):
+    """SSD step. ssm_state [S, H, P, N]; x [B, H, P]; dt [B, H]; B, C [B, G, N] -> y [B, H, P]."""
+    from .mamba2_ref import mamba2_state_update_ref
+
+    fn = _pick(x, mamba2_state_update_ref, "mamba2_state_update_triton", "mamba2")
+    return fn(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, dt_softplus)
+
+
+def mamba2_chunk_scan(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_loc, slot_idx,
+                      has_initial_state, chunk_size=256, dt_softplus=True, return_states_at=None):
+    """Varlen chunked SSD from each slot's state; leaves the final state in the slot."""
+    from .mamba2_ref import mamba2_chunk_scan_ref
+
+    return mamba2_chunk_scan_ref(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_loc,
+                                 slot_idx, has_initial_state, chunk_size, dt_softplus,
+                                 return_states_at)
+
+
+def gdn_state_update(state, q, k, v, g, beta, slot_idx, scale=None, use_qk_l2norm=True):
+    """Gated delta rule step. state [S, HV, K, V]; q, k [B, H, K]; v [B, HV, V]; g, beta [B, HV]."""
+    from .gdn_ref import gdn_state_update_ref
+
+    fn = _pick(q, gdn_state_update_ref, "gdn_state_update_triton", "gdn")
+    return fn(state, q, k, v, g, beta, slot_idx, scale, use_qk_l2norm)
+
+
+def gdn_chunk_scan(state, q, k, v, g, beta, query_start_loc, slot_idx, has_initial_state,
+                   scale=None, use_qk_l2norm=True, chunk_size=64, return_states_at=None):
+    """Varlen chunked gated delta rule from each slot's state; leaves the final state in the slot."""
+    from .gdn_ref import gdn_chunk_scan_ref
+
+    return gdn_chunk_scan_ref(state, q, k, v, g, beta, query_start_loc, slot_idx,
+                              has_initial_state, scale, use_qk_l2norm, chunk_size,
+                              return_states_at)

@@ -1,0 +1,18 @@
+"""Which implementation runs: Triton on CUDA, the torch reference on CPU; HYBRIDKV_BACKEND overrides."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+_VALID = ("torch", "triton")
+
+
+def backend_for(t: torch.Tensor) -> str:
+    """'triton' or 'torch' for a kernel whose inputs live where `t` lives."""
+    forced = os.environ.get("HYBRIDKV_BACKEND", "").strip().lower()
+    if forced:
+        if forced not in _VALID:
+            raise ValueError(f"HYBRIDKV_BACKEND={forced!r}; expected one of {_VALID}")
+        return forced
+    return "triton" if t.is_cuda else "torch"

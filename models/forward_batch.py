@@ -1,0 +1,59 @@
+"""The packed, padding-free batch a model runs: prefill chunks and decodes mixed."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """One engine step's inputs, T tokens over R requests, requests in order.
+
+    input_ids:        [T] long, the tokens of this step, request after request
+    positions:        [T] long, absolute position of each token in its sequence
+    query_start_loc:  [R+1] int32, request r's tokens are input_ids[qsl[r]:qsl[r+1]]
+    seq_lens:         [R] int32, tokens in the sequence after this step (context + new)
+    block_table:      [R, max_blocks] int32, KV block ids (unused entries may hold anything)
+    slot_mapping:     [T] long, KV write slot `block * block_size + pos % block_size`, -1 skips
+    state_slots:      [R] int32, the request's live slot in every recurrent layer's pool
+    has_initial_state:[R] bool, False when the request starts from position 0 (state is zero)
+    return_all_logits: logits for every token instead of the last of each request
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    state_slots: torch.Tensor
+    has_initial_state: torch.Tensor
+    return_all_logits: bool = False
+    # Host-side copies so layers can split/loop without a device sync.
+    query_lens_cpu: list[int] = field(default_factory=list)
+    seq_lens_cpu: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_reqs(self) -> int:
+        return int(self.query_start_loc.shape[0]) - 1
+
+
+@dataclass
+class ModelCaches:
+    """The pools' tensors a model reads and writes, keyed by the model's layer index.
+
+    kv[i]:    [num_blocks, 2, block_size, kv_heads, head_dim] for attention layer i
+    conv[i]:  [num_slots, *RecurrentSpec.conv_shape] for recurrent layer i
+    state[i]: [num_slots, *RecurrentSpec.state_shape] for recurrent layer i
+    Slot 0 is the null slot.
+    """
+
+    kv: dict[int, torch.Tensor]
+    conv: dict[int, torch.Tensor]
+    state: dict[int, torch.Tensor]
+    block_size: int
