@@ -1,0 +1,82 @@
+"""Attention over the paged KV pool: projections, optional q/k norm, rotary, output gate."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from hybridkv import kernels
+from hybridkv.specs import AttentionSpec
+
+from .forward_batch import ForwardBatch
+from .rotary import apply_rotary
+
+
+class PagedAttention(nn.Module):
+    """One attention layer whose KV lives in the paged pool `[num_blocks, 2, block_size, Hkv, D]`.
+
+    Parameter names follow HF: q_proj, k_proj, v_proj, o_proj, and q_norm / k_norm when present.
+    - GQA: num_heads a multiple of num_kv_heads.
+    - qkv_bias / o_bias: biases on q,k,v and on o (Llama's attention_bias sets both).
+    - qk_norm: a factory `dim -> nn.Module` applied per head to q and k before rotary (Qwen3).
+    - output_gate: q_proj emits [query | gate] per head; output *= sigmoid(gate) (Qwen3-Next).
+    - rotary: rope is applied when forward gets (cos, sin); Jamba-style layers pass None.
+    - sliding_window / soft_cap / scale go to the kernel (scale defaults to head_dim ** -0.5).
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
+                 qkv_bias: bool = False, o_bias: bool = False,
+                 qk_norm: Optional[Callable[[int], nn.Module]] = None, output_gate: bool = False,
+                 sliding_window: Optional[int] = None, soft_cap: Optional[float] = None,
+                 scale: Optional[float] = None):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads={num_heads} is not a multiple of "
+                             f"num_key_value_heads={num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.output_gate = output_gate
+        self.sliding_window = sliding_window
+        self.soft_cap = soft_cap
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        q_out = num_heads * head_dim * (2 if output_gate else 1)
+        self.q_proj = nn.Linear(hidden_size, q_out, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        self.q_norm = qk_norm(head_dim) if qk_norm else None
+        self.k_norm = qk_norm(head_dim) if qk_norm else None
+
+    def spec(self, dtype: torch.dtype) -> AttentionSpec:
+        return AttentionSpec(self.num_kv_heads, self.head_dim, dtype, self.sliding_window)
+
+    def forward(self, hidden: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]],
+                batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """hidden [T, hidden_size], rope (cos, sin) [T, rotary_dim] or None -> [T, hidden_size].
+
+        Writes this step's K/V at batch.slot_mapping, then attends over each request's
+        seq_lens[r] tokens through its block table.
+        """
+        T = hidden.shape[0]
+        q = self.q_proj(hidden)
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(T, -1)
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        kernels.write_kv(k, v, kv_cache, batch.slot_mapping)
+        out = kernels.paged_attention(
+            q.contiguous(), kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_table,
+            self.scale, causal=True, sliding_window=self.sliding_window, soft_cap=self.soft_cap,
+            max_query_len=max(batch.query_lens_cpu) if batch.query_lens_cpu else None,
+            max_seq_len=max(batch.seq_lens_cpu) if batch.seq_lens_cpu else None)
+        out = out.reshape(T, self.num_heads * self.head_dim)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)

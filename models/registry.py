@@ -1,0 +1,43 @@
+"""Which family module builds which Hugging Face architecture. Adding a family = one line here."""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+# Hugging Face `config.architectures[0]` -> family module name inside hybridkv.models.
+_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "BambaForCausalLM": "bamba",
+    "JambaForCausalLM": "jamba",
+    "Qwen3NextForCausalLM": "qwen3_next",
+}
+
+
+class UnsupportedArchitectureError(ValueError):
+    """The checkpoint's architecture has no family module here."""
+
+
+def supported_architectures() -> list[str]:
+    """Architecture names (as in config.json `architectures`) this package can load."""
+    return sorted(_ARCHITECTURES)
+
+
+def family_names() -> list[str]:
+    """Short family names (`llama`, `bamba`, ...) accepted by `family_module`."""
+    return sorted(set(_ARCHITECTURES.values()))
+
+
+def family_module(name: str | None) -> ModuleType:
+    """The family module for an architecture (`BambaForCausalLM`) or a family name (`bamba`).
+
+    A family module defines ARCHITECTURE (str), MODEL_CLASS (a HybridModel subclass) and
+    tiny_config(**overrides) -> a transformers config for a tiny random checkpoint.
+    """
+    module_name = _ARCHITECTURES.get(name) if name in _ARCHITECTURES else None
+    if module_name is None and name in family_names():
+        module_name = name
+    if module_name is None:
+        raise UnsupportedArchitectureError(
+            f"architecture {name!r} is not supported; supported architectures: "
+            f"{', '.join(supported_architectures())}")
+    return importlib.import_module(f"{__package__}.{module_name}")
