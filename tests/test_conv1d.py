@@ -1,0 +1,89 @@
+"""causal conv1d over state slots: the torch reference against transformers' own conv functions,
+and the Triton kernels against the reference."""
+import pytest
+import torch
+from transformers.models.qwen3_next import modeling_qwen3_next as qn
+
+from hybridkv.kernels.conv1d_ref import causal_conv1d_ref, conv1d_update_ref
+from state_kernel_helpers import pieces, qsl, rel_err, shuffled_slots, torch_path, untouched
+
+hf_conv_fn = torch_path(qn.causal_conv1d_fn)
+hf_conv_update = torch_path(qn.causal_conv1d_update)
+
+DIM, K, SLOTS = 12, 4, 7
+
+
+def _params(gen, dim=DIM, k=K, bias=True):
+    w = torch.randn(dim, k, generator=gen)
+    b = torch.randn(dim, generator=gen) if bias else None
+    return w, b
+
+
+def _hf_from_state(x, window, w, b, act):
+    """transformers' conv over [window, x] for one request: x [L, dim], window [dim, k-1]."""
+    state = window.clone().unsqueeze(0)
+    y = hf_conv_update(x.t().unsqueeze(0).contiguous(), state, w, b, activation=act)
+    return y[0].t(), state[0]
+
+
+@pytest.mark.parametrize("act", ["silu", None])
+@pytest.mark.parametrize("bias", [True, False])
+def test_one_pass_matches_transformers(act, bias):
+    gen = torch.Generator().manual_seed(0)
+    w, b = _params(gen, bias=bias)
+    x = torch.randn(23, DIM, generator=gen)
+    pool = torch.randn(SLOTS, DIM, K - 1, generator=gen)
+    y = causal_conv1d_ref(x, pool, w, b, qsl([23]), torch.tensor([3], dtype=torch.int32),
+                          torch.tensor([False]), act)
+    want = hf_conv_fn(x.t().unsqueeze(0), w, b, activation=act)[0].t()
+    assert rel_err(y, want) < 1e-6
+    assert torch.equal(pool[3], x[-(K - 1):].t())  # the slot keeps the raw last inputs
+
+
+def test_chunked_through_slot_equals_one_pass():
+    gen = torch.Generator().manual_seed(1)
+    w, b = _params(gen)
+    x = torch.randn(40, DIM, generator=gen)
+    pool = torch.randn(SLOTS, DIM, K - 1, generator=gen)
+    slot = torch.tensor([5], dtype=torch.int32)
+    outs = []
+    for i, (s, e) in enumerate(pieces(40, sizes=(5, 16, 1, 2, 7))):  # pieces of 1 and 2 < k-1
+        outs.append(causal_conv1d_ref(x[s:e], pool, w, b, qsl([e - s]), slot,
+                                      torch.tensor([i > 0]), "silu"))
+    want = hf_conv_fn(x.t().unsqueeze(0), w, b, activation="silu")[0].t()
+    assert rel_err(torch.cat(outs), want) < 1e-6
+    assert torch.equal(pool[5], x[-(K - 1):].t())
+
+
+def test_varlen_packing_with_and_without_history():
+    gen = torch.Generator().manual_seed(2)
+    w, b = _params(gen)
+    lengths, init = [6, 1, 2, 9], [True, False, True, True]
+    x = torch.randn(sum(lengths), DIM, generator=gen)
+    pool = torch.randn(SLOTS, DIM, K - 1, generator=gen)
+    before = pool.clone()
+    slots = shuffled_slots(len(lengths), SLOTS, gen)
+    y = causal_conv1d_ref(x, pool, w, b, qsl(lengths), slots, torch.tensor(init), "silu")
+    start = 0
+    for n, has, s in zip(lengths, init, slots.tolist()):
+        window = before[s] if has else torch.zeros(DIM, K - 1)
+        want_y, want_state = _hf_from_state(x[start:start + n], window, w, b, "silu")
+        assert rel_err(y[start:start + n], want_y) < 1e-6
+        assert torch.equal(pool[s], want_state)  # a 1- or 2-token request shifts the old window
+        start += n
+    assert untouched(before, pool, slots)
+
+
+def test_decode_update_matches_transformers():
+    gen = torch.Generator().manual_seed(3)
+    w, b = _params(gen)
+    pool = torch.randn(SLOTS, DIM, K - 1, generator=gen)
+    slots = shuffled_slots(4, SLOTS, gen)
+    before = pool.clone()
+    x = torch.randn(4, DIM, generator=gen)
+    y = conv1d_update_ref(x, pool, w, b, slots, "silu")
+    state = before[slots.long()].clone()
+    want = hf_conv_update(x.unsqueeze(-1), state, w, b, activation="silu")[..., 0]
+    assert rel_err(y, want) < 1e-6
+    assert torch.equal(pool[slots.long()], state)
+    assert untouched(before, pool, slots)
