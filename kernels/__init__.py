@@ -27,7 +27,7 @@ def paged_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale, 
     """q [T, Hq, D], kv_cache [num_blocks, 2, bs, Hkv, D] -> out [T, Hq, D]; see attention_ref."""
     from .attention_ref import paged_attention_ref
 
-    fn = _pick(q, paged_attention_ref, "paged_attention_triton", "paged_attention")
+    fn = _pick(q, paged_attention_ref, "paged_attention_triton", "paged_attention_kernel")
     return fn(q, kv_cache, query_start_loc, seq_lens, block_table, scale, causal=causal,
               sliding_window=sliding_window, soft_cap=soft_cap, max_query_len=max_query_len,
               max_seq_len=max_seq_len)
@@ -37,7 +37,7 @@ def write_kv(k, v, kv_cache, slot_mapping):
     """k, v [T, Hkv, D] into kv_cache at flat slots `slot_mapping [T]` (-1 skipped)."""
     from .attention_ref import write_kv_ref
 
-    return _pick(k, write_kv_ref, "write_kv_triton", "write_kv")(k, v, kv_cache, slot_mapping)
+    return _pick(k, write_kv_ref, "write_kv_triton", "write_kv_kernel")(k, v, kv_cache, slot_mapping)
 
 
 def causal_conv1d(x, conv_state, weight, bias, query_start_loc, slot_idx, has_initial_state,

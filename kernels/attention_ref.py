@@ -1,0 +1,122 @@
+"""Torch reference for paged attention and the KV write: the specification the Triton kernels meet.
+
+Layout of one attention layer's cache: `kv_cache [num_blocks, 2, block_size, kv_heads, head_dim]`
+(index 0 = K, 1 = V). Token `pos` of request `r` lives in block `block_table[r, pos // block_size]`
+at offset `pos % block_size`; its flat slot is `block * block_size + offset`.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def check_attention_inputs(q, kv_cache, query_start_loc, seq_lens, block_table, sliding_window,
+                           soft_cap):
+    """Shape checks shared by the reference and the Triton kernel (no device sync)."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [num_tokens, heads, head_dim]; got shape {tuple(q.shape)}")
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+        raise ValueError("kv_cache must be [num_blocks, 2, block_size, kv_heads, head_dim]; "
+                         f"got shape {tuple(kv_cache.shape)}")
+    hq, d = q.shape[1], q.shape[2]
+    hkv, dk = kv_cache.shape[3], kv_cache.shape[4]
+    if dk != d:
+        raise ValueError(f"q head_dim {d} != kv_cache head_dim {dk}")
+    if hq % hkv != 0:
+        raise ValueError(f"query heads {hq} must be a multiple of kv heads {hkv} (GQA)")
+    num_reqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_reqs + 1:
+        raise ValueError(f"query_start_loc has {query_start_loc.shape[0]} entries; expected "
+                         f"num_reqs + 1 = {num_reqs + 1}")
+    if block_table.dim() != 2 or block_table.shape[0] != num_reqs:
+        raise ValueError(f"block_table must be [num_reqs={num_reqs}, max_blocks]; got "
+                         f"{tuple(block_table.shape)}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window={sliding_window}; must be >= 1 or None")
+    if soft_cap is not None and soft_cap <= 0:
+        raise ValueError(f"soft_cap={soft_cap}; must be > 0 or None")
+
+
+def paged_attention_ref(q, kv_cache, query_start_loc, seq_lens, block_table, scale, causal=True,
+                        sliding_window=None, soft_cap=None, max_query_len=None, max_seq_len=None):
+    """Attention of packed queries over paged KV.
+
+    q [T, Hq, D]; kv_cache [num_blocks, 2, bs, Hkv, D]; query_start_loc [R+1] int32 (request r
+    owns rows qsl[r]:qsl[r+1]); seq_lens [R] int32 (tokens in the cache for r, new ones included);
+    block_table [R, max_blocks] int32. Returns out [T, Hq, D] in q's dtype.
+
+    Request r's queries are the LAST `query_len_r` of its `seq_len_r` positions: query i sits at
+    absolute position `p = seq_len_r - query_len_r + i`. With `causal` it sees keys j <= p
+    (otherwise all j < seq_len_r). `sliding_window=w` keeps keys with `p - j < w` (the query and
+    the w-1 before it; transformers' sliding_window_overlay, as in Mistral/Qwen2). `soft_cap=c`
+    maps logits to `c * tanh(logits / c)` after `scale` (Gemma2). GQA: query head h reads KV head
+    h // (Hq // Hkv). Accumulation in float32. max_query_len / max_seq_len are hints, unused here.
+    """
+    check_attention_inputs(q, kv_cache, query_start_loc, seq_lens, block_table, sliding_window,
+                           soft_cap)
+    t, hq, d = q.shape
+    bs, hkv = kv_cache.shape[2], kv_cache.shape[3]
+    group = hq // hkv
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    out = torch.zeros_like(q)  # rows past query_start_loc[-1] (padding) stay zero
+    for r, seq_len in enumerate(lens):
+        q0, q1 = qsl[r], qsl[r + 1]
+        qlen = q1 - q0
+        if qlen == 0:
+            continue
+        if qlen > seq_len:
+            raise ValueError(f"request {r}: query_len {qlen} > seq_len {seq_len}; seq_len counts "
+                             "the cached context plus the new tokens")
+        nblk = -(-seq_len // bs)
+        if nblk > block_table.shape[1]:
+            raise ValueError(f"request {r}: seq_len {seq_len} needs {nblk} blocks of {bs}; "
+                             f"block_table has {block_table.shape[1]} columns")
+        blocks = block_table[r, :nblk].long()
+        kv = kv_cache[blocks].float()  # [nblk, 2, bs, Hkv, D]
+        k = kv[:, 0].reshape(nblk * bs, hkv, d)[:seq_len].permute(1, 2, 0)  # [Hkv, D, S]
+        v = kv[:, 1].reshape(nblk * bs, hkv, d)[:seq_len].transpose(0, 1)  # [Hkv, S, D]
+        qr = q[q0:q1].float().reshape(qlen, hkv, group, d).permute(1, 2, 0, 3)  # [Hkv, G, L, D]
+        logits = (qr @ k.unsqueeze(1)) * scale  # [Hkv, G, L, S]
+        if soft_cap is not None:
+            logits = soft_cap * torch.tanh(logits / soft_cap)
+        pos = torch.arange(seq_len - qlen, seq_len, device=q.device).unsqueeze(1)  # [L, 1]
+        key = torch.arange(seq_len, device=q.device).unsqueeze(0)  # [1, S]
+        visible = torch.ones(qlen, seq_len, dtype=torch.bool, device=q.device)
+        if causal:
+            visible &= key <= pos
+        if sliding_window is not None:
+            visible &= pos - key < sliding_window
+        logits = logits.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a row with no key gives zeros
+        o = probs @ v.unsqueeze(1)  # [Hkv, G, L, D]
+        out[q0:q1] = o.permute(2, 0, 1, 3).reshape(qlen, hq, d).to(q.dtype)
+    return out
+
+
+def write_kv_ref(k, v, kv_cache, slot_mapping):
+    """Write k, v [T, Hkv, D] into kv_cache [num_blocks, 2, bs, Hkv, D] in place.
+
+    slot_mapping [T] (int64): token t goes to block slot // bs, offset slot % bs; slot -1 is
+    skipped (padding). Returns kv_cache.
+    """
+    check_write_kv_inputs(k, v, kv_cache, slot_mapping)
+    bs = kv_cache.shape[2]
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    slots = slots[keep]
+    blk, off = slots // bs, slots % bs
+    kv_cache[blk, 0, off] = k[keep].to(kv_cache.dtype)
+    kv_cache[blk, 1, off] = v[keep].to(kv_cache.dtype)
+    return kv_cache
+
+
+def check_write_kv_inputs(k, v, kv_cache, slot_mapping):
+    """Shape checks shared by write_kv_ref and the Triton kernel (no device sync)."""
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+        raise ValueError("kv_cache must be [num_blocks, 2, block_size, kv_heads, head_dim]; "
+                         f"got shape {tuple(kv_cache.shape)}")
+    want = (slot_mapping.shape[0], kv_cache.shape[3], kv_cache.shape[4])
+    for name, x in (("k", k), ("v", v)):
+        if tuple(x.shape) != want:
+            raise ValueError(f"{name} has shape {tuple(x.shape)}; expected [T, kv_heads, "
+                             f"head_dim] = {want} to match slot_mapping and kv_cache")

@@ -1,0 +1,190 @@
+"""One Triton kernel for paged attention over prefill, decode and mixed batches.
+
+Design (as in vLLM's unified Triton attention): a program owns one KV head and a tile of
+BLOCK_Q query tokens of one request; the GROUP query heads that share the KV head ride along,
+so the tile is [BLOCK_Q tokens x GROUP heads] flattened to BLOCK_M rows and every K/V tile read
+from memory serves all of them. Programs walk the request's KV through its block table in
+TILE_N-key tiles (each key looks up its own block, so TILE_N need not equal the block size),
+skipping tiles wholly outside the causal / sliding window, with an online softmax in float32.
+
+Grid: (num_tokens // BLOCK_Q + num_reqs, kv_heads). Request r's tiles start at program
+`query_start_loc[r] // BLOCK_Q + r`, an upper bound that needs no host sync; a program finds its
+request by binary search over query_start_loc and exits when its tile is past the request's end.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention_ref import check_attention_inputs
+
+@triton.jit
+def _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr):
+    """Largest r with query_start_loc[r] // BLOCK_Q + r <= pid (binary search)."""
+    lo = 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+        if start <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _tanh(x):
+    # tl.math has no portable tanh across Triton versions; this form is exact and overflow-free
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x >= 0, t, -t)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr, q_ptr, kv_ptr, qsl_ptr, seq_lens_ptr, block_table_ptr,
+    scale, soft_cap, sliding_window, num_reqs,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kv_blk, stride_kv_kv, stride_kv_off, stride_kv_h, stride_bt,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    r = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q)
+    q_start = tl.load(qsl_ptr + r)
+    q_len = tl.load(qsl_ptr + r + 1) - q_start
+    q_block = pid - (q_start // BLOCK_Q + r)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + r)
+    context = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    q_local = q_block * BLOCK_Q + offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    # rows past BLOCK_Q * GROUP exist only when GROUP does not divide BLOCK_M
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (q_local < q_len)
+    d_ok = offs_d < HEAD_DIM
+    q_pos = context + q_local
+    tok = (q_start + q_local).to(tl.int64)
+    q_off = tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # KV range any row of this tile can see; tiles outside it are never loaded
+    first_pos = context + q_block * BLOCK_Q
+    last_pos = tl.minimum(first_pos + BLOCK_Q - 1, seq_len - 1)
+    kv_end = seq_len
+    if CAUSAL:
+        kv_end = last_pos + 1
+    kv_start = 0
+    if USE_WINDOW:
+        kv_start = tl.maximum(first_pos - sliding_window + 1, 0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    offs_n = tl.arange(0, TILE_N)
+    bt_row = block_table_ptr + r.to(tl.int64) * stride_bt
+    for tile in range(kv_start // TILE_N, tl.cdiv(kv_end, TILE_N)):
+        key = tile * TILE_N + offs_n
+        key_ok = key < kv_end
+        blk = tl.load(bt_row + key // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        base = blk * stride_kv_blk + (key % BLOCK_SIZE) * stride_kv_off + kv_head * stride_kv_h
+        k = tl.load(kv_ptr + base[None, :] + offs_d[:, None],
+                    mask=key_ok[None, :] & d_ok[:, None], other=0.0)  # [D_PAD, TILE_N]
+        s = tl.dot(q, k, input_precision=DOT_PREC) * scale
+        if USE_SOFTCAP:
+            s = soft_cap * _tanh(s / soft_cap)
+        s = s * 1.4426950408889634  # log2(e): the softmax runs on exp2
+        visible = key_ok[None, :] & row_ok[:, None]
+        if CAUSAL:
+            visible = visible & (key[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (q_pos[:, None] - key[None, :] < sliding_window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # a row that has seen no key yet keeps m = -inf; subtract 0 instead to avoid inf - inf
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(kv_ptr + stride_kv_kv + base[:, None] + offs_d[None, :],
+                    mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [TILE_N, D_PAD]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_off = tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _config(group, head_dim, query_len_hint):
+    """(BLOCK_M, TILE_N, num_warps): small row tiles for decode, larger for prefill."""
+    block_m = max(16, triton.next_power_of_2(group))
+    if query_len_hint * group >= 64:
+        block_m = max(64, block_m)
+    d_pad = triton.next_power_of_2(head_dim)
+    tile_n = 64 if d_pad <= 128 else 32
+    num_warps = 8 if block_m * d_pad >= 64 * 256 else 4
+    return block_m, tile_n, num_warps
+
+
+def paged_attention_triton(q, kv_cache, query_start_loc, seq_lens, block_table, scale, causal=True,
+                           sliding_window=None, soft_cap=None, max_query_len=None,
+                           max_seq_len=None):
+    """Triton paged attention; same inputs, outputs and semantics as `paged_attention_ref`.
+
+    q [T, Hq, D]; kv_cache [num_blocks, 2, bs, Hkv, D] (bs a multiple of 16, last dim
+    contiguous); query_start_loc [R+1], seq_lens [R], block_table [R, max_blocks] (int32).
+    Returns out [T, Hq, D] in q's dtype; rows past query_start_loc[-1] are left unwritten.
+    max_query_len only picks the tile shape (no device sync); max_seq_len is unused.
+    """
+    check_attention_inputs(q, kv_cache, query_start_loc, seq_lens, block_table, sliding_window,
+                           soft_cap)
+    t, hq, d = q.shape
+    bs, hkv = kv_cache.shape[2], kv_cache.shape[3]
+    if bs % 16 != 0:
+        raise ValueError(f"block_size {bs} must be a multiple of 16 for the Triton kernel")
+    if not 16 <= d <= 256:
+        raise ValueError(f"head_dim {d} unsupported by the Triton kernel; use 16..256")
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("kv_cache's head_dim axis must be contiguous (stride 1)")
+    if q.dtype != kv_cache.dtype:
+        raise ValueError(f"q dtype {q.dtype} != kv_cache dtype {kv_cache.dtype}")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    block_table = block_table.to(torch.int32).contiguous()
+    query_start_loc = query_start_loc.to(torch.int32)
+    seq_lens = seq_lens.to(torch.int32)
+    out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    num_reqs = seq_lens.shape[0]
+    if t == 0 or num_reqs == 0:
+        return out
+    group = hq // hkv
+    hint = max_query_len if max_query_len is not None else -(-t // num_reqs)
+    block_m, tile_n, num_warps = _config(group, d, hint)
+    block_q = block_m // group
+    grid = (t // block_q + num_reqs, hkv)
+    guard = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
+    with guard:
+        _paged_attention_kernel[grid](
+            out, q, kv_cache, query_start_loc, seq_lens, block_table,
+            float(scale), float(soft_cap or 0.0), int(sliding_window or 0), num_reqs,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+            block_table.stride(0),
+            GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=d,
+            D_PAD=triton.next_power_of_2(d), BLOCK_SIZE=bs, TILE_N=tile_n,
+            CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None,
+            USE_SOFTCAP=soft_cap is not None,
+            DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=num_warps, num_stages=2,
+        )
+    return out

@@ -1,0 +1,192 @@
+"""Paged attention: the torch reference against torch SDPA (with transformers' mask functions),
+then the Triton kernel (interpreted on CPU) against the reference."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+
+import hybridkv.kernels as K
+from hybridkv.kernels.attention_ref import paged_attention_ref
+from hybridkv.kernels.paged_attention_kernel import paged_attention_triton
+
+# (query_len, seq_len): lengths 1, block boundaries +-1 for bs 16 and 32, an idle request (0)
+MIXED = [(1, 1), (1, 17), (5, 33), (16, 16), (0, 10), (15, 31), (3, 32)]
+DECODE = [(1, 1), (1, 15), (1, 16), (1, 33), (1, 47)]
+PREFILL = [(17, 17), (33, 40), (2, 2)]
+
+
+def make_batch(reqs, bs, hkv, group, d, dtype, seed=0, pad_rows=0):
+    """A random paged batch plus, per request, its full Q and contiguous K, V (the oracle's view).
+
+    Blocks are handed out in shuffled order with spare blocks in between, and unused block-table
+    columns point at random live blocks, so any indexing slip reads wrong (non-zero) data.
+    """
+    g = torch.Generator().manual_seed(seed)
+    hq = hkv * group
+    need = [math.ceil(s / bs) for _, s in reqs]
+    num_blocks = sum(need) + 5
+    kv = torch.randn(num_blocks, 2, bs, hkv, d, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g)
+    max_blocks = max(need) + 1
+    table = torch.randint(0, num_blocks, (len(reqs), max_blocks), generator=g, dtype=torch.int32)
+    full, qs, used = [], [], 0
+    for r, (qlen, slen) in enumerate(reqs):
+        blocks = perm[used:used + need[r]]
+        used += need[r]
+        table[r, :need[r]] = blocks.to(torch.int32)
+        k = torch.randn(slen, hkv, d, generator=g).to(dtype)
+        v = torch.randn(slen, hkv, d, generator=g).to(dtype)
+        pos = torch.arange(slen)
+        kv[blocks[pos // bs], 0, pos % bs] = k
+        kv[blocks[pos // bs], 1, pos % bs] = v
+        q_full = torch.randn(slen, hq, d, generator=g).to(dtype)
+        full.append((q_full, k, v))
+        qs.append(q_full[slen - qlen:])
+    qs.append(torch.randn(pad_rows, hq, d, generator=g).to(dtype))
+    q = torch.cat(qs)
+    qsl = torch.tensor([0] + [ql for ql, _ in reqs], dtype=torch.int32).cumsum(0).to(torch.int32)
+    seq_lens = torch.tensor([s for _, s in reqs], dtype=torch.int32)
+    return q, kv, qsl, seq_lens, table, full
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def sdpa_oracle(full, reqs, scale, window=None):
+    """Per request: SDPA over the whole sequence with transformers' causal / sliding-window mask
+    function, keeping the last query_len rows (the positions the paged call asks for)."""
+    outs = []
+    for (q, k, v), (qlen, slen) in zip(full, reqs):
+        fn = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
+        idx = torch.arange(slen)
+        mask = fn(0, 0, idx[:, None], idx[None, :])
+        o = F.scaled_dot_product_attention(
+            q.double().transpose(0, 1), k.double().transpose(0, 1), v.double().transpose(0, 1),
+            attn_mask=mask, scale=scale, enable_gqa=True)
+        outs.append(o.transpose(0, 1)[slen - qlen:])
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("window", [None, 1, 7, 40])
+def test_ref_matches_sdpa(d, group, window):
+    reqs = MIXED
+    q, kv, qsl, seq_lens, table, full = make_batch(reqs, 16, 2, group, d, torch.float32, seed=d)
+    scale = d ** -0.5
+    out = paged_attention_ref(q, kv, qsl, seq_lens, table, scale, sliding_window=window)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert rel_err(out, sdpa_oracle(full, reqs, scale, window)) < 1e-5
+
+
+def test_ref_non_causal_matches_sdpa():
+    reqs = [(3, 20), (1, 1), (16, 16)]
+    q, kv, qsl, seq_lens, table, full = make_batch(reqs, 16, 2, 4, 64, torch.float32, seed=3)
+    out = paged_attention_ref(q, kv, qsl, seq_lens, table, 0.1, causal=False)
+    want = torch.cat([F.scaled_dot_product_attention(
+        fq[s - ql:].transpose(0, 1), fk.transpose(0, 1), fv.transpose(0, 1), scale=0.1,
+        enable_gqa=True).transpose(0, 1) for (fq, fk, fv), (ql, s) in zip(full, reqs)])
+    assert rel_err(out, want) < 1e-5
+
+
+def test_ref_soft_cap_matches_plain_math():
+    reqs = [(4, 20), (1, 9)]
+    hkv, group, d, cap, scale = 2, 2, 64, 3.0, 0.5  # scale 0.5 pushes logits well into the cap
+    q, kv, qsl, seq_lens, table, full = make_batch(reqs, 16, hkv, group, d, torch.float32, seed=5)
+    out = paged_attention_ref(q, kv, qsl, seq_lens, table, scale, soft_cap=cap)
+    rows = []
+    for (fq, fk, fv), (ql, s) in zip(full, reqs):
+        for i in range(s - ql, s):
+            for h in range(hkv * group):
+                kh = h // group
+                logits = [cap * math.tanh(scale * float(fq[i, h].double() @ fk[j, kh].double()) / cap)
+                          for j in range(i + 1)]
+                top = max(logits)
+                w = [math.exp(x - top) for x in logits]
+                o = sum(wj * fv[j, kh].double() for j, wj in enumerate(w)) / sum(w)
+                rows.append(o)
+    want = torch.stack(rows).reshape(-1, hkv * group, d)
+    assert rel_err(out, want) < 1e-5
+
+
+# Triton (interpreted) against the reference. Sizes stay tiny: the interpreter is slow.
+TOL = {torch.float32: 1e-4, torch.float16: 2e-3}
+
+
+def check_triton(reqs, bs, hkv, group, d, dtype, seed=0, pad_rows=0, **kw):
+    q, kv, qsl, seq_lens, table, _ = make_batch(reqs, bs, hkv, group, d, dtype, seed, pad_rows)
+    scale = d ** -0.5
+    got = paged_attention_triton(q, kv, qsl, seq_lens, table, scale, **kw)
+    kw.pop("max_query_len", None)
+    want = paged_attention_ref(q, kv, qsl, seq_lens, table, scale, **kw)
+    n = int(qsl[-1])
+    assert got.dtype == dtype and got.shape == q.shape
+    assert want[:n].abs().max() > 0
+    err = rel_err(got[:n], want[:n])
+    assert err < TOL[dtype], f"rel err {err:.2e} >= {TOL[dtype]:.0e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("window", [None, 7])
+def test_triton_mixed_batch(dtype, group, window):
+    check_triton(MIXED, 16, 2, group, 64, dtype, seed=group, pad_rows=2, sliding_window=window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_head_dim_128_block_32(dtype):
+    check_triton(MIXED, 32, 1, 4, 128, dtype, seed=11, sliding_window=20, soft_cap=2.0)
+
+
+@pytest.mark.parametrize("d", [80, 96, 256])
+def test_triton_padded_head_dims(d):
+    check_triton([(3, 18), (1, 33)], 16, 1, 2, d, torch.float32, seed=d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_soft_cap(dtype):
+    check_triton(MIXED, 16, 1, 4, 64, dtype, seed=7, soft_cap=1.5)
+
+
+def test_triton_decode_only():
+    check_triton(DECODE, 16, 2, 4, 64, torch.float16, seed=8, max_query_len=1)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_triton_prefill_tile_of_64_rows(window):
+    # max_query_len * group >= 64 selects the 64-row tile (16 tokens x 4 heads)
+    check_triton(PREFILL, 16, 1, 4, 64, torch.float32, seed=9, max_query_len=33,
+                 sliding_window=window)
+
+
+def test_triton_group_not_dividing_tile():
+    # group 3: 16-row tile holds 5 tokens x 3 heads; row 15 must be masked off
+    check_triton(MIXED, 16, 2, 3, 64, torch.float32, seed=10)
+
+
+def test_triton_non_causal():
+    check_triton([(3, 20), (1, 1), (16, 16)], 16, 1, 4, 64, torch.float32, seed=12, causal=False)
+
+
+def test_public_api_dispatches(monkeypatch):
+    reqs = [(2, 18), (1, 5)]
+    q, kv, qsl, seq_lens, table, full = make_batch(reqs, 16, 1, 4, 64, torch.float32, seed=13)
+    want = sdpa_oracle(full, reqs, 0.125)
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("HYBRIDKV_BACKEND", backend)
+        assert rel_err(K.paged_attention(q, kv, qsl, seq_lens, table, 0.125), want) < 1e-4
+
+
+def test_errors_name_the_problem():
+    q, kv, qsl, seq_lens, table, _ = make_batch([(2, 18)], 16, 2, 2, 64, torch.float32)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        paged_attention_ref(q[:, :3], kv, qsl, seq_lens, table, 1.0)
+    with pytest.raises(ValueError, match="query_len 2 > seq_len 1"):
+        paged_attention_ref(q, kv, qsl, torch.tensor([1], dtype=torch.int32), table, 1.0)
+    with pytest.raises(ValueError, match="block_table has"):
+        paged_attention_ref(q, kv, qsl, torch.tensor([99], dtype=torch.int32), table, 1.0)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        paged_attention_triton(q, kv[:, :, :8], qsl, seq_lens, table, 1.0)
