@@ -74,22 +74,24 @@ def mamba1_scan(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_loc, slot_
                            has_initial_state, dt_softplus, return_states_at)
 
 
-def mamba2_state_update(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, dt_softplus=True):
+def mamba2_state_update(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, dt_softplus=True,
+                        dt_limit=None):
     """SSD step. ssm_state [S, H, P, N]; x [B, H, P]; dt [B, H]; B, C [B, G, N] -> y [B, H, P]."""
     from .mamba2_ref import mamba2_state_update_ref
 
     fn = _pick(x, mamba2_state_update_ref, "mamba2_state_update_triton", "mamba2")
-    return fn(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, dt_softplus)
+    return fn(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, dt_softplus, dt_limit=dt_limit)
 
 
 def mamba2_chunk_scan(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_loc, slot_idx,
-                      has_initial_state, chunk_size=256, dt_softplus=True, return_states_at=None):
+                      has_initial_state, chunk_size=256, dt_softplus=True, return_states_at=None,
+                      dt_limit=None):
     """Varlen chunked SSD from each slot's state; leaves the final state in the slot."""
     from .mamba2_ref import mamba2_chunk_scan_ref
 
     return mamba2_chunk_scan_ref(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_loc,
                                  slot_idx, has_initial_state, chunk_size, dt_softplus,
-                                 return_states_at)
+                                 return_states_at, dt_limit=dt_limit)
 
 
 def gdn_state_update(state, q, k, v, g, beta, slot_idx, scale=None, use_qk_l2norm=True):
