@@ -1,0 +1,56 @@
+"""Tiny random checkpoints (config + safetensors + a local tokenizer) for tests and examples."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .registry import family_module
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")  # ids 0..3, matching tiny_config's ids
+
+
+def make_tiny_tokenizer(path: str | Path, vocab_size: int):
+    """Save a character-level PreTrainedTokenizerFast (specials, newline, printable ASCII: 100 ids) to `path`.
+
+    Built offline with `tokenizers`: every printable character is one token; decode joins them.
+    Raises ValueError when the 99 ids do not fit `vocab_size`.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = list(SPECIAL_TOKENS) + ["\n"] + [chr(c) for c in range(32, 127)]
+    if len(tokens) > vocab_size:
+        raise ValueError(f"the tiny tokenizer needs {len(tokens)} ids; the config's vocab_size is "
+                         f"{vocab_size}; pass vocab_size >= {len(tokens)}")
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
+                                   eos_token="<eos>", unk_token="<unk>")
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def make_tiny_checkpoint(family: str, path: str | Path, seed: int = 0, **config_overrides) -> Path:
+    """Write a random `family` checkpoint ("llama", "bamba", ... or an architecture name) to `path`.
+
+    The config is the family's `tiny_config(**config_overrides)`; weights come from transformers'
+    own initialisation under `torch.manual_seed(seed)`, then every 1-D parameter (norm weights,
+    biases, A_log, D, dt_bias...) gets N(0, 0.1) noise so no weight is trivially 1 or 0.
+    Returns the directory (config.json, model.safetensors, generation_config.json, tokenizer).
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = family_module(family).tiny_config(**config_overrides)
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(str(path))
+    make_tiny_tokenizer(path, config.vocab_size)
+    return path
