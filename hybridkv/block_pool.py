@@ -1,0 +1,117 @@
+"""Physical KV blocks: one block id addresses the same block in every attention layer's tensor.
+
+The pool knows nothing of requests: it keeps refcounts, a content hash per block, the
+hash -> block map of the prefix cache, and an LRU queue of free blocks in which a freed block
+keeps its hash (and stays findable) until it is handed out again.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Mapping, Optional
+
+import torch
+
+from hybridkv.specs import AttentionSpec
+
+
+class BlockPool:
+    """KV tensors `kv[layer] : [num_blocks, 2, block_size, kv_heads, head_dim]` plus block bookkeeping."""
+
+    def __init__(self, specs: Mapping[int, AttentionSpec], num_blocks: int, block_size: int,
+                 device: torch.device | str = "cpu"):
+        self.block_size = block_size
+        self.num_blocks = num_blocks if specs else 0
+        self.kv: dict[int, torch.Tensor] = {
+            i: torch.zeros(self.num_blocks, 2, block_size, s.num_kv_heads, s.head_dim, dtype=s.dtype, device=device)
+            for i, s in specs.items()
+        }
+        self.refcount: list[int] = [0] * self.num_blocks
+        self.block_hash: list[Optional[bytes]] = [None] * self.num_blocks
+        self.cached: dict[bytes, int] = {}  # hash -> the one block that answers for it
+        # Free blocks, least recently useful first; popping the front evicts its hash.
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(self.num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_cached_free(self) -> int:
+        """Free blocks that still answer a prefix lookup (refcount 0, hash still mapped)."""
+        return sum(1 for b in self.free if self.block_hash[b] is not None and self.cached.get(self.block_hash[b]) == b)
+
+    def allocate(self, n: int) -> Optional[list[int]]:
+        """Take `n` blocks with refcount 1 from the LRU front, evicting their hashes; None if fewer are free."""
+        if n > len(self.free):
+            return None
+        out = []
+        for _ in range(n):
+            b, _ = self.free.popitem(last=False)
+            self._drop_hash(b)
+            self.refcount[b] = 1
+            out.append(b)
+        return out
+
+    def ref(self, blocks: list[int]) -> None:
+        """Add one reference to each block (a prefix hit or a fork); revives free cached blocks."""
+        rc, free = self.refcount, self.free
+        for b in blocks:
+            if rc[b] == 0:
+                del free[b]
+            rc[b] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        """Drop one reference from each block. Blocks that reach 0 join the free queue: hashed ones at
+        the back (kept longest, tail of a chain first to go), unhashed ones at the front."""
+        rc, free = self.refcount, self.free
+        for b in reversed(blocks):
+            rc[b] -= 1
+            if rc[b] < 0:
+                raise RuntimeError(f"block {b} released more often than referenced")
+            if rc[b] == 0:
+                h = self.block_hash[b]
+                free[b] = None
+                if h is not None and self.cached.setdefault(h, b) == b:
+                    continue  # findable: kept at the back
+                self.block_hash[b] = None  # unhashed, or a duplicate another block answers for
+                free.move_to_end(b, last=False)
+
+    def set_hash(self, block: int, h: bytes) -> None:
+        """Record a full block's chained hash; the first block with a hash answers lookups for it."""
+        self.block_hash[block] = h
+        self.cached.setdefault(h, block)
+
+    def lookup(self, h: bytes) -> Optional[int]:
+        return self.cached.get(h)
+
+    def _drop_hash(self, b: int) -> None:
+        h = self.block_hash[b]
+        if h is not None:
+            self.block_hash[b] = None
+            if self.cached.get(h) == b:
+                del self.cached[h]
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy block `src` into `dst` in every layer (copy-on-write of a shared partial block)."""
+        for t in self.kv.values():
+            t[dst].copy_(t[src])
+
+    def gather(self, blocks: list[int], device: torch.device | str = "cpu", pin: bool = False) -> dict[int, torch.Tensor]:
+        """Copy blocks out: `{layer: [len(blocks), 2, block_size, kv_heads, head_dim]}` on `device`."""
+        idx = torch.tensor(blocks, dtype=torch.long, device=self._device)
+        out = {}
+        for i, t in self.kv.items():
+            src = t.index_select(0, idx)
+            dst = torch.empty(src.shape, dtype=src.dtype, device=device, pin_memory=pin)
+            out[i] = dst.copy_(src)
+        return out
+
+    def scatter(self, blocks: list[int], data: Mapping[int, torch.Tensor]) -> None:
+        """Write `data[layer] : [len(blocks), 2, block_size, kv_heads, head_dim]` into `blocks`."""
+        idx = torch.tensor(blocks, dtype=torch.long, device=self._device)
+        for i, t in self.kv.items():
+            t.index_copy_(0, idx, data[i].to(t.device, t.dtype, non_blocking=True))
+
+    @property
+    def _device(self) -> torch.device:
+        return next(iter(self.kv.values())).device if self.kv else torch.device("cpu")

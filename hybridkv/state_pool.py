@@ -1,0 +1,82 @@
+"""Whole-object recurrent-state slots: per recurrent layer `conv[num_slots, ...]` and `ssm[num_slots, ...]`.
+
+Slot 0 is the null slot (padding rows point at it). Every other slot is free, live (owned by one
+running request, written in place by the kernels) or a checkpoint (immutable, owned by the prefix
+cache). The pool records which, so conservation can be checked; owners are the manager's business.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import torch
+
+from hybridkv.specs import RecurrentSpec
+
+FREE, LIVE, CHECKPOINT, NULL = "free", "live", "checkpoint", "null"
+
+
+class StatePool:
+    """conv[layer]: [num_slots, *conv_shape]; ssm[layer]: [num_slots, *state_shape].
+
+    A layer whose conv_shape (or state_shape) is () has no conv (or ssm) tensor.
+    """
+
+    def __init__(self, specs: Mapping[int, RecurrentSpec], num_slots: int, device: torch.device | str = "cpu"):
+        self.num_slots = num_slots if specs else 0
+        self.conv: dict[int, torch.Tensor] = {
+            i: torch.zeros(self.num_slots, *s.conv_shape, dtype=s.dtype, device=device)
+            for i, s in specs.items() if s.conv_shape
+        }
+        self.ssm: dict[int, torch.Tensor] = {
+            i: torch.zeros(self.num_slots, *s.state_shape, dtype=s.ssm_dtype, device=device)
+            for i, s in specs.items() if s.state_shape
+        }
+        self.kind: list[str] = [NULL] + [FREE] * max(0, self.num_slots - 1)
+        self._free: list[int] = list(range(self.num_slots - 1, 0, -1))  # pop() hands out low ids first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def count(self, kind: str) -> int:
+        return self.kind.count(kind)
+
+    def allocate(self, kind: str = LIVE) -> Optional[int]:
+        """A free slot marked `kind` (LIVE or CHECKPOINT), or None when none is free. Contents are stale."""
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self.kind[slot] = kind
+        return slot
+
+    def free(self, slot: int) -> None:
+        if slot <= 0 or self.kind[slot] == FREE:
+            raise RuntimeError(f"slot {slot} freed twice or is the null slot")
+        self.kind[slot] = FREE
+        self._free.append(slot)
+
+    def mark(self, slot: int, kind: str) -> None:
+        """Hand a slot to another owner without copying (a live slot donated as a checkpoint)."""
+        self.kind[slot] = kind
+
+    def copy(self, src: int, dst: int) -> None:
+        """Copy slot `src` into slot `dst` in every recurrent layer (copy-on-hit, fork, checkpoint)."""
+        for t in self._tensors():
+            t[dst].copy_(t[src])
+
+    def to_host(self, slot: int, device: torch.device | str = "cpu", pin: bool = False) -> tuple[dict, dict]:
+        """Copy one slot out: `({layer: conv[conv_shape]}, {layer: ssm[state_shape]})` on `device`."""
+        def out(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty(t.shape[1:], dtype=t.dtype, device=device, pin_memory=pin).copy_(t[slot])
+        return {i: out(t) for i, t in self.conv.items()}, {i: out(t) for i, t in self.ssm.items()}
+
+    def from_host(self, slot: int, conv: Mapping[int, torch.Tensor], ssm: Mapping[int, torch.Tensor]) -> None:
+        """Write one slot's conv and ssm tensors (shapes as `to_host` returns them) into `slot`."""
+        for i, t in self.conv.items():
+            t[slot].copy_(conv[i], non_blocking=True)
+        for i, t in self.ssm.items():
+            t[slot].copy_(ssm[i], non_blocking=True)
+
+    def _tensors(self):
+        yield from self.conv.values()
+        yield from self.ssm.values()
