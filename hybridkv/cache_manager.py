@@ -1,0 +1,445 @@
+"""HybridCacheManager: the one object the scheduler talks to about memory.
+
+It holds a paged KV pool (`BlockPool`) for attention layers and a whole-object state pool
+(`StatePool`) for recurrent layers, a prefix cache over both, and per request a block table,
+`num_computed_tokens`, one live slot and the token ids known so far. Invariant at every step
+boundary: the live slot holds the state after exactly `num_computed_tokens` tokens, and the
+block table covers `[0, num_computed_tokens)`.
+
+Scheduler-facing API (request ids are any hashable; "not now" is None/False, never an exception;
+a request that can never fit raises RequestTooLargeError, a ValueError):
+
+    mgr = HybridCacheManager(specs, block_size, num_blocks, num_slots, device=..., ...)
+    mgr = HybridCacheManager.from_budget(specs, budget_bytes, block_size, max_num_seqs, checkpoint_share, ...)
+    mgr.kv_caches / mgr.conv_states / mgr.ssm_states      {layer_idx: tensor} for ModelCaches
+    mgr.check_fits(num_prompt_tokens, max_tokens)          raises RequestTooLargeError
+    mgr.can_admit(token_ids, max_tokens=, cache_salt=, ..., num_new_tokens=None) -> bool
+    mgr.admit(req_id, token_ids, max_tokens=, cache_salt=, adapter_id=, mm_hashes=, num_new_tokens=None)
+        -> hit tokens (int, block-aligned, < len(token_ids)) or None (does not fit now; no side effect).
+        On success allocate(req_id, n) for n <= num_new_tokens (default: all uncomputed tokens)
+        is guaranteed to succeed right after.
+    mgr.append_tokens(req_id, token_ids)                   sampled tokens, before they are computed
+    mgr.allocate(req_id, n) -> list[int] | None            flat KV write slots for positions
+        [num_computed, num_computed + n) (-1 each for models without attention); None = not enough
+        blocks even after evicting cached blocks (no side effect): preempt someone and retry.
+    mgr.commit(req_id, n)                                   the step ran: num_computed += n, newly
+        full blocks are hashed into the prefix cache
+    mgr.checkpoint_due(req_id, start, end) -> int | None    block boundary in (start, end] where the
+        policy wants a checkpoint: cut the chunk there, commit, then call mgr.checkpoint(req_id)
+    mgr.checkpoint(req_id) -> bool                          live slot -> checkpoint slot at num_computed
+    mgr.fork(parent_id, child_id) -> bool                   share blocks, copy the slot (n > 1, beams)
+    mgr.preempt(req_id, mode="recompute" | "swap")
+    mgr.resume(req_id, num_new_tokens=None) -> int | None   num_computed after resume, or None
+    mgr.finish(req_id)
+    mgr.export_snapshot(req_id, device="cpu", sampling_state=None) -> RequestSnapshot
+    mgr.import_snapshot(snapshot, req_id=None, num_new_tokens=None) -> bool
+    mgr.block_table(req_ids, width=None) -> int32 [R, width];  mgr.live_slot(req_id) -> int
+    mgr.request(req_id) -> RequestState (read-only view);  mgr.stats() -> ManagerStats
+
+A step: for each scheduled request `slots = allocate(r, n)` (None -> preempt a victim, retry),
+run the model with `block_table(...)`, the slot mappings and `live_slot(r)` for each request
+(has_initial_state = num_computed > 0), then `commit(r, n)` and, where a checkpoint was due,
+`checkpoint(r)`. Eviction is internal: free cached blocks go LRU-first when blocks are short;
+checkpoints go (unreachable first, then LRU or FLOP-aware) when slots are short.
+"""
+from __future__ import annotations
+
+import types
+from typing import Hashable, Mapping, Optional, Sequence
+
+import torch
+
+from hybridkv.block_pool import BlockPool
+from hybridkv.block_table import BlockTables
+from hybridkv.checkpoint_policy import CheckpointPolicy
+from hybridkv.errors import MemoryBudgetError, RequestStateError, RequestTooLargeError
+from hybridkv.manager_stats import ManagerStats
+from hybridkv.plan import plan, split_specs
+from hybridkv.prefix_cache import MISS_CACHING_OFF, PrefixCache, PrefixMatch, extend_hashes, extra_key
+from hybridkv.request_state import PREEMPTED, RUNNING, SWAPPED, RequestState
+from hybridkv.specs import LayerSpec
+from hybridkv.state_pool import CHECKPOINT, LIVE, StatePool
+from hybridkv.transfer import TransferMixin
+
+
+class HybridCacheManager(TransferMixin):
+    """Dual memory manager; see the module docstring for the scheduler-facing contract."""
+
+    def __init__(self, specs: Mapping[int, LayerSpec], block_size: int = 16, num_blocks: int = 0,
+                 num_slots: int = 0, *, device: torch.device | str = "cpu", enable_prefix_caching: bool = True,
+                 checkpoint_policy: str = "prompt_end", checkpoint_every_n: int = 4,
+                 checkpoint_eviction: str = "lru", fingerprint: str = "",
+                 flops_per_token: Optional[float] = None):
+        attn, rec = split_specs(specs)
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise MemoryBudgetError(f"block_size={block_size!r} must be a positive integer (e.g. 16)")
+        if attn and num_blocks < 1:
+            raise MemoryBudgetError(f"num_blocks={num_blocks}: a model with attention layers needs >= 1 KV block")
+        if rec and num_slots < 2:
+            raise MemoryBudgetError(
+                f"num_slots={num_slots}: a model with recurrent layers needs >= 2 slots (null slot 0 + one live)")
+        if not attn and not rec:
+            raise MemoryBudgetError("specs are empty: the model declares no attention and no recurrent layer")
+        self.specs = dict(specs)
+        self.block_size = block_size
+        self.fingerprint = fingerprint
+        self.has_attention, self.has_recurrent = bool(attn), bool(rec)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = BlockPool(attn, num_blocks, block_size, device)
+        self.states = StatePool(rec, num_slots, device)
+        self.policy = CheckpointPolicy(checkpoint_policy, block_size, checkpoint_every_n)
+        # Prefill FLOPs saved by a checkpoint at p: linear part plus attention's p^2 term.
+        quad = 4.0 * sum(s.num_kv_heads * s.head_dim for s in attn.values())
+        lin = float(flops_per_token) if flops_per_token else 0.0
+        self.prefix = PrefixCache(self.blocks, self.states, block_size, has_attention=self.has_attention,
+                                  has_recurrent=self.has_recurrent, eviction=checkpoint_eviction,
+                                  saved_flops=lambda p: lin * p + quad * p * p + p)
+        self.tables = BlockTables()
+        self._reqs: dict[Hashable, RequestState] = {}
+        self._hit_tokens = self._query_tokens = self._queries = 0
+        self._misses = {"no_kv_match": 0, "kv_match_no_checkpoint": 0, MISS_CACHING_OFF: 0}
+        self._preemptions = {"recompute": 0, "swap": 0}
+
+    @classmethod
+    def from_budget(cls, specs: Mapping[int, LayerSpec], budget_bytes: int, block_size: int = 16,
+                    max_num_seqs: int = 256, checkpoint_share: Optional[float] = None,
+                    **kwargs) -> "HybridCacheManager":
+        """Size the pools with `plan()`; checkpoint_share defaults to 0.1 (0 with policy 'none'
+        or prefix caching off). Other keyword arguments go to the constructor."""
+        if checkpoint_share is None:
+            off = kwargs.get("checkpoint_policy", "prompt_end") == "none" or not kwargs.get("enable_prefix_caching", True)
+            checkpoint_share = 0.0 if off else 0.1
+        p = plan(specs, budget_bytes, block_size, max_num_seqs, checkpoint_share)
+        mgr = cls(specs, block_size, p.num_blocks, p.num_slots, **kwargs)
+        mgr.memory_plan = p
+        return mgr
+
+    # ---- pools -----------------------------------------------------------------------------
+    @property
+    def kv_caches(self) -> dict[int, torch.Tensor]:
+        """{attention layer: [num_blocks, 2, block_size, kv_heads, head_dim]}"""
+        return self.blocks.kv
+
+    @property
+    def conv_states(self) -> dict[int, torch.Tensor]:
+        """{recurrent layer: [num_slots, *conv_shape]} (layers without a conv window are absent)"""
+        return self.states.conv
+
+    @property
+    def ssm_states(self) -> dict[int, torch.Tensor]:
+        """{recurrent layer: [num_slots, *state_shape]} (short-conv layers are absent)"""
+        return self.states.ssm
+
+    @property
+    def num_blocks(self) -> int:
+        return self.blocks.num_blocks
+
+    @property
+    def num_slots(self) -> int:
+        return self.states.num_slots
+
+    @property
+    def requests(self) -> Mapping[Hashable, RequestState]:
+        return types.MappingProxyType(self._reqs)
+
+    def request(self, req_id: Hashable) -> RequestState:
+        try:
+            return self._reqs[req_id]
+        except KeyError:
+            raise RequestStateError(f"unknown request id {req_id!r}") from None
+
+    def live_slot(self, req_id: Hashable) -> int:
+        """The request's state slot in every recurrent layer's pool (0 for pure-attention models)."""
+        return self._reqs[req_id].slot
+
+    # ---- admission -------------------------------------------------------------------------
+    def check_fits(self, num_tokens: int, max_tokens: int = 0) -> None:
+        """Raise RequestTooLargeError if a request of this size can never fit, whatever finishes."""
+        if num_tokens < 1:
+            raise RequestTooLargeError(f"a request needs at least one token; got {num_tokens}")
+        if self.has_attention:
+            need = -(-(num_tokens + max_tokens) // self.block_size)
+            if need > self.num_blocks:
+                raise RequestTooLargeError(
+                    f"request needs {need} KV blocks ({num_tokens} prompt + {max_tokens} max_tokens at "
+                    f"block_size {self.block_size}) but the pool has {self.num_blocks}: shorten the prompt or "
+                    f"max_tokens, or raise the memory budget")
+
+    def can_admit(self, token_ids: Sequence[int], *, max_tokens: int = 0, cache_salt: Optional[str] = None,
+                  adapter_id=None, mm_hashes: Sequence[str] = (), num_new_tokens: Optional[int] = None) -> bool:
+        """Whether admit() would succeed now. Raises RequestTooLargeError if it never could."""
+        r = self._new_state(None, token_ids, max_tokens, cache_salt, adapter_id, mm_hashes)
+        return self._start(r, num_new_tokens, dry_run=True) is not None
+
+    def admit(self, req_id: Hashable, token_ids: Sequence[int], *, max_tokens: int = 0,
+              cache_salt: Optional[str] = None, adapter_id=None, mm_hashes: Sequence[str] = (),
+              num_new_tokens: Optional[int] = None) -> Optional[int]:
+        """Register and start a request: prefix match, one live slot (filled from the hit's
+        checkpoint), references on the hit blocks. Returns the hit length in tokens, or None when
+        the pools cannot take it now (nothing changed)."""
+        if req_id in self._reqs:
+            raise RequestStateError(f"request id {req_id!r} is already known to the manager")
+        r = self._new_state(req_id, token_ids, max_tokens, cache_salt, adapter_id, mm_hashes)
+        hit = self._start(r, num_new_tokens)
+        if hit is not None:
+            self._reqs[req_id] = r
+        return hit
+
+    def _new_state(self, req_id, token_ids, max_tokens, cache_salt, adapter_id, mm_hashes) -> RequestState:
+        self.check_fits(len(token_ids), max_tokens)
+        key = extra_key(self.fingerprint, adapter_id, tuple(mm_hashes), cache_salt)
+        return RequestState(req_id, list(token_ids), len(token_ids), max_tokens, key, cache_salt, adapter_id,
+                            tuple(mm_hashes))
+
+    def _start(self, r: RequestState, num_new_tokens: Optional[int], dry_run: bool = False) -> Optional[int]:
+        bs, n_tok = self.block_size, len(r.token_ids)
+        if self.enable_prefix_caching:
+            extend_hashes(r.block_hashes, r.token_ids, n_tok // bs, r.extra_key, bs)
+            m = self.prefix.match(r.block_hashes, n_tok)
+        else:
+            m = PrefixMatch(miss=MISS_CACHING_OFF)
+        hit = m.hit_tokens
+        n_new = n_tok - hit if num_new_tokens is None else num_new_tokens
+        revived = sum(1 for b in m.blocks if self.blocks.refcount[b] == 0)
+        if self.has_attention and self.blocks.num_free - revived < -(-n_new // bs):
+            return None
+        if self.has_recurrent and self.states.num_free == 0 and not self.prefix.checkpoints:
+            return None
+        if dry_run:
+            return hit
+        if self.has_recurrent:
+            r.slot = self._live_slot_from(m, r.block_hashes)
+        self.blocks.ref(m.blocks)
+        r.block_ids = list(m.blocks)
+        if self.has_attention:
+            r.row = self.tables.new_row()
+            self.tables.write(r.row, 0, r.block_ids)
+        r.num_computed_tokens, r.num_hashed_blocks = hit, hit // bs
+        r.branch_point = m.kv_match_tokens if m.kv_match_tokens > hit else None
+        r.status = RUNNING
+        self._queries += 1
+        self._query_tokens += n_tok
+        self._hit_tokens += hit
+        if m.miss:
+            self._misses[m.miss] += 1
+        return hit
+
+    def _live_slot_from(self, m: PrefixMatch, hashes: list[bytes]) -> int:
+        """A live slot holding the state at the hit (copy of its checkpoint), or a fresh slot."""
+        key = hashes[m.hit_tokens // self.block_size - 1] if m.checkpoint else None
+        slot = self.prefix.take_slot(LIVE, protect=key)
+        if m.checkpoint is None:
+            return slot
+        if slot is None:  # the hit's checkpoint is the only slot left: it becomes the live slot
+            del self.prefix.checkpoints[key]
+            self.states.mark(m.checkpoint.slot, LIVE)
+            return m.checkpoint.slot
+        self.prefix.touch(key)
+        self.states.copy(m.checkpoint.slot, slot)
+        return slot
+
+    # ---- the step --------------------------------------------------------------------------
+    def append_tokens(self, req_id: Hashable, token_ids: Sequence[int]) -> None:
+        """Add sampled tokens to the request's known tokens (they are computed by later steps)."""
+        self._reqs[req_id].token_ids.extend(token_ids)
+
+    def allocate(self, req_id: Hashable, num_new_tokens: int) -> Optional[list[int]]:
+        """KV write slots (`block * block_size + pos % block_size`) for positions [num_computed,
+        num_computed + num_new_tokens); blocks are added (or a shared partial block copied) as
+        needed. None when the pool cannot supply them; then nothing changed."""
+        r = self._reqs[req_id]
+        if r.status is not RUNNING:
+            raise RequestStateError(f"request {req_id!r} is {r.status}; resume it before allocating")
+        if not self.has_attention:
+            return [-1] * num_new_tokens
+        bs, blocks = self.block_size, r.block_ids
+        start = r.num_computed_tokens
+        end = start + num_new_tokens
+        if num_new_tokens <= 0:
+            return []
+        if end > len(blocks) * bs or (start % bs and self.blocks.refcount[blocks[start // bs]] > 1):
+            if not self._grow(r, start, end):
+                return None
+        if num_new_tokens == 1:
+            return [blocks[start // bs] * bs + start % bs]
+        return [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _grow(self, r: RequestState, start: int, end: int) -> bool:
+        bs, blocks, pool = self.block_size, r.block_ids, self.blocks
+        need = max(0, -(-end // bs) - len(blocks))
+        cow = bool(start % bs) and pool.refcount[blocks[start // bs]] > 1
+        new = pool.allocate(need + cow)
+        if new is None:
+            return False
+        if cow:  # never write a shared block: give this request its own copy of the partial block
+            i, fresh = start // bs, new.pop()
+            pool.copy_block(blocks[i], fresh)
+            pool.release([blocks[i]])
+            blocks[i] = fresh
+            self.tables.write(r.row, i, [fresh])
+        if new:
+            self.tables.write(r.row, len(blocks), new)
+            blocks.extend(new)
+        return True
+
+    def commit(self, req_id: Hashable, num_new_tokens: int) -> None:
+        """The model computed `num_new_tokens` more tokens: advance num_computed_tokens and hash
+        blocks that became full into the prefix cache."""
+        r = self._reqs[req_id]
+        new = r.num_computed_tokens + num_new_tokens
+        if new > len(r.token_ids) or (self.has_attention and new > len(r.block_ids) * self.block_size):
+            raise RequestStateError(
+                f"commit of {num_new_tokens} tokens for {req_id!r} reaches {new}, past its "
+                f"{len(r.token_ids)} known tokens or {len(r.block_ids)} allocated blocks: allocate() first")
+        r.num_computed_tokens = new
+        if self.enable_prefix_caching and new // self.block_size > r.num_hashed_blocks:
+            self._hash_full_blocks(r)
+
+    def _hash_full_blocks(self, r: RequestState) -> None:
+        full = r.num_computed_tokens // self.block_size
+        extend_hashes(r.block_hashes, r.token_ids, full, r.extra_key, self.block_size)
+        if self.has_attention:
+            for i in range(r.num_hashed_blocks, full):
+                self.blocks.set_hash(r.block_ids[i], r.block_hashes[i])
+        r.num_hashed_blocks = full
+
+    def block_table(self, req_ids: Sequence[Hashable], width: Optional[int] = None) -> torch.Tensor:
+        """int32 `[len(req_ids), width]` (CPU) of block ids; width defaults to the longest table."""
+        reqs = [self._reqs[i] for i in req_ids]
+        if not self.has_attention:
+            return torch.zeros(len(reqs), max(1, width or 1), dtype=torch.int32)
+        if width is None:
+            width = max((len(r.block_ids) for r in reqs), default=1)
+        return self.tables.gather([r.row for r in reqs], width)
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    def checkpoint_due(self, req_id: Hashable, start: int, end: int) -> Optional[int]:
+        """The first block boundary in (start, end] where the policy wants the state kept, else None."""
+        if not (self.has_recurrent and self.enable_prefix_caching):
+            return None
+        r = self._reqs[req_id]
+        return self.policy.due(start, end, r.num_prompt_tokens, r.branch_point)
+
+    def checkpoint(self, req_id: Hashable) -> bool:
+        """Copy the live slot into a checkpoint keyed by the hash of the block ending at
+        num_computed_tokens (a block boundary). False if one exists already, caching is off, or
+        no slot can be freed."""
+        r = self._running(req_id)
+        if not (self.has_recurrent and self.enable_prefix_caching):
+            return False
+        nc, bs = r.num_computed_tokens, self.block_size
+        if nc == 0 or nc % bs:
+            raise RequestStateError(
+                f"checkpoint of {req_id!r} at num_computed_tokens={nc}, not a block boundary (block_size "
+                f"{bs}): cut the chunk where checkpoint_due() says")
+        h = self._boundary_hash(r)
+        return self.prefix.store(h, nc, r.slot)
+
+    def _boundary_hash(self, r: RequestState) -> bytes:
+        i = r.num_computed_tokens // self.block_size - 1
+        if self.has_attention:  # re-register in case an evicted twin answered for this hash
+            self.blocks.set_hash(r.block_ids[i], r.block_hashes[i])
+        return r.block_hashes[i]
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> bool:
+        """Start `child_id` as a copy of a running parent: full and partial blocks shared (copied on
+        first write), slot copied. False if no slot can be had now."""
+        p = self._running(parent_id)
+        if child_id in self._reqs:
+            raise RequestStateError(f"request id {child_id!r} is already known to the manager")
+        slot = 0
+        if self.has_recurrent:
+            slot = self.prefix.take_slot(LIVE)
+            if slot is None:
+                return False
+            self.states.copy(p.slot, slot)
+        shared = p.block_ids[: -(-p.num_computed_tokens // self.block_size)]
+        self.blocks.ref(shared)
+        c = RequestState(child_id, list(p.token_ids), p.num_prompt_tokens, p.max_tokens, p.extra_key, p.cache_salt,
+                         p.adapter_id, p.mm_hashes, RUNNING, p.num_computed_tokens, list(shared),
+                         list(p.block_hashes), p.num_hashed_blocks, slot)
+        if self.has_attention:
+            c.row = self.tables.new_row()
+            self.tables.write(c.row, 0, c.block_ids)
+        self._reqs[child_id] = c
+        return True
+
+    def finish(self, req_id: Hashable) -> None:
+        """Forget the request: release its blocks (full ones stay cached) and slot (kept as a
+        checkpoint when the policy keeps final states and it ends at a block boundary)."""
+        r = self.request(req_id)
+        if r.status is RUNNING:
+            self._release_slot(r, donate=self.policy.keeps_final_state)
+            self._release_blocks(r)
+        r.swapped = None
+        del self._reqs[req_id]
+
+    def preempt(self, req_id: Hashable, mode: str = "recompute") -> None:
+        """recompute: drop blocks and slot (its state at the last block boundary is donated as a
+        checkpoint); resume() re-matches the prefix. swap: copy blocks and slot to host, free them."""
+        r = self._running(req_id)
+        if mode == "recompute":
+            self._release_slot(r, donate=True)
+            self._release_blocks(r)
+            r.num_computed_tokens = r.num_hashed_blocks = 0
+            r.status = PREEMPTED
+        elif mode == "swap":
+            self._swap_out(r)
+            r.status = SWAPPED
+        else:
+            raise ValueError(f"preemption mode {mode!r}; choose 'recompute' or 'swap'")
+        self._preemptions[mode] += 1
+
+    def resume(self, req_id: Hashable, num_new_tokens: Optional[int] = None) -> Optional[int]:
+        """Restart a preempted request; returns its num_computed_tokens, or None if it cannot run now."""
+        r = self.request(req_id)
+        if r.status is PREEMPTED:
+            return self._start(r, num_new_tokens)
+        if r.status is SWAPPED:
+            return self._swap_in(r, num_new_tokens)
+        raise RequestStateError(f"request {req_id!r} is {r.status}, not preempted")
+
+    def _running(self, req_id: Hashable) -> RequestState:
+        r = self.request(req_id)
+        if r.status is not RUNNING:
+            raise RequestStateError(f"request {req_id!r} is {r.status}, not running")
+        return r
+
+    def _release_slot(self, r: RequestState, donate: bool) -> None:
+        if not r.slot:
+            return
+        nc = r.num_computed_tokens
+        if donate and self.enable_prefix_caching and nc and nc % self.block_size == 0:
+            h = self._boundary_hash(r)
+            if h not in self.prefix.checkpoints:  # the live state becomes the checkpoint, no copy
+                self.states.mark(r.slot, CHECKPOINT)
+                self.prefix.add(h, nc, r.slot)
+                r.slot = 0
+                return
+        self.states.free(r.slot)
+        r.slot = 0
+
+    def _release_blocks(self, r: RequestState) -> None:
+        self.blocks.release(r.block_ids)
+        r.block_ids = []
+        if r.row >= 0:
+            self.tables.free_row(r.row)
+            r.row = -1
+
+    def _slot_available(self) -> bool:
+        return not self.has_recurrent or self.states.num_free > 0 or bool(self.prefix.checkpoints)
+
+    # ---- statistics ------------------------------------------------------------------------
+    def stats(self) -> ManagerStats:
+        pool, st = self.blocks, self.states
+        used = pool.num_blocks - pool.num_free
+        running = [r for r in self._reqs.values() if r.status is RUNNING]
+        waste = sum(len(r.block_ids) * self.block_size - r.num_computed_tokens for r in running if r.block_ids)
+        return ManagerStats(
+            kv_blocks_used=used, kv_blocks_cached=pool.num_cached_free, kv_blocks_free=pool.num_free,
+            kv_blocks_total=pool.num_blocks, slots_live=st.count(LIVE), slots_checkpoint=st.count(CHECKPOINT),
+            slots_free=st.num_free, slots_total=max(0, st.num_slots - 1), prefix_hit_tokens=self._hit_tokens,
+            prefix_query_tokens=self._query_tokens, prefix_queries=self._queries, prefix_misses=dict(self._misses),
+            preemptions=dict(self._preemptions),
+            fragmentation=waste / (used * self.block_size) if used else 0.0, running_requests=len(running))

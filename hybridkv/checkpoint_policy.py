@@ -1,0 +1,53 @@
+"""Which recurrent states the prefix cache keeps: where a checkpoint is due, as a block boundary.
+
+A recurrent state exists only after a whole prefix, so a checkpoint at position p needs the
+prefill to stop exactly at p. The policy names p; the scheduler cuts its chunk there and calls
+`HybridCacheManager.checkpoint` once the chunk is committed.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+POLICIES = ("none", "prompt_end", "every_n_blocks", "branch_points")
+
+
+class CheckpointPolicy:
+    """none | prompt_end | every_n_blocks (every `every_n` blocks) | branch_points (Marconi-style).
+
+    prompt_end: the last block boundary strictly inside the prompt, `((P - 1) // bs) x bs`, which a
+    repeat of the same prompt (a hit leaves one token) and any longer prompt extending it can reuse.
+    branch_points: prompt_end, plus the junction where a new prompt's KV match runs past its
+    deepest checkpoint (a shared prefix that branches there), found at admission.
+    """
+
+    def __init__(self, name: str, block_size: int, every_n: int = 4):
+        if name not in POLICIES:
+            raise ValueError(f"checkpoint_policy={name!r}; choose one of {POLICIES}")
+        if name == "every_n_blocks" and every_n < 1:
+            raise ValueError(f"checkpoint_every_n={every_n} must be >= 1 block")
+        self.name = name
+        self.block_size = block_size
+        self.every_n = every_n
+
+    @property
+    def keeps_final_state(self) -> bool:
+        """Whether a finishing or preempted request's state at a block boundary is kept."""
+        return self.name != "none"
+
+    def prompt_end(self, num_prompt_tokens: int) -> int:
+        return (num_prompt_tokens - 1) // self.block_size * self.block_size
+
+    def due(self, start: int, end: int, num_prompt_tokens: int, branch_point: Optional[int]) -> Optional[int]:
+        """The first block boundary b in (start, end] where a checkpoint is wanted, else None."""
+        if self.name == "none" or end <= start:
+            return None
+        found = []
+        if self.name in ("prompt_end", "branch_points"):
+            found.append(self.prompt_end(num_prompt_tokens))
+        if self.name == "branch_points" and branch_point is not None:
+            found.append(branch_point)
+        if self.name == "every_n_blocks":
+            step = self.every_n * self.block_size
+            found.append((start // step + 1) * step)
+        hits = [b for b in found if start < b <= end and b > 0]
+        return min(hits) if hits else None
