@@ -1,0 +1,101 @@
+"""Mamba2 (SSD) mixer over state slots, as in Bamba / GraniteMoeHybrid / NemotronH.
+
+Prefill chunks go through the varlen kernels (`causal_conv1d`, `mamba2_chunk_scan`), decodes
+through the one-token kernels (`conv1d_update`, `mamba2_state_update`); both read and write the
+layer's pools in place through the requests' state slots.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridkv.kernels import causal_conv1d, conv1d_update, mamba2_chunk_scan, mamba2_state_update
+from hybridkv.specs import RecurrentSpec
+
+from .forward_batch import ForwardBatch
+from .norms import GatedRMSNorm
+from .slot_split import SlotSplit, split_decode_prefill
+
+
+class Mamba2Mixer(nn.Module):
+    """in_proj -> [z | xBC | dt]; conv + silu on xBC; SSD scan; gated RMSNorm by z; out_proj.
+
+    hidden_size: model width; num_heads H, head_dim P (H * P = d_inner); n_groups G of B/C;
+    d_state N; d_conv: conv kernel k; chunk_size: SSD chunk; dt_limit: (min, max) clamp of the
+    discretised dt in prefill (transformers applies none in its decode step, nor do we).
+    Parameter names follow transformers' BambaMixer (in_proj, conv1d, dt_bias, A_log, D, norm,
+    out_proj).
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, n_groups: int,
+                 d_state: int, d_conv: int, chunk_size: int, eps: float, conv_bias: bool = True,
+                 proj_bias: bool = False, activation: str = "silu",
+                 dt_limit: Optional[tuple[float, float]] = None):
+        super().__init__()
+        if activation not in ("silu", "swish"):
+            raise ValueError(f"Mamba2 mixer activation {activation!r}; only 'silu' is supported")
+        self.num_heads, self.head_dim, self.n_groups = num_heads, head_dim, n_groups
+        self.d_state, self.d_conv, self.chunk_size = d_state, d_conv, chunk_size
+        self.d_inner = num_heads * head_dim
+        self.conv_dim = self.d_inner + 2 * n_groups * d_state
+        default_limit = dt_limit is None or (dt_limit[0] == 0.0 and dt_limit[1] == float("inf"))
+        self.dt_limit = None if default_limit else (float(dt_limit[0]), float(dt_limit[1]))
+        self.in_proj = nn.Linear(hidden_size, self.d_inner + self.conv_dim + num_heads, bias=proj_bias)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, d_conv, groups=self.conv_dim,
+                                bias=conv_bias, padding=d_conv - 1)
+        self.dt_bias = nn.Parameter(torch.ones(num_heads))
+        self.A_log = nn.Parameter(torch.zeros(num_heads))
+        self.D = nn.Parameter(torch.ones(num_heads))
+        self.norm = GatedRMSNorm(self.d_inner, group_size=self.d_inner // n_groups, eps=eps)
+        self.out_proj = nn.Linear(self.d_inner, hidden_size, bias=proj_bias)
+
+    def cache_spec(self, dtype: torch.dtype, state_dtype: torch.dtype | None = None) -> RecurrentSpec:
+        """Per slot: conv window `[conv_dim, d_conv - 1]`, SSM state `[H, P, N]`."""
+        return RecurrentSpec(conv_shape=(self.conv_dim, self.d_conv - 1),
+                             state_shape=(self.num_heads, self.head_dim, self.d_state),
+                             dtype=dtype, state_dtype=state_dtype)
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor,
+                ssm_state: torch.Tensor, split: SlotSplit | None = None) -> torch.Tensor:
+        """hidden [T, hidden_size] -> [T, hidden_size].
+
+        conv_state [S, conv_dim, d_conv-1] and ssm_state [S, H, P, N] are this layer's pools,
+        updated in place at `batch.state_slots`. `split` (decode vs prefill rows) may be shared
+        by all recurrent layers of one step.
+        """
+        split = split or split_decode_prefill(batch)
+        z, xbc, dt = self.in_proj(hidden).split([self.d_inner, self.conv_dim, self.num_heads], -1)
+        weight = self.conv1d.weight.squeeze(1)  # [conv_dim, k]
+        A = -torch.exp(self.A_log.float())
+        G, N, H, P = self.n_groups, self.d_state, self.num_heads, self.head_dim
+
+        def ssm_inputs(rows_xbc):
+            x, B, C = rows_xbc.split([self.d_inner, G * N, G * N], -1)
+            n = x.shape[0]
+            return x.reshape(n, H, P), B.reshape(n, G, N), C.reshape(n, G, N)
+
+        def decode(rows, sp):
+            xbc_r, dt_r = rows[:, :self.conv_dim], rows[:, self.conv_dim:]
+            xbc_r = conv1d_update(xbc_r, conv_state, weight, self.conv1d.bias, sp.decode_slots)
+            x, B, C = ssm_inputs(xbc_r)
+            y = mamba2_state_update(ssm_state, x, dt_r, A, B, C, self.D, None, self.dt_bias,
+                                    sp.decode_slots, dt_softplus=True)
+            return y.reshape(-1, self.d_inner)
+
+        def prefill(rows, sp):
+            xbc_r, dt_r = rows[:, :self.conv_dim], rows[:, self.conv_dim:]
+            xbc_r = causal_conv1d(xbc_r.contiguous(), conv_state, weight, self.conv1d.bias,
+                                  sp.prefill_qsl, sp.prefill_slots, sp.prefill_has_init)
+            x, B, C = ssm_inputs(xbc_r)
+            y = mamba2_chunk_scan(ssm_state, x, dt_r, A, B, C, self.D, None, self.dt_bias,
+                                  sp.prefill_qsl, sp.prefill_slots, sp.prefill_has_init,
+                                  chunk_size=self.chunk_size, dt_softplus=True,
+                                  dt_limit=self.dt_limit)
+            return y.reshape(-1, self.d_inner)
+
+        y = split.run(torch.cat([xbc, dt], -1), decode, prefill, out_dim=self.d_inner)
+        y = self.norm(y, z)
+        return self.out_proj(y.to(hidden.dtype))
