@@ -1,0 +1,68 @@
+"""BlockPool: tensors, refcounts, LRU free queue that keeps hashes, hash map."""
+import torch
+
+from hybridkv.block_pool import BlockPool
+from hybridkv.specs import AttentionSpec
+
+
+def pool(n=6, bs=4):
+    return BlockPool({3: AttentionSpec(2, 8, torch.float32), 7: AttentionSpec(1, 4, torch.float16)}, n, bs)
+
+
+def test_tensors_shapes_dtypes():
+    p = pool()
+    assert p.kv[3].shape == (6, 2, 4, 2, 8) and p.kv[3].dtype == torch.float32
+    assert p.kv[7].shape == (6, 2, 4, 1, 4) and p.kv[7].dtype == torch.float16
+
+
+def test_allocate_release_refcounts_and_shortage():
+    p = pool()
+    a = p.allocate(4)
+    assert len(set(a)) == 4 and all(p.refcount[b] == 1 for b in a) and p.num_free == 2
+    assert p.allocate(3) is None and p.num_free == 2  # no partial allocation
+    p.ref(a[:2])
+    p.release(a)
+    assert [p.refcount[b] for b in a] == [1, 1, 0, 0] and p.num_free == 4
+    p.release(a[:2])
+    assert p.num_free == 6 and all(r == 0 for r in p.refcount)
+
+
+def test_freed_hashed_blocks_stay_findable_until_reused_lru():
+    p = pool(n=4)
+    a = p.allocate(4)
+    for i, b in enumerate(a[:3]):
+        p.set_hash(b, bytes([i]))
+    p.release(a)  # a[3] unhashed goes first; hashed chain tail (a[2]) goes before its head
+    assert p.lookup(b"\x00") == a[0] and p.num_cached_free == 3
+    assert p.allocate(1) == [a[3]]
+    assert p.allocate(1) == [a[2]] and p.lookup(b"\x02") is None
+    p.ref([p.lookup(b"\x00")])  # a hit revives a free cached block
+    assert p.refcount[a[0]] == 1 and a[0] not in p.free
+    assert p.allocate(1) == [a[1]] and p.lookup(b"\x01") is None and p.num_free == 0
+
+
+def test_duplicate_hash_takes_over_when_original_is_evicted():
+    p = pool(n=3)
+    a, b = p.allocate(2)
+    p.set_hash(a, b"h")
+    p.set_hash(b, b"h")
+    assert p.lookup(b"h") == a
+    p.release([a])
+    p.allocate(2)  # evicts a (and the never-used block)
+    assert p.lookup(b"h") is None
+    p.release([b])
+    assert p.lookup(b"h") == b
+
+
+def test_copy_gather_scatter_roundtrip():
+    p = pool()
+    for t in p.kv.values():
+        t.copy_(torch.randn(t.shape).to(t.dtype))
+    p.copy_block(1, 5)
+    for t in p.kv.values():
+        assert torch.equal(t[1], t[5])
+    out = p.gather([0, 2])
+    assert out[3].shape == (2, 2, 4, 2, 8)
+    p.scatter([4, 1], out)
+    for i, t in p.kv.items():
+        assert torch.equal(t[4], t[0]) and torch.equal(t[1], t[2]) and torch.equal(out[i][0], t[0])
