@@ -151,6 +151,13 @@ def test_triton_soft_cap(dtype):
     check_triton(MIXED, 16, 1, 4, 64, dtype, seed=7, soft_cap=1.5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_window_skips_leading_tiles(dtype):
+    # windows starting at key 127, one below a 64-key tile edge: skipping one tile too many fails
+    reqs = [(3, 150), (1, 148), (1, 64), (2, 65)]
+    check_triton(reqs, 16, 1, 2, 64, dtype, seed=14, sliding_window=21)
+
+
 def test_triton_decode_only():
     check_triton(DECODE, 16, 2, 4, 64, torch.float16, seed=8, max_query_len=1)
 
