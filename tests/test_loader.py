@@ -1,0 +1,131 @@
+"""Checkpoint loading: formats, dtype, fingerprint, tokenizer, and the errors a user sees."""
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, GPT2Config
+
+from hybridkv.models import (CheckpointError, UnsupportedArchitectureError, load_model,
+                             supported_architectures)
+from hybridkv.models.tiny import make_tiny_checkpoint
+from model_harness import Harness, assert_close_rel, hf_logits
+
+PROMPT = [5, 9, 33, 4, 17, 88, 21]
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"), seed=3)
+
+
+def _copy(src, tmp_path, name="ckpt"):
+    dst = tmp_path / name
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _logits(model, prompt=PROMPT):
+    h = Harness(model, block_size=4)
+    return h.step([(h.add(prompt), len(prompt))], return_all_logits=True)
+
+
+def test_registry_lists_the_four_families():
+    assert set(supported_architectures()) >= {"LlamaForCausalLM", "BambaForCausalLM",
+                                              "JambaForCausalLM", "Qwen3NextForCausalLM"}
+
+
+def test_attributes_tokenizer_and_eos(llama_dir):
+    m = load_model(llama_dir)
+    assert m.architecture == "LlamaForCausalLM" and m.vocab_size == 128
+    assert m.max_model_len == 512 and m.eos_token_ids == [2]
+    ids = m.tokenizer("Hi there!\n").input_ids
+    assert m.tokenizer.decode(ids) == "Hi there!\n" and max(ids) < m.vocab_size
+    assert len(m.fingerprint) == 64 and not m.training
+
+
+def test_sharded_checkpoint_loads_the_same_weights(llama_dir, tmp_path):
+    hf = AutoModelForCausalLM.from_pretrained(llama_dir)
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    a, b = load_model(llama_dir), load_model(tmp_path / "sharded")
+    torch.testing.assert_close(_logits(a), _logits(b), rtol=0, atol=0)
+
+
+def test_tied_embeddings(tmp_path):
+    path = make_tiny_checkpoint("llama", tmp_path / "tied", seed=4, tie_word_embeddings=True)
+    assert "lm_head.weight" not in load_file(path / "model.safetensors")
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    assert_close_rel(_logits(load_model(path)), hf_logits(hf, PROMPT))
+
+
+def test_dtype_and_fingerprint(llama_dir, tmp_path):
+    a, b = load_model(llama_dir), load_model(llama_dir)
+    assert a.fingerprint == b.fingerprint
+    half = load_model(llama_dir, dtype=torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and half.fingerprint != a.fingerprint
+    assert all(s.dtype == torch.bfloat16 for s in half.cache_specs().values())
+    # same config, one weight changed: a different model, a different fingerprint
+    other = _copy(llama_dir, tmp_path)
+    w = load_file(other / "model.safetensors")
+    w["model.norm.weight"] = w["model.norm.weight"] + 1e-3
+    save_file(w, other / "model.safetensors", metadata={"format": "pt"})
+    assert load_model(other).fingerprint != a.fingerprint
+
+
+def test_no_tokenizer_gives_none(llama_dir, tmp_path):
+    path = _copy(llama_dir, tmp_path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (path / f).unlink()
+    assert load_model(path).tokenizer is None
+
+
+def test_missing_directory_and_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_model(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(tmp_path / "empty")
+
+
+def test_unsupported_architecture_lists_supported(tmp_path):
+    GPT2Config(architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedArchitectureError) as e:
+        load_model(tmp_path)
+    assert "GPT2LMHeadModel" in str(e.value) and "BambaForCausalLM" in str(e.value)
+
+
+def test_missing_weights_file(llama_dir, tmp_path):
+    path = _copy(llama_dir, tmp_path)
+    (path / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load_model(path)
+
+
+def test_missing_shard(llama_dir, tmp_path):
+    hf = AutoModelForCausalLM.from_pretrained(llama_dir)
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[-1]
+    (tmp_path / "sharded" / shard).unlink()
+    with pytest.raises(CheckpointError, match=shard):
+        load_model(tmp_path / "sharded")
+
+
+def test_missing_tensor_is_named(llama_dir, tmp_path):
+    path = _copy(llama_dir, tmp_path)
+    w = load_file(path / "model.safetensors")
+    del w["model.layers.1.self_attn.k_proj.weight"]
+    save_file(w, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight"):
+        load_model(path)
+
+
+def test_wrong_shape_is_named(llama_dir, tmp_path):
+    path = _copy(llama_dir, tmp_path)
+    w = load_file(path / "model.safetensors")
+    w["model.layers.0.mlp.up_proj.weight"] = torch.zeros(100, 64)
+    save_file(w, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.up_proj\.weight.*\(100, 64\)"):
+        load_model(path)
