@@ -40,7 +40,7 @@ class GatedDeltaNetMixer(nn.Module):
         self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
-        self.norm = GatedRMSNorm(head_v_dim, eps=eps)
+        self.norm = GatedRMSNorm(head_v_dim, eps=eps, norm_before_gate=True)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
 
     def cache_spec(self, dtype: torch.dtype, state_dtype: torch.dtype | None = None) -> RecurrentSpec:

@@ -35,11 +35,11 @@ class SparseMoE(nn.Module):
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.router = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts = nn.ModuleList(
-            GatedMLP(hidden_size, intermediate_size, act) for _ in range(num_experts))
+            GatedMLP(hidden_size, intermediate_size, act=act) for _ in range(num_experts))
         self.shared_expert = None
         self.shared_expert_gate = None
         if shared_intermediate_size > 0:
-            self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, act)
+            self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, act=act)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
