@@ -101,7 +101,10 @@ def causal_conv1d_triton(x, conv_state, weight, bias, query_start_loc, slot_idx,
                          activation="silu"):
     """Varlen prefill conv; see conv1d_ref.causal_conv1d_ref. x [T, dim] -> [T, dim]."""
     out = torch.empty_like(x)
-    init = has_initial_state.to(device=x.device, dtype=torch.int32)
+    if has_initial_state is None:  # as in the reference: every request continues its slot
+        init = torch.ones(slot_idx.shape[0], dtype=torch.int32, device=x.device)
+    else:
+        init = has_initial_state.to(device=x.device, dtype=torch.int32)
     return _launch(x, conv_state, weight, bias, out, query_start_loc, slot_idx, init,
                    slot_idx.shape[0], activation, True)
 

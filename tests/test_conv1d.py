@@ -132,3 +132,21 @@ def test_triton_decode_matches_reference(dtype):
     assert rel_err(got, want) < TOL[dtype]
     assert torch.equal(pool, ref_pool)  # the window shift is a pure copy
     assert untouched(before, pool, slots)
+
+
+def test_public_api_runs_both_backends(monkeypatch):
+    import hybridkv.kernels as hk
+
+    gen = torch.Generator().manual_seed(12)
+    w, b = _params(gen)
+    x = torch.randn(9, DIM, generator=gen)
+    pools = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("HYBRIDKV_BACKEND", backend)
+        pool = torch.randn(SLOTS, DIM, K - 1, generator=torch.Generator().manual_seed(13))
+        y = hk.causal_conv1d(x[:8], pool, w, b, qsl([3, 5]), torch.tensor([4, 2], dtype=torch.int32),
+                             torch.tensor([True, False]))
+        y2 = hk.conv1d_update(x[8:], pool, w, b, torch.tensor([4], dtype=torch.int32))
+        pools[backend] = (torch.cat([y, y2]), pool)
+    assert rel_err(pools["triton"][0], pools["torch"][0]) < 1e-4
+    assert rel_err(pools["triton"][1], pools["torch"][1]) < 1e-4

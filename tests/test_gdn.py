@@ -139,3 +139,18 @@ def test_triton_step_matches_reference(dtype, l2norm):
     assert got.dtype == dtype
     assert rel_err(got, want) < TOL[dtype] and rel_err(pool, ref_pool) < TOL[dtype]
     assert untouched(before, pool, slots)
+
+
+def test_public_api_runs_both_backends(monkeypatch):
+    import hybridkv.kernels as hk
+
+    gen = torch.Generator().manual_seed(41)
+    q, k, v, g, beta = _inputs(gen, 2)
+    res = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("HYBRIDKV_BACKEND", backend)
+        pool = torch.randn(SLOTS, HV, K, V, generator=torch.Generator().manual_seed(42))
+        o = hk.gdn_state_update(pool, q, k, v, g, beta, torch.tensor([6, 3], dtype=torch.int32))
+        res[backend] = (o, pool)
+    assert rel_err(res["triton"][0], res["torch"][0]) < 1e-4
+    assert rel_err(res["triton"][1], res["torch"][1]) < 1e-4

@@ -158,3 +158,20 @@ def test_triton_step_matches_reference(dtype, gated):
     assert got.dtype == dtype
     assert rel_err(got, want) < TOL[dtype] and rel_err(pool, ref_pool) < TOL[dtype]
     assert untouched(before, pool, slots)
+
+
+def test_public_api_runs_both_backends(monkeypatch):
+    import hybridkv.kernels as hk
+
+    gen = torch.Generator().manual_seed(21)
+    A, D, dt_bias = _params(gen)
+    x, dt, B, C, z = _inputs(gen, 2)
+    res = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("HYBRIDKV_BACKEND", backend)
+        pool = torch.randn(SLOTS, D_IN, N, generator=torch.Generator().manual_seed(22))
+        y = hk.mamba1_state_update(pool, x, dt, A, B, C, D, z, dt_bias,
+                                   torch.tensor([3, 1], dtype=torch.int32))
+        res[backend] = (y, pool)
+    assert rel_err(res["triton"][0], res["torch"][0]) < 1e-4
+    assert rel_err(res["triton"][1], res["torch"][1]) < 1e-4

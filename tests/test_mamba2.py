@@ -173,3 +173,24 @@ def test_triton_step_matches_reference(dtype, variant):
     assert got.dtype == dtype
     assert rel_err(got, want) < TOL[dtype] and rel_err(pool, ref_pool) < TOL[dtype]
     assert untouched(before, pool, slots)
+
+
+def test_public_api_passes_dt_limit_to_both_backends(monkeypatch):
+    import hybridkv.kernels as hk
+
+    gen = torch.Generator().manual_seed(31)
+    A, D, dt_bias = _params(gen)
+    x, dt, B, C = _inputs(gen, 2)
+    res = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("HYBRIDKV_BACKEND", backend)
+        pool = torch.randn(SLOTS, H, P, N, generator=torch.Generator().manual_seed(32))
+        y = hk.mamba2_state_update(pool, x, dt * 3, A, B, C, D, None, dt_bias,
+                                   torch.tensor([2, 5], dtype=torch.int32), dt_limit=LIMIT)
+        res[backend] = (y, pool)
+    want = mamba2_state_update_ref(
+        torch.randn(SLOTS, H, P, N, generator=torch.Generator().manual_seed(32)), x, dt * 3, A, B,
+        C, D, None, dt_bias, torch.tensor([2, 5], dtype=torch.int32), True, dt_limit=LIMIT)
+    for y, pool in res.values():
+        assert rel_err(y, want) < 1e-4
+    assert rel_err(res["triton"][1], res["torch"][1]) < 1e-4
