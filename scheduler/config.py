@@ -1,0 +1,41 @@
+"""The engine's knobs, checked once, with the defaults a vLLM user expects."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+
+
+@dataclass
+class EngineConfig:
+    """block_size: tokens per KV block. max_num_batched_tokens: token budget per step (chunked
+    prefill cuts prompts to fit). max_num_seqs: cap on running sequences. memory_budget_bytes:
+    bytes for KV blocks + state slots (None: derived from gpu_memory_utilization on a GPU, 1 GiB on
+    a CPU). checkpoint_share: share of the budget for prefix-cache state checkpoints."""
+
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    memory_budget_bytes: Optional[int] = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    checkpoint_policy: str = "prompt_end"
+    checkpoint_every_n: int = 4
+    checkpoint_eviction: str = "lru"
+    checkpoint_share: Optional[float] = None
+    preemption_mode: str = "auto"
+    max_model_len: Optional[int] = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode={self.preemption_mode!r}; choose one of {PREEMPTION_MODES}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
+            raise ValueError(f"memory_budget_bytes={self.memory_budget_bytes} must be > 0")

@@ -1,0 +1,66 @@
+"""A RequestSnapshot as bytes (safetensors + a JSON header), and over torch.distributed.
+
+Bytes let a snapshot cross processes or hosts by any transport; `send_snapshot` /
+`recv_snapshot` use point-to-point torch.distributed (gloo on CPU, NCCL on GPU).
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from hybridkv.snapshot import RequestSnapshot
+
+_KINDS = ("kv", "conv", "ssm")
+
+
+def _tuples(x):
+    return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
+
+
+def snapshot_to_bytes(snap: RequestSnapshot) -> bytes:
+    tensors = {f"{k}.{layer}": t.contiguous().cpu() for k in _KINDS for layer, t in getattr(snap, k).items()}
+    meta = {"req_id": snap.req_id, "token_ids": snap.token_ids, "num_prompt_tokens": snap.num_prompt_tokens,
+            "num_computed_tokens": snap.num_computed_tokens, "max_tokens": snap.max_tokens,
+            "fingerprint": snap.fingerprint, "block_size": snap.block_size, "cache_salt": snap.cache_salt,
+            "adapter_id": snap.adapter_id, "mm_hashes": list(snap.mm_hashes),
+            "sampling_state": snap.sampling_state,
+            "layer_shapes": {str(k): list(v) for k, v in snap.layer_shapes.items()}}
+    return st_save(tensors, metadata={"snapshot": json.dumps(meta)})
+
+
+def snapshot_from_bytes(data: bytes) -> RequestSnapshot:
+    tensors = st_load(data)
+    header_len = int.from_bytes(data[:8], "little")
+    meta = json.loads(json.loads(data[8:8 + header_len])["__metadata__"]["snapshot"])
+    parts = {k: {} for k in _KINDS}
+    for name, t in tensors.items():
+        kind, layer = name.split(".")
+        parts[kind][int(layer)] = t
+    return RequestSnapshot(
+        meta["req_id"], meta["token_ids"], meta["num_prompt_tokens"], meta["num_computed_tokens"],
+        meta["max_tokens"], parts["kv"], parts["conv"], parts["ssm"], meta["fingerprint"], meta["block_size"],
+        meta["cache_salt"], meta["adapter_id"], tuple(meta["mm_hashes"]), meta["sampling_state"],
+        {int(k): _tuples(v) for k, v in meta["layer_shapes"].items()})
+
+
+def send_snapshot(snap: RequestSnapshot, dst: int, device: torch.device | str = "cpu") -> None:
+    """Send to rank `dst` of the default process group (a length, then the bytes)."""
+    import torch.distributed as dist
+
+    payload = torch.frombuffer(bytearray(snapshot_to_bytes(snap)), dtype=torch.uint8).to(device)
+    dist.send(torch.tensor([payload.numel()], dtype=torch.int64, device=device), dst)
+    dist.send(payload, dst)
+
+
+def recv_snapshot(src: int, device: torch.device | str = "cpu") -> RequestSnapshot:
+    """Receive a snapshot sent by rank `src` with send_snapshot."""
+    import torch.distributed as dist
+
+    n = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.recv(n, src)
+    payload = torch.empty(int(n.item()), dtype=torch.uint8, device=device)
+    dist.recv(payload, src)
+    return snapshot_from_bytes(payload.cpu().numpy().tobytes())
