@@ -50,7 +50,7 @@ class SparseMoE(nn.Module):
         for e in torch.unique(ids).tolist():
             tok, slot = torch.where(ids == e)
             y = self.experts[e](hidden[tok]) * weights[tok, slot, None]
-            out.index_add_(0, tok, y.to(out.dtype))
+            out.index_put_((tok,), y.to(out.dtype), accumulate=True)  # index_add_ is slow on CPU
         if self.shared_expert is not None:
             shared = self.shared_expert(hidden)
             out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * shared
