@@ -24,8 +24,8 @@ from .attention_ref import check_attention_inputs
 @triton.jit
 def _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr):
     """Largest r with query_start_loc[r] // BLOCK_Q + r <= pid (binary search)."""
-    lo = 0
-    hi = num_reqs
+    lo = pid * 0  # tensors from the start: num_reqs == 1 arrives as a constexpr
+    hi = lo + num_reqs
     while lo < hi:
         mid = (lo + hi) // 2
         start = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
@@ -53,7 +53,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_IEEE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -100,7 +100,10 @@ def _paged_attention_kernel(
         base = blk * stride_kv_blk + (key % BLOCK_SIZE) * stride_kv_off + kv_head * stride_kv_h
         k = tl.load(kv_ptr + base[None, :] + offs_d[:, None],
                     mask=key_ok[None, :] & d_ok[:, None], other=0.0)  # [D_PAD, TILE_N]
-        s = tl.dot(q, k, input_precision=DOT_PREC) * scale
+        if DOT_IEEE:  # fp32 inputs: full precision, not TF32
+            s = tl.dot(q, k, input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, k) * scale
         if USE_SOFTCAP:
             s = soft_cap * _tanh(s / soft_cap)
         s = s * 1.4426950408889634  # log2(e): the softmax runs on exp2
@@ -118,7 +121,11 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(kv_ptr + stride_kv_kv + base[:, None] + offs_d[None, :],
                     mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [TILE_N, D_PAD]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        if DOT_IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_off = tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
@@ -184,7 +191,7 @@ def paged_attention_triton(q, kv_cache, query_start_loc, seq_lens, block_table, 
             D_PAD=triton.next_power_of_2(d), BLOCK_SIZE=bs, TILE_N=tile_n,
             CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None,
             USE_SOFTCAP=soft_cap is not None,
-            DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+            DOT_IEEE=q.dtype == torch.float32,
             num_warps=num_warps, num_stages=2,
         )
     return out
