@@ -1,0 +1,293 @@
+"""Random sequences of admit / step / fork / checkpoint / finish / preempt / resume / migrate.
+
+A stand-in "model" writes, for every computed position p, a value that depends on the whole
+prefix tokens[0..p] into the KV slots the manager hands out, and after each step the state
+value of the whole prefix into the live slot. So any mix-up (a wrong prefix hit, a block
+written while shared, a lost swap, a bad import) shows as a wrong value. After every rule:
+block refcounts equal the block tables' references, every slot is free, live for one running
+request or one checkpoint, and every running request reads back its own values.
+"""
+from collections import Counter
+
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+
+from hybridkv.cache_manager import HybridCacheManager
+from hybridkv.errors import RequestTooLargeError
+from hybridkv.request_state import PREEMPTED, RUNNING, SWAPPED
+from hybridkv.specs import AttentionSpec, RecurrentSpec
+from hybridkv.state_pool import CHECKPOINT, FREE, LIVE, NULL
+
+EVENTS: Counter = Counter()  # what the runs exercised, so the test cannot pass by doing nothing
+BASES = [[1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1], [3, 3, 2, 2, 1, 1, 0, 0, 3, 3, 2, 2, 1, 1, 0, 0]]
+
+
+def rolling(tokens):
+    """r[n] summarises tokens[:n]: the stand-in for what a real model's KV and state depend on."""
+    r = [7]
+    for t in tokens:
+        r.append((r[-1] * 31 + t + 1) % 1_000_003)
+    return r
+
+
+def kv_values(tokens, n):  # value at position p depends on tokens[0..p]
+    return torch.tensor([v % 65521 + 1 for v in rolling(tokens[:n])[1:]], dtype=torch.float32)
+
+
+def state_value(tokens, n):
+    return float(rolling(tokens[:n])[-1] % 65519 + 2)
+
+
+def kv_of(mgr, r):
+    """{layer: [num_computed] value per position} read back from the request's blocks."""
+    out = {}
+    n = r.num_computed_tokens
+    for i, t in mgr.kv_caches.items():
+        if n == 0:
+            continue
+        nb = -(-n // mgr.block_size)
+        g = t[r.block_ids[:nb]]  # [nb, 2, bs, h, d]
+        out[i] = g.permute(0, 2, 1, 3, 4).reshape(nb * mgr.block_size, -1)[:n]
+    return out
+
+
+def write_step(mgr, rid, slot_mapping, start, end):
+    """What a model step does: KV values at the handed-out slots, the prefix's state in the live slot."""
+    r = mgr.request(rid)
+    vals = kv_values(r.token_ids, end)[start:end]
+    bs = mgr.block_size
+    for s, v in zip(slot_mapping, vals.tolist()):
+        if s < 0:
+            continue
+        b = s // bs
+        assert mgr.blocks.refcount[b] == 1, f"write into block {b} with refcount {mgr.blocks.refcount[b]}"
+        for t in mgr.kv_caches.values():
+            t[b, :, s % bs] = v
+    if r.slot:
+        sv = state_value(r.token_ids, end)
+        for t in list(mgr.conv_states.values()) + list(mgr.ssm_states.values()):
+            t[r.slot] = sv
+
+
+def check_request_data(mgr, r):
+    n = r.num_computed_tokens
+    want = kv_values(r.token_ids, n)
+    for i, got in kv_of(mgr, r).items():
+        assert torch.equal(got, want[:, None].expand_as(got)), f"KV of request {r.req_id} layer {i} differs"
+    if r.slot and n:
+        sv = state_value(r.token_ids, n)
+        for t in list(mgr.conv_states.values()) + list(mgr.ssm_states.values()):
+            assert bool((t[r.slot] == sv).all()), f"state of request {r.req_id} differs"
+
+
+def check_conservation(mgr):
+    pool, states = mgr.blocks, mgr.states
+    running = [r for r in mgr.requests.values() if r.status == RUNNING]
+    want = [0] * pool.num_blocks
+    for r in running:
+        assert len(r.block_ids) * mgr.block_size >= r.num_computed_tokens or not mgr.has_attention
+        for b in r.block_ids:
+            want[b] += 1
+        if r.block_ids:
+            assert mgr.block_table([r.req_id])[0, : len(r.block_ids)].tolist() == r.block_ids
+    assert pool.refcount == want
+    assert set(pool.free) == {b for b in range(pool.num_blocks) if want[b] == 0}
+    for r in mgr.requests.values():
+        if r.status != RUNNING:
+            assert r.block_ids == [] and r.slot == 0 and (r.swapped is not None) == (r.status == SWAPPED)
+    if not mgr.has_recurrent:
+        return
+    live = [r.slot for r in running]
+    ckpt = [c.slot for c in mgr.prefix.checkpoints.values()]
+    assert len(set(live)) == len(live) and 0 not in live and len(set(ckpt)) == len(ckpt)
+    assert not set(live) & set(ckpt)
+    for s, kind in enumerate(states.kind):
+        want_kind = NULL if s == 0 else LIVE if s in live else CHECKPOINT if s in ckpt else FREE
+        assert kind == want_kind, f"slot {s} is {kind}, expected {want_kind}"
+    assert states.num_free == states.kind.count(FREE)
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    @initialize(kind=st.sampled_from(["hybrid", "hybrid", "attention", "recurrent"]), bs=st.sampled_from([2, 4]),
+                num_blocks=st.integers(6, 24), num_slots=st.integers(2, 6), caching=st.booleans(),
+                policy=st.sampled_from(["none", "prompt_end", "every_n_blocks", "branch_points"]),
+                eviction=st.sampled_from(["lru", "flop"]), other_bs=st.sampled_from([1, 3, 4]))
+    def setup(self, kind, bs, num_blocks, num_slots, caching, policy, eviction, other_bs):
+        specs = {}
+        if kind != "recurrent":
+            specs[1] = AttentionSpec(1, 2, torch.float32)
+        if kind != "attention":
+            specs[0] = RecurrentSpec((2, 2), (3,), torch.float32)
+            specs[2] = RecurrentSpec((2, 1), (), torch.float32)
+        kw = dict(enable_prefix_caching=caching, checkpoint_policy=policy, checkpoint_eviction=eviction,
+                  fingerprint="sm", checkpoint_every_n=2)
+        self.mgr = HybridCacheManager(specs, bs, num_blocks, num_slots, **kw)
+        self.other = HybridCacheManager(specs, other_bs, num_blocks * bs, 3, **kw)
+        self.next_id = 0
+        self.expected_ckpt = {}  # block hash -> state value of that prefix
+
+    def ids(self, status):
+        return sorted(r for r, s in self.mgr.requests.items() if s.status == status)
+
+    def record_prefix_states(self, r):
+        for i, h in enumerate(r.block_hashes[: r.num_computed_tokens // self.mgr.block_size]):
+            self.expected_ckpt[h] = state_value(r.token_ids, (i + 1) * self.mgr.block_size)
+
+    def run_chunk(self, rid, n):
+        """One scheduled chunk: cut at a due checkpoint, allocate, write, commit, checkpoint."""
+        mgr = self.mgr
+        r = mgr.request(rid)
+        start = r.num_computed_tokens
+        end = min(start + n, len(r.token_ids))
+        due = mgr.checkpoint_due(rid, start, end)
+        end = due or end
+        before = (list(r.block_ids), mgr.blocks.num_free, list(mgr.blocks.refcount))
+        slots = mgr.allocate(rid, end - start)
+        EVENTS["step"] += 1
+        if slots is None:
+            EVENTS["allocate refused"] += 1
+            assert before == (r.block_ids, mgr.blocks.num_free, mgr.blocks.refcount), "failed allocate changed state"
+            return False
+        assert len(slots) == end - start
+        EVENTS["copy-on-write"] += bool(start % mgr.block_size and r.block_ids) and r.block_ids[start // mgr.block_size] not in before[0]
+        write_step(mgr, rid, slots, start, end)
+        mgr.commit(rid, end - start)
+        self.record_prefix_states(r)
+        if due is not None:
+            EVENTS["checkpoint stored"] += mgr.checkpoint(rid)
+        return True
+
+    @rule(base=st.integers(0, 1), plen=st.integers(1, 20), suffix=st.lists(st.integers(0, 3), max_size=3),
+          max_tokens=st.integers(0, 12), salt=st.sampled_from([None, None, "t2"]), first=st.integers(1, 12),
+          limit_new=st.booleans())
+    def admit(self, base, plen, suffix, max_tokens, salt, first, limit_new):
+        mgr = self.mgr
+        prompt = (BASES[base] * 2)[:plen] + suffix
+        rid = self.next_id
+        self.next_id += 1
+        num_new = first if limit_new else None
+        try:
+            can = mgr.can_admit(prompt, max_tokens=max_tokens, cache_salt=salt, num_new_tokens=num_new)
+        except RequestTooLargeError:
+            assert mgr.has_attention and -(-(len(prompt) + max_tokens) // mgr.block_size) > mgr.num_blocks
+            return
+        hit = mgr.admit(rid, prompt, max_tokens=max_tokens, cache_salt=salt, num_new_tokens=num_new)
+        assert (hit is not None) == can
+        if hit is None:
+            return
+        assert 0 <= hit < len(prompt) and hit % mgr.block_size == 0
+        EVENTS["prefix hit"] += hit > 0
+        check_request_data(mgr, mgr.request(rid))  # the hit's blocks and copied state are this prefix's
+        assert self.run_chunk(rid, min(first if limit_new else len(prompt), len(prompt) - hit)), \
+            "allocate right after admit must succeed"
+
+    @precondition(lambda self: self.ids(RUNNING))
+    @rule(data=st.data(), n=st.integers(1, 8), tok=st.integers(0, 3))
+    def step(self, data, n, tok):
+        rid = data.draw(st.sampled_from(self.ids(RUNNING)))
+        r = self.mgr.request(rid)
+        if r.num_computed_tokens == len(r.token_ids):  # decode: the sampled token comes first
+            if len(r.token_ids) >= r.num_prompt_tokens + r.max_tokens:
+                self.mgr.finish(rid)
+                return
+            self.mgr.append_tokens(rid, [tok])
+        self.run_chunk(rid, n)
+
+    @precondition(lambda self: self.ids(RUNNING))
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(self.ids(RUNNING)))
+        child = self.next_id
+        self.next_id += 1
+        if self.mgr.fork(parent, child):
+            p, c = self.mgr.request(parent), self.mgr.request(child)
+            assert c.block_ids == p.block_ids[: len(c.block_ids)] and c.num_computed_tokens == p.num_computed_tokens
+            EVENTS["fork"] += 1
+            check_request_data(self.mgr, c)
+
+    @precondition(lambda self: self.ids(RUNNING))
+    @rule(data=st.data())
+    def explicit_checkpoint(self, data):
+        rid = data.draw(st.sampled_from(self.ids(RUNNING)))
+        nc = self.mgr.request(rid).num_computed_tokens
+        if nc and nc % self.mgr.block_size == 0:
+            self.mgr.checkpoint(rid)
+
+    @precondition(lambda self: self.mgr.requests)
+    @rule(data=st.data())
+    def finish(self, data):
+        self.mgr.finish(data.draw(st.sampled_from(sorted(self.mgr.requests))))
+
+    @precondition(lambda self: self.ids(RUNNING))
+    @rule(data=st.data(), mode=st.sampled_from(["recompute", "swap"]))
+    def preempt(self, data, mode):
+        rid = data.draw(st.sampled_from(self.ids(RUNNING)))
+        self.mgr.preempt(rid, mode)
+        assert self.mgr.request(rid).status == (PREEMPTED if mode == "recompute" else SWAPPED)
+
+    @precondition(lambda self: self.ids(PREEMPTED) or self.ids(SWAPPED))
+    @rule(data=st.data())
+    def resume(self, data):
+        rid = data.draw(st.sampled_from(self.ids(PREEMPTED) + self.ids(SWAPPED)))
+        was_swapped = self.mgr.request(rid).status == SWAPPED
+        nc = self.mgr.request(rid).num_computed_tokens
+        got = self.mgr.resume(rid)
+        if got is not None:
+            EVENTS["resumed after swap" if was_swapped else "resumed by recompute"] += 1
+            assert got == nc if was_swapped else got % self.mgr.block_size == 0
+            check_request_data(self.mgr, self.mgr.request(rid))
+
+    @precondition(lambda self: self.ids(RUNNING))
+    @rule(data=st.data())
+    def migrate(self, data):
+        """Export, import into a second manager (another block size), check, and move back home."""
+        rid = data.draw(st.sampled_from(self.ids(RUNNING)))
+        snap = self.mgr.export_snapshot(rid)
+        if self.other.import_snapshot(snap, req_id="away"):
+            EVENTS["imported elsewhere"] += 1
+            check_request_data(self.other, self.other.request("away"))
+            self.other.finish("away")
+        assert self.other.stats().kv_blocks_used == 0 and self.other.stats().slots_live == 0
+        self.mgr.finish(rid)
+        if self.mgr.import_snapshot(snap):
+            check_request_data(self.mgr, self.mgr.request(rid))
+        else:  # only when a fork still holds the blocks it released
+            need = -(-len(snap.token_ids) // self.mgr.block_size) if self.mgr.has_attention else 0
+            assert self.mgr.blocks.num_free < need or not self.mgr._slot_available()
+
+    @rule()
+    def finish_all(self):
+        for rid in sorted(self.mgr.requests):
+            self.mgr.finish(rid)
+        s = self.mgr.stats()
+        assert s.kv_blocks_used == 0 and s.slots_live == 0 and s.running_requests == 0
+
+    @invariant()
+    def conservation_and_data(self):
+        if not hasattr(self, "mgr"):
+            return
+        EVENTS["rule"] += 1
+        check_conservation(self.mgr)
+        for r in self.mgr.requests.values():
+            if r.status == RUNNING:
+                check_request_data(self.mgr, r)
+        for h, c in self.mgr.prefix.checkpoints.items():  # checkpoints never change
+            for t in list(self.mgr.conv_states.values()) + list(self.mgr.ssm_states.values()):
+                assert bool((t[c.slot] == self.expected_ckpt[h]).all()), "a checkpoint's state changed"
+
+    def teardown(self):
+        if hasattr(self, "mgr"):
+            self.finish_all()
+
+
+def test_manager_state_machine():
+    EVENTS.clear()
+    run_state_machine_as_test(ManagerMachine, settings=settings(
+        max_examples=200, stateful_step_count=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]))
+    print(dict(EVENTS))
+    assert EVENTS["rule"] >= 10_000, EVENTS
+    for what in ["prefix hit", "allocate refused", "copy-on-write", "checkpoint stored", "resumed after swap",
+                 "resumed by recompute", "imported elsewhere", "fork"]:
+        assert EVENTS[what] > 0, f"the random runs never exercised {what}: {EVENTS}"
