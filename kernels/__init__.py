@@ -37,7 +37,8 @@ def write_kv(k, v, kv_cache, slot_mapping):
     """k, v [T, Hkv, D] into kv_cache at flat slots `slot_mapping [T]` (-1 skipped)."""
     from .attention_ref import write_kv_ref
 
-    return _pick(k, write_kv_ref, "write_kv_triton", "write_kv_kernel")(k, v, kv_cache, slot_mapping)
+    fn = _pick(k, write_kv_ref, "write_kv_triton", "write_kv_kernel")
+    return fn(k, v, kv_cache, slot_mapping)
 
 
 def causal_conv1d(x, conv_state, weight, bias, query_start_loc, slot_idx, has_initial_state,

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_kernels.py keeps working: its --cpu-dry-run runs the whole script at tiny sizes."""
+"""benchmarks/gpu_kernels.py keeps working: --cpu-dry-run runs the whole script at tiny sizes."""
 import json
 import os
 import pathlib
