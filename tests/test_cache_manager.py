@@ -1,0 +1,246 @@
+"""HybridCacheManager scenarios: hits over both pools, copy-on-write, swap, migrate, errors, stats."""
+import pytest
+import torch
+
+from hybridkv.cache_manager import HybridCacheManager
+from hybridkv.errors import MemoryBudgetError, RequestStateError, RequestTooLargeError, SnapshotMismatchError
+from hybridkv.specs import AttentionSpec, RecurrentSpec
+
+BS = 4
+HYBRID = {0: RecurrentSpec((3, 2), (2, 4), torch.float32), 1: AttentionSpec(2, 4, torch.float32),
+          2: RecurrentSpec((3, 2), (2, 4), torch.float16, torch.float32), 3: AttentionSpec(1, 8, torch.float16)}
+
+
+def mgr(specs=HYBRID, blocks=16, slots=4, **kw):
+    kw.setdefault("fingerprint", "m1")
+    return HybridCacheManager(specs, BS, blocks, slots, **kw)
+
+
+def run(m, rid, n, rng=None):
+    """A model step: random KV at the handed-out slots, random state in the live slot; commit."""
+    slots = m.allocate(rid, n)
+    assert slots is not None
+    for t in m.kv_caches.values():
+        for s in slots:
+            t[s // BS, :, s % BS] = torch.randn(t.shape[1:2] + t.shape[3:], generator=rng).to(t.dtype)
+    slot = m.live_slot(rid)
+    for t in list(m.conv_states.values()) + list(m.ssm_states.values()):
+        t[slot] = torch.randn(t.shape[1:], generator=rng).to(t.dtype)
+    m.commit(rid, n)
+    return slots
+
+
+def kv_tokens(m, rid):
+    r = m.request(rid)
+    n = r.num_computed_tokens
+    nb = -(-n // BS)
+    return {i: t[r.block_ids[:nb]].permute(1, 0, 2, 3, 4).reshape(2, nb * BS, *t.shape[3:])[:, :n].clone()
+            for i, t in m.kv_caches.items()}
+
+
+def state(m, rid):
+    s = m.live_slot(rid)
+    return [t[s].clone() for t in list(m.conv_states.values()) + list(m.ssm_states.values())]
+
+
+def same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b)) if isinstance(a, list) else \
+        a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_hybrid_hit_needs_checkpoint_and_copies_it():
+    m = mgr()
+    prompt = list(range(18))
+    assert m.admit("a", prompt) == 0
+    due = m.checkpoint_due("a", 0, 18)
+    assert due == 16  # prompt_end: (18 - 1) // 4 * 4
+    run(m, "a", due)
+    assert m.checkpoint("a")
+    at16 = state(m, "a")
+    run(m, "a", 2)
+    m.finish("a")
+    assert m.admit("b", prompt + [7]) == 16  # KV blocks and the checkpoint at exactly 16
+    assert same(state(m, "b"), at16)  # copy-on-hit
+    run(m, "b", 3)
+    ckpt = next(iter(m.prefix.checkpoints.values()))
+    assert same([t[ckpt.slot] for t in list(m.conv_states.values()) + list(m.ssm_states.values())], at16)
+    assert m.admit("c", list(range(12)) + [50, 51, 52]) == 0  # KV matches 12 tokens, no checkpoint at 12
+    s = m.stats()
+    assert s.prefix_misses["kv_match_no_checkpoint"] == 1 and s.prefix_misses["no_kv_match"] == 1
+    assert s.prefix_hit_tokens == 16 and s.prefix_queries == 3
+    assert m.checkpoint_due("c", 0, 15) == 12  # prompt_end of a 15-token prompt: (15 - 1) // 4 * 4
+
+
+def test_branch_point_policy_cuts_where_kv_match_runs_past_checkpoints():
+    m = mgr(checkpoint_policy="branch_points")
+    run_all = list(range(30))
+    m.admit("a", run_all)
+    run(m, "a", 29)
+    m.finish("a")
+    assert m.admit("b", list(range(10)) + [99] * 10) == 0
+    assert m.request("b").branch_point == 8 and m.checkpoint_due("b", 0, 20) == 8
+
+
+def test_pure_attention_hit_never_covers_whole_prompt_and_salt_isolates():
+    m = mgr({1: AttentionSpec(2, 4, torch.float32)}, slots=0)
+    assert m.admit("a", list(range(8))) == 0 and m.live_slot("a") == 0
+    run(m, "a", 8)
+    m.finish("a")
+    assert m.admit("b", list(range(8))) == 4  # two blocks cached, one token must stay to compute
+    assert m.admit("c", list(range(8)), cache_salt="other-tenant") == 0
+    assert m.block_table(["b", "c"]).shape == (2, 1)
+
+
+def test_pure_recurrent_manager():
+    m = mgr({0: RecurrentSpec((3, 2), (2, 4), torch.float32)}, blocks=0)
+    assert m.admit("a", list(range(10))) == 0
+    assert m.allocate("a", 8) == [-1] * 8
+    m.commit("a", 8)
+    assert m.checkpoint("a")
+    m.finish("a")
+    assert m.admit("b", list(range(10))) == 8
+
+
+def test_allocate_shortage_has_no_side_effects_and_evicts_cached_blocks_first():
+    m = mgr(blocks=4)
+    m.admit("a", list(range(8)))
+    run(m, "a", 8)
+    m.finish("a")  # two cached free blocks
+    m.admit("b", [9] * 14, num_new_tokens=4)
+    run(m, "b", 8)  # takes the 2 never-used blocks
+    assert m.stats().kv_blocks_cached == 2
+    run(m, "b", 4)  # evicts a cached block (LRU) rather than failing
+    assert m.stats().kv_blocks_cached == 1
+    table, free = list(m.request("b").block_ids), m.blocks.num_free
+    assert m.allocate("b", 6) is None  # needs 2 blocks, 1 is free
+    assert m.request("b").block_ids == table and m.blocks.num_free == free
+
+
+def test_fork_shares_blocks_and_copies_partial_block_on_first_write():
+    m = mgr()
+    m.admit("p", list(range(10)))
+    run(m, "p", 10)
+    assert m.fork("p", "c")
+    p, c = m.request("p"), m.request("c")
+    assert c.block_ids == p.block_ids and all(m.blocks.refcount[b] == 2 for b in p.block_ids)
+    assert m.live_slot("c") != m.live_slot("p") and same(state(m, "c"), state(m, "p"))
+    before = kv_tokens(m, "p")
+    m.append_tokens("p", [1])
+    m.append_tokens("c", [2])
+    run(m, "c", 1)  # the partial block 2 is copied for the child before it writes
+    assert c.block_ids[:2] == p.block_ids[:2] and c.block_ids[2] != p.block_ids[2]
+    assert same(kv_tokens(m, "p"), before)  # the child's write does not show in the parent
+    assert all(torch.equal(kv_tokens(m, "c")[i][:, :10], before[i]) for i in before)
+    run(m, "p", 1)
+    assert m.blocks.refcount[p.block_ids[2]] == 1
+
+
+def test_swap_roundtrip_restores_data_into_new_blocks():
+    m = mgr(blocks=6)
+    rng = torch.Generator().manual_seed(0)
+    m.admit("a", list(range(9)))
+    run(m, "a", 9, rng)
+    kv, st = kv_tokens(m, "a"), state(m, "a")
+    m.preempt("a", "swap")
+    assert m.stats().kv_blocks_used == 0 and m.stats().slots_live == 0
+    m.admit("x", [5] * 20, num_new_tokens=20)
+    run(m, "x", 20)  # overwrites the old blocks
+    assert m.resume("a") is None  # not now: 1 block free, 3 needed
+    m.finish("x")
+    assert m.resume("a") == 9
+    assert same(kv_tokens(m, "a"), kv) and same(state(m, "a"), st)
+    assert m.stats().preemptions == {"recompute": 0, "swap": 1}
+
+
+def test_recompute_preemption_donates_state_at_block_boundary():
+    m = mgr(checkpoint_policy="none")
+    m.admit("a", list(range(14)))
+    run(m, "a", 12)
+    st = state(m, "a")
+    m.preempt("a", "recompute")
+    assert m.stats().slots_checkpoint == 1 and m.stats().slots_live == 0
+    assert m.resume("a") == 12 and same(state(m, "a"), st)
+
+
+def test_export_import_into_manager_with_other_block_size():
+    rng = torch.Generator().manual_seed(1)
+    m = mgr()
+    m.admit("a", list(range(11)), max_tokens=5, cache_salt="t")
+    run(m, "a", 11, rng)
+    snap = m.export_snapshot("a", sampling_state={"seed": 3})
+    other = HybridCacheManager(HYBRID, 3, 20, 3, fingerprint="m1")
+    assert other.import_snapshot(snap)
+    r = other.request("a")
+    assert r.num_computed_tokens == 11 and len(r.block_ids) == 4 and r.cache_salt == "t"
+    for i, t in other.kv_caches.items():
+        got = t[r.block_ids].permute(1, 0, 2, 3, 4).reshape(2, 12, *t.shape[3:])[:, :11]
+        assert torch.equal(got, kv_tokens(m, "a")[i])
+    assert same(state(other, "a"), state(m, "a")) and snap.sampling_state == {"seed": 3}
+    with pytest.raises(SnapshotMismatchError, match="'m1' != this model's 'm2'"):
+        HybridCacheManager(HYBRID, 4, 8, 3, fingerprint="m2").import_snapshot(snap)
+    with pytest.raises(SnapshotMismatchError, match="layer"):
+        HybridCacheManager({1: AttentionSpec(2, 4, torch.float32)}, 4, 8, 0, fingerprint="m1").import_snapshot(snap)
+
+
+def test_admission_errors_and_not_now():
+    m = mgr(blocks=4, slots=2)
+    with pytest.raises(RequestTooLargeError, match=r"needs 5 KV blocks \(15 prompt \+ 5 max_tokens.*pool has 4"):
+        m.can_admit(list(range(15)), max_tokens=5)
+    with pytest.raises(RequestTooLargeError):
+        m.admit("big", list(range(17)))
+    assert "big" not in m.requests
+    m.admit("a", list(range(4)))
+    assert not m.can_admit(list(range(4)))  # the one live slot is taken: not now
+    assert m.admit("b", list(range(4))) is None and "b" not in m.requests
+    with pytest.raises(RequestStateError, match="already known"):
+        m.admit("a", [1])
+    with pytest.raises(RequestStateError, match="not a block boundary"):
+        run(m, "a", 3)
+        m.checkpoint("a")
+    with pytest.raises(MemoryBudgetError, match="num_slots=1"):
+        mgr(slots=1)
+    with pytest.raises(MemoryBudgetError, match="block_size=0"):
+        HybridCacheManager(HYBRID, 0, 4, 4)
+
+
+def test_checkpoints_give_way_to_live_slots():
+    m = mgr(slots=3)  # 2 usable slots
+    m.admit("a", list(range(9)))
+    run(m, "a", 8)
+    assert m.checkpoint("a") and m.stats().slots_free == 0
+    m.admit("b", [7] * 9)  # no free slot: the checkpoint is evicted for a live request
+    assert m.stats().slots_checkpoint == 0 and m.stats().slots_live == 2
+    m.finish("b")
+    m.finish("a")  # ends at 8, a block boundary: its live slot becomes the checkpoint (prompt_end)
+    assert m.stats().slots_checkpoint == 1 and m.stats().slots_free == 1
+    assert m.admit("c", list(range(9))) == 8 and m.stats().slots_checkpoint == 1
+    assert m.admit("d", [5] * 9) == 0 and m.stats().slots_checkpoint == 0
+    assert m.admit("e", [4] * 9) is None
+
+
+def test_last_slot_checkpoint_becomes_the_live_slot():
+    m = mgr(slots=2)  # a single usable slot
+    m.admit("a", list(range(9)))
+    run(m, "a", 8)
+    st = state(m, "a")
+    m.finish("a")
+    assert m.stats().slots_checkpoint == 1
+    assert m.admit("b", list(range(9))) == 8  # no slot to copy into: the checkpoint is handed over
+    assert same(state(m, "b"), st) and m.stats().slots_checkpoint == 0 and m.stats().slots_live == 1
+
+
+def test_stats_and_block_table_and_from_budget():
+    m = HybridCacheManager.from_budget(HYBRID, 40_000, block_size=BS, max_num_seqs=2, fingerprint="m1")
+    p = m.memory_plan
+    assert m.num_blocks == p.num_blocks > 0 and m.num_slots == p.num_slots
+    assert p.total_bytes <= 40_000
+    m.admit("a", list(range(6)))
+    run(m, "a", 6)
+    m.admit("b", list(range(100, 103)))
+    run(m, "b", 3)
+    s = m.stats()
+    assert s.kv_blocks_used == 3 and s.slots_live == 2 and s.running_requests == 2
+    assert s.fragmentation == pytest.approx((2 + 1) / (3 * BS))
+    t = m.block_table(["b", "a"])
+    assert t.dtype == torch.int32 and t.shape == (2, 2)
+    assert t[0, 0].item() == m.request("b").block_ids[0] and t[1].tolist() == m.request("a").block_ids
