@@ -42,7 +42,8 @@ def paged_attention_ref(q, kv_cache, query_start_loc, seq_lens, block_table, sca
 
     q [T, Hq, D]; kv_cache [num_blocks, 2, bs, Hkv, D]; query_start_loc [R+1] int32 (request r
     owns rows qsl[r]:qsl[r+1]); seq_lens [R] int32 (tokens in the cache for r, new ones included);
-    block_table [R, max_blocks] int32. Returns out [T, Hq, D] in q's dtype.
+    block_table [R, max_blocks] int32. Returns out [T, Hq, D] in q's dtype (padding rows past
+    query_start_loc[-1] are zero here and left unwritten by the Triton kernel).
 
     Request r's queries are the LAST `query_len_r` of its `seq_len_r` positions: query i sits at
     absolute position `p = seq_len_r - query_len_r + i`. With `causal` it sees keys j <= p
