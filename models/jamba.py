@@ -16,7 +16,7 @@ from .base import HybridModel
 from .forward_batch import ForwardBatch, ModelCaches
 from .mamba1_mixer import Mamba1Mixer
 from .mlp import GatedMLP
-from .moe import SparseMoE
+from .moe import PerExpertView, SparseMoE
 from .norms import RMSNorm
 from .slot_split import split_decode_prefill
 
@@ -94,6 +94,10 @@ class JambaModel(HybridModel):
         super().__init__(config)
         self.model = _JambaBody(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def load_weights(self, ckpt) -> None:
+        """Per-expert checkpoints as published, or transformers' fused expert tensors."""
+        super().load_weights(PerExpertView(ckpt))
 
     def cache_specs(self) -> dict[int, LayerSpec]:
         dtype = self.dtype

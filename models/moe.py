@@ -55,3 +55,39 @@ class SparseMoE(nn.Module):
             shared = self.shared_expert(hidden)
             out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * shared
         return out
+
+
+class PerExpertView:
+    """A checkpoint seen with per-expert names (`...experts.E.gate_proj.weight`) even when it stores
+    transformers' fused expert tensors (`...experts.gate_up_proj` [E, 2I, H] = gate|up,
+    `...experts.down_proj` [E, H, I]). Wraps anything with `__contains__` and `get(name)`."""
+
+    _PARTS = ("gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, ckpt):
+        self.ckpt = ckpt
+
+    def _fused(self, name: str):
+        """(fused tensor name, expert, part) when `name` is a per-expert weight absent as such."""
+        head, sep, tail = name.rpartition(".experts.")
+        pieces = tail.split(".")
+        if not sep or len(pieces) != 3 or pieces[1] not in self._PARTS or pieces[2] != "weight":
+            return None
+        fused = f"{head}.experts.{'down_proj' if pieces[1] == 'down_proj' else 'gate_up_proj'}"
+        return (fused, int(pieces[0]), pieces[1]) if fused in self.ckpt else None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.ckpt or self._fused(name) is not None
+
+    def get(self, name: str) -> torch.Tensor:
+        if name in self.ckpt:
+            return self.ckpt.get(name)
+        found = self._fused(name)
+        if found is None:
+            return self.ckpt.get(name)  # raises the checkpoint's own "missing tensor" error
+        fused, e, part = found
+        tensor = self.ckpt.get(fused)[e]
+        if part == "down_proj":
+            return tensor
+        gate, up = tensor.chunk(2, dim=0)
+        return gate if part == "gate_proj" else up

@@ -17,7 +17,7 @@ from .base import HybridModel
 from .forward_batch import ForwardBatch, ModelCaches
 from .gdn_mixer import GatedDeltaNetMixer
 from .mlp import GatedMLP
-from .moe import SparseMoE
+from .moe import PerExpertView, SparseMoE
 from .norms import RMSNorm
 from .rotary import RotaryEmbedding
 from .slot_split import split_decode_prefill
@@ -119,6 +119,10 @@ class Qwen3NextModel(HybridModel):
         if ".mlp.router." in name:
             return name.replace(".mlp.router.", ".mlp.gate.")
         return name
+
+    def load_weights(self, ckpt) -> None:
+        """Per-expert checkpoints as published, or transformers' fused expert tensors."""
+        super().load_weights(PerExpertView(ckpt))
 
     def cache_specs(self) -> dict[int, LayerSpec]:
         dtype = self.dtype

@@ -89,3 +89,41 @@ def test_qwen3_next_moe_with_shared_expert_matches_transformers():
 def test_bad_top_k_is_rejected():
     with pytest.raises(ValueError, match="num_experts_per_tok=5"):
         SparseMoE(H, 8, 4, 5, norm_topk_prob=False)
+
+
+@pytest.mark.parametrize("family", ["jamba", "qwen3_next"])
+def test_fused_expert_checkpoint_loads_like_per_expert(tmp_path, family):
+    """transformers' in-memory layout (experts.gate_up_proj / experts.down_proj) loads the same."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    from hybridkv.models import load_model
+    from hybridkv.models.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(family, tmp_path / "per_expert", seed=4)
+    tensors = load_file(path / "model.safetensors")
+    fused, groups = {}, {}
+    for name, t in tensors.items():
+        m = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", name)
+        if m:
+            groups.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = t
+        else:
+            fused[name] = t
+    assert groups, "the tiny checkpoint has MoE layers"
+    for prefix, parts in groups.items():
+        n = 1 + max(e for e, _ in parts)
+        fused[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]]) for e in range(n)])
+        fused[f"{prefix}.down_proj"] = torch.stack([parts[(e, "down_proj")] for e in range(n)])
+    other = tmp_path / "fused"
+    other.mkdir()
+    for f in path.iterdir():
+        if f.name != "model.safetensors":
+            (other / f.name).write_bytes(f.read_bytes())
+    save_file(fused, str(other / "model.safetensors"))
+
+    a, b = load_model(path).state_dict(), load_model(other).state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
