@@ -56,6 +56,7 @@ class LLM:
                                    enable_prefix_caching=enable_prefix_caching,
                                    preemption_mode=preemption_mode, max_model_len=max_model_len,
                                    seed=seed, **kwargs)
+        self.model_path = model
         self.model = load_model(model, device=device, dtype=_dtype(dtype))
         if max_model_len is not None:
             self.model.max_model_len = min(self.model.max_model_len or max_model_len, max_model_len)

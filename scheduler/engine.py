@@ -136,7 +136,8 @@ class Engine(MigrationMixin):
                                    f"stats: {self.mgr.stats()}")
             return []
         t0 = time.perf_counter()
-        logits = self.model(self._batch(plan.chunks), self.caches)
+        with torch.inference_mode():
+            logits = self.model(self._batch(plan.chunks), self.caches)
         self.counters["model_seconds"] += time.perf_counter() - t0
         self.counters["steps"] += 1
         touched: dict[str, Group] = {}
