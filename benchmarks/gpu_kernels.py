@@ -5,7 +5,8 @@
 3. timings (triton.testing.do_bench, median): paged decode (batch 64 x context 4096, 32 q heads,
    8 KV heads, head dim 128, block 16) in bytes/s against the copy bandwidth, against torch SDPA
    on the same KV stored contiguously and against a naive torch gather + SDPA paged path; a varlen
-   prefill batch in TFLOP/s; the decode state updates in bytes/s.
+   prefill batch in TFLOP/s; the decode state updates in bytes/s;
+4. a tiny Bamba through the engine, Triton backend against torch backend (identical tokens).
 Prints a table last; writes gpu_kernels.json under $OUT (or --out) when set.
 
     python benchmarks/gpu_kernels.py                 # on a CUDA GPU
@@ -32,6 +33,7 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_kernel_cases as cases  # noqa: E402
+import gpu_model_case  # noqa: E402
 from hybridkv.kernels import attention_ref  # noqa: E402
 
 
@@ -221,6 +223,8 @@ def main():
     timings = decode_rows(dev, dtype, ms_of, args.cpu_dry_run, copy_bw)
     timings += prefill_rows(dev, dtype, ms_of, args.cpu_dry_run)
     timings += state_rows(dev, dtype, ms_of, args.cpu_dry_run, copy_bw)
+    model_rows = gpu_model_case.bamba_rows(dev, small=args.cpu_dry_run)
+    timings += model_rows
     device = "cpu (dry run)" if args.cpu_dry_run else torch.cuda.get_device_name()
     print_table(copy_bw, checks, timings)
     print(f"device {device}, timing dtype {dtype}, wall {time.time() - start:.0f} s")
@@ -231,10 +235,10 @@ def main():
                   "checks": checks, "timings": timings}
         with open(os.path.join(args.out, "gpu_kernels.json"), "w") as f:
             json.dump(report, f, indent=1)
-    bad = [c for c in checks if c["status"] in ("FAIL", "ERROR")]
+    bad = [c for c in checks + model_rows if c.get("status") in ("FAIL", "ERROR")]
     if bad:
         sys.exit(f"{len(bad)} kernel check(s) failed: "
-                 + ", ".join(f"{c['kernel']}/{c['dtype']}" for c in bad))
+                 + ", ".join(c.get("kernel", c.get("case")) for c in bad))
 
 
 if __name__ == "__main__":
