@@ -25,9 +25,9 @@ def _pick(t, ref, triton_name, module):
 def paged_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale, causal=True,
                     sliding_window=None, soft_cap=None, max_query_len=None, max_seq_len=None):
     """q [T, Hq, D], kv_cache [num_blocks, 2, bs, Hkv, D] -> out [T, Hq, D]; see attention_ref."""
-    from .attention_ref import paged_attention_ref
+    from .attention_cpu import paged_attention_cpu  # batched torch path; attention_ref is the spec
 
-    fn = _pick(q, paged_attention_ref, "paged_attention_triton", "paged_attention_kernel")
+    fn = _pick(q, paged_attention_cpu, "paged_attention_triton", "paged_attention_kernel")
     return fn(q, kv_cache, query_start_loc, seq_lens, block_table, scale, causal=causal,
               sliding_window=sliding_window, soft_cap=soft_cap, max_query_len=max_query_len,
               max_seq_len=max_seq_len)

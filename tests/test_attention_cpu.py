@@ -1,0 +1,85 @@
+"""The fast CPU paged attention (kernels/attention_cpu.py) against the reference, on random inputs."""
+import math
+
+import pytest
+import torch
+
+import hybridkv.kernels as K
+from hybridkv.kernels.attention_cpu import paged_attention_cpu
+from hybridkv.kernels.attention_ref import paged_attention_ref
+
+# (query_len, seq_len): decodes at block edges, prefill chunks from 0 and after a context, an idle
+# request (0 queries), a one-token prompt
+MIXED = [(1, 1), (1, 17), (5, 33), (16, 16), (0, 10), (15, 31), (1, 64), (3, 32), (40, 70)]
+
+
+def paged_batch(reqs, bs, hkv, group, d, dtype=torch.float32, seed=0, pad_rows=2):
+    """Random q [T, Hq, D], a pool with shuffled blocks (spare ones between), a block table whose
+    unused columns hold random block ids, query_start_loc and seq_lens."""
+    g = torch.Generator().manual_seed(seed)
+    need = [math.ceil(s / bs) for _, s in reqs]
+    num_blocks = sum(need) + 6
+    kv = torch.randn(num_blocks, 2, bs, hkv, d, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g)
+    table = torch.randint(0, num_blocks, (len(reqs), max(need) + 2), generator=g, dtype=torch.int32)
+    used = 0
+    for r, n in enumerate(need):
+        table[r, :n] = perm[used:used + n].to(torch.int32)
+        used += n
+    t = sum(ql for ql, _ in reqs) + pad_rows
+    q = torch.randn(t, hkv * group, d, generator=g).to(dtype)
+    qsl = torch.tensor([0] + [ql for ql, _ in reqs]).cumsum(0).to(torch.int32)
+    seq_lens = torch.tensor([s for _, s in reqs], dtype=torch.int32)
+    return q, kv, qsl, seq_lens, table
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+@pytest.mark.parametrize("bs,hkv,group,d", [(16, 2, 2, 32), (8, 1, 4, 16), (32, 4, 1, 64)])
+@pytest.mark.parametrize("opts", [dict(), dict(sliding_window=7), dict(soft_cap=5.0),
+                                  dict(causal=False), dict(sliding_window=20, soft_cap=2.0)])
+def test_matches_reference(bs, hkv, group, d, opts):
+    q, kv, qsl, seq_lens, table = paged_batch(MIXED, bs, hkv, group, d, seed=bs + d)
+    scale = d ** -0.5
+    want = paged_attention_ref(q, kv, qsl, seq_lens, table, scale, **opts)
+    got = paged_attention_cpu(q, kv, qsl, seq_lens, table, scale, **opts)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert rel_err(got, want) < 1e-5
+    assert torch.equal(got[qsl[-1]:], torch.zeros_like(got[qsl[-1]:]))  # padding rows stay zero
+
+
+@pytest.mark.parametrize("reqs", [[(1, s) for s in (1, 5, 16, 17, 90)], [(33, 33)], [(7, 50), (2, 2)]])
+def test_all_decode_or_all_prefill(reqs):
+    q, kv, qsl, seq_lens, table = paged_batch(reqs, 16, 2, 3, 32, seed=len(reqs))
+    want = paged_attention_ref(q, kv, qsl, seq_lens, table, 0.2)
+    assert rel_err(paged_attention_cpu(q, kv, qsl, seq_lens, table, 0.2), want) < 1e-5
+
+
+def test_half_precision_pool_matches_reference():
+    q, kv, qsl, seq_lens, table = paged_batch(MIXED, 16, 2, 2, 32, dtype=torch.float16, seed=3)
+    want = paged_attention_ref(q, kv, qsl, seq_lens, table, 0.15)
+    got = paged_attention_cpu(q, kv, qsl, seq_lens, table, 0.15)
+    assert got.dtype == torch.float16 and rel_err(got, want) < 2e-3
+
+
+def test_bad_inputs_raise_like_the_reference():
+    q, kv, qsl, seq_lens, table = paged_batch([(3, 2)], 16, 2, 2, 16)
+    with pytest.raises(ValueError, match="query_len 3 > seq_len 2"):
+        paged_attention_cpu(q, kv, qsl, seq_lens, table, 0.1)
+    q, kv, qsl, seq_lens, table = paged_batch([(1, 20)], 16, 2, 2, 16)
+    with pytest.raises(ValueError, match="block_table has 1 columns"):
+        paged_attention_cpu(q, kv, qsl, seq_lens, table[:, :1], 0.1)
+
+
+def test_dispatch_routes_cpu_torch_backend_here(monkeypatch):
+    """kernels.paged_attention on CPU tensors runs this path (the reference stays the spec)."""
+    monkeypatch.delenv("HYBRIDKV_BACKEND", raising=False)
+    calls = []
+    import hybridkv.kernels.attention_cpu as mod
+
+    monkeypatch.setattr(mod, "paged_attention_cpu", lambda *a, **k: calls.append(1) or paged_attention_cpu(*a, **k))
+    q, kv, qsl, seq_lens, table = paged_batch(MIXED, 16, 2, 2, 32)
+    out = K.paged_attention(q, kv, qsl, seq_lens, table, 0.2)
+    assert calls == [1] and rel_err(out, paged_attention_ref(q, kv, qsl, seq_lens, table, 0.2)) < 1e-5
