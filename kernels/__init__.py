@@ -88,9 +88,9 @@ def mamba2_chunk_scan(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_loc,
                       has_initial_state, chunk_size=256, dt_softplus=True, return_states_at=None,
                       dt_limit=None):
     """Varlen chunked SSD from each slot's state; leaves the final state in the slot."""
-    from .mamba2_ref import mamba2_chunk_scan_ref
+    from .mamba2_cpu import mamba2_chunk_scan_cpu  # batched torch path; mamba2_ref is the spec
 
-    return mamba2_chunk_scan_ref(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_loc,
+    return mamba2_chunk_scan_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_loc,
                                  slot_idx, has_initial_state, chunk_size, dt_softplus,
                                  return_states_at, dt_limit=dt_limit)
 
