@@ -58,8 +58,10 @@ def test_serial_replay_hits_equal_oracle(policy, boundaries):
 
 
 def test_branch_points_at_least_prompt_end_on_agent_trace():
+    # holds from 8 checkpoint slots up; below that branch_points' extra states evict useful ones
+    # (BENCHMARKS.md, "Prefix-cache policies")
     trace = agent_sessions(num_sessions=8, turns=3)
-    for slots in (2, 8, 32):
+    for slots in (8, 32):
         rates = {p: replay(make_manager(p, slots, 4), trace, max_num_seqs=4).hit_rate
                  for p in ("prompt_end", "branch_points")}
         assert rates["branch_points"] >= rates["prompt_end"], (slots, rates)
