@@ -44,8 +44,8 @@ def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[li
     return [[rng.randrange(4, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def run_transformers(path, prompts, new_tokens: int) -> tuple[float, list[list[int]]]:
-    """Seconds for one left-padded greedy batch through HF generate; and its new tokens."""
+def run_transformers(path, prompts, new_tokens: int) -> tuple[float, float, list[list[int]]]:
+    """Wall and CPU seconds for one left-padded greedy batch through HF generate; its new tokens."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
@@ -60,21 +60,22 @@ def run_transformers(path, prompts, new_tokens: int) -> tuple[float, list[list[i
     with torch.inference_mode():
         hf.generate(ids[:2, -8:], attention_mask=mask[:2, -8:], max_new_tokens=2, do_sample=False,
                     pad_token_id=0)  # warm-up: first-call allocations and lazy imports
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = hf.generate(ids, **kw)
-        secs = time.perf_counter() - t0
-    return secs, [row[width:].tolist() for row in out]
+        secs, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return secs, cpu, [row[width:].tolist() for row in out]
 
 
-def run_hybridkv(path, prompts, new_tokens: int, max_batched: int) -> tuple[float, list[list[int]], dict]:
+def run_hybridkv(path, prompts, new_tokens: int, max_batched: int) -> tuple[float, float, list[list[int]], dict]:
+    """Wall and CPU seconds of LLM.generate over the prompts; the new tokens; the engine's stats."""
     llm = LLM(str(path), memory_budget_bytes=256 << 20, max_num_seqs=len(prompts),
               max_num_batched_tokens=max_batched)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    secs = time.perf_counter() - t0
-    return secs, [o.outputs[0].token_ids for o in outs], llm.stats()
+    secs, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return secs, cpu, [o.outputs[0].token_ids for o in outs], llm.stats()
 
 
 def part_throughput(args) -> dict:
@@ -85,23 +86,27 @@ def part_throughput(args) -> dict:
         path = make_tiny_checkpoint("bamba", d, **cfg)
         n, lo, hi, new = (8, 16, 64, 8) if args.quick else (32, 32, 256, 64)
         prompts = make_prompts(n, lo, hi, cfg["vocab_size"])
-        ours, hf = [], []
+        ours, hf, cpu_ratio = [], [], []
         for _ in range(args.repeats):
-            s_ours, t_ours, stats = run_hybridkv(path, prompts, new, args.max_batched_tokens)
-            s_hf, t_hf = run_transformers(path, prompts, new)
+            s_ours, c_ours, t_ours, stats = run_hybridkv(path, prompts, new, args.max_batched_tokens)
+            s_hf, c_hf, t_hf = run_transformers(path, prompts, new)
             ours.append(s_ours)
             hf.append(s_hf)
-            print(f"  run: hybridkv {s_ours:.2f} s, transformers {s_hf:.2f} s")
+            cpu_ratio.append(c_hf / c_ours)
+            print(f"  run: hybridkv {s_ours:.2f} s wall ({c_ours:.2f} s CPU), transformers {s_hf:.2f} s "
+                  f"wall ({c_hf:.2f} s CPU)", flush=True)
     same = sum(a == b for a, b in zip(t_ours, t_hf))
     gen = n * new
     res = {"ours_tps": gen / statistics.median(ours), "hf_tps": gen / statistics.median(hf),
            "same": same, "n": n, "prompt_tokens": sum(map(len, prompts)), "steps": stats["steps"]}
     res["ratio"] = res["ours_tps"] / res["hf_tps"]
+    res["cpu_ratio"] = statistics.median(cpu_ratio)
     print(f"throughput: {n} prompts ({res['prompt_tokens']} prompt tokens), {new} new tokens each, "
           f"{res['steps']} engine steps")
     print(f"  hybridkv      {res['ours_tps']:8.1f} generated tok/s (median of {args.repeats})")
     print(f"  transformers  {res['hf_tps']:8.1f} generated tok/s (one left-padded batch)")
-    print(f"  ratio         {res['ratio']:8.2f}x   greedy outputs identical on {same}/{n} requests")
+    print(f"  ratio         {res['ratio']:8.2f}x wall, {res['cpu_ratio']:.2f}x CPU time; greedy outputs "
+          f"identical on {same}/{n} requests")
     return res
 
 

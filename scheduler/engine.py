@@ -126,6 +126,7 @@ class Engine(MigrationMixin):
         }
 
     # ---- the step --------------------------------------------------------------------------
+    @torch.no_grad()  # serving needs no autograd graph (it would also chain the pools across steps)
     def step(self) -> list[RequestOutput]:
         """Run one batch; returns the outputs of the requests that advanced (finished ones last time)."""
         plan = self.scheduler.schedule()
