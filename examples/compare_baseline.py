@@ -79,9 +79,12 @@ def workload(n: int, system_len: int, question: tuple[int, int], answer: tuple[i
             for _ in range(n)]
 
 
-def serve(path: Path, work, budget: int, max_len: int, mode: str, max_num_seqs: int) -> dict:
-    """Run `work` through LLM in `mode` ('paged' | 'contiguous'); per-step samples and totals."""
-    kw = contiguous_llm_kwargs(max_len) if mode == "contiguous" else dict(block_size=16, max_model_len=max_len)
+def serve(path: Path, work, budget: int, max_len: int, mode: str, max_num_seqs: int,
+          checkpoint_policy: str = "branch_points") -> dict:
+    """Run `work` through LLM in `mode` ('paged' | 'contiguous'); per-step samples and totals.
+    Paged runs use prefix caching with `checkpoint_policy` (ignored by pure-attention models)."""
+    kw = contiguous_llm_kwargs(max_len) if mode == "contiguous" else dict(
+        block_size=16, max_model_len=max_len, checkpoint_policy=checkpoint_policy)
     llm = LLM(str(path), dtype="float32", memory_budget_bytes=budget, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=512, preemption_mode="recompute", **kw)
     mgr = llm.manager
@@ -114,7 +117,7 @@ def serve(path: Path, work, budget: int, max_len: int, mode: str, max_num_seqs: 
         "prefix_hit_rate": st["prefix_hit_rate"], "preemptions": sum(st["preemptions"].values())}
 
 
-def real_runs(small: bool, workdir: Path) -> dict:
+def real_runs(small: bool, workdir: Path, checkpoint_policy: str = "branch_points") -> dict:
     layers, max_len = 4, 256
     n, system_len, question, answer = (8, 32, (8, 96), (4, 12)) if small else (24, 48, (16, 160), (8, 32))
     budget = 1 * MiB
@@ -123,11 +126,12 @@ def real_runs(small: bool, workdir: Path) -> dict:
     runs = {}
     for name, path in models.items():
         for mode in ("paged", "contiguous"):
-            runs[f"{name}, {mode}"] = serve(path, work, budget, max_len, mode, max_num_seqs=12)
+            runs[f"{name}, {mode}"] = serve(path, work, budget, max_len, mode, 12, checkpoint_policy)
             print(f"  ran {name}, {mode}: {runs[f'{name}, {mode}']['steps']} steps", flush=True)
     specs = {name: load_specs(path / "config.json", None) for name, path in models.items()}
     per_req = {name: {c: bytes_per_request(s, c) for c in (max_len, 4096)} for name, s in specs.items()}
     return {"budget_bytes": budget, "max_model_len": max_len, "requests": n, "layers": layers,
+            "checkpoint_policy": checkpoint_policy,
             "prompt_tokens": sum(len(i) for i, _ in work), "bytes_per_request": per_req, "runs": runs}
 
 
@@ -141,7 +145,8 @@ def markdown(plan: dict, budget_gib: float, real: dict) -> str:
         lines.append(f"| {name} | {p['kv_bytes_per_token'] / 1024:.0f} KiB | {p['state_bytes'] / MiB:.1f} MiB "
                      f"| {b[4096] / MiB:.0f} MiB | {b[32768] / MiB:.0f} MiB | {c[4096]} | {c[32768]} |")
     lines += ["", f"### Real runs on CPU: tiny models, {real['layers']} layers, budget {real['budget_bytes'] // 1024} KiB, "
-              f"{real['requests']} requests ({real['prompt_tokens']} prompt tokens), max_model_len {real['max_model_len']}", "",
+              f"{real['requests']} requests ({real['prompt_tokens']} prompt tokens), max_model_len {real['max_model_len']}, "
+              f"max_num_seqs 12, hybrid checkpoint policy {real['checkpoint_policy']}", "",
               "| model, mode | KV blocks x tokens | state slots | running mean / max | utilization (held / reserved) "
               "| peak KV+state in use | tokens/s | generated tok/s | prefix hit rate | preemptions | steps |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -165,6 +170,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--baseline-config", type=Path, default=CONFIGS / "llama-3-8b.json",
                     help="the pure-attention config drawn as the baseline")
     ap.add_argument("--budget-gib", type=float, default=40.0, help="KV+state budget of the planner (GiB)")
+    ap.add_argument("--checkpoint-policy", default="branch_points",
+                    help="the hybrid's state checkpoint policy in the paged runs")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -174,7 +181,7 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     plan = planner(paths, int(a.budget_gib * 2**30))
     with tempfile.TemporaryDirectory() as tmp:
-        real = real_runs(a.small, Path(tmp))
+        real = real_runs(a.small, Path(tmp), a.checkpoint_policy)
     report = {"planner": plan, "budget_gib": a.budget_gib, "baseline": a.baseline_config.stem, "real": real,
               "seconds": time.perf_counter() - t0,
               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, python {platform.python_version()}"}
