@@ -16,7 +16,7 @@ def test_family_through_engine_under_pressure(family, tmp_path):
     probe = LLM(str(path), memory_budget_bytes=8 << 20)
     specs = probe.model.cache_specs()
     prompts = ragged_prompts(6, probe.model.vocab_size, seed=5)
-    llm = LLM(str(path), memory_budget_bytes=tight_budget(specs, 16, blocks=9, slots=1 + 3 + 2),
+    llm = LLM(str(path), memory_budget_bytes=tight_budget(specs, 16, blocks=6, slots=1 + 3),
               max_num_seqs=3, max_num_batched_tokens=24, preemption_mode="recompute", checkpoint_share=0.0)
     outs = llm.generate(prompts, greedy(12), use_tqdm=False)
     for p, o in zip(prompts, outs):
