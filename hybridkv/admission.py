@@ -77,7 +77,8 @@ class AdmissionMixin:
             r.row = self.tables.new_row()
             self.tables.write(r.row, 0, r.block_ids)
         r.num_computed_tokens, r.num_hashed_blocks = hit, hit // bs
-        r.branch_point = m.kv_match_tokens if m.kv_match_tokens > hit else None
+        # Only a real junction (another cached continuation), not the end of a cached sequence.
+        r.branch_point = m.kv_match_tokens if m.kv_match_tokens > hit and m.branches else None
         r.status = RUNNING
         self._queries += 1
         self._query_tokens += n_tok

@@ -28,6 +28,9 @@ class BlockPool:
         self.refcount: list[int] = [0] * self.num_blocks
         self.block_hash: list[Optional[bytes]] = [None] * self.num_blocks
         self.cached: dict[bytes, int] = {}  # hash -> the one block that answers for it
+        # The prefix tree's branching: parent hash -> hashes of cached blocks that continue it.
+        self.parent: list[Optional[bytes]] = [None] * self.num_blocks
+        self.children: dict[bytes, set[bytes]] = {}
         # Free blocks, least recently useful first; popping the front evicts its hash.
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(self.num_blocks))
 
@@ -72,14 +75,29 @@ class BlockPool:
                 h = self.block_hash[b]
                 free[b] = None
                 if h is not None and self.cached.setdefault(h, b) == b:
+                    self._link(b, h)
                     continue  # findable: kept at the back
                 self.block_hash[b] = None  # unhashed, or a duplicate another block answers for
                 free.move_to_end(b, last=False)
 
-    def set_hash(self, block: int, h: bytes) -> None:
-        """Record a full block's chained hash; the first block with a hash answers lookups for it."""
+    def set_hash(self, block: int, h: bytes, parent: Optional[bytes] = None) -> None:
+        """Record a full block's chained hash (and the hash of the block before it, b"" for the
+        first); the first block with a hash answers lookups for it."""
         self.block_hash[block] = h
-        self.cached.setdefault(h, block)
+        if parent is not None:
+            self.parent[block] = parent
+        if self.cached.setdefault(h, block) == block:
+            self._link(block, h)
+
+    def _link(self, block: int, h: bytes) -> None:
+        if self.parent[block] is not None:
+            self.children.setdefault(self.parent[block], set()).add(h)
+
+    def has_other_child(self, parent: bytes, child: Optional[bytes]) -> bool:
+        """Whether a cached block continues `parent` with content other than `child`: the
+        prefix tree branches there."""
+        kids = self.children.get(parent, ())
+        return any(k != child for k in kids)
 
     def lookup(self, h: bytes) -> Optional[int]:
         return self.cached.get(h)
@@ -90,6 +108,12 @@ class BlockPool:
             self.block_hash[b] = None
             if self.cached.get(h) == b:
                 del self.cached[h]
+                p = self.parent[b]
+                if p is not None and p in self.children:
+                    self.children[p].discard(h)
+                    if not self.children[p]:
+                        del self.children[p]
+            self.parent[b] = None
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy block `src` into `dst` in every layer (copy-on-write of a shared partial block)."""

@@ -215,7 +215,8 @@ class HybridCacheManager(AdmissionMixin, TransferMixin):
         extend_hashes(r.block_hashes, r.token_ids, full, r.extra_key, self.block_size)
         if self.has_attention:
             for i in range(r.num_hashed_blocks, full):
-                self.blocks.set_hash(r.block_ids[i], r.block_hashes[i])
+                parent = r.block_hashes[i - 1] if i else b""
+                self.blocks.set_hash(r.block_ids[i], r.block_hashes[i], parent)
         r.num_hashed_blocks = full
 
     def block_table(self, req_ids: Sequence[Hashable], width: Optional[int] = None) -> torch.Tensor:

@@ -17,7 +17,9 @@ class CheckpointPolicy:
     prompt_end: the last block boundary strictly inside the prompt, `((P - 1) // bs) x bs`, which a
     repeat of the same prompt (a hit leaves one token) and any longer prompt extending it can reuse.
     branch_points: prompt_end, plus the junction where a new prompt's KV match runs past its
-    deepest checkpoint (a shared prefix that branches there), found at admission.
+    deepest checkpoint AND another cached block continues the match with other content (the
+    prefix tree branches there), found at admission. The end of a cached sequence that a new
+    prompt merely extends (the next turn of a chat) is not a junction.
     """
 
     def __init__(self, name: str, block_size: int, every_n: int = 4):

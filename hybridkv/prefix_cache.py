@@ -32,13 +32,15 @@ class Checkpoint:
 class PrefixMatch:
     """Result of a lookup. hit_tokens: usable prefix (blocks AND, for recurrent models, a checkpoint);
     blocks: the KV blocks of [0, hit_tokens); checkpoint: the state at hit_tokens, or None;
-    kv_match_tokens: how far the KV blocks alone matched; miss: reason when hit_tokens == 0."""
+    kv_match_tokens: how far the KV blocks alone matched; miss: reason when hit_tokens == 0;
+    branches: a cached block continues the KV match with other content (a shared-prefix junction)."""
 
     hit_tokens: int = 0
     blocks: list[int] = field(default_factory=list)
     checkpoint: Optional[Checkpoint] = None
     kv_match_tokens: int = 0
     miss: Optional[str] = None
+    branches: bool = False
 
 
 def extra_key(fingerprint: str, adapter_id=None, mm_hashes: Sequence[str] = (), cache_salt=None) -> bytes:
@@ -95,7 +97,9 @@ class PrefixCache:
         if not self.has_attention:
             k = m  # no KV to tell where known prefixes run
         miss = None if m else (MISS_NO_KV if k == 0 else MISS_NO_CHECKPOINT)
-        return PrefixMatch(m * self.block_size, blocks[:m], ckpt, k * self.block_size, miss)
+        branches = (self.has_attention and 0 < k < len(hashes)
+                    and self.blocks.has_other_child(hashes[k - 1], hashes[k]))
+        return PrefixMatch(m * self.block_size, blocks[:m], ckpt, k * self.block_size, miss, branches)
 
     def touch(self, h: bytes) -> Checkpoint:
         self._clock += 1
