@@ -10,6 +10,7 @@ _ARCHITECTURES: dict[str, str] = {
     "BambaForCausalLM": "bamba",
     "JambaForCausalLM": "jamba",
     "Qwen3NextForCausalLM": "qwen3_next",
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
     "Lfm2ForCausalLM": "lfm2",
 }
 
