@@ -151,8 +151,8 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req")
         while len(done) < len(ids) and self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.finished and out.request_id in ids:
+            for out in self.engine.step(finished_only=True):
+                if out.request_id in ids:
                     done[out.request_id] = out
                     bar.update(1)
         bar.close()

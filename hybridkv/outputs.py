@@ -2,18 +2,34 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass
 class CompletionOutput:
-    """One sampled sequence of a request (index j of n)."""
+    """One sampled sequence of a request (index j of n).
+
+    `text` is decoded on first access (and cut before the first stop string), so a server that
+    only reads token ids never pays for detokenization.
+    """
 
     index: int
     token_ids: list[int]
-    text: str = ""
     finish_reason: Optional[str] = None  # "stop" (EOS, stop id or string), "length", "abort"
     logprobs: Optional[list[dict[int, float]]] = None
+    tokenizer: Any = field(default=None, repr=False, compare=False)
+    stop: tuple[str, ...] = field(default=(), repr=False, compare=False)
+    _text: Optional[str] = field(default=None, repr=False, compare=False)
+
+    @property
+    def text(self) -> str:
+        if self._text is None:
+            text = ""
+            if self.tokenizer is not None and self.token_ids:
+                text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+            cut = [text.find(s) for s in self.stop if s in text]
+            self._text = text[: min(cut)] if cut else text
+        return self._text
 
     @property
     def finished(self) -> bool:

@@ -20,7 +20,7 @@ from .migration import MigrationMixin
 from .request import Request, RequestStatus
 from .sampler import SampleRow, Sampler
 from .scheduler import ScheduledChunk, Scheduler
-from .stopping import check_stop, visible_text
+from .stopping import check_stop
 
 
 @dataclass
@@ -127,8 +127,9 @@ class Engine(MigrationMixin):
 
     # ---- the step --------------------------------------------------------------------------
     @torch.no_grad()  # serving needs no autograd graph (it would also chain the pools across steps)
-    def step(self) -> list[RequestOutput]:
-        """Run one batch; returns the outputs of the requests that advanced (finished ones last time)."""
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """Run one batch; returns the outputs of the requests that advanced (only those that
+        finished, with `finished_only`: what generate() needs, without per-step copies)."""
         plan = self.scheduler.schedule()
         self.counters["swaps_out"] += sum(1 for _, m in plan.preempted if m == "swap")
         if not plan.chunks:
@@ -160,13 +161,14 @@ class Engine(MigrationMixin):
             for seq, tok, lp in zip(row_reqs, tokens, logprobs):
                 self._append(seq, tok, lp)
                 touched[seq.group_id] = self.groups[seq.group_id]
+        if finished_only:
+            return [self._output(g) for g in touched.values() if g.finished]
         return [self._output(g) for g in touched.values()]
 
     def _batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
         ids, pos, slots, qsl, seq_lens = [], [], [], [0], []
         for c in chunks:
-            toks = c.request.all_token_ids
-            ids.extend(toks[c.start:c.start + c.num_tokens])
+            ids.extend(c.request.token_slice(c.start, c.start + c.num_tokens))
             pos.extend(range(c.start, c.start + c.num_tokens))
             slots.extend(c.slot_mapping)
             qsl.append(qsl[-1] + c.num_tokens)
@@ -214,8 +216,9 @@ class Engine(MigrationMixin):
             self._release(seq, reason)
 
     def _output(self, g: Group) -> RequestOutput:
-        outs = [CompletionOutput(s.seq_index, list(s.output_token_ids), visible_text(s, self.tokenizer),
-                                 s.finish_reason, list(s.output_logprobs) if s.params.logprobs is not None else None)
+        outs = [CompletionOutput(s.seq_index, list(s.output_token_ids), s.finish_reason,
+                                 list(s.output_logprobs) if s.params.logprobs is not None else None,
+                                 self.tokenizer, tuple(s.params.stop))
                 for s in g.seqs]
         done = g.finished
         if done:

@@ -74,13 +74,19 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_tokens
         # Decodes (one token left to compute) before prefills; within each, by priority/arrival.
-        order = sorted(self.running, key=lambda r: (self._remaining(r) > 1, r.sort_key()))
-        for req in order:
+        reqs = self.mgr.requests
+        order = []
+        for r in self.running:
+            start = reqs[r.request_id].num_computed_tokens
+            rem = r.num_tokens - start
+            order.append((rem > 1, r.priority, r.arrival, start, rem, r))
+        order.sort(key=lambda x: x[:3])
+        for _, _, _, start, rem, req in order:
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            chunk = self._fit_running(req, budget, out)
+            chunk = self._fit_running(req, start, min(rem, budget), out)
             if chunk is not None:
                 out.chunks.append(chunk)
                 budget -= chunk.num_tokens
@@ -110,9 +116,8 @@ class Scheduler:
         due = self.mgr.checkpoint_due(req.request_id, start, start + n)
         return (due - start, True) if due is not None else (n, False)
 
-    def _fit_running(self, req: Request, budget: int, out: SchedulerOutput) -> Optional[ScheduledChunk]:
-        start = self.mgr.request(req.request_id).num_computed_tokens
-        n, ckpt = self._cut(req, start, min(self._remaining(req), budget))
+    def _fit_running(self, req: Request, start: int, n: int, out: SchedulerOutput) -> Optional[ScheduledChunk]:
+        n, ckpt = self._cut(req, start, n)
         while True:
             slots = self.mgr.allocate(req.request_id, n)
             if slots is not None:

@@ -24,10 +24,3 @@ def check_stop(req: Request, eos_ids: set[int], max_model_len: int, tokenizer) -
     if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= max_model_len:
         return "length"
     return None
-
-
-def visible_text(req: Request, tokenizer) -> str:
-    """Decoded output, cut before the first stop string that appears in it."""
-    text = decode(tokenizer, req.output_token_ids)
-    cut = [text.find(s) for s in req.params.stop if s in text]
-    return text[: min(cut)] if cut else text
