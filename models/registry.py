@@ -11,6 +11,7 @@ _ARCHITECTURES: dict[str, str] = {
     "JambaForCausalLM": "jamba",
     "Qwen3NextForCausalLM": "qwen3_next",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
+    "NemotronHForCausalLM": "nemotron_h",
     "Lfm2ForCausalLM": "lfm2",
 }
 
