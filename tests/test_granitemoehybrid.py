@@ -1,7 +1,10 @@
 """GraniteMoeHybrid (Mamba2 + attention, shared MLP + MoE, Granite multipliers) on the pools
 against transformers' GraniteMoeHybridForCausalLM."""
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from hybridkv import LLM, SamplingParams
@@ -123,3 +126,19 @@ def test_engine_generate_matches_transformers(models, tiny_path):
         assert assert_greedy_matches_hf(hf, p, o.outputs[0].token_ids) == 0
     stats = llm.stats()
     assert stats["kv_blocks_used"] == 0 and stats["state_slots_live"] == 0, stats
+
+
+def test_transformers_in_memory_names_load_the_same(models, tiny_path, tmp_path):
+    """A checkpoint holding transformers' own parameter names (stacked experts) loads identically."""
+    ours, hf = models
+    assert "model.layers.0.block_sparse_moe.input_linear.weight" in load_file(str(tiny_path / "model.safetensors"))
+    shutil.copytree(tiny_path, tmp_path / "ckpt")
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert any(k.endswith("block_sparse_moe.experts.gate_up_proj") for k in state)
+    save_file(state, str(tmp_path / "ckpt" / "model.safetensors"), metadata={"format": "pt"})
+    again = load_model(tmp_path / "ckpt")
+    prompt = _prompt(BS + 3, 9)
+    a, b = Harness(ours), Harness(again)
+    torch.testing.assert_close(a.step([(a.add(prompt), len(prompt))], return_all_logits=True),
+                               b.step([(b.add(prompt), len(prompt))], return_all_logits=True),
+                               rtol=0, atol=0)
