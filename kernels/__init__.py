@@ -78,9 +78,9 @@ def mamba1_scan(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_loc, slot_
 def mamba2_state_update(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, dt_softplus=True,
                         dt_limit=None):
     """SSD step. ssm_state [S, H, P, N]; x [B, H, P]; dt [B, H]; B, C [B, G, N] -> y [B, H, P]."""
-    from .mamba2_ref import mamba2_state_update_ref
+    from .mamba2_cpu import mamba2_state_update_cpu  # in-place torch path; mamba2_ref is the spec
 
-    fn = _pick(x, mamba2_state_update_ref, "mamba2_state_update_triton", "mamba2")
+    fn = _pick(x, mamba2_state_update_cpu, "mamba2_state_update_triton", "mamba2")
     return fn(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, dt_softplus, dt_limit=dt_limit)
 
 

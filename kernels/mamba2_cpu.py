@@ -83,3 +83,28 @@ def mamba2_chunk_scan_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_
         w = torch.tensor(write, device=x.device)
         ssm_state[slots[w]] = h[w].to(ssm_state.dtype)
     return _gate(out, x, D, z).to(x.dtype)
+
+
+def mamba2_state_update_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, dt_softplus=True,
+                            dt_limit=None):
+    """Same contract as `mamba2_ref.mamba2_state_update_ref`, with fewer passes over the state.
+
+    The state rows are gathered once, decayed and updated in place (the outer product x B^T
+    added by one batched matmul, no [B, H, P, N] temporary), read out by one batched matmul
+    with C, and scattered back once. Heads of one group share B and C rows.
+    """
+    slots = slot_idx.long()
+    nb, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    dt = _discretize_dt(dt, dt_bias, dt_softplus, dt_limit)  # [nb, H] fp32
+    h = ssm_state.index_select(0, slots)
+    h = h.float() if h.dtype != torch.float32 else h
+    h.mul_(torch.exp(dt * A.float())[..., None, None])
+    xdt = (x.float() * dt[..., None]).reshape(nb * H, P, 1)
+    Bh = B.float().repeat_interleave(H // G, dim=1).reshape(nb * H, 1, N)
+    hv = h.view(nb * H, P, N)
+    hv.baddbmm_(xdt, Bh)
+    ssm_state.index_copy_(0, slots, h.to(ssm_state.dtype))
+    Ch = C.float().repeat_interleave(H // G, dim=1).reshape(nb * H, N, 1)
+    y = torch.bmm(hv, Ch).view(nb, H, P)
+    return _gate(y, x, D, z).to(x.dtype)

@@ -71,3 +71,29 @@ def test_states_at_positions_go_to_reference():
     y2, s2 = mamba2_chunk_scan_cpu(b, **args, query_start_loc=qsl, slot_idx=slots, has_initial_state=has_init,
                                    chunk_size=8, return_states_at=[[8, 20], [3]])
     assert torch.equal(y1, y2) and all(torch.equal(u, v) for u, v in zip(s1, s2))
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("with_z, dt_limit", [(True, None), (False, (0.05, 1.5))])
+def test_state_update_matches_reference(pool_dtype, with_z, dt_limit):
+    from hybridkv.kernels.mamba2_cpu import mamba2_state_update_cpu
+    from hybridkv.kernels.mamba2_ref import mamba2_state_update_ref
+
+    g = torch.Generator().manual_seed(3)
+    nb = 5
+    x, dt = torch.randn(nb, H, P, generator=g), torch.randn(nb, H, generator=g)
+    A = -torch.exp(torch.randn(H, generator=g) * 0.5)
+    B, C = torch.randn(nb, G, N, generator=g), torch.randn(nb, G, N, generator=g)
+    D, dt_bias = torch.randn(H, generator=g), torch.randn(H, generator=g) * 0.5
+    z = torch.randn(nb, H, P, generator=g) if with_z else None
+    slots = (torch.randperm(SLOTS - 1, generator=g)[:nb] + 1).to(torch.int32)
+    pool = torch.randn(SLOTS, H, P, N, generator=g).to(pool_dtype)
+    ref_pool, cpu_pool = pool.clone(), pool.clone()
+    want = mamba2_state_update_ref(ref_pool, x, dt, A, B, C, D, z, dt_bias, slots, True, dt_limit)
+    got = mamba2_state_update_cpu(cpu_pool, x, dt, A, B, C, D, z, dt_bias, slots, True, dt_limit)
+    tol = 1e-5 if pool_dtype == torch.float32 else 2e-3
+    assert rel_err(got, want) < tol
+    assert rel_err(cpu_pool, ref_pool) < tol
+    untouched = torch.ones(SLOTS, dtype=torch.bool)
+    untouched[slots.long()] = False
+    assert torch.equal(cpu_pool[untouched], pool[untouched])
