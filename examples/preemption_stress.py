@@ -148,7 +148,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mode-a", default="recompute", choices=["recompute", "swap", "auto"])
     ap.add_argument("--mode-b", default="swap", choices=["recompute", "swap", "auto"])
+    ap.add_argument("--inject-fault", action="store_true",
+                    help="corrupt every swapped-in state (shows that the comparison catches a broken swap)")
     args = ap.parse_args(argv)
+    if args.inject_fault:
+        inject_swap_fault()
     n = args.requests or (16 if args.small else 48)
     max_prompt, max_new = (48, 16) if args.small else (90, 32)
     with tempfile.TemporaryDirectory() as d:
@@ -158,6 +162,19 @@ def main(argv=None) -> int:
 
             path = str(make_tiny_checkpoint("bamba", d))
         return run(path, n, max_prompt, max_new, args)
+
+
+def inject_swap_fault() -> None:
+    """Make swap-in restore a perturbed state: a real memory bug the stress run must report."""
+    import hybridkv.transfer as transfer
+
+    def corrupted_copy_in(blocks, states, copy, block_ids, slot):
+        copy.ssm = {i: t * 1.5 + 0.5 for i, t in copy.ssm.items()}
+        copy.kv = {i: t * 1.5 + 0.5 for i, t in copy.kv.items()}
+        real_copy_in(blocks, states, copy, block_ids, slot)
+
+    real_copy_in = transfer.copy_in
+    transfer.copy_in = corrupted_copy_in
 
 
 def run(path: str, n: int, max_prompt: int, max_new: int, args) -> int:

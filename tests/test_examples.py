@@ -8,11 +8,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_example(*args: str, timeout: int = 120) -> str:
+def run_example(*args: str, timeout: int = 120, expect_rc: int = 0) -> str:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / args[0]), *args[1:]], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == expect_rc, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
 
 
@@ -41,3 +41,8 @@ def test_preemption_stress_small():
     assert count(r"forks: (\d+)", out)[0] > 0
     assert count(r"prefix hits: (\d+) tokens", out)[0] > 0
     assert len(re.findall(r"kv_blocks_used 0, state_slots_live 0", out)) == 2, out
+
+
+def test_preemption_stress_reports_a_broken_swap():
+    out = run_example("preemption_stress.py", "--small", "--inject-fault", expect_rc=1)
+    assert "RESULT: FAIL" in out and "DIVERGED" in out, out
