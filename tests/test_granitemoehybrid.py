@@ -1,19 +1,14 @@
 """GraniteMoeHybrid (Mamba2 + attention, shared MLP + MoE, Granite multipliers) on the pools
 against transformers' GraniteMoeHybridForCausalLM."""
-import shutil
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
 
-from hybridkv import LLM, SamplingParams
-from hybridkv.models import load_model
+from family_checks import (BS, check_engine_generate, check_prompt_logits, check_ragged_batch_greedy,
+                           check_state_checkpoint_at_block_boundary,
+                           check_transformers_names_load_the_same,
+                           check_uneven_chunks_equal_one_pass, load_pair)
 from hybridkv.models.tiny import make_tiny_checkpoint
 from hybridkv.specs import AttentionSpec, RecurrentSpec
-from model_harness import Harness, assert_close_rel, assert_greedy_matches_hf, hf_logits
-
-BS = 16
 
 
 @pytest.fixture(scope="module")
@@ -23,13 +18,7 @@ def tiny_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def models(tiny_path):
-    hf = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
-    return load_model(tiny_path), hf
-
-
-def _prompt(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(4, 128, (n,), generator=g).tolist()
+    return load_pair(tiny_path)
 
 
 def test_cache_specs(models):
@@ -42,11 +31,7 @@ def test_cache_specs(models):
 
 
 def test_full_prompt_logits(models):
-    ours, hf = models
-    h = Harness(ours, block_size=BS)
-    prompt = _prompt(3 * BS + 5, 0)
-    logits = h.step([(h.add(prompt), len(prompt))], return_all_logits=True)
-    assert_close_rel(logits, hf_logits(hf, prompt))
+    check_prompt_logits(*models)
 
 
 def test_dense_nope_tied_variant_logits(tmp_path):
@@ -56,89 +41,30 @@ def test_dense_nope_tied_variant_logits(tmp_path):
                                 layer_types=["mamba", "attention", "mamba"], num_hidden_layers=3,
                                 embedding_multiplier=2.0, attention_multiplier=0.3,
                                 residual_multiplier=0.9, logits_scaling=0.7)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ours = load_model(path)
+    ours, hf = load_pair(path)
     assert ours.rotary is None and all(layer.block_sparse_moe is None for layer in ours.model.layers)
-    h = Harness(ours, block_size=BS)
-    prompt = _prompt(2 * BS + 3, 1)
-    logits = h.step([(h.add(prompt), len(prompt))], return_all_logits=True)
-    assert_close_rel(logits, hf_logits(hf, prompt))
+    check_prompt_logits(ours, hf, n=2 * BS + 3, seed=1)
 
 
 def test_ragged_batch_greedy_20_tokens(models):
-    ours, hf = models
-    h = Harness(ours, block_size=BS)
-    prompts = [_prompt(n, 10 + n) for n in (1, BS - 1, BS, BS + 1, 3 * BS + 5)]
-    seqs = [h.add(p) for p in prompts]
-    h.prefill(seqs)  # all five prompts in ONE ragged batch, then 20 decode steps together
-    generated = h.decode(seqs, 20)
-    for p, g in zip(prompts, generated):
-        assert assert_greedy_matches_hf(hf, p, g) == 0
+    check_ragged_batch_greedy(*models)
 
 
 def test_uneven_chunks_equal_one_pass(models):
-    ours, _ = models
-    prompt = _prompt(45, 3)
-    one = Harness(ours, block_size=BS, seed=1)
-    ref = one.step([(one.add(prompt), len(prompt))], return_all_logits=True)
-    h = Harness(ours, block_size=BS, seed=2)
-    seq, other = h.add(prompt), h.add(_prompt(9, 4))
-    got = []
-    for n in (5, 16, 7, 1, 16):
-        # chunks resume from the slot's conv window and SSM state; another request rides along
-        work = [(seq, n)] + ([(other, len(other.tokens) - other.num_computed)]
-                             if other.num_computed < len(other.tokens) else [])
-        got.append(h.step(work, return_all_logits=True)[:n])
-        if other.num_computed == len(other.tokens):
-            other.tokens.append(7)
-    assert sum(t.shape[0] for t in got) == len(prompt)
-    torch.testing.assert_close(torch.cat(got), ref, rtol=1e-4, atol=1e-4)
+    # chunks resume from the slot's conv window and SSM state
+    check_uneven_chunks_equal_one_pass(models[0], chunks=(5, 16, 7, 1, 16))
 
 
 def test_state_checkpoint_at_block_boundary(models):
-    ours, hf = models
-    h = Harness(ours, block_size=BS)
-    prompt = _prompt(2 * BS + 6, 5)
-    full = h.add(prompt)
-    h.prefill([full])
-    want = h.decode([full], 12)[0]
-    assert assert_greedy_matches_hf(hf, prompt, want) == 0
-
-    base = h.add(prompt)
-    h.step([(base, 2 * BS)])  # stop exactly at a block boundary
-    ckpt = h.checkpoint(base)  # state copied into a fresh slot, full blocks shared
-    h.prefill([base])  # the original goes on; the checkpoint copy must not change
-    h.decode([base], 3)
-    fork = h.checkpoint(ckpt)  # copy-on-hit: continue from a copy of the checkpoint
-    fork.tokens += prompt[2 * BS:]
-    h.prefill([fork])
-    assert h.decode([fork], 12)[0] == want
+    check_state_checkpoint_at_block_boundary(*models)
 
 
 def test_engine_generate_matches_transformers(models, tiny_path):
-    _, hf = models
-    prompts = [_prompt(n, 40 + n) for n in (1, BS - 1, BS + 1, 3 * BS + 5)]
-    llm = LLM(str(tiny_path), memory_budget_bytes=16 << 20)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
-                        use_tqdm=False)
-    for p, o in zip(prompts, outs):
-        assert len(o.outputs[0].token_ids) == 12
-        assert assert_greedy_matches_hf(hf, p, o.outputs[0].token_ids) == 0
-    stats = llm.stats()
-    assert stats["kv_blocks_used"] == 0 and stats["state_slots_live"] == 0, stats
+    check_engine_generate(tiny_path, models[1], lengths=(1, BS - 1, BS + 1, 3 * BS + 5), seed=40)
 
 
 def test_transformers_in_memory_names_load_the_same(models, tiny_path, tmp_path):
     """A checkpoint holding transformers' own parameter names (stacked experts) loads identically."""
-    ours, hf = models
-    assert "model.layers.0.block_sparse_moe.input_linear.weight" in load_file(str(tiny_path / "model.safetensors"))
-    shutil.copytree(tiny_path, tmp_path / "ckpt")
-    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
-    assert any(k.endswith("block_sparse_moe.experts.gate_up_proj") for k in state)
-    save_file(state, str(tmp_path / "ckpt" / "model.safetensors"), metadata={"format": "pt"})
-    again = load_model(tmp_path / "ckpt")
-    prompt = _prompt(BS + 3, 9)
-    a, b = Harness(ours), Harness(again)
-    torch.testing.assert_close(a.step([(a.add(prompt), len(prompt))], return_all_logits=True),
-                               b.step([(b.add(prompt), len(prompt))], return_all_logits=True),
-                               rtol=0, atol=0)
+    check_transformers_names_load_the_same(
+        *models, tiny_path, tmp_path, published="model.layers.0.block_sparse_moe.input_linear.weight",
+        stacked_suffix="block_sparse_moe.experts.gate_up_proj")
