@@ -8,12 +8,11 @@ from hybridkv.specs import LayerSpec
 
 from .attention import PagedAttention
 from .base import HybridModel
+from .decoder import HybridDecoderLayer, layer_cache_specs, rotary_for, run_layers
 from .forward_batch import ForwardBatch, ModelCaches
 from .mamba2_mixer import Mamba2Mixer
 from .mlp import GatedMLP
 from .norms import RMSNorm
-from .rotary import RotaryEmbedding
-from .slot_split import split_decode_prefill
 
 ARCHITECTURE = "BambaForCausalLM"
 
@@ -36,8 +35,12 @@ def _is_attention(config, i: int) -> bool:
     return bool(config.attn_layer_indices) and i in config.attn_layer_indices
 
 
-class BambaDecoderLayer(nn.Module):
-    """Pre-norm residual block: `self_attn` or `mamba`, then `feed_forward` (HF names)."""
+class BambaDecoderLayer(HybridDecoderLayer):
+    """Pre-norm residual block: `self_attn` or `mamba` after `input_layernorm`, then
+    `feed_forward` after `pre_ff_layernorm` (HF names)."""
+
+    mixer_norm, recurrent = "input_layernorm", "mamba"  # the checkpoint's module names
+    ff_norm, ff = "pre_ff_layernorm", "feed_forward"
 
     def __init__(self, config, i: int):
         super().__init__()
@@ -59,10 +62,6 @@ class BambaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, eps=config.rms_norm_eps)
         self.pre_ff_layernorm = RMSNorm(h, eps=config.rms_norm_eps)
 
-    @property
-    def is_attention(self) -> bool:
-        return hasattr(self, "self_attn")
-
 
 class _BambaBody(nn.Module):
     def __init__(self, config):
@@ -81,27 +80,15 @@ class BambaModel(HybridModel):
         super().__init__(config)
         self.model = _BambaBody(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        attn = [layer.self_attn for layer in self.model.layers if layer.is_attention]
         # partial_rotary_factor (0.5 for Bamba) comes from config.rope_parameters
-        self.rotary = RotaryEmbedding(config, attn[0].head_dim) if attn else None
+        self.rotary = rotary_for(config, self.model.layers)
 
     def cache_specs(self) -> dict[int, LayerSpec]:
-        dtype = self.dtype
-        return {i: (layer.self_attn.spec(dtype) if layer.is_attention else layer.mamba.cache_spec(dtype))
-                for i, layer in enumerate(self.model.layers)}
+        return layer_cache_specs(self.model.layers, self.dtype)
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        h = self.model.embed_tokens(batch.input_ids)
-        rope = self.rotary(batch.positions) if self.rotary is not None else None
-        split = split_decode_prefill(batch)  # one decode/prefill split shared by all mixers
-        for i, layer in enumerate(self.model.layers):
-            x = layer.input_layernorm(h)
-            if layer.is_attention:
-                x = layer.self_attn(x, rope, batch, caches.kv[i])
-            else:
-                x = layer.mamba(x, batch, caches.conv[i], caches.state[i], split)
-            h = h + x
-            h = h + layer.feed_forward(layer.pre_ff_layernorm(h))
+        h = run_layers(self.model.layers, self.model.embed_tokens(batch.input_ids), self.rotary,
+                       batch, caches)
         return self.compute_logits(self.model.final_layernorm(h), batch, self.lm_head)
 
 

@@ -15,12 +15,11 @@ from hybridkv.specs import LayerSpec
 
 from .attention import PagedAttention
 from .base import HybridModel
+from .decoder import HybridDecoderLayer, layer_cache_specs, rotary_for, run_layers
 from .forward_batch import ForwardBatch, ModelCaches
 from .mamba2_mixer import Mamba2Mixer
 from .moe import PerExpertView, SparseMoE
 from .norms import RMSNorm
-from .rotary import RotaryEmbedding
-from .slot_split import split_decode_prefill
 
 ARCHITECTURE = "GraniteMoeHybridForCausalLM"
 _MAMBA = ("linear_attention", "mamba")  # transformers' name and the published checkpoints' name
@@ -69,12 +68,18 @@ class SharedMLP(nn.Module):
         return self.output_linear(self.act_fn(a) * b)
 
 
-class GraniteMoeHybridDecoderLayer(nn.Module):
-    """Pre-norm block: `mamba` or `self_attn`; then `shared_mlp` (+ `block_sparse_moe`) (HF names)."""
+class GraniteMoeHybridDecoderLayer(HybridDecoderLayer):
+    """Pre-norm block: `mamba` or `self_attn` after `input_layernorm`; then `shared_mlp`
+    (+ `block_sparse_moe`) after `post_attention_layernorm` (HF names); both residual branches
+    times `residual_multiplier`."""
+
+    mixer_norm, recurrent = "input_layernorm", "mamba"  # the checkpoint's module names
+    ff_norm, ff = "post_attention_layernorm", "feed_forward"
 
     def __init__(self, config, i: int):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
+        self.residual_scale = float(config.residual_multiplier)
         if _is_mamba(config, i):
             self.mamba = Mamba2Mixer(h, config.mamba_n_heads, config.mamba_d_head,
                                      config.mamba_n_groups, config.mamba_d_state, config.mamba_d_conv,
@@ -97,10 +102,6 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
                                               act=config.hidden_act)
         self.input_layernorm = RMSNorm(h, eps=eps)
         self.post_attention_layernorm = RMSNorm(h, eps=eps)
-
-    @property
-    def is_attention(self) -> bool:
-        return hasattr(self, "self_attn")
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.shared_mlp(x)
@@ -156,33 +157,20 @@ class GraniteMoeHybridModel(HybridModel):
         self.model = _GraniteBody(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.embedding_multiplier = float(config.embedding_multiplier)
-        self.residual_multiplier = float(config.residual_multiplier)
         self.logits_scaling = float(config.logits_scaling)
-        attn = [layer.self_attn for layer in self.model.layers if layer.is_attention]
         use_rope = config.position_embedding_type == "rope"
-        self.rotary = RotaryEmbedding(config, attn[0].head_dim) if attn and use_rope else None
+        self.rotary = rotary_for(config, self.model.layers) if use_rope else None
 
     def load_weights(self, ckpt) -> None:
         """Granite's stacked `input_linear` / `output_linear` expert tensors, or transformers' fused ones."""
         super().load_weights(PerExpertView(_GraniteExpertNames(ckpt)))
 
     def cache_specs(self) -> dict[int, LayerSpec]:
-        dtype = self.dtype
-        return {i: (layer.self_attn.spec(dtype) if layer.is_attention else layer.mamba.cache_spec(dtype))
-                for i, layer in enumerate(self.model.layers)}
+        return layer_cache_specs(self.model.layers, self.dtype)
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         h = self.model.embed_tokens(batch.input_ids) * self.embedding_multiplier
-        rope = self.rotary(batch.positions) if self.rotary is not None else None
-        split = split_decode_prefill(batch)  # one decode/prefill split shared by all mixers
-        for i, layer in enumerate(self.model.layers):
-            x = layer.input_layernorm(h)
-            if layer.is_attention:
-                x = layer.self_attn(x, rope, batch, caches.kv[i])
-            else:
-                x = layer.mamba(x, batch, caches.conv[i], caches.state[i], split)
-            h = h + x * self.residual_multiplier
-            h = h + layer.feed_forward(layer.post_attention_layernorm(h)) * self.residual_multiplier
+        h = run_layers(self.model.layers, h, self.rotary, batch, caches)
         return self.compute_logits(self.model.norm(h), batch, self.lm_head) / self.logits_scaling
 
 

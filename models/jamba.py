@@ -13,12 +13,12 @@ from hybridkv.specs import LayerSpec
 
 from .attention import PagedAttention
 from .base import HybridModel
+from .decoder import HybridDecoderLayer, layer_cache_specs, run_layers
 from .forward_batch import ForwardBatch, ModelCaches
 from .mamba1_mixer import Mamba1Mixer
 from .mlp import GatedMLP
 from .moe import PerExpertView, SparseMoE
 from .norms import RMSNorm
-from .slot_split import split_decode_prefill
 
 ARCHITECTURE = "JambaForCausalLM"
 
@@ -46,8 +46,12 @@ def _is_moe(config, i: int) -> bool:
     return config.num_experts > 1 and i % config.expert_layer_period == config.expert_layer_offset
 
 
-class JambaDecoderLayer(nn.Module):
-    """Pre-norm residual block: `self_attn` or `mamba`, then `feed_forward` (HF names)."""
+class JambaDecoderLayer(HybridDecoderLayer):
+    """Pre-norm residual block: `self_attn` or `mamba` after `input_layernorm`, then
+    `feed_forward` after `pre_ff_layernorm` (HF names)."""
+
+    mixer_norm, recurrent = "input_layernorm", "mamba"  # the checkpoint's module names
+    ff_norm, ff = "pre_ff_layernorm", "feed_forward"
 
     def __init__(self, config, i: int):
         super().__init__()
@@ -69,10 +73,6 @@ class JambaDecoderLayer(nn.Module):
             self.feed_forward = GatedMLP(h, config.intermediate_size, act=config.hidden_act)
         self.input_layernorm = RMSNorm(h, eps=config.rms_norm_eps)
         self.pre_ff_layernorm = RMSNorm(h, eps=config.rms_norm_eps)
-
-    @property
-    def is_attention(self) -> bool:
-        return hasattr(self, "self_attn")
 
 
 class _JambaBody(nn.Module):
@@ -100,21 +100,11 @@ class JambaModel(HybridModel):
         super().load_weights(PerExpertView(ckpt))
 
     def cache_specs(self) -> dict[int, LayerSpec]:
-        dtype = self.dtype
-        return {i: (layer.self_attn.spec(dtype) if layer.is_attention else layer.mamba.cache_spec(dtype))
-                for i, layer in enumerate(self.model.layers)}
+        return layer_cache_specs(self.model.layers, self.dtype)
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        h = self.model.embed_tokens(batch.input_ids)
-        split = split_decode_prefill(batch)  # one decode/prefill split shared by all mixers
-        for i, layer in enumerate(self.model.layers):
-            x = layer.input_layernorm(h)
-            if layer.is_attention:
-                x = layer.self_attn(x, None, batch, caches.kv[i])
-            else:
-                x = layer.mamba(x, batch, caches.conv[i], caches.state[i], split)
-            h = h + x
-            h = h + layer.feed_forward(layer.pre_ff_layernorm(h))
+        # no rope: attention has no positional encoding, Mamba carries order
+        h = run_layers(self.model.layers, self.model.embed_tokens(batch.input_ids), None, batch, caches)
         return self.compute_logits(self.model.final_layernorm(h), batch, self.lm_head)
 
 

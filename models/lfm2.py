@@ -8,12 +8,12 @@ from hybridkv.specs import LayerSpec
 
 from .attention import PagedAttention
 from .base import HybridModel
+from .decoder import HybridDecoderLayer, layer_cache_specs, rotary_for, run_layers
 from .forward_batch import ForwardBatch, ModelCaches
 from .mlp import GatedMLP
 from .norms import RMSNorm
-from .rotary import RotaryEmbedding
 from .short_conv import ShortConv
-from .slot_split import split_decode_prefill
+from .slot_split import SlotSplit
 
 ARCHITECTURE = "Lfm2ForCausalLM"
 
@@ -63,9 +63,12 @@ def _is_attention(config, i: int) -> bool:
     return kind == "full_attention"
 
 
-class Lfm2DecoderLayer(nn.Module):
+class Lfm2DecoderLayer(HybridDecoderLayer):
     """Pre-norm residual block: `self_attn` or `conv` after `operator_norm`, then `feed_forward`
     after `ffn_norm` (HF names)."""
+
+    mixer_norm, recurrent = "operator_norm", "conv"  # the checkpoint's module names
+    ff_norm, ff = "ffn_norm", "feed_forward"
 
     def __init__(self, config, i: int):
         super().__init__()
@@ -80,9 +83,9 @@ class Lfm2DecoderLayer(nn.Module):
         self.operator_norm = RMSNorm(h, eps=eps)
         self.ffn_norm = RMSNorm(h, eps=eps)
 
-    @property
-    def is_attention(self) -> bool:
-        return hasattr(self, "self_attn")
+    def mix_recurrent(self, x: torch.Tensor, batch: ForwardBatch, caches: ModelCaches, i: int,
+                      split: SlotSplit) -> torch.Tensor:
+        return self.conv(x, batch, caches.conv[i], split)  # a short conv keeps no SSM state
 
 
 class _Lfm2Body(nn.Module):
@@ -104,8 +107,7 @@ class Lfm2Model(HybridModel):
         super().__init__(config)
         self.model = _Lfm2Body(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        attn = [layer.self_attn for layer in self.model.layers if layer.is_attention]
-        self.rotary = RotaryEmbedding(config, attn[0].head_dim) if attn else None
+        self.rotary = rotary_for(config, self.model.layers)
 
     def checkpoint_name(self, name: str) -> str | None:
         for ours, theirs in _RENAMES.items():
@@ -114,22 +116,11 @@ class Lfm2Model(HybridModel):
         return name
 
     def cache_specs(self) -> dict[int, LayerSpec]:
-        dtype = self.dtype
-        return {i: (layer.self_attn.spec(dtype) if layer.is_attention else layer.conv.cache_spec(dtype))
-                for i, layer in enumerate(self.model.layers)}
+        return layer_cache_specs(self.model.layers, self.dtype)
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        h = self.model.embed_tokens(batch.input_ids)
-        rope = self.rotary(batch.positions) if self.rotary is not None else None
-        split = split_decode_prefill(batch)  # one decode/prefill split shared by all conv layers
-        for i, layer in enumerate(self.model.layers):
-            x = layer.operator_norm(h)
-            if layer.is_attention:
-                x = layer.self_attn(x, rope, batch, caches.kv[i])
-            else:
-                x = layer.conv(x, batch, caches.conv[i], split)
-            h = h + x
-            h = h + layer.feed_forward(layer.ffn_norm(h))
+        h = run_layers(self.model.layers, self.model.embed_tokens(batch.input_ids), self.rotary,
+                       batch, caches)
         return self.compute_logits(self.model.embedding_norm(h), batch, self.lm_head)
 
 

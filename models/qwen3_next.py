@@ -14,13 +14,12 @@ from hybridkv.specs import LayerSpec
 
 from .attention import PagedAttention
 from .base import HybridModel
+from .decoder import HybridDecoderLayer, layer_cache_specs, rotary_for, run_layers
 from .forward_batch import ForwardBatch, ModelCaches
 from .gdn_mixer import GatedDeltaNetMixer
 from .mlp import GatedMLP
 from .moe import PerExpertView, SparseMoE
 from .norms import RMSNorm
-from .rotary import RotaryEmbedding
-from .slot_split import split_decode_prefill
 
 ARCHITECTURE = "Qwen3NextForCausalLM"
 _LAYER_TYPES = ("linear_attention", "full_attention")
@@ -54,8 +53,12 @@ def _zero_centered(eps: float):
     return lambda dim: RMSNorm(dim, eps=eps, zero_centered=True)
 
 
-class Qwen3NextDecoderLayer(nn.Module):
-    """Pre-norm residual block: `linear_attn` (GDN) or `self_attn`, then `mlp` (HF names)."""
+class Qwen3NextDecoderLayer(HybridDecoderLayer):
+    """Pre-norm residual block: `linear_attn` (GDN) or `self_attn` after `input_layernorm`, then
+    `mlp` after `post_attention_layernorm` (HF names)."""
+
+    mixer_norm, recurrent = "input_layernorm", "linear_attn"  # the checkpoint's module names
+    ff_norm, ff = "post_attention_layernorm", "mlp"
 
     def __init__(self, config, i: int):
         super().__init__()
@@ -87,10 +90,6 @@ class Qwen3NextDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, eps=eps, zero_centered=True)
         self.post_attention_layernorm = RMSNorm(h, eps=eps, zero_centered=True)
 
-    @property
-    def is_attention(self) -> bool:
-        return hasattr(self, "self_attn")
-
 
 class _Qwen3NextBody(nn.Module):
     def __init__(self, config):
@@ -111,9 +110,8 @@ class Qwen3NextModel(HybridModel):
         super().__init__(config)
         self.model = _Qwen3NextBody(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        attn = [layer.self_attn for layer in self.model.layers if layer.is_attention]
         # partial_rotary_factor (0.25 by default) comes from config.rope_parameters
-        self.rotary = RotaryEmbedding(config, attn[0].head_dim) if attn else None
+        self.rotary = rotary_for(config, self.model.layers)
 
     def checkpoint_name(self, name: str) -> str | None:
         if ".mlp.router." in name:
@@ -125,23 +123,11 @@ class Qwen3NextModel(HybridModel):
         super().load_weights(PerExpertView(ckpt))
 
     def cache_specs(self) -> dict[int, LayerSpec]:
-        dtype = self.dtype
-        return {i: (layer.self_attn.spec(dtype) if layer.is_attention
-                    else layer.linear_attn.cache_spec(dtype))
-                for i, layer in enumerate(self.model.layers)}
+        return layer_cache_specs(self.model.layers, self.dtype)
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        h = self.model.embed_tokens(batch.input_ids)
-        rope = self.rotary(batch.positions) if self.rotary is not None else None
-        split = split_decode_prefill(batch)  # one decode/prefill split shared by all mixers
-        for i, layer in enumerate(self.model.layers):
-            x = layer.input_layernorm(h)
-            if layer.is_attention:
-                x = layer.self_attn(x, rope, batch, caches.kv[i])
-            else:
-                x = layer.linear_attn(x, batch, caches.conv[i], caches.state[i], split)
-            h = h + x
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = run_layers(self.model.layers, self.model.embed_tokens(batch.input_ids), self.rotary,
+                       batch, caches)
         return self.compute_logits(self.model.norm(h), batch, self.lm_head)
 
 

@@ -1,0 +1,85 @@
+"""The pre-norm hybrid decoder block Bamba, Jamba, GraniteMoeHybrid, Qwen3-Next and LFM2 share.
+
+Per layer: norm -> `self_attn` (paged KV pool) or a recurrent mixer (state slot) -> residual ->
+norm -> feed-forward -> residual. Each family builds its modules under the checkpoint's own names
+and tells the base class those names, so parameter names stay the checkpoint's.
+Families that differ in shape (Nemotron-H's one-mixer blocks, Llama's attention-only layers)
+keep their own loops.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridkv.specs import LayerSpec
+
+from .forward_batch import ForwardBatch, ModelCaches
+from .rotary import RotaryEmbedding
+from .slot_split import SlotSplit, split_decode_prefill
+
+
+class HybridDecoderLayer(nn.Module):
+    """Base of a pre-norm residual block; a subclass sets the attribute NAMES of its modules:
+
+    mixer_norm: the norm before the token mixer       (e.g. "input_layernorm")
+    recurrent:  the recurrent mixer when the layer has no `self_attn` (e.g. "mamba")
+    ff_norm:    the norm before the feed-forward      (e.g. "pre_ff_layernorm")
+    ff:         the feed-forward module or method     (e.g. "feed_forward")
+    residual_scale: each residual branch is multiplied by it (Granite's residual_multiplier)
+    """
+
+    mixer_norm = "input_layernorm"
+    recurrent = "mamba"
+    ff_norm = "pre_ff_layernorm"
+    ff = "feed_forward"
+    residual_scale = 1.0
+
+    @property
+    def is_attention(self) -> bool:
+        return hasattr(self, "self_attn")
+
+    def cache_spec(self, dtype: torch.dtype) -> LayerSpec:
+        """This layer's AttentionSpec or RecurrentSpec in cache dtype `dtype`."""
+        if self.is_attention:
+            return self.self_attn.spec(dtype)
+        return getattr(self, self.recurrent).cache_spec(dtype)
+
+    def mix_recurrent(self, x: torch.Tensor, batch: ForwardBatch, caches: ModelCaches, i: int,
+                      split: SlotSplit) -> torch.Tensor:
+        """x [T, H] -> [T, H] through the recurrent mixer over layer i's conv and state pools."""
+        return getattr(self, self.recurrent)(x, batch, caches.conv[i], caches.state[i], split)
+
+    def forward(self, h: torch.Tensor, rope, batch: ForwardBatch, caches: ModelCaches, i: int,
+                split: SlotSplit) -> torch.Tensor:
+        """h [T, H] residual stream -> [T, H]; this is model layer `i` (its pools in `caches`)."""
+        x = getattr(self, self.mixer_norm)(h)
+        if self.is_attention:
+            x = self.self_attn(x, rope, batch, caches.kv[i])
+        else:
+            x = self.mix_recurrent(x, batch, caches, i, split)
+        scale = self.residual_scale
+        h = h + (x if scale == 1.0 else x * scale)
+        x = getattr(self, self.ff)(getattr(self, self.ff_norm)(h))
+        return h + (x if scale == 1.0 else x * scale)
+
+
+def rotary_for(config, layers: nn.ModuleList) -> RotaryEmbedding | None:
+    """Rope sized for the first attention layer's head_dim (partial rotary from the config), or
+    None when no layer attends."""
+    attn = [layer.self_attn for layer in layers if layer.is_attention]
+    return RotaryEmbedding(config, attn[0].head_dim) if attn else None
+
+
+def layer_cache_specs(layers: nn.ModuleList, dtype: torch.dtype) -> dict[int, LayerSpec]:
+    """Model layer index -> that HybridDecoderLayer's spec, for every layer."""
+    return {i: layer.cache_spec(dtype) for i, layer in enumerate(layers)}
+
+
+def run_layers(layers: nn.ModuleList, h: torch.Tensor, rotary: RotaryEmbedding | None,
+               batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+    """h [T, H] embeddings -> [T, H] after every layer (before the final norm)."""
+    rope = rotary(batch.positions) if rotary is not None else None
+    split = split_decode_prefill(batch)  # one decode/prefill split shared by all recurrent mixers
+    for i, layer in enumerate(layers):
+        h = layer(h, rope, batch, caches, i, split)
+    return h
