@@ -84,6 +84,7 @@ def check_state_checkpoint_at_block_boundary(ours, hf):
     tokens = prompt(2 * BS + 6, 5)
     full = h.add(tokens)
     h.prefill([full])
+    full_prompt_logits = full.last_logits.clone()
     want = h.decode([full], 12)[0]
     assert assert_greedy_matches_hf(hf, tokens, want) == 0
 
@@ -95,6 +96,8 @@ def check_state_checkpoint_at_block_boundary(ours, hf):
     fork = h.checkpoint(ckpt)  # copy-on-hit: continue from a copy of the checkpoint
     fork.tokens += tokens[2 * BS:]
     h.prefill([fork])
+    # logits too, not only greedy tokens: a wrong state can leave short greedy runs unchanged
+    torch.testing.assert_close(fork.last_logits, full_prompt_logits, rtol=1e-4, atol=1e-4)
     assert h.decode([fork], 12)[0] == want
 
 
