@@ -6,7 +6,7 @@ layer's pools in place through the requests' state slots.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -28,12 +28,18 @@ class Mamba2Mixer(nn.Module):
     discretised dt in prefill (transformers applies none in its decode step, nor do we).
     Parameter names follow transformers' BambaMixer (in_proj, conv1d, dt_bias, A_log, D, norm,
     out_proj).
+    Falcon-H1 options (defaults keep the Bamba behaviour): out_bias (out_proj bias, defaults to
+    proj_bias); gated_norm=False drops `norm` and gates y * silu(z); norm_before_gate for the
+    gated norm; in_multiplier scales the input of in_proj; zxbcdt_multipliers (5 floats) scale
+    the z, x, B, C and dt sections of in_proj's output (Falcon-H1's mup vector).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, n_groups: int,
                  d_state: int, d_conv: int, chunk_size: int, eps: float, conv_bias: bool = True,
                  proj_bias: bool = False, activation: str = "silu",
-                 dt_limit: Optional[tuple[float, float]] = None):
+                 dt_limit: Optional[tuple[float, float]] = None, out_bias: Optional[bool] = None,
+                 gated_norm: bool = True, norm_before_gate: bool = False, in_multiplier: float = 1.0,
+                 zxbcdt_multipliers: Optional[Sequence[float]] = None):
         super().__init__()
         if activation not in ("silu", "swish"):
             raise ValueError(f"Mamba2 mixer activation {activation!r}; only 'silu' is supported")
@@ -49,8 +55,25 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(num_heads))
         self.A_log = nn.Parameter(torch.zeros(num_heads))
         self.D = nn.Parameter(torch.ones(num_heads))
-        self.norm = GatedRMSNorm(self.d_inner, group_size=self.d_inner // n_groups, eps=eps)
-        self.out_proj = nn.Linear(self.d_inner, hidden_size, bias=proj_bias)
+        self.norm = GatedRMSNorm(self.d_inner, group_size=self.d_inner // n_groups, eps=eps,
+                                 norm_before_gate=norm_before_gate) if gated_norm else None
+        self.out_proj = nn.Linear(self.d_inner, hidden_size,
+                                  bias=proj_bias if out_bias is None else out_bias)
+        self.in_multiplier = float(in_multiplier)
+        if zxbcdt_multipliers is not None and len(zxbcdt_multipliers) != 5:
+            raise ValueError(f"zxbcdt_multipliers has {len(zxbcdt_multipliers)} values; expected 5 "
+                             f"(z, x, B, C, dt)")
+        self.zxbcdt_multipliers = None if zxbcdt_multipliers is None else [float(m) for m in zxbcdt_multipliers]
+        self._mup: Optional[torch.Tensor] = None  # built lazily: the model is built on `meta`
+
+    def _mup_vector(self, like: torch.Tensor) -> torch.Tensor:
+        """[d_inner + conv_dim + H] per-column multipliers of in_proj's output, on like's device/dtype."""
+        if self._mup is None or self._mup.device != like.device or self._mup.dtype != like.dtype:
+            GN = self.n_groups * self.d_state
+            sizes = (self.d_inner, self.d_inner, GN, GN, self.num_heads)
+            self._mup = torch.cat([torch.full((n,), m, dtype=torch.float32)
+                                   for n, m in zip(sizes, self.zxbcdt_multipliers)]).to(like)
+        return self._mup
 
     def cache_spec(self, dtype: torch.dtype, state_dtype: torch.dtype | None = None) -> RecurrentSpec:
         """Per slot: conv window `[conv_dim, d_conv - 1]`, SSM state `[H, P, N]`."""
@@ -67,7 +90,10 @@ class Mamba2Mixer(nn.Module):
         by all recurrent layers of one step.
         """
         split = split or split_decode_prefill(batch)
-        z, xbc, dt = self.in_proj(hidden).split([self.d_inner, self.conv_dim, self.num_heads], -1)
+        proj = self.in_proj(hidden * self.in_multiplier if self.in_multiplier != 1.0 else hidden)
+        if self.zxbcdt_multipliers is not None:
+            proj = proj * self._mup_vector(proj)
+        z, xbc, dt = proj.split([self.d_inner, self.conv_dim, self.num_heads], -1)
         weight = self.conv1d.weight.squeeze(1)  # [conv_dim, k]
         A = -torch.exp(self.A_log.float())
         G, N, H, P = self.n_groups, self.d_state, self.num_heads, self.head_dim
@@ -97,5 +123,5 @@ class Mamba2Mixer(nn.Module):
             return y.reshape(-1, self.d_inner)
 
         y = split.run(torch.cat([xbc, dt], -1), decode, prefill, out_dim=self.d_inner)
-        y = self.norm(y, z)
+        y = self.norm(y, z) if self.norm is not None else y * F.silu(z)
         return self.out_proj(y.to(hidden.dtype))

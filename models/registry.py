@@ -13,6 +13,8 @@ _ARCHITECTURES: dict[str, str] = {
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
     "NemotronHForCausalLM": "nemotron_h",
     "Lfm2ForCausalLM": "lfm2",
+    "Zamba2ForCausalLM": "zamba2",
+    "FalconH1ForCausalLM": "falcon_h1",
 }
 
 
