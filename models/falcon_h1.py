@@ -50,7 +50,9 @@ def tiny_config(**overrides):
 
 
 class FalconH1MLP(GatedMLP):
-    """x [T, hidden] -> down(up(x) * act(gate(x) * m_gate)) * m_down, with (m_gate, m_down) = mlp_multipliers."""
+    """x [T, hidden] -> down(up(x) * act(gate(x) * m_gate)) * m_down.
+
+    (m_gate, m_down) = config.mlp_multipliers."""
 
     def __init__(self, config):
         super().__init__(config.hidden_size, config.intermediate_size, bias=config.mlp_bias,
@@ -86,7 +88,8 @@ class FalconH1DecoderLayer(nn.Module):
         self.feed_forward = FalconH1MLP(config)
         self.input_layernorm = RMSNorm(h, eps=config.rms_norm_eps)
         self.pre_ff_layernorm = RMSNorm(h, eps=config.rms_norm_eps)
-        self.attn_in, self.attn_out = float(config.attention_in_multiplier), float(config.attention_out_multiplier)
+        self.attn_in = float(config.attention_in_multiplier)
+        self.attn_out = float(config.attention_out_multiplier)
         self.ssm_out = float(config.ssm_out_multiplier)
 
     def forward(self, h: torch.Tensor, rope, batch: ForwardBatch, caches: ModelCaches, attn_key: int,

@@ -63,7 +63,8 @@ class Mamba2Mixer(nn.Module):
         if zxbcdt_multipliers is not None and len(zxbcdt_multipliers) != 5:
             raise ValueError(f"zxbcdt_multipliers has {len(zxbcdt_multipliers)} values; expected 5 "
                              f"(z, x, B, C, dt)")
-        self.zxbcdt_multipliers = None if zxbcdt_multipliers is None else [float(m) for m in zxbcdt_multipliers]
+        self.zxbcdt_multipliers = (None if zxbcdt_multipliers is None
+                                   else [float(m) for m in zxbcdt_multipliers])
         self._mup: Optional[torch.Tensor] = None  # built lazily: the model is built on `meta`
 
     def _mup_vector(self, like: torch.Tensor) -> torch.Tensor:

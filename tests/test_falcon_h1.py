@@ -1,13 +1,20 @@
 """Falcon-H1 (attention and Mamba2 in parallel in every layer, muP multipliers) on the pools
 against transformers' FalconH1ForCausalLM."""
+import json
+import shutil
+
 import pytest
 import torch
 
+from engine_fixtures import assert_no_leaks
 from family_checks import (BS, check_engine_generate, check_prompt_logits, check_ragged_batch_greedy,
                            check_state_checkpoint_at_block_boundary,
                            check_uneven_chunks_equal_one_pass, load_pair)
+from hybridkv import LLM, SamplingParams
+from hybridkv.models import load_model
 from hybridkv.models.tiny import make_tiny_checkpoint
 from hybridkv.specs import AttentionSpec, RecurrentSpec
+from model_harness import Harness, assert_greedy_matches_hf
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +45,6 @@ def test_full_prompt_logits(models):
 def test_multipliers_matter(models, tiny_path, tmp_path):
     """The same weights under a config with every multiplier at 1 give other logits: the
     oracle comparison above does exercise the multipliers."""
-    import json
-    import shutil
-
-    from hybridkv.models import load_model
-    from model_harness import Harness
-
     ours, _ = models
     plain_dir = tmp_path / "plain"
     shutil.copytree(tiny_path, plain_dir)
@@ -96,3 +97,16 @@ def test_state_checkpoint_at_block_boundary(models):
 
 def test_engine_generate_matches_transformers(models, tiny_path):
     check_engine_generate(tiny_path, models[1], lengths=(1, BS - 1, BS + 1, 3 * BS + 5), seed=40)
+
+
+def test_engine_prefix_hit_restores_kv_and_state(models, tiny_path):
+    """A second prompt sharing a 40-token prefix hits 32 cached tokens (KV blocks of every
+    attention half plus a state checkpoint of every Mamba half) and still decodes as transformers."""
+    llm = LLM(str(tiny_path), memory_budget_bytes=16 << 20)
+    base = list(range(10, 50))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    llm.generate([base + [5, 6, 7]], params, use_tqdm=False)
+    out = llm.generate([base + [9, 10]], params, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 2 * BS
+    assert assert_greedy_matches_hf(models[1], base + [9, 10], list(out.outputs[0].token_ids)) == 0
+    assert_no_leaks(llm)
