@@ -148,3 +148,32 @@ def test_miss_reason_kv_without_checkpoint_and_branch_points(ckpt):
         out3 = llm.generate([p3], greedy(2), use_tqdm=False)[0]
         assert out3.num_cached_tokens == hit3, policy
         assert_no_leaks(llm)
+
+
+def test_priority_runs_first_when_seats_are_scarce(ckpt):
+    llm = LLM(ckpt, memory_budget_bytes=16 << 20, max_num_seqs=1)
+    first = llm.add_request([5] * 10, greedy(3), priority=5)
+    llm.step()  # `first` holds the only seat
+    low = llm.add_request([6] * 10, greedy(3), priority=9)
+    high = llm.add_request([7] * 10, greedy(3), priority=0)
+    order = []
+    while llm.has_unfinished_requests():
+        order += [o.request_id for o in llm.step() if o.finished]
+    assert order == [first, high, low]
+    assert_no_leaks(llm)
+
+
+def test_length_stop_at_max_model_len_and_duplicate_ids(ckpt):
+    llm = LLM(ckpt, memory_budget_bytes=16 << 20, max_model_len=40)
+    out = llm.generate([[5] * 35], greedy(20), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"  # 35 + 5 = max_model_len
+    llm.add_request([5, 6], greedy(2), request_id="x")
+    with pytest.raises(ValueError, match="request id 'x' is already in use"):
+        llm.add_request([5, 6], greedy(2), request_id="x")
+    llm.abort("x")
+    assert_no_leaks(llm)
+
+
+def test_malformed_checkpoint_directory_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "nope")):
+        LLM(str(tmp_path / "nope"))
