@@ -2,10 +2,17 @@
 
     specs = load_specs("examples/configs/bamba-9b.json")     # {layer_idx: AttentionSpec | RecurrentSpec}
 
-Supported `model_type`s: llama / qwen3 / mistral (attention everywhere), bamba (Mamba2 beside
-attention at `attn_layer_indices`), jamba (Mamba1; attention where `i % attn_layer_period ==
+Supported `model_type`s: llama / qwen3 / mistral / qwen2 (attention everywhere), bamba (Mamba2
+beside attention at `attn_layer_indices`), jamba (Mamba1; attention where `i % attn_layer_period ==
 attn_layer_offset`), qwen3_next (gated delta net; attention at `layer_types == "full_attention"`,
-by default every `full_attention_interval`-th layer). Shapes follow the models in hybridkv.models,
+by default every `full_attention_interval`-th layer), granitemoehybrid (Mamba2 or attention per
+`layer_types`), nemotron_h (Mamba2 / attention / MLP / MoE per `hybrid_override_pattern`; MLP and
+MoE blocks keep nothing and get no key; the SSM state in `mamba_ssm_cache_dtype`), lfm2 (short conv,
+window only, or attention per `layer_types`), falcon_h1 (attention AND Mamba2 in every layer: key
+`i` and key `num_hidden_layers + i`), zamba2 (Mamba2 state at key `i` for every layer; the shared
+attention block's KV of each hybrid layer i at key `num_hidden_layers + i`).
+For these five newer families, fields a config.json omits take transformers' config-class defaults
+(`hf_config`), as they do when transformers loads it. Shapes follow the models in hybridkv.models,
 and tests check them against those models' own `cache_specs()`.
 """
 from __future__ import annotations
@@ -49,12 +56,16 @@ def _attention(cfg: Mapping, dtype: torch.dtype) -> AttentionSpec:
     return AttentionSpec(kv_heads, head_dim, dtype, cfg.get("sliding_window"))
 
 
-def _bamba(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
-    heads, head_dim = cfg["mamba_n_heads"], cfg["mamba_d_head"]
-    d_state, groups = cfg["mamba_d_state"], cfg["mamba_n_groups"]
+def _mamba2(heads: int, head_dim: int, groups: int, d_state: int, d_conv: int, dtype: torch.dtype,
+            state_dtype: Optional[torch.dtype] = None) -> RecurrentSpec:
     # The conv runs over x, B and C: d_inner + 2 x groups x d_state channels.
     conv_dim = heads * head_dim + 2 * groups * d_state
-    mamba = RecurrentSpec((conv_dim, cfg["mamba_d_conv"] - 1), (heads, head_dim, d_state), dtype)
+    return RecurrentSpec((conv_dim, d_conv - 1), (heads, head_dim, d_state), dtype, state_dtype)
+
+
+def _bamba(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
+    mamba = _mamba2(cfg["mamba_n_heads"], cfg["mamba_d_head"], cfg["mamba_n_groups"],
+                    cfg["mamba_d_state"], cfg["mamba_d_conv"], dtype)
     attn = set(cfg.get("attn_layer_indices") or ())
     return {i: _attention(cfg, dtype) if i in attn else mamba for i in range(cfg["num_hidden_layers"])}
 
@@ -78,15 +89,107 @@ def _qwen3_next(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
     return {i: _attention(cfg, dtype) if types[i] == "full_attention" else gdn for i in range(n)}
 
 
+def _json_floats(obj):
+    """transformers writes inf / nan into config.json as {"__float__": "Infinity"}; undo that."""
+    if isinstance(obj, Mapping):
+        if set(obj) == {"__float__"} and obj["__float__"] in ("Infinity", "-Infinity", "NaN"):
+            return float(obj["__float__"].lower().replace("infinity", "inf"))
+        return {k: _json_floats(v) for k, v in obj.items()}
+    return [_json_floats(v) for v in obj] if isinstance(obj, list) else obj
+
+
+def hf_config(cfg: Mapping):
+    """transformers' config class for `cfg["model_type"]`, built from the dict as `from_pretrained`
+    would: omitted fields get the class defaults, derived ones (head dims, layer types) are filled."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    kind = cfg["model_type"]
+    try:
+        return CONFIG_MAPPING[kind].from_dict(_json_floats(cfg))
+    except Exception as e:  # transformers' own validation: say which config and why
+        raise ValueError(f"config of model_type {kind!r} is not valid for transformers' "
+                         f"{CONFIG_MAPPING[kind].__name__}: {e}") from e
+
+
+def _head_dim(c) -> int:
+    return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+
+def _layer_kinds(names, table: Mapping[str, str], family: str) -> list[str]:
+    """Each layer's kind by `table`; a ValueError naming the first layer type it does not know."""
+    for i, t in enumerate(names):
+        if t not in table:
+            raise ValueError(f"{family} layer {i} has type {t!r}; expected one of {sorted(table)}")
+    return [table[t] for t in names]
+
+
+def _granitemoehybrid(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
+    c = hf_config(cfg)
+    kinds = _layer_kinds(c.layer_types, {"mamba": "m", "linear_attention": "m", "attention": "a",
+                                         "full_attention": "a"}, "granitemoehybrid")
+    attn = AttentionSpec(c.num_key_value_heads, _head_dim(c), dtype)
+    mamba = _mamba2(c.mamba_n_heads, c.mamba_d_head, c.mamba_n_groups, c.mamba_d_state, c.mamba_d_conv, dtype)
+    return {i: attn if k == "a" else mamba for i, k in enumerate(kinds)}
+
+
+def _nemotron_h(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
+    c = hf_config(cfg)
+    kinds = _layer_kinds(c.layers_block_type, {
+        "mamba": "m", "linear_attention": "m", "M": "m", "attention": "a", "full_attention": "a",
+        "*": "a", "mlp": "-", "-": "-", "moe": "-", "E": "-"}, "nemotron_h")
+    # The SSM state keeps the checkpoint's mamba_ssm_cache_dtype (vLLM honours it too).
+    ssm = _DTYPES.get(str(getattr(c, "mamba_ssm_cache_dtype", "") or ""))
+    state_dtype = ssm if ssm not in (None, dtype) else None
+    attn = AttentionSpec(c.num_key_value_heads, c.head_dim, dtype)
+    mamba = _mamba2(c.mamba_num_heads, c.mamba_head_dim, c.n_groups, c.ssm_state_size, c.conv_kernel,
+                    dtype, state_dtype)
+    return {i: attn if k == "a" else mamba for i, k in enumerate(kinds) if k != "-"}
+
+
+def _lfm2(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
+    c = hf_config(cfg)
+    kinds = _layer_kinds(c.layer_types, {"conv": "c", "full_attention": "a"}, "lfm2")
+    attn = AttentionSpec(c.num_key_value_heads, _head_dim(c), dtype)
+    conv = RecurrentSpec((c.hidden_size, c.conv_L_cache - 1), (), dtype)  # a window, no SSM state
+    return {i: attn if k == "a" else conv for i, k in enumerate(kinds)}
+
+
+def _falcon_h1(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
+    c = hf_config(cfg)
+    n = c.num_hidden_layers
+    attn = AttentionSpec(c.num_key_value_heads, _head_dim(c), dtype)
+    mamba = _mamba2(c.mamba_n_heads, c.mamba_d_head, c.mamba_n_groups, c.mamba_d_state, c.mamba_d_conv, dtype)
+    return {**{i: attn for i in range(n)}, **{n + i: mamba for i in range(n)}}
+
+
+def _zamba2(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
+    c = hf_config(cfg)
+    n, types = c.num_hidden_layers, list(c.layers_block_type)
+    if len(types) != n:
+        raise ValueError(f"zamba2 layers_block_type has {len(types)} entries but num_hidden_layers "
+                         f"is {n}; give one type per layer")
+    mamba = _mamba2(c.n_mamba_heads, c.mamba_headdim, c.mamba_ngroups, c.mamba_d_state, c.mamba_d_conv, dtype)
+    attn = AttentionSpec(c.num_key_value_heads, c.attention_head_dim, dtype)
+    specs: dict[int, LayerSpec] = {i: mamba for i in range(n)}
+    specs.update({n + i: attn for i, t in enumerate(types) if t == "hybrid"})
+    return specs
+
+
+_BUILDERS = {"bamba": _bamba, "jamba": _jamba, "qwen3_next": _qwen3_next,
+             "granitemoehybrid": _granitemoehybrid, "nemotron_h": _nemotron_h, "lfm2": _lfm2,
+             "falcon_h1": _falcon_h1, "zamba2": _zamba2}
+
+
 def specs_from_config(cfg: Mapping, dtype: Optional[torch.dtype] = None) -> dict[int, LayerSpec]:
-    """`{layer_idx: AttentionSpec | RecurrentSpec}` from a config dict; caches in `dtype`
-    (default: the config's torch_dtype). Raises ValueError for a model_type it does not know."""
+    """`{cache_key: AttentionSpec | RecurrentSpec}` from a config dict; caches in `dtype` (default:
+    the config's torch_dtype). Keys equal the model's `cache_specs()` keys: the layer index, plus
+    `num_hidden_layers + i` for falcon_h1's Mamba halves and zamba2's attention sites (see the
+    module docstring). Raises ValueError for a model_type it does not know or an invalid config."""
     dtype = dtype or config_dtype(cfg)
     kind = cfg["model_type"]
     if kind in ATTENTION_ONLY:
         return {i: _attention(cfg, dtype) for i in range(cfg["num_hidden_layers"])}
-    builders = {"bamba": _bamba, "jamba": _jamba, "qwen3_next": _qwen3_next}
-    if kind not in builders:
+    if kind not in _BUILDERS:
         raise ValueError(f"model_type {kind!r} has no spec builder; supported: "
-                         f"{sorted(ATTENTION_ONLY + tuple(builders))}")
-    return builders[kind](cfg, dtype)
+                         f"{sorted(ATTENTION_ONLY + tuple(_BUILDERS))}")
+    return _BUILDERS[kind](cfg, dtype)

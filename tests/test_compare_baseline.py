@@ -25,9 +25,12 @@ CONFIGS = ROOT / "examples" / "configs"
 KiB, MiB = 1 << 10, 1 << 20
 
 
-@pytest.mark.parametrize("family", ["llama", "bamba", "jamba", "qwen3_next"])
-def test_specs_from_config_equal_the_models_own(tmp_path, family):
-    path = make_tiny_checkpoint(family, tmp_path / family)
+@pytest.mark.parametrize("family, overrides", [
+    ("llama", {}), ("bamba", {}), ("jamba", {}), ("qwen3_next", {}), ("granitemoehybrid", {}),
+    ("nemotron_h", {}), ("nemotron_h", {"mamba_ssm_cache_dtype": "bfloat16"}), ("lfm2", {}),
+    ("falcon_h1", {}), ("zamba2", {})])
+def test_specs_from_config_equal_the_models_own(tmp_path, family, overrides):
+    path = make_tiny_checkpoint(family, tmp_path / family, **overrides)
     model = load_model(str(path), device="cpu", dtype=torch.float32)
     cfg = json.loads((path / "config.json").read_text())
     assert specs_from_config(cfg, torch.float32) == model.cache_specs()
