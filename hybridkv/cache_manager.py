@@ -249,7 +249,12 @@ class HybridCacheManager(AdmissionMixin, TransferMixin):
                 f"checkpoint of {req_id!r} at num_computed_tokens={nc}, not a block boundary (block_size "
                 f"{bs}): cut the chunk where checkpoint_due() says")
         h = self._boundary_hash(r)
-        return self.prefix.store(h, nc, r.slot)
+        stored = self.prefix.store(h, nc, r.slot)
+        if nc > r.num_prompt_tokens:  # a rolling checkpoint in the output replaces the previous one
+            old, r.rolling_checkpoint = r.rolling_checkpoint, h
+            if old is not None and old != h and old in self.prefix.checkpoints:
+                self.prefix.drop(old)
+        return stored
 
     def _boundary_hash(self, r: RequestState) -> bytes:
         i = r.num_computed_tokens // self.block_size - 1
@@ -288,6 +293,10 @@ class HybridCacheManager(AdmissionMixin, TransferMixin):
         if r.status is RUNNING:
             self._release_slot(r, donate=self.policy.keeps_final_state)
             self._release_blocks(r)
+        if r.rolling_checkpoint in self.prefix.checkpoints:
+            # only a continuation of this exact answer (the next turn of a chat) reuses it:
+            # first to go when slots are short, unless it is hit before
+            self.prefix.checkpoints.move_to_end(r.rolling_checkpoint, last=False)
         r.swapped = None
         del self._reqs[req_id]
 

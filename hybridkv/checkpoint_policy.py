@@ -15,7 +15,9 @@ class CheckpointPolicy:
     """none | prompt_end | every_n_blocks (every `every_n` blocks) | branch_points (Marconi-style).
 
     prompt_end: the last block boundary strictly inside the prompt, `((P - 1) // bs) x bs`, which a
-    repeat of the same prompt (a hit leaves one token) and any longer prompt extending it can reuse.
+    repeat of the same prompt (a hit leaves one token) and any longer prompt extending it can reuse;
+    and, while the request generates, the latest block boundary of its output (the manager keeps
+    one such rolling checkpoint per request), so the next turn of a chat resumes past the answer.
     branch_points: prompt_end, plus the junction where a new prompt's KV match runs past its
     deepest checkpoint AND another cached block continues the match with other content (the
     prefix tree branches there), found at admission. The end of a cached sequence that a new
@@ -46,6 +48,9 @@ class CheckpointPolicy:
         found = []
         if self.name in ("prompt_end", "branch_points"):
             found.append(self.prompt_end(num_prompt_tokens))
+            latest = end // self.block_size * self.block_size
+            if latest > num_prompt_tokens:  # in generated tokens: keep the latest boundary (multi-turn)
+                found.append(latest)
         if self.name == "branch_points" and branch_point is not None:
             found.append(branch_point)
         if self.name == "every_n_blocks":

@@ -36,4 +36,5 @@ class RequestState:
     slot: int = 0
     row: int = -1
     branch_point: Optional[int] = None
+    rolling_checkpoint: Optional[bytes] = None  # hash of its latest checkpoint inside its output
     swapped: Any = None  # swap.HostCopy while SWAPPED

@@ -43,7 +43,9 @@ def _oracle_hits(trace, boundaries):
 
 @pytest.mark.parametrize("policy,boundaries", [
     ("every_1_blocks", lambda p, c: range(BS, c + 1, BS)),
-    ("prompt_end", lambda p, c: [(p - 1) // BS * BS] + ([c] if c % BS == 0 else [])),
+    # prompt end, the rolling checkpoint at the last boundary inside the output, the final state
+    ("prompt_end", lambda p, c: [(p - 1) // BS * BS] + ([c // BS * BS] if c // BS * BS > p else [])
+     + ([c] if c % BS == 0 else [])),
 ])
 def test_serial_replay_hits_equal_oracle(policy, boundaries):
     # one request at a time, slots for every checkpoint: the hits are what the policy promises
@@ -71,8 +73,8 @@ def test_branch_points_at_least_prompt_end_on_agent_trace():
 def test_short_prefixes_hit_only_with_block_16():
     trace = short_prefixes(num_prefixes=4, requests_per_prefix=4)
     assert all(len(t.prompt) < 528 + 100 for t in trace)
-    bp = replay(make_manager("branch_points", 8, 4), trace, max_num_seqs=4)
-    align = replay(make_manager("align528", 8, 4), trace, max_num_seqs=4)
+    bp = replay(make_manager("branch_points", 16, 4), trace, max_num_seqs=4)
+    align = replay(make_manager("align528", 16, 4), trace, max_num_seqs=4)
     assert align.hit_tokens == 0  # no shared prefix reaches one 528-token page
     assert any(0 < h < 528 for _, h in bp.hits) and bp.hit_rate > 0.1
 

@@ -177,3 +177,19 @@ def test_length_stop_at_max_model_len_and_duplicate_ids(ckpt):
 def test_malformed_checkpoint_directory_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match=str(tmp_path / "nope")):
         LLM(str(tmp_path / "nope"))
+
+
+def test_next_chat_turn_resumes_past_the_previous_answer(ckpt, tmp_path):
+    from engine_fixtures import hf_model
+    from model_harness import assert_greedy_matches_hf
+
+    turn1 = list(range(10, 50))  # 40 tokens; the answer runs to 40 + 30 = 70 tokens
+    llm = LLM(ckpt, memory_budget_bytes=16 << 20)
+    answer = llm.generate([turn1], greedy(30), use_tqdm=False)[0].outputs[0].token_ids
+    turn2 = turn1 + answer + [60, 61, 62, 63, 64]
+    out = llm.generate([turn2], greedy(6), use_tqdm=False)[0]
+    # the state after 64 tokens (a boundary inside turn 1's answer) was kept while it decoded
+    assert out.num_cached_tokens == 64
+    assert llm.stats()["state_slots_checkpoint"] <= 3  # rolling checkpoints replace each other
+    assert_greedy_matches_hf(hf_model(ckpt), turn2, out.outputs[0].token_ids)
+    assert_no_leaks(llm)

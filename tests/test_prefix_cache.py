@@ -111,7 +111,9 @@ def test_store_copies_and_dedups():
 def test_policies():
     assert CheckpointPolicy("none", 4).due(0, 100, 50, None) is None
     pe = CheckpointPolicy("prompt_end", 4)
-    assert pe.due(0, 64, 50, None) == 48 and pe.due(0, 47, 50, None) is None and pe.due(48, 60, 50, None) is None
+    assert pe.due(0, 64, 50, None) == 48 and pe.due(0, 47, 50, None) is None and pe.due(48, 50, 50, None) is None
+    # in generated tokens: the latest boundary (rolling, for the next turn of a chat)
+    assert pe.due(48, 60, 50, None) == 60 and pe.due(63, 64, 50, None) == 64 and pe.due(64, 65, 50, None) is None
     assert pe.due(0, 16, 48, None) is None and pe.due(0, 44, 48, None) == 44  # (48 - 1) // 4 * 4
     ev = CheckpointPolicy("every_n_blocks", 4, every_n=2)
     assert ev.due(0, 20, 100, None) == 8 and ev.due(8, 20, 100, None) == 16 and ev.due(17, 20, 100, None) is None
