@@ -51,7 +51,7 @@ class Engine(MigrationMixin):
         self.caches = ModelCaches(kv=manager.kv_caches, conv=manager.conv_states,
                                   state=manager.ssm_states, block_size=manager.block_size)
         self.groups: dict[str, Group] = {}
-        self.counters = {"steps": 0, "generated_tokens": 0, "prefill_tokens": 0, "model_seconds": 0.0,
+        self.counters = {"steps": 0, "generated_tokens": 0, "processed_tokens": 0, "model_seconds": 0.0,
                          "swaps_out": 0, "migrations_out": 0, "migrations_in": 0, "forks": 0,
                          "aborted": 0}
 
@@ -121,7 +121,7 @@ class Engine(MigrationMixin):
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "swapped": len(self.scheduler.swapped), "steps": c["steps"],
             "generated_tokens": c["generated_tokens"],
-            "tokens_per_second": (c["generated_tokens"] + c["prefill_tokens"]) / secs if secs else 0.0,
+            "tokens_per_second": c["processed_tokens"] / secs if secs else 0.0,  # prompt + decode
             "generated_tokens_per_second": c["generated_tokens"] / secs if secs else 0.0,
         }
 
@@ -142,6 +142,7 @@ class Engine(MigrationMixin):
             logits = self.model(self._batch(plan.chunks), self.caches)
         self.counters["model_seconds"] += time.perf_counter() - t0
         self.counters["steps"] += 1
+        self.counters["processed_tokens"] += plan.num_tokens
         touched: dict[str, Group] = {}
         rows, row_reqs = [], []
         for i, c in enumerate(plan.chunks):
@@ -150,7 +151,6 @@ class Engine(MigrationMixin):
             if c.checkpoint:
                 self.mgr.checkpoint(rid)
             if c.start + c.num_tokens < c.request.num_tokens:
-                self.counters["prefill_tokens"] += c.num_tokens
                 continue  # a prefill chunk short of the end: nothing to sample yet
             for seq in self._fork_children(c.request):
                 rows.append(i)
