@@ -249,12 +249,14 @@ class HybridCacheManager(AdmissionMixin, TransferMixin):
                 f"checkpoint of {req_id!r} at num_computed_tokens={nc}, not a block boundary (block_size "
                 f"{bs}): cut the chunk where checkpoint_due() says")
         h = self._boundary_hash(r)
-        stored = self.prefix.store(h, nc, r.slot)
-        if nc > r.num_prompt_tokens:  # a rolling checkpoint in the output replaces the previous one
-            old, r.rolling_checkpoint = r.rolling_checkpoint, h
-            if old is not None and old != h and old in self.prefix.checkpoints:
-                self.prefix.drop(old)
-        return stored
+        if nc <= r.num_prompt_tokens:
+            return self.prefix.store(h, nc, r.slot)
+        # A rolling checkpoint in the output replaces the request's previous one, and displaces
+        # only other output states, never a prefix state that other requests share.
+        old, r.rolling_checkpoint = r.rolling_checkpoint, h
+        if old is not None and old != h and old in self.prefix.checkpoints:
+            self.prefix.drop(old)
+        return self.prefix.store(h, nc, r.slot, output=True)
 
     def _boundary_hash(self, r: RequestState) -> bytes:
         i = r.num_computed_tokens // self.block_size - 1

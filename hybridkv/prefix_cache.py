@@ -26,6 +26,7 @@ class Checkpoint:
     slot: int
     position: int
     last_used: int
+    output: bool = False  # a state inside a request's generated tokens (see store)
 
 
 @dataclass
@@ -116,16 +117,17 @@ class PrefixCache:
     def reachable(self, h: bytes) -> bool:
         return not self.has_attention or h in self.blocks.cached
 
-    def take_slot(self, kind: str, protect: Optional[bytes] = None) -> Optional[int]:
+    def take_slot(self, kind: str, protect: Optional[bytes] = None, only_output: bool = False) -> Optional[int]:
         """A free state slot marked `kind`, reclaiming checkpoints (unreachable, then by policy) if needed.
-        Never evicts the checkpoint keyed `protect`. None when no slot can be freed."""
+        Never evicts the checkpoint keyed `protect`; with `only_output`, evicts only output states.
+        None when no slot can be freed."""
         slot = self.states.allocate(kind)
         if slot is not None or not self.checkpoints:
             return slot
         for h in [h for h in self.checkpoints if h != protect and not self.reachable(h)]:
             self.drop(h)
         if self.states.num_free == 0:
-            victim = self._victim(protect)
+            victim = self._victim(protect, only_output)
             if victim is not None:
                 self.drop(victim)
         return self.states.allocate(kind)
@@ -133,8 +135,8 @@ class PrefixCache:
     def drop(self, h: bytes) -> None:
         self.states.free(self.checkpoints.pop(h).slot)
 
-    def _victim(self, protect: Optional[bytes]) -> Optional[bytes]:
-        keys = [h for h in self.checkpoints if h != protect]
+    def _victim(self, protect: Optional[bytes], only_output: bool = False) -> Optional[bytes]:
+        keys = [h for h, c in self.checkpoints.items() if h != protect and (c.output or not only_output)]
         if not keys:
             return None
         if self.eviction == "lru" or len(keys) == 1:
@@ -147,14 +149,17 @@ class PrefixCache:
         scores = [i / n + self.flop_weight * f / top for i, f in enumerate(flops)]
         return keys[min(range(len(keys)), key=scores.__getitem__)]
 
-    def store(self, h: bytes, position: int, src_slot: int) -> bool:
-        """Copy live slot `src_slot` into a new checkpoint keyed `h`; False if one exists or no slot frees."""
+    def store(self, h: bytes, position: int, src_slot: int, output: bool = False) -> bool:
+        """Copy live slot `src_slot` into a new checkpoint keyed `h`; False if one exists or no slot
+        frees. An `output` state (inside generated tokens: only a continuation of that answer can
+        use it) may only displace other output states, never a prompt or junction state."""
         if h in self.checkpoints:
             self.touch(h)
             return False
-        slot = self.take_slot(CHECKPOINT)
+        slot = self.take_slot(CHECKPOINT, only_output=output)
         if slot is None:
             return False
         self.states.copy(src_slot, slot)
         self.add(h, position, slot)
+        self.checkpoints[h].output = output
         return True
