@@ -249,7 +249,7 @@ class HybridCacheManager(AdmissionMixin, TransferMixin):
                 f"checkpoint of {req_id!r} at num_computed_tokens={nc}, not a block boundary (block_size "
                 f"{bs}): cut the chunk where checkpoint_due() says")
         h = self._boundary_hash(r)
-        if nc <= r.num_prompt_tokens:
+        if nc <= r.num_prompt_tokens or not self.policy.rolling_output:
             return self.prefix.store(h, nc, r.slot)
         # A rolling checkpoint in the output replaces the request's previous one, and displaces
         # only other output states, never a prefix state that other requests share.

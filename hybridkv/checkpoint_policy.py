@@ -34,6 +34,11 @@ class CheckpointPolicy:
         self.every_n = every_n
 
     @property
+    def rolling_output(self) -> bool:
+        """Whether states inside generated tokens are one rolling checkpoint per request."""
+        return self.name in ("prompt_end", "branch_points")
+
+    @property
     def keeps_final_state(self) -> bool:
         """Whether a finishing or preempted request's state at a block boundary is kept."""
         return self.name != "none"
@@ -46,7 +51,7 @@ class CheckpointPolicy:
         if self.name == "none" or end <= start:
             return None
         found = []
-        if self.name in ("prompt_end", "branch_points"):
+        if self.rolling_output:
             found.append(self.prompt_end(num_prompt_tokens))
             latest = end // self.block_size * self.block_size
             if latest > num_prompt_tokens:  # in generated tokens: keep the latest boundary (multi-turn)
