@@ -11,7 +11,6 @@ Checked against the reference in tests/test_mamba2_cpu.py.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .mamba2_ref import _discretize_dt, _gate, mamba2_chunk_scan_ref
 from .varlen import check_positions_arg, request_spans
