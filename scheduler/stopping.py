@@ -18,8 +18,10 @@ def check_stop(req: Request, eos_ids: set[int], max_model_len: int, tokenizer) -
     if last in p.stop_token_ids or (not p.ignore_eos and last in eos_ids):
         return "stop"
     if p.stop and tokenizer is not None:
-        text = decode(tokenizer, req.output_token_ids)
-        if any(s in text for s in p.stop):
+        # Only the tail can hold a stop string the last token completed (earlier ones ended the
+        # sequence at their own step); tokens decode to >= 1 character, plus a margin.
+        tail = decode(tokenizer, req.output_token_ids[-(max(map(len, p.stop)) + 8):])
+        if any(s in tail for s in p.stop):
             return "stop"
     if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= max_model_len:
         return "length"
