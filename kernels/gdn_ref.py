@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .varlen import check_positions_arg, request_spans, state_cuts
+from .varlen import check_positions_arg, request_spans, scan_requests
 
 
 def _prepare_qk(q, k, num_v_heads, scale, use_qk_l2norm):
@@ -98,20 +98,12 @@ def gdn_chunk_scan_ref(state, q, k, v, g, beta, query_start_loc, slot_idx, has_i
     qf, kf = (t.transpose(0, 1) for t in _prepare_qk(q, k, HV, scale, use_qk_l2norm))
     vf, gf, bf = v.float().transpose(0, 1), g.float().t(), beta.float().t()
     o = torch.empty(HV, v.shape[0], v.shape[2], dtype=torch.float32, device=v.device)
-    states = []
-    for r, (start, end, slot, init) in enumerate(spans):
-        S = state[slot].float() if init else v.new_zeros(state.shape[1:], dtype=torch.float32)
-        wanted = [] if return_states_at is None else [int(p) for p in return_states_at[r]]
-        at, prev = {}, 0
-        for cut in state_cuts(end - start, wanted, r):
-            a, b = start + prev, start + cut
-            o[:, a:b], S = _chunked(S, qf[:, a:b], kf[:, a:b], vf[:, a:b], gf[:, a:b],
-                                    bf[:, a:b], chunk_size)
-            at[cut] = S.to(state.dtype)
-            prev = cut
-        if end > start or not init:
-            state[slot] = S.to(state.dtype)
-        states.append(torch.stack([at[p] for p in wanted]) if wanted
-                      else state.new_zeros(0, *state.shape[1:]))
+
+    def piece(S, a, b):
+        o[:, a:b], S = _chunked(S, qf[:, a:b], kf[:, a:b], vf[:, a:b], gf[:, a:b], bf[:, a:b],
+                                chunk_size)
+        return S
+
+    states = scan_requests(state, spans, return_states_at, piece)
     out = o.transpose(0, 1).to(v.dtype)
     return out if return_states_at is None else (out, states)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .varlen import check_positions_arg, request_spans, state_cuts
+from .varlen import check_positions_arg, request_spans, scan_requests
 
 
 def _discretize_dt(dt, dt_bias, dt_softplus):
@@ -71,19 +71,11 @@ def mamba1_scan_ref(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_loc, s
     dtf = _discretize_dt(dt, dt_bias, dt_softplus)
     Af, xf, Bf, Cf = A.float(), x.float(), B.float(), C.float()
     y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    states = []
-    for r, (start, end, slot, init) in enumerate(spans):
-        h = ssm_state[slot].float() if init else x.new_zeros(ssm_state.shape[1:], dtype=torch.float32)
-        wanted = [] if return_states_at is None else [int(p) for p in return_states_at[r]]
-        at, prev = {}, 0
-        for cut in state_cuts(end - start, wanted, r):
-            a, b = start + prev, start + cut
-            y[a:b], h = _scan(h, xf[a:b], dtf[a:b], Af, Bf[a:b], Cf[a:b])
-            at[cut] = h.to(ssm_state.dtype)
-            prev = cut
-        if end > start or not init:
-            ssm_state[slot] = h.to(ssm_state.dtype)
-        states.append(torch.stack([at[p] for p in wanted]) if wanted
-                      else ssm_state.new_zeros(0, *ssm_state.shape[1:]))
+
+    def piece(h, a, b):
+        y[a:b], h = _scan(h, xf[a:b], dtf[a:b], Af, Bf[a:b], Cf[a:b])
+        return h
+
+    states = scan_requests(ssm_state, spans, return_states_at, piece)
     out = _gate(y, x, D, z).to(x.dtype)
     return out if return_states_at is None else (out, states)

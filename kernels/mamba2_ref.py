@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .varlen import check_positions_arg, request_spans, state_cuts
+from .varlen import check_positions_arg, request_spans, scan_requests
 
 
 def _discretize_dt(dt, dt_bias, dt_softplus, dt_limit):
@@ -115,19 +115,11 @@ def mamba2_chunk_scan_ref(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_
     dtf = _discretize_dt(dt, dt_bias, dt_softplus, dt_limit)
     xf, Af, Bh, Ch = x.float(), A.float(), _heads(B, H), _heads(C, H)
     y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    states = []
-    for r, (start, end, slot, init) in enumerate(spans):
-        h = ssm_state[slot].float() if init else x.new_zeros(ssm_state.shape[1:], dtype=torch.float32)
-        wanted = [] if return_states_at is None else [int(p) for p in return_states_at[r]]
-        at, prev = {}, 0
-        for cut in state_cuts(end - start, wanted, r):
-            a, b = start + prev, start + cut
-            y[a:b], h = _ssd(h, xf[a:b], dtf[a:b], Af, Bh[a:b], Ch[a:b], chunk_size)
-            at[cut] = h.to(ssm_state.dtype)
-            prev = cut
-        if end > start or not init:
-            ssm_state[slot] = h.to(ssm_state.dtype)
-        states.append(torch.stack([at[p] for p in wanted]) if wanted
-                      else ssm_state.new_zeros(0, *ssm_state.shape[1:]))
+
+    def piece(h, a, b):
+        y[a:b], h = _ssd(h, xf[a:b], dtf[a:b], Af, Bh[a:b], Ch[a:b], chunk_size)
+        return h
+
+    states = scan_requests(ssm_state, spans, return_states_at, piece)
     out = _gate(y, x, D, z).to(x.dtype)
     return out if return_states_at is None else (out, states)

@@ -54,3 +54,28 @@ def check_positions_arg(return_states_at, num_requests: int) -> None:
     if return_states_at is not None and len(return_states_at) != num_requests:
         raise ValueError(f"return_states_at has {len(return_states_at)} lists for "
                          f"{num_requests} requests; give one (possibly empty) list per request")
+
+
+def scan_requests(pool: torch.Tensor, spans, return_states_at, piece) -> list[torch.Tensor]:
+    """Run each request's tokens through `piece` from its slot's state, in place in `pool`.
+
+    pool [S, ...]: a recurrent pool; spans from `request_spans`. `piece(h, a, b) -> h` advances the
+    fp32 state `h` over packed tokens [a, b) (writing its outputs itself). A request without an
+    initial state starts from zeros. The scan is cut at the requested positions, so the state there
+    equals running only that prefix; the final state is written back to the slot. Returns, per
+    request, the states at its requested positions as `[n_pos, ...]` in pool.dtype.
+    """
+    states = []
+    for r, (start, end, slot, init) in enumerate(spans):
+        h = pool[slot].float() if init else pool.new_zeros(pool.shape[1:], dtype=torch.float32)
+        wanted = [] if return_states_at is None else [int(p) for p in return_states_at[r]]
+        at, prev = {}, 0
+        for cut in state_cuts(end - start, wanted, r):
+            h = piece(h, start + prev, start + cut)
+            at[cut] = h.to(pool.dtype)
+            prev = cut
+        if end > start or not init:
+            pool[slot] = h.to(pool.dtype)
+        states.append(torch.stack([at[p] for p in wanted]) if wanted
+                      else pool.new_zeros(0, *pool.shape[1:]))
+    return states
