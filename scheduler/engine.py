@@ -126,7 +126,6 @@ class Engine(MigrationMixin):
         }
 
     # ---- the step --------------------------------------------------------------------------
-    @torch.no_grad()  # serving needs no autograd graph (it would also chain the pools across steps)
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Run one batch; returns the outputs of the requests that advanced (only those that
         finished, with `finished_only`: what generate() needs, without per-step copies)."""
@@ -138,7 +137,7 @@ class Engine(MigrationMixin):
                                    f"stats: {self.mgr.stats()}")
             return []
         t0 = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode():  # no autograd graph (it would also chain the pools across steps)
             logits = self.model(self._batch(plan.chunks), self.caches)
         self.counters["model_seconds"] += time.perf_counter() - t0
         self.counters["steps"] += 1
