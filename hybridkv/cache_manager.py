@@ -265,6 +265,13 @@ class HybridCacheManager(AdmissionMixin, LifecycleMixin, TransferMixin):
             self.blocks.set_hash(r.block_ids[i], r.block_hashes[i])
         return r.block_hashes[i]
 
+    # ---- bursts ----------------------------------------------------------------------------
+    def waits_for_shared_prefix(self, req_id: Hashable, token_ids: Sequence[int], *,
+                                cache_salt: Optional[str] = None) -> bool:
+        """Whether a not-yet-admitted request should wait one step for a running request that is
+        computing a prefix they share (burst rule). Placeholder until memory v2 lands: never."""
+        return False
+
     # ---- statistics ------------------------------------------------------------------------
     def stats(self) -> ManagerStats:
         pool, st = self.blocks, self.states

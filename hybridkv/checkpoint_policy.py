@@ -6,7 +6,7 @@ prefill to stop exactly at p. The policy names p; the scheduler cuts its chunk t
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 POLICIES = ("none", "prompt_end", "every_n_blocks", "branch_points")
 
@@ -46,11 +46,15 @@ class CheckpointPolicy:
     def prompt_end(self, num_prompt_tokens: int) -> int:
         return (num_prompt_tokens - 1) // self.block_size * self.block_size
 
-    def due(self, start: int, end: int, num_prompt_tokens: int, branch_point: Optional[int]) -> Optional[int]:
-        """The first block boundary b in (start, end] where a checkpoint is wanted, else None."""
+    def due(self, start: int, end: int, num_prompt_tokens: int, branch_point: Optional[int],
+            shared: Sequence[int] = ()) -> Optional[int]:
+        """The first block boundary b in (start, end] where a checkpoint is wanted, else None.
+
+        shared: boundaries where requests waiting in a burst need this request's state (the
+        manager's burst rule); every policy but 'none' honours them."""
         if self.name == "none" or end <= start:
             return None
-        found = []
+        found = list(shared)
         if self.rolling_output:
             found.append(self.prompt_end(num_prompt_tokens))
             latest = end // self.block_size * self.block_size

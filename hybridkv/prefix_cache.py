@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from hybridkv.block_pool import BlockPool
+from hybridkv.eviction import check_rule, choose_victim
 from hybridkv.state_pool import CHECKPOINT, StatePool
 
 MISS_NO_KV = "no_kv_match"
@@ -65,8 +66,7 @@ class PrefixCache:
     def __init__(self, blocks: BlockPool, states: StatePool, block_size: int, *, has_attention: bool,
                  has_recurrent: bool, eviction: str = "lru",
                  saved_flops: Optional[Callable[[int], float]] = None, flop_weight: float = 1.0):
-        if eviction not in ("lru", "flop"):
-            raise ValueError(f"checkpoint_eviction={eviction!r}; choose 'lru' or 'flop'")
+        check_rule(eviction)
         self.blocks, self.states, self.block_size = blocks, states, block_size
         self.has_attention, self.has_recurrent = has_attention, has_recurrent
         self.eviction = eviction
@@ -139,15 +139,9 @@ class PrefixCache:
         keys = [h for h, c in self.checkpoints.items() if h != protect and (c.output or not only_output)]
         if not keys:
             return None
-        if self.eviction == "lru" or len(keys) == 1:
-            return keys[0]
-        # Marconi-style utility: normalised recency + weight x normalised FLOPs saved per state byte
-        # (every slot has the same size, so FLOPs saved ranks the same as FLOPs per byte).
-        flops = [self.saved_flops(self.checkpoints[h].position) for h in keys]
-        top = max(flops) or 1.0
-        n = len(keys) - 1
-        scores = [i / n + self.flop_weight * f / top for i, f in enumerate(flops)]
-        return keys[min(range(len(keys)), key=scores.__getitem__)]
+        i = choose_victim(self.eviction, [self.checkpoints[h].position for h in keys], self.saved_flops,
+                          self.flop_weight)
+        return keys[i]
 
     def store(self, h: bytes, position: int, src_slot: int, output: bool = False) -> bool:
         """Copy live slot `src_slot` into a new checkpoint keyed `h`; False if one exists or no slot
