@@ -51,7 +51,7 @@ import torch
 
 from hybridkv.block_pool import BlockPool
 from hybridkv.block_table import BlockTables
-from hybridkv.checkpoint_policy import CheckpointPolicy
+from hybridkv.checkpoint_policy import DEFAULT_POLICY, CheckpointPolicy
 from hybridkv.errors import MemoryBudgetError, RequestStateError
 from hybridkv.manager_stats import ManagerStats
 from hybridkv.plan import plan, split_specs
@@ -69,7 +69,7 @@ class HybridCacheManager(AdmissionMixin, LifecycleMixin, TransferMixin):
 
     def __init__(self, specs: Mapping[int, LayerSpec], block_size: int = 16, num_blocks: int = 0,
                  num_slots: int = 0, *, device: torch.device | str = "cpu", enable_prefix_caching: bool = True,
-                 checkpoint_policy: str = "prompt_end", checkpoint_every_n: int = 4,
+                 checkpoint_policy: str = DEFAULT_POLICY, checkpoint_every_n: int = 4,
                  checkpoint_eviction: str = "lru", fingerprint: str = "",
                  flops_per_token: Optional[float] = None):
         attn, rec = split_specs(specs)
@@ -109,7 +109,7 @@ class HybridCacheManager(AdmissionMixin, LifecycleMixin, TransferMixin):
         """Size the pools with `plan()`; checkpoint_share defaults to 0.1 (0 with policy 'none'
         or prefix caching off). Other keyword arguments go to the constructor."""
         if checkpoint_share is None:
-            off = kwargs.get("checkpoint_policy", "prompt_end") == "none" or not kwargs.get("enable_prefix_caching", True)
+            off = kwargs.get("checkpoint_policy", DEFAULT_POLICY) == "none" or not kwargs.get("enable_prefix_caching", True)
             checkpoint_share = 0.0 if off else 0.1
         p = plan(specs, budget_bytes, block_size, max_num_seqs, checkpoint_share)
         mgr = cls(specs, block_size, p.num_blocks, p.num_slots, **kwargs)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 POLICIES = ("none", "prompt_end", "every_n_blocks", "branch_points")
+DEFAULT_POLICY = "prompt_end"  # what LLM, EngineConfig and the manager use when none is named
 
 
 class CheckpointPolicy:

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from hybridkv.checkpoint_policy import DEFAULT_POLICY
+
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 
 
@@ -20,7 +22,7 @@ class EngineConfig:
     memory_budget_bytes: Optional[int] = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
-    checkpoint_policy: str = "prompt_end"
+    checkpoint_policy: str = DEFAULT_POLICY
     checkpoint_every_n: int = 4
     checkpoint_eviction: str = "lru"
     checkpoint_share: Optional[float] = None
