@@ -50,7 +50,8 @@ class AdmissionMixin:
     def _new_state(self, req_id, token_ids, max_tokens, cache_salt, adapter_id, mm_hashes) -> RequestState:
         self.check_fits(len(token_ids), max_tokens)
         key = extra_key(self.fingerprint, adapter_id, tuple(mm_hashes), cache_salt)
-        return RequestState(req_id, list(token_ids), len(token_ids), max_tokens, key, cache_salt, adapter_id,
+        tokens = token_ids if isinstance(token_ids, list) else list(token_ids)  # the owner's list, not a copy
+        return RequestState(req_id, tokens, len(token_ids), max_tokens, key, cache_salt, adapter_id,
                             tuple(mm_hashes))
 
     def _start(self, r: RequestState, num_new_tokens: Optional[int], dry_run: bool = False) -> Optional[int]:

@@ -15,9 +15,10 @@ from hybridkv.state_pool import CHECKPOINT, LIVE
 
 
 class LifecycleMixin:
-    def fork(self, parent_id: Hashable, child_id: Hashable) -> bool:
+    def fork(self, parent_id: Hashable, child_id: Hashable, token_ids: Optional[list[int]] = None) -> bool:
         """Start `child_id` as a copy of a running parent: full and partial blocks shared (copied on
-        first write), slot copied. False if no slot can be had now."""
+        first write), slot copied. token_ids: the child's own token list (its owner appends to it),
+        equal to the parent's now; None: the manager keeps a copy. False if no slot can be had now."""
         p = self._running(parent_id)
         if child_id in self._reqs:
             raise RequestStateError(f"request id {child_id!r} is already known to the manager")
@@ -29,7 +30,9 @@ class LifecycleMixin:
             self.states.copy(p.slot, slot)
         shared = p.block_ids[: -(-p.num_computed_tokens // self.block_size)]
         self.blocks.ref(shared)
-        c = RequestState(child_id, list(p.token_ids), p.num_prompt_tokens, p.max_tokens, p.extra_key, p.cache_salt,
+        if token_ids is not None and list(token_ids) != p.token_ids:
+            raise RequestStateError(f"fork {child_id!r}: its token_ids differ from parent {parent_id!r}'s")
+        c = RequestState(child_id, list(p.token_ids) if token_ids is None else token_ids, p.num_prompt_tokens, p.max_tokens, p.extra_key, p.cache_salt,
                          p.adapter_id, p.mm_hashes, RUNNING, p.num_computed_tokens, list(shared),
                          list(p.block_hashes), p.num_hashed_blocks, slot)
         if self.has_attention:

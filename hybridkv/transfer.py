@@ -72,9 +72,10 @@ class TransferMixin:
                                r.adapter_id, r.mm_hashes, sampling_state, self._layer_shapes())
 
     def import_snapshot(self, snap: RequestSnapshot, req_id: Optional[Hashable] = None,
-                        num_new_tokens: Optional[int] = None) -> bool:
-        """Continue an exported request here (any block size). False if the pools cannot take it
-        now; SnapshotMismatchError if it was taken on another model."""
+                        num_new_tokens: Optional[int] = None, token_ids: Optional[list[int]] = None) -> bool:
+        """Continue an exported request here (any block size). token_ids: the owner's list equal to
+        snap.token_ids (None: the manager keeps a copy). False if the pools cannot take it now;
+        SnapshotMismatchError if it was taken on another model."""
         if snap.fingerprint != self.fingerprint:
             raise SnapshotMismatchError(
                 f"snapshot fingerprint {snap.fingerprint!r} != this model's {self.fingerprint!r}: a request "
@@ -92,7 +93,7 @@ class TransferMixin:
         if not self._reserve(nc, len(snap.token_ids), num_new_tokens):
             return False
         key = extra_key(self.fingerprint, snap.adapter_id, tuple(snap.mm_hashes), snap.cache_salt)
-        r = RequestState(rid, list(snap.token_ids), snap.num_prompt_tokens, snap.max_tokens, key, snap.cache_salt,
+        r = RequestState(rid, list(snap.token_ids) if token_ids is None else token_ids, snap.num_prompt_tokens, snap.max_tokens, key, snap.cache_salt,
                          snap.adapter_id, tuple(snap.mm_hashes), num_computed_tokens=nc)
         self._place(r, copy_blocks=-(-nc // self.block_size) if self.has_attention else 0)
         if r.block_ids:
