@@ -5,7 +5,7 @@ run together: their KV is gathered from the pool into one padded `[R, S_max, Hkv
 attended with two batched matmuls under a length mask. Prefill chunks (query_len > 1) run one
 request at a time through `F.scaled_dot_product_attention` with the GQA group folded into the
 query rows (no KV copy per query head). Soft-capped layers take the batched matmul path for
-prefill too (SDPA has no soft cap). Checked against the reference in tests/test_attention_cpu.py.
+prefill too (SDPA has no soft cap). Checked against the reference in tests/kernels/test_attention_cpu.py.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ are padded to whole chunks (zero dt in the padding: no decay, no input, so state
 and every chunk of every request goes through one set of einsums; only the chunk-to-chunk state
 recurrence loops, over the longest request's chunk count, batched over requests. B and C stay
 per group (the reference expands them to heads), so C.B is computed once per group.
-Checked against the reference in tests/test_mamba2_cpu.py.
+Checked against the reference in tests/kernels/test_mamba2_cpu.py.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ import pathlib
 import subprocess
 import sys
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_kernels.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_kernels.py"
 
 
 def test_cpu_dry_run_prints_table_and_json(tmp_path):
