@@ -1,0 +1,166 @@
+"""The `hybridkv` command: `hybridkv demo` (a few seconds on a built-in tiny model) and
+`hybridkv serve [CHECKPOINT]` (an OpenAI-compatible HTTP server). Also `python -m hybridkv`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from typing import Optional
+
+TINY_FAMILY = "bamba"
+TINY_NOTICE = ("built-in tiny Bamba (Mamba2 + attention), RANDOM weights: the text is noise; "
+               "this shows the engine, not a model")
+
+
+def build_tiny(directory: str) -> str:
+    """Write the built-in tiny random Bamba (with a character-level tokenizer) to `directory`."""
+    from hybridkv.models.tiny import make_tiny_checkpoint
+
+    return str(make_tiny_checkpoint(TINY_FAMILY, directory))
+
+
+# ---- LLM options, shared by serve (and anything else that builds an LLM from flags) ----------
+def add_llm_args(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("engine (the LLM(...) options)")
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
+    g.add_argument("--dtype", default="float32", help="float32 | float16 | bfloat16 (default float32)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    g.add_argument("--memory-budget-mb", type=int, default=None,
+                   help="MiB for KV blocks + state slots (default: 1024 on a CPU, measured on a GPU)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--preemption-mode", default="auto", choices=["auto", "recompute", "swap"])
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--checkpoint-policy", default="prompt_end",
+                   choices=["none", "prompt_end", "every_n_blocks", "branch_points"])
+    g.add_argument("--checkpoint-every-n", type=int, default=4)
+    g.add_argument("--checkpoint-eviction", default="lru", choices=["lru", "flop"])
+    g.add_argument("--checkpoint-share", type=float, default=None)
+
+
+def llm_kwargs(args: argparse.Namespace) -> dict:
+    """The LLM(...) keyword arguments that `add_llm_args` flags name."""
+    budget = None if args.memory_budget_mb is None else args.memory_budget_mb << 20
+    return dict(device=args.device, dtype=args.dtype, block_size=args.block_size,
+                memory_budget_bytes=budget, gpu_memory_utilization=args.gpu_memory_utilization,
+                enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                max_model_len=args.max_model_len, seed=args.seed,
+                checkpoint_policy=args.checkpoint_policy, checkpoint_every_n=args.checkpoint_every_n,
+                checkpoint_eviction=args.checkpoint_eviction, checkpoint_share=args.checkpoint_share)
+
+
+# ---- hybridkv demo ---------------------------------------------------------------------------
+SYSTEM = "You are a helpful assistant of the hybridkv project. Answer briefly. "
+
+
+def _run(llm, requests: list[tuple[str, object, object]]) -> dict:
+    """Add (request id, prompt, params) triples, step until all finish; returns id -> output."""
+    for rid, prompt, params in requests:
+        llm.add_request(prompt, params, request_id=rid)
+    done = {}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def demo(max_tokens: int = 16) -> int:
+    """Serve a few requests on the built-in tiny model and print outputs and stats; returns 0."""
+    from hybridkv import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    print(f"hybridkv demo: {TINY_NOTICE}")
+    with tempfile.TemporaryDirectory() as d:
+        llm = LLM(build_tiny(d), device="cpu", dtype="float32", block_size=16,
+                  memory_budget_bytes=32 << 20)
+        s = llm.stats()
+        print(f"pools: {s['kv_blocks_total']} KV blocks of 16 tokens, {s['state_slots_total']} state slots")
+        greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        first = SYSTEM + "Question one: what is a state slot?"
+        waves = [
+            [("first", first, greedy)],
+            # extends the first prompt: its KV blocks and its prompt-end state checkpoint are reused
+            [("follow-up", first + " And a KV block?", greedy),
+             ("n=2", SYSTEM + "Two samples, please.",
+              SamplingParams(n=2, max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=7)),
+             ("long", SYSTEM * 5 + "A long prompt, prefilled in chunks.",
+              SamplingParams(max_tokens=4 * max_tokens, temperature=0.0))],
+        ]
+        for wave in waves:
+            done = _run(llm, wave)
+            for rid, prompt, _ in wave:
+                out = done[rid]
+                for o in out.outputs:
+                    tag = rid if len(out.outputs) == 1 else f"{rid}[{o.index}]"
+                    print(f"[{tag}] prompt {len(out.prompt_token_ids)} tokens "
+                          f"({out.num_cached_tokens} from the prefix cache) -> {len(o.token_ids)} tokens "
+                          f"({o.finish_reason}): {o.token_ids}")
+        s = llm.stats()
+    print("stats:")
+    print(f"  KV blocks used {s['kv_blocks_used']}, cached {s['kv_blocks_cached']}, total {s['kv_blocks_total']}")
+    print(f"  state slots live {s['state_slots_live']}, checkpoints {s['state_slots_checkpoint']}, "
+          f"total {s['state_slots_total']}")
+    print(f"  prefix hits: {s['prefix_hit_tokens']} of {s['prefix_query_tokens']} prompt tokens "
+          f"({s['prefix_hit_rate']:.0%}); misses {json.dumps(s['prefix_misses'])}")
+    print(f"  preemptions {json.dumps(s['preemptions'])}, forks {s['forks']}")
+    print(f"  {s['generated_tokens']} tokens generated, {s['tokens_per_second']:.0f} tokens/s computed")
+    print(f"done in {time.perf_counter() - t0:.1f} s. Serve it over HTTP: hybridkv serve")
+    return 0
+
+
+# ---- hybridkv serve --------------------------------------------------------------------------
+def serve(args: argparse.Namespace) -> int:
+    from hybridkv import LLM
+    from hybridkv.server.app import run_server
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("hybridkv.serve")
+    with tempfile.TemporaryDirectory() as d:
+        path = args.checkpoint
+        if path is None:
+            log.warning("no checkpoint given: serving the %s", TINY_NOTICE)
+            path = build_tiny(d)
+        name = args.served_model_name or (args.checkpoint or f"tiny-{TINY_FAMILY}-random")
+        llm = LLM(path, **llm_kwargs(args))
+        run_server(llm, name, host=args.host, port=args.port, api_key=args.api_key,
+                   log_stats_interval=args.log_stats_interval)
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hybridkv", description="Serve hybrid language models.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="a few requests on a built-in tiny random model; prints outputs and stats")
+    d.add_argument("--max-tokens", type=int, default=16)
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    s.add_argument("checkpoint", nargs="?", default=None,
+                   help="a local checkpoint directory; none: the built-in tiny model (random weights)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    s.add_argument("--served-model-name", default=None, help="the model name clients send (default: the path)")
+    s.add_argument("--log-level", default="info")
+    s.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between engine stats lines")
+    add_llm_args(s)
+    return ap
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    if args.command == "demo":
+        return demo(args.max_tokens)
+    return serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
