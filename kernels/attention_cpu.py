@@ -15,9 +15,17 @@ import torch.nn.functional as F
 from .attention_ref import check_attention_inputs
 
 
-def _gather_kv(kv_cache, block_table, rows, nblk):
-    """K, V [R, nblk * bs, Hkv, D] in fp32 for block-table rows `rows` (first nblk blocks)."""
-    blocks = block_table[rows, :nblk].long().clamp_(0, kv_cache.shape[0] - 1)  # unused entries: any id
+def _first_block(seq_len: int, qlen: int, bs: int, window) -> int:
+    """The first block any of the request's queries can see: blocks before it are never read
+    (the memory manager may have let them go and handed them to other requests)."""
+    return 0 if window is None else max(0, seq_len - qlen - window + 1) // bs
+
+
+def _gather_kv(kv_cache, block_table, rows, first, nblk):
+    """K, V [R, nblk * bs, Hkv, D] in fp32: blocks first[r] .. first[r] + nblk - 1 of each row."""
+    cols = first.view(-1, 1) + torch.arange(nblk, device=first.device)
+    cols = cols.clamp_(max=block_table.shape[1] - 1)  # past a short row's end: masked keys
+    blocks = block_table[rows.view(-1, 1), cols].long().clamp_(0, kv_cache.shape[0] - 1)  # unused entries: any id
     kv = kv_cache[blocks]  # [R, nblk, 2, bs, Hkv, D]
     r, _, _, bs, hkv, d = kv.shape
     kv = kv.transpose(1, 2).reshape(r, 2, nblk * bs, hkv, d).float()
@@ -50,9 +58,11 @@ def _batched(q, kv_cache, block_table, reqs, starts, qlens, lens, scale, causal,
     t, hq, d = q.shape
     g = hq // hkv
     lmax = max(qlens)
-    nblk = -(-max(lens) // bs)
+    firsts = [_first_block(s, n, bs, window) for s, n in zip(lens, qlens)]
+    nblk = max(-(-s // bs) - f for s, f in zip(lens, firsts))
     rows = torch.tensor(reqs, device=q.device)
-    k, v = _gather_kv(kv_cache, block_table, rows, nblk)  # [R, S, Hkv, D]
+    first = torch.tensor(firsts, device=q.device)
+    k, v = _gather_kv(kv_cache, block_table, rows, first, nblk)  # [R, S, Hkv, D]
     # queries padded to lmax per request; padding rows point at row 0 and are dropped later
     idx = torch.tensor([[s + i if i < n else 0 for i in range(lmax)] for s, n in zip(starts, qlens)],
                        device=q.device)
@@ -60,7 +70,7 @@ def _batched(q, kv_cache, block_table, reqs, starts, qlens, lens, scale, causal,
     seq = torch.tensor(lens, device=q.device).view(-1, 1, 1)
     ql = torch.tensor(qlens, device=q.device).view(-1, 1, 1)
     pos = seq - ql + torch.arange(lmax, device=q.device).view(1, -1, 1)  # [R, L, 1]
-    key = torch.arange(nblk * bs, device=q.device).view(1, 1, -1)
+    key = (first * bs).view(-1, 1, 1) + torch.arange(nblk * bs, device=q.device).view(1, 1, -1)
     vis = _visible(pos, key, seq, causal, window)[:, None, None]
     o = _attend(qr, k.transpose(1, 2), v.transpose(1, 2), vis, scale, soft_cap)
     return o.permute(0, 3, 1, 2, 4).reshape(len(reqs), lmax, hq, d)
@@ -71,11 +81,14 @@ def _prefill_sdpa(q, kv_cache, block_table, r, q0, qlen, seq_len, scale, causal,
     bs, hkv = kv_cache.shape[2], kv_cache.shape[3]
     hq, d = q.shape[1], q.shape[2]
     g = hq // hkv
-    k, v = _gather_kv(kv_cache, block_table, torch.tensor([r], device=q.device), -(-seq_len // bs))
-    k, v = k[0, :seq_len].transpose(0, 1), v[0, :seq_len].transpose(0, 1)  # [Hkv, S, D]
+    first = _first_block(seq_len, qlen, bs, window)
+    k, v = _gather_kv(kv_cache, block_table, torch.tensor([r], device=q.device),
+                      torch.tensor([first], device=q.device), -(-seq_len // bs) - first)
+    k0 = first * bs  # position of the first key read
+    k, v = k[0, :seq_len - k0].transpose(0, 1), v[0, :seq_len - k0].transpose(0, 1)  # [Hkv, S, D]
     qr = q[q0:q0 + qlen].float().view(qlen, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * qlen, d)
     pos = torch.arange(seq_len - qlen, seq_len, device=q.device).view(-1, 1)
-    key = torch.arange(seq_len, device=q.device).view(1, -1)
+    key = torch.arange(k0, seq_len, device=q.device).view(1, -1)
     vis = _visible(pos, key, seq_len, causal, window)  # [L, S]
     mask = None if not causal and window is None else vis.repeat(g, 1)  # rows are (group, query)
     o = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, scale=scale)  # [Hkv, G*L, D]

@@ -48,7 +48,9 @@ def paged_attention_ref(q, kv_cache, query_start_loc, seq_lens, block_table, sca
     Request r's queries are the LAST `query_len_r` of its `seq_len_r` positions: query i sits at
     absolute position `p = seq_len_r - query_len_r + i`. With `causal` it sees keys j <= p
     (otherwise all j < seq_len_r). `sliding_window=w` keeps keys with `p - j < w` (the query and
-    the w-1 before it; transformers' sliding_window_overlay, as in Mistral/Qwen2). `soft_cap=c`
+    the w-1 before it; transformers' sliding_window_overlay, as in Mistral/Qwen2); block-table
+    entries of blocks wholly before every query's window are never read (any value, even -1).
+    `soft_cap=c`
     maps logits to `c * tanh(logits / c)` after `scale` (Gemma2). GQA: query head h reads KV head
     h // (Hq // Hkv). Accumulation in float32. max_query_len / max_seq_len are hints, unused here.
     """
@@ -72,17 +74,19 @@ def paged_attention_ref(q, kv_cache, query_start_loc, seq_lens, block_table, sca
         if nblk > block_table.shape[1]:
             raise ValueError(f"request {r}: seq_len {seq_len} needs {nblk} blocks of {bs}; "
                              f"block_table has {block_table.shape[1]} columns")
-        blocks = block_table[r, :nblk].long()
-        kv = kv_cache[blocks].float()  # [nblk, 2, bs, Hkv, D]
-        k = kv[:, 0].reshape(nblk * bs, hkv, d)[:seq_len].permute(1, 2, 0)  # [Hkv, D, S]
-        v = kv[:, 1].reshape(nblk * bs, hkv, d)[:seq_len].transpose(0, 1)  # [Hkv, S, D]
+        # blocks wholly before the first query's window are never read: they may be let go
+        first = 0 if sliding_window is None else max(0, seq_len - qlen - sliding_window + 1) // bs
+        k0, n = first * bs, nblk - first  # k0: position of the first key read
+        kv = kv_cache[block_table[r, first:nblk].long()].float()  # [n, 2, bs, Hkv, D]
+        k = kv[:, 0].reshape(n * bs, hkv, d)[:seq_len - k0].permute(1, 2, 0)  # [Hkv, D, S - k0]
+        v = kv[:, 1].reshape(n * bs, hkv, d)[:seq_len - k0].transpose(0, 1)  # [Hkv, S - k0, D]
         qr = q[q0:q1].float().reshape(qlen, hkv, group, d).permute(1, 2, 0, 3)  # [Hkv, G, L, D]
         logits = (qr @ k.unsqueeze(1)) * scale  # [Hkv, G, L, S]
         if soft_cap is not None:
             logits = soft_cap * torch.tanh(logits / soft_cap)
         pos = torch.arange(seq_len - qlen, seq_len, device=q.device).unsqueeze(1)  # [L, 1]
-        key = torch.arange(seq_len, device=q.device).unsqueeze(0)  # [1, S]
-        visible = torch.ones(qlen, seq_len, dtype=torch.bool, device=q.device)
+        key = torch.arange(k0, seq_len, device=q.device).unsqueeze(0)  # [1, S - k0]
+        visible = torch.ones(qlen, seq_len - k0, dtype=torch.bool, device=q.device)
         if causal:
             visible &= key <= pos
         if sliding_window is not None:

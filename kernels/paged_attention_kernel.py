@@ -95,7 +95,8 @@ def _paged_attention_kernel(
     bt_row = block_table_ptr + r.to(tl.int64) * stride_bt
     for tile in range(kv_start // TILE_N, tl.cdiv(kv_end, TILE_N)):
         key = tile * TILE_N + offs_n
-        key_ok = key < kv_end
+        # keys before kv_start are never loaded: their blocks may have been let go (any table entry)
+        key_ok = (key >= kv_start) & (key < kv_end)
         blk = tl.load(bt_row + key // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
         base = blk * stride_kv_blk + (key % BLOCK_SIZE) * stride_kv_off + kv_head * stride_kv_h
         k = tl.load(kv_ptr + base[None, :] + offs_d[:, None],

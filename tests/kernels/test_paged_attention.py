@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
 
 import hybridkv.kernels as K
+from hybridkv.kernels.attention_cpu import paged_attention_cpu
 from hybridkv.kernels.attention_ref import paged_attention_ref
 from hybridkv.kernels.paged_attention_kernel import paged_attention_triton
 
@@ -198,3 +199,56 @@ def test_errors_name_the_problem():
         paged_attention_ref(q, kv, qsl, torch.tensor([99], dtype=torch.int32), table, 1.0)
     with pytest.raises(ValueError, match="multiple of 16"):
         paged_attention_triton(q, kv[:, :, :8], qsl, seq_lens, table, 1.0)
+
+
+# Sliding window, window 24 over blocks of 16: the window edge falls inside a block. Prefill chunks
+# whose first query is past the window, decodes far past it, a chunk wider than the window, and
+# requests that never leave it.
+WINDOW_REQS = [(1, 90), (20, 100), (3, 60), (1, 20), (33, 90), (1, 25)]
+IMPLS = {"ref": paged_attention_ref, "cpu": paged_attention_cpu, "triton": paged_attention_triton}
+
+
+def first_needed_block(qlen, seq_len, window, bs):
+    """Blocks before this one hold only keys outside every query's window (p - j >= window)."""
+    return max(0, seq_len - qlen - window + 1) // bs
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_window_matches_transformers_mask(impl):
+    """The window is transformers' sliding_window_overlay: key j visible to query p iff p - j < w."""
+    q, kv, qsl, seq_lens, table, full = make_batch(WINDOW_REQS, 16, 2, 2, 32, torch.float32, seed=21)
+    out = IMPLS[impl](q, kv, qsl, seq_lens, table, 32 ** -0.5, sliding_window=24)
+    want = sdpa_oracle(full, WINDOW_REQS, 32 ** -0.5, window=24)
+    assert rel_err(out[:int(qsl[-1])], want) < 1e-5
+    full_attention = sdpa_oracle(full, WINDOW_REQS, 32 ** -0.5)
+    assert rel_err(full_attention, want) > 1e-2  # the window does change these outputs
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("garbage", ["large_block", "minus_one", "nan_in_place"])
+def test_blocks_outside_the_window_are_never_read(impl, garbage):
+    """Block-table entries of blocks wholly outside the window (which the memory manager lets go
+    and hands to other requests) may point anywhere: the output does not change, bit for bit."""
+    bs, window = 16, 24
+    q, kv, qsl, seq_lens, table, _ = make_batch(WINDOW_REQS, bs, 2, 2, 32, torch.float32, seed=22)
+    fn = IMPLS[impl]
+    want = fn(q, kv, qsl, seq_lens, table, 32 ** -0.5, sliding_window=window)
+    firsts = [first_needed_block(ql, s, window, bs) for ql, s in WINDOW_REQS]
+    assert sum(firsts) >= 8  # most requests have blocks outside their window
+    g = torch.Generator().manual_seed(5)
+    kv2, table2 = kv.clone(), table.clone()
+    if garbage == "large_block":  # another request's data: finite but huge (q.k overflows fp32)
+        kv2 = torch.cat([kv2, torch.randn(1, *kv.shape[1:], generator=g) * 1e30])
+        for r, f in enumerate(firsts):
+            table2[r, :f] = kv.shape[0]
+    elif garbage == "minus_one":  # a table position whose block was let go
+        for r, f in enumerate(firsts):
+            table2[r, :f] = -1
+    else:  # nothing may even multiply them by zero
+        for r, ((_, s), f) in enumerate(zip(WINDOW_REQS, firsts)):
+            last = math.ceil(s / bs) - 1
+            table2[r, last + 1:] = table[r, last]  # unused columns: this row's last block, not a NaN one
+            kv2[table[r, :f].long()] = float("nan")
+    got = fn(q, kv2, qsl, seq_lens, table2, 32 ** -0.5, sliding_window=window)
+    n = int(qsl[-1])
+    assert torch.equal(got[:n], want[:n])
