@@ -2,7 +2,9 @@
 
     specs = load_specs("examples/configs/bamba-9b.json")     # {layer_idx: AttentionSpec | RecurrentSpec}
 
-Supported `model_type`s: llama / qwen3 / mistral / qwen2 (attention everywhere), bamba (Mamba2
+Supported `model_type`s: llama / qwen3 / mistral / qwen2 (attention everywhere; mistral's
+`sliding_window` on every layer, qwen2/qwen3's only with `use_sliding_window`, on their
+"sliding_attention" layers), bamba (Mamba2
 beside attention at `attn_layer_indices`), jamba (Mamba1; attention where `i % attn_layer_period ==
 attn_layer_offset`), qwen3_next (gated delta net; attention at `layer_types == "full_attention"`,
 by default every `full_attention_interval`-th layer), granitemoehybrid (Mamba2 or attention per
@@ -11,7 +13,8 @@ MoE blocks keep nothing and get no key; the SSM state in `mamba_ssm_cache_dtype`
 window only, or attention per `layer_types`), falcon_h1 (attention AND Mamba2 in every layer: key
 `i` and key `num_hidden_layers + i`), zamba2 (Mamba2 state at key `i` for every layer; the shared
 attention block's KV of each hybrid layer i at key `num_hidden_layers + i`).
-For these five newer families, fields a config.json omits take transformers' config-class defaults
+For these five newer families and the attention-only ones, fields a config.json omits take
+transformers' config-class defaults
 (`hf_config`), as they do when transformers loads it. Shapes follow the models in hybridkv.models,
 and tests check them against those models' own `cache_specs()`.
 """
@@ -123,6 +126,17 @@ def _layer_kinds(names, table: Mapping[str, str], family: str) -> list[str]:
     return [table[t] for t in names]
 
 
+def _attention_only(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
+    c = hf_config(cfg)
+    # Mistral's window (class default 4096) is on every layer; Qwen2/3 set it to None unless
+    # use_sliding_window, and then only their "sliding_attention" layers use it.
+    window = getattr(c, "sliding_window", None)
+    types = getattr(c, "layer_types", None) or ["sliding_attention"] * c.num_hidden_layers
+    kinds = _layer_kinds(types, {"sliding_attention": "s", "full_attention": "a"}, cfg["model_type"])
+    return {i: AttentionSpec(c.num_key_value_heads, _head_dim(c), dtype, window if k == "s" else None)
+            for i, k in enumerate(kinds)}
+
+
 def _granitemoehybrid(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
     c = hf_config(cfg)
     kinds = _layer_kinds(c.layer_types, {"mamba": "m", "linear_attention": "m", "attention": "a",
@@ -188,7 +202,7 @@ def specs_from_config(cfg: Mapping, dtype: Optional[torch.dtype] = None) -> dict
     dtype = dtype or config_dtype(cfg)
     kind = cfg["model_type"]
     if kind in ATTENTION_ONLY:
-        return {i: _attention(cfg, dtype) for i in range(cfg["num_hidden_layers"])}
+        return _attention_only(cfg, dtype)
     if kind not in _BUILDERS:
         raise ValueError(f"model_type {kind!r} has no spec builder; supported: "
                          f"{sorted(ATTENTION_ONLY + tuple(_BUILDERS))}")

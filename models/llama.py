@@ -33,9 +33,10 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config):
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        bias = getattr(config, "attention_bias", False)  # Mistral's config has no such field
         self.self_attn = PagedAttention(
             config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim,
-            qkv_bias=config.attention_bias, o_bias=config.attention_bias,
+            qkv_bias=bias, o_bias=bias,
             sliding_window=getattr(config, "sliding_window", None))
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size,
                             bias=getattr(config, "mlp_bias", False), act=config.hidden_act)

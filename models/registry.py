@@ -7,6 +7,7 @@ from types import ModuleType
 # Hugging Face `config.architectures[0]` -> family module name inside hybridkv.models.
 _ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
     "BambaForCausalLM": "bamba",
     "JambaForCausalLM": "jamba",
     "Qwen3NextForCausalLM": "qwen3_next",
