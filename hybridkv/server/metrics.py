@@ -1,0 +1,136 @@
+"""Prometheus metrics in vLLM's style, under the `hybridkv:` prefix.
+
+Engine gauges and counters (requests running / waiting / swapped, KV blocks, state slots, prefix
+cache, preemptions by mode, swaps, migrations) are read from `LLM.stats()` at each scrape; the
+request-level ones (token counters, time to first token, inter-token and end-to-end latency)
+are observed by the server as requests stream.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_created_metrics,
+                               generate_latest)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_P = "hybridkv:"
+disable_created_metrics()  # no *_created series (as vLLM): they double the text for nothing
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class _EngineCollector:
+    """Turns the latest `LLM.stats()` dict into metric families at scrape time."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.stats: Optional[dict] = None
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(_P + name, doc, labels=["model_name"])
+        g.add_metric([self.model_name], value)
+        return g
+
+    def _counter(self, name: str, doc: str, values: dict[str, float], label: Optional[str] = None):
+        c = CounterMetricFamily(_P + name, doc, labels=["model_name"] + ([label] if label else []))
+        for key, v in values.items():
+            c.add_metric([self.model_name] + ([key] if label else []), v)
+        return c
+
+    def collect(self):
+        s = self.stats
+        if s is None:
+            return
+        yield self._gauge("num_requests_running", "Requests being computed.", s["running"])
+        yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.", s["waiting"])
+        yield self._gauge("num_requests_swapped", "Requests swapped out to host memory.", s["swapped"])
+        total = s["kv_blocks_total"] or 1
+        yield self._gauge("kv_cache_usage_perc", "Fraction of KV blocks held by requests (1 = full).",
+                          s["kv_blocks_used"] / total)
+        yield self._gauge("kv_blocks_used", "KV blocks held by requests.", s["kv_blocks_used"])
+        yield self._gauge("kv_blocks_cached", "Free KV blocks still findable by prefix hash.", s["kv_blocks_cached"])
+        yield self._gauge("kv_blocks_total", "KV blocks in the pool.", s["kv_blocks_total"])
+        yield self._gauge("state_slots_live", "Recurrent state slots held by running sequences.",
+                          s["state_slots_live"])
+        yield self._gauge("state_slots_checkpoint", "Recurrent state slots holding prefix checkpoints.",
+                          s["state_slots_checkpoint"])
+        yield self._gauge("state_slots_total", "Recurrent state slots in the pool.", s["state_slots_total"])
+        yield self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                            {"": s["prefix_query_tokens"]})
+        yield self._counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                            {"": s["prefix_hit_tokens"]})
+        yield self._counter("prefix_cache_misses", "Requests that missed the prefix cache, by reason.",
+                            s["prefix_misses"], "reason")
+        yield self._counter("num_preemptions", "Sequences preempted, by mode.", s["preemptions"], "mode")
+        yield self._counter("num_swaps", "Sequences swapped out to host memory.", {"": s["swaps"]})
+        yield self._counter("num_migrations", "Requests migrated, by direction.", s["migrations"], "direction")
+        yield self._counter("num_forks", "Sequences forked from a shared prompt (n > 1).", {"": s["forks"]})
+        yield self._counter("num_aborted_requests", "Requests aborted (client gone or cancelled).",
+                            {"": s["aborted"]})
+
+
+class ServerMetrics:
+    """One registry per server (tests run several in one process)."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        self.engine = _EngineCollector(model_name)
+        self.registry.register(self.engine)
+        r, lab, m = self.registry, ["model_name"], model_name
+        self.prompt_tokens = Counter(_P + "prompt_tokens", "Prompt tokens of finished requests.", lab,
+                                     registry=r).labels(m)
+        self.generation_tokens = Counter(_P + "generation_tokens", "Tokens generated.", lab,
+                                         registry=r).labels(m)
+        self.request_success = Counter(_P + "request_success", "Finished sequences, by finish reason.",
+                                       lab + ["finished_reason"], registry=r)
+        self.ttft = Histogram(_P + "time_to_first_token_seconds", "Time to first token.", lab,
+                              buckets=_LATENCY_BUCKETS, registry=r).labels(m)
+        self.itl = Histogram(_P + "inter_token_latency_seconds", "Time between two streamed deltas.", lab,
+                             buckets=_LATENCY_BUCKETS, registry=r).labels(m)
+        self.e2e = Histogram(_P + "e2e_request_latency_seconds", "Arrival to last token.", lab,
+                             buckets=_LATENCY_BUCKETS, registry=r).labels(m)
+        self.model_name = model_name
+
+    def render(self, stats: dict) -> bytes:
+        """Prometheus text for the current engine `stats` and the request metrics so far."""
+        self.engine.stats = stats
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Latencies of one request (all its sequences), observed into `ServerMetrics` as deltas come."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.m = metrics
+        self.t0 = time.monotonic()
+        self.first: Optional[float] = None
+        self.last: dict[int, float] = {}
+        self.generated = 0
+
+    def on_tokens(self, index: int, n: int) -> None:
+        if n == 0:
+            return
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+            self.m.ttft.observe(now - self.t0)
+        elif index in self.last:
+            self.m.itl.observe(now - self.last[index])
+        self.last[index] = now
+        self.generated += n
+        self.m.generation_tokens.inc(n)
+
+    def on_finish(self, reason: str) -> None:
+        self.m.request_success.labels(self.m.model_name, reason).inc()
+
+    def done(self, prompt_tokens: int) -> float:
+        """Record the request's end; returns its end-to-end seconds."""
+        e2e = time.monotonic() - self.t0
+        self.m.e2e.observe(e2e)
+        self.m.prompt_tokens.inc(prompt_tokens)
+        return e2e
+
+    @property
+    def ttft(self) -> Optional[float]:
+        return None if self.first is None else self.first - self.t0

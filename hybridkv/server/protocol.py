@@ -1,0 +1,165 @@
+"""Request bodies of the OpenAI-compatible endpoints, and what they become: SamplingParams.
+
+Fields beyond OpenAI's (as vLLM names them): `top_k`, `ignore_eos`, `stop_token_ids`,
+`priority`, `cache_salt`, `return_token_ids` (each choice then carries its `token_ids`).
+A field OpenAI has that the engine cannot honour yet is refused with a 400, never ignored.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from hybridkv.sampling_params import SamplingParams
+
+from .openai_format import APIError
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+    # extensions (vLLM's names)
+    top_k: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = Field(default_factory=list)
+    priority: int = 0
+    cache_salt: Optional[str] = None
+    return_token_ids: bool = False
+
+    def refuse_unsupported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise APIError(f"{name}={getattr(self, name)} is not supported by this server yet; "
+                               f"leave it at 0", param=name)
+        if self.logit_bias:
+            raise APIError("logit_bias is not supported by this server yet; leave it out", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise APIError("stream_options is only allowed with stream=true", param="stream_options")
+
+    def sampling_params(self, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
+        """SamplingParams for this body; a bad value is a 400 that names it and its limit."""
+        try:
+            return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                                  max_tokens=max_tokens, seed=self.seed, stop=self.stop or [],
+                                  stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+                                  logprobs=logprobs)
+        except ValueError as e:  # SamplingParams' messages start with the field's name
+            name = str(e).split(" ", 1)[0]
+            raise APIError(str(e), param=name if name in type(self).model_fields else None) from None
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = 16
+    logprobs: Optional[int] = None
+    echo: bool = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The prompt field as a list of prompts (a string or a token-id list each)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise APIError("prompt is empty: give a string, a list of token ids, or a list of those",
+                           param="prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.echo:
+            raise APIError("echo=true is not supported by this server yet", param="echo")
+        if self.suffix:
+            raise APIError("suffix is not supported by this server", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(f"best_of={self.best_of} is not supported (only best_of == n)", param="best_of")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise APIError(f"logprobs must be between 0 and 20, got {self.logprobs}", param="logprobs")
+
+
+class TextPart(BaseModel):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: Union[str, list[TextPart]]
+    name: Optional[str] = None
+
+    def text(self, i: int) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise APIError(f"messages[{i}].content has a part of type {part.type!r}; "
+                               f"only text parts are supported", param="messages")
+            parts.append(part.text)
+        return "".join(parts)
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage]
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if not self.messages:
+            raise APIError("messages is empty: give at least one message", param="messages")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+            if not 0 <= self.top_logprobs <= 20:
+                raise APIError(f"top_logprobs must be between 0 and 20, got {self.top_logprobs}",
+                               param="top_logprobs")
+
+    @property
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> Optional[int]:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def resolve_max_tokens(requested: Optional[int], prompt_len: int, max_model_len: int) -> int:
+    """max_tokens for a prompt of `prompt_len`: the request's, or what the context leaves; 400 when
+    the prompt and max_tokens together pass max_model_len."""
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise APIError(f"prompt has {prompt_len} tokens; this model's max_model_len is {max_model_len} "
+                       f"(and one token must be left to generate): shorten the prompt", param="prompt")
+    if requested is None:
+        return room
+    if isinstance(requested, int) and requested > room:
+        raise APIError(f"prompt ({prompt_len} tokens) + max_tokens ({requested}) = {prompt_len + requested} "
+                       f"exceeds this model's max_model_len of {max_model_len}; lower max_tokens to at most "
+                       f"{room}", param="max_tokens")
+    return requested
