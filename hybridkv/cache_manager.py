@@ -1,10 +1,16 @@
-"""HybridCacheManager: the one object the scheduler talks to about memory.
+"""HybridCacheManager: the one object the scheduler talks to about memory; the coordinator of kinds.
 
-It holds a paged KV pool (`BlockPool`) for attention layers and a whole-object state pool
-(`StatePool`) for recurrent layers, a prefix cache over both, and per request a block table,
-`num_computed_tokens`, one live slot and the token ids known so far. Invariant at every step
-boundary: the live slot holds the state after exactly `num_computed_tokens` tokens, and the
-block table covers `[0, num_computed_tokens)`.
+A model's layers fall into kinds of memory (hybridkv/memory/): full-attention KV, sliding-window
+KV, recurrent state. Each kind implements the same verbs for its own pool; this class runs each
+verb over the model's kinds and is the one place that says how their answers combine:
+- a prefix is usable only as far as EVERY kind can resume it: the hit is the largest m that all
+  kinds accept (the minimum, iterated until no kind lowers it further);
+- a verb that can be refused (admit, allocate, fork, resume, import) asks every kind first and
+  changes nothing unless all agree; kinds that can refuse for lack of a slot are asked first;
+- one budget is planned across kinds (`plan()`), each pool sized exactly, none padded.
+It also keeps, per request, the tokens (the owner's list), progress and block hashes.
+Invariant at every step boundary: every kind holds the request's memory of exactly
+`num_computed_tokens` tokens (a live state after them; KV covering them, or the window of them).
 
 Scheduler-facing API (request ids are any hashable; "not now" is None/False, never an exception;
 a request that can never fit raises RequestTooLargeError, a ValueError):
@@ -14,33 +20,22 @@ a request that can never fit raises RequestTooLargeError, a ValueError):
     mgr.kv_caches / mgr.conv_states / mgr.ssm_states      {layer_idx: tensor} for ModelCaches
     mgr.check_fits(num_prompt_tokens, max_tokens)          raises RequestTooLargeError
     mgr.can_admit(token_ids, max_tokens=, cache_salt=, ..., num_new_tokens=None) -> bool
-    mgr.admit(req_id, token_ids, max_tokens=, cache_salt=, adapter_id=, mm_hashes=, num_new_tokens=None)
-        -> hit tokens (int, block-aligned, < len(token_ids)) or None (does not fit now; no side effect).
-        On success allocate(req_id, n) for n <= num_new_tokens (default: all uncomputed tokens)
-        is guaranteed to succeed right after.
-    mgr.append_tokens(req_id, token_ids)                   sampled tokens, before they are computed
-    mgr.allocate(req_id, n) -> list[int] | None            flat KV write slots for positions
-        [num_computed, num_computed + n) (-1 each for models without attention); None = not enough
-        blocks even after evicting cached blocks (no side effect): preempt someone and retry.
-    mgr.commit(req_id, n)                                   the step ran: num_computed += n, newly
-        full blocks are hashed into the prefix cache
-    mgr.checkpoint_due(req_id, start, end) -> int | None    block boundary in (start, end] where the
-        policy wants a checkpoint: cut the chunk there, commit, then call mgr.checkpoint(req_id)
-    mgr.checkpoint(req_id) -> bool                          live slot -> checkpoint slot at num_computed
-    mgr.fork(parent_id, child_id) -> bool                   share blocks, copy the slot (n > 1, beams)
-    mgr.preempt(req_id, mode="recompute" | "swap")
-    mgr.resume(req_id, num_new_tokens=None) -> int | None   num_computed after resume, or None
-    mgr.finish(req_id)
-    mgr.export_snapshot(req_id, device="cpu", sampling_state=None) -> RequestSnapshot
-    mgr.import_snapshot(snapshot, req_id=None, num_new_tokens=None) -> bool
+    mgr.admit(req_id, token_ids, max_tokens=, cache_salt=, ..., num_new_tokens=None)
+        -> hit tokens (block-aligned, < len(token_ids)) or None (does not fit now; no side effect).
+        The manager keeps `token_ids` (the owner's list) and reads appended tokens from it.
+    mgr.waits_for_shared_prefix(req_id, token_ids, cache_salt=) -> bool   the burst rule
+    mgr.append_tokens(req_id, token_ids)                   extends the owner's list
+    mgr.allocate(req_id, n) -> list[int] | None            KV write slots for [num_computed, +n)
+        (-1 each without attention); None = not enough blocks (no side effect): preempt, retry
+    mgr.commit(req_id, n)                                   num_computed += n; full blocks hashed
+    mgr.checkpoint_due(req_id, start, end) -> int | None    where to cut the chunk for a checkpoint
+    mgr.checkpoint(req_id) -> bool                          live state -> checkpoint at num_computed
+    mgr.fork(parent_id, child_id, token_ids=None) -> bool   share blocks, copy the state
+    mgr.preempt(req_id, mode="recompute" | "swap");  mgr.resume(req_id, num_new_tokens=None)
+    mgr.finish(req_id);  mgr.export_snapshot(req_id) / mgr.import_snapshot(snapshot, ...)
     mgr.block_table(req_ids, width=None) -> int32 [R, width];  mgr.live_slot(req_id) -> int
-    mgr.request(req_id) -> RequestState (read-only view);  mgr.stats() -> ManagerStats
-
-A step: for each scheduled request `slots = allocate(r, n)` (None -> preempt a victim, retry),
-run the model with `block_table(...)`, the slot mappings and `live_slot(r)` for each request
-(has_initial_state = num_computed > 0), then `commit(r, n)` and, where a checkpoint was due,
-`checkpoint(r)`. Eviction is internal: free cached blocks go LRU-first when blocks are short;
-checkpoints go (unreachable first, then LRU or FLOP-aware) when slots are short.
+    mgr.request(req_id) -> RequestState;  mgr.stats() -> ManagerStats
+The semantics of each verb over each kind: docs/design.md.
 """
 from __future__ import annotations
 
@@ -49,57 +44,88 @@ from typing import Hashable, Mapping, Optional, Sequence
 
 import torch
 
-from hybridkv.block_pool import BlockPool
-from hybridkv.block_table import BlockTables
+from hybridkv.block_hash import extend_hashes, extra_key
 from hybridkv.checkpoint_policy import DEFAULT_POLICY, CheckpointPolicy
-from hybridkv.errors import MemoryBudgetError, RequestStateError
+from hybridkv.errors import MemoryBudgetError, RequestStateError, RequestTooLargeError, SnapshotMismatchError
 from hybridkv.manager_stats import ManagerStats
-from hybridkv.plan import plan, split_specs
-from hybridkv.prefix_cache import MISS_CACHING_OFF, PrefixCache, extend_hashes
-from hybridkv.request_state import RUNNING, RequestState
-from hybridkv.specs import LayerSpec
-from hybridkv.state_pool import CHECKPOINT, LIVE, StatePool
-from hybridkv.admission import AdmissionMixin
-from hybridkv.lifecycle import LifecycleMixin
-from hybridkv.transfer import TransferMixin
+from hybridkv.memory.burst import BurstTracker
+from hybridkv.memory.full_attention import FullAttentionMemory
+from hybridkv.memory.layer_memory import LayerMemory
+from hybridkv.memory.recurrent import RecurrentMemory
+from hybridkv.memory.sliding_window import SlidingWindowMemory
+from hybridkv.plan import plan
+from hybridkv.request_state import PREEMPTED, RUNNING, SWAPPED, RequestState
+from hybridkv.snapshot import RequestSnapshot
+from hybridkv.specs import AttentionSpec, LayerSpec
+
+MISS_NO_KV = "no_kv_match"
+MISS_NO_CHECKPOINT = "kv_match_no_checkpoint"
+MISS_CACHING_OFF = "caching_off"
+ATTENTION_KINDS = (SlidingWindowMemory, FullAttentionMemory)
 
 
-class HybridCacheManager(AdmissionMixin, LifecycleMixin, TransferMixin):
-    """Dual memory manager; see the module docstring for the scheduler-facing contract."""
+def group_layers(specs: Mapping[int, LayerSpec]) -> dict[type, dict[int, LayerSpec]]:
+    """{kind class: {layer: spec}} — which kind of memory serves each layer."""
+    groups: dict[type, dict[int, LayerSpec]] = {}
+    for idx, spec in sorted(specs.items()):
+        kind = next((k for k in (*ATTENTION_KINDS, RecurrentMemory) if k.handles(spec)), None)
+        if kind is None:
+            raise TypeError(f"layer {idx}: spec {spec!r} is neither AttentionSpec nor RecurrentSpec")
+        groups.setdefault(kind, {})[idx] = spec
+    return groups
+
+
+class HybridCacheManager:
+    """Coordinator of the model's kinds of layer memory; see the module docstring."""
 
     def __init__(self, specs: Mapping[int, LayerSpec], block_size: int = 16, num_blocks: int = 0,
                  num_slots: int = 0, *, device: torch.device | str = "cpu", enable_prefix_caching: bool = True,
                  checkpoint_policy: str = DEFAULT_POLICY, checkpoint_every_n: int = 4,
                  checkpoint_eviction: str = "lru", fingerprint: str = "",
-                 flops_per_token: Optional[float] = None):
-        attn, rec = split_specs(specs)
+                 flops_per_token: Optional[float] = None, max_num_batched_tokens: Optional[int] = None):
         if not isinstance(block_size, int) or block_size <= 0:
             raise MemoryBudgetError(f"block_size={block_size!r} must be a positive integer (e.g. 16)")
-        if attn and num_blocks < 1:
+        if not specs:
+            raise MemoryBudgetError("specs are empty: the model declares no attention and no recurrent layer")
+        groups = group_layers(specs)
+        attn_groups = [k for k in ATTENTION_KINDS if k in groups]
+        if len(attn_groups) > 1 or len({s.sliding_window for s in groups.get(SlidingWindowMemory, {}).values()}) > 1:
+            windows = sorted({str(s.sliding_window) for s in specs.values() if isinstance(s, AttentionSpec)})
+            raise MemoryBudgetError(
+                f"attention layers with different windows ({', '.join(windows)}) need one block table per "
+                f"window; this engine supports one attention kind per model")
+        if attn_groups and num_blocks < 1:
             raise MemoryBudgetError(f"num_blocks={num_blocks}: a model with attention layers needs >= 1 KV block")
-        if rec and num_slots < 2:
+        if RecurrentMemory in groups and num_slots < 2:
             raise MemoryBudgetError(
                 f"num_slots={num_slots}: a model with recurrent layers needs >= 2 slots (null slot 0 + one live)")
-        if not attn and not rec:
-            raise MemoryBudgetError("specs are empty: the model declares no attention and no recurrent layer")
         self.specs = dict(specs)
         self.block_size = block_size
         self.fingerprint = fingerprint
-        self.has_attention, self.has_recurrent = bool(attn), bool(rec)
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = BlockPool(attn, num_blocks, block_size, device)
-        self.states = StatePool(rec, num_slots, device)
         self.policy = CheckpointPolicy(checkpoint_policy, block_size, checkpoint_every_n)
-        # Prefill FLOPs saved by a checkpoint at p: linear part plus attention's p^2 term.
-        quad = 4.0 * sum(s.num_kv_heads * s.head_dim for s in attn.values())
-        lin = float(flops_per_token) if flops_per_token else 0.0
-        self.prefix = PrefixCache(self.blocks, self.states, block_size, has_attention=self.has_attention,
-                                  has_recurrent=self.has_recurrent, eviction=checkpoint_eviction,
-                                  saved_flops=lambda p: lin * p + quad * p * p + p)
-        self.tables = BlockTables()
+        self.attention: Optional[FullAttentionMemory] = None
+        self.recurrent: Optional[RecurrentMemory] = None
+        if FullAttentionMemory in groups:
+            self.attention = FullAttentionMemory(groups[FullAttentionMemory], block_size, num_blocks, device)
+        elif SlidingWindowMemory in groups:
+            self.attention = SlidingWindowMemory(groups[SlidingWindowMemory], block_size, num_blocks, device,
+                                                 max_chunk_tokens=max_num_batched_tokens)
+        if RecurrentMemory in groups:
+            attn = [s for s in specs.values() if isinstance(s, AttentionSpec)]
+            # Prefill FLOPs saved by a checkpoint at p: linear part plus attention's p^2 term.
+            quad = 4.0 * sum(s.num_kv_heads * s.head_dim for s in attn)
+            lin = float(flops_per_token) if flops_per_token else 0.0
+            self.recurrent = RecurrentMemory(
+                groups[RecurrentMemory], block_size, num_slots, device, eviction=checkpoint_eviction,
+                saved_flops=lambda p: lin * p + quad * p * p + p,
+                reachable=self.attention.is_cached if self.attention else (lambda h: True))
+        # Kinds that can refuse for lack of a slot are asked first.
+        self.kinds: list[LayerMemory] = [k for k in (self.recurrent, self.attention) if k is not None]
+        self.bursts = BurstTracker()
         self._reqs: dict[Hashable, RequestState] = {}
         self._hit_tokens = self._query_tokens = self._queries = 0
-        self._misses = {"no_kv_match": 0, "kv_match_no_checkpoint": 0, MISS_CACHING_OFF: 0}
+        self._misses = {MISS_NO_KV: 0, MISS_NO_CHECKPOINT: 0, MISS_CACHING_OFF: 0}
         self._preemptions = {"recompute": 0, "swap": 0}
 
     @classmethod
@@ -120,25 +146,25 @@ class HybridCacheManager(AdmissionMixin, LifecycleMixin, TransferMixin):
     @property
     def kv_caches(self) -> dict[int, torch.Tensor]:
         """{attention layer: [num_blocks, 2, block_size, kv_heads, head_dim]}"""
-        return self.blocks.kv
+        return self.attention.pool.kv if self.attention else {}
 
     @property
     def conv_states(self) -> dict[int, torch.Tensor]:
         """{recurrent layer: [num_slots, *conv_shape]} (layers without a conv window are absent)"""
-        return self.states.conv
+        return self.recurrent.states.conv if self.recurrent else {}
 
     @property
     def ssm_states(self) -> dict[int, torch.Tensor]:
         """{recurrent layer: [num_slots, *state_shape]} (short-conv layers are absent)"""
-        return self.states.ssm
+        return self.recurrent.states.ssm if self.recurrent else {}
 
     @property
     def num_blocks(self) -> int:
-        return self.blocks.num_blocks
+        return self.attention.num_blocks if self.attention else 0
 
     @property
     def num_slots(self) -> int:
-        return self.states.num_slots
+        return self.recurrent.num_slots if self.recurrent else 0
 
     @property
     def requests(self) -> Mapping[Hashable, RequestState]:
@@ -152,136 +178,361 @@ class HybridCacheManager(AdmissionMixin, LifecycleMixin, TransferMixin):
 
     def live_slot(self, req_id: Hashable) -> int:
         """The request's state slot in every recurrent layer's pool (0 for pure-attention models)."""
-        return self._reqs[req_id].slot
+        return self.recurrent.live_slot(req_id) if self.recurrent else 0
+
+    def block_ids(self, req_id: Hashable) -> list[int]:
+        """The request's KV block per table position (-1 where a block left the window)."""
+        return self.attention.block_ids(req_id) if self.attention else []
+
+    def _running(self, req_id: Hashable) -> RequestState:
+        r = self.request(req_id)
+        if r.status is not RUNNING:
+            raise RequestStateError(f"request {req_id!r} is {r.status}, not running")
+        return r
+
+    # ---- prefix match ----------------------------------------------------------------------
+    def _hashes(self, r: RequestState) -> list[bytes]:
+        extend_hashes(r.block_hashes, r.token_ids, len(r.token_ids) // self.block_size, r.extra_key,
+                      self.block_size)
+        return r.block_hashes
+
+    def _match(self, hashes: Sequence[bytes], num_tokens: int) -> tuple[int, int, Optional[str], bool]:
+        """(hit blocks, blocks the KV alone matches, miss reason, the KV match ends at a junction).
+        The hit never covers the whole prompt: one token is always left to compute."""
+        limit = min(len(hashes), (num_tokens - 1) // self.block_size)
+        kv = self.attention.usable_prefix(hashes, limit) if self.attention else limit
+        m = kv
+        while True:  # the largest position every kind accepts
+            before = m
+            for kind in self.kinds:
+                m = kind.usable_prefix(hashes, m)
+            if m == before:
+                break
+        if not self.attention:
+            kv = m  # no KV to tell where known prefixes run
+        miss = None if m else (MISS_NO_KV if kv == 0 else MISS_NO_CHECKPOINT)
+        branches = self.attention is not None and self.attention.branches(hashes, kv)
+        return m, kv, miss, branches
+
+    # ---- admission -------------------------------------------------------------------------
+    def check_fits(self, num_tokens: int, max_tokens: int = 0) -> None:
+        """Raise RequestTooLargeError if a request of this size can never fit, whatever finishes."""
+        if num_tokens < 1:
+            raise RequestTooLargeError(f"a request needs at least one token; got {num_tokens}")
+        for kind in self.kinds:
+            why = kind.never_fits(num_tokens + max_tokens)
+            if why:
+                raise RequestTooLargeError(
+                    f"request of {num_tokens} prompt + {max_tokens} max_tokens {why}: shorten the prompt "
+                    f"or max_tokens, or raise the memory budget")
+
+    def _new_state(self, req_id, token_ids, max_tokens, cache_salt, adapter_id, mm_hashes) -> RequestState:
+        self.check_fits(len(token_ids), max_tokens)
+        key = extra_key(self.fingerprint, adapter_id, tuple(mm_hashes), cache_salt)
+        tokens = token_ids if isinstance(token_ids, list) else list(token_ids)  # the owner's list, not a copy
+        return RequestState(req_id, tokens, len(tokens), max_tokens, key, cache_salt, adapter_id, tuple(mm_hashes))
+
+    def can_admit(self, token_ids: Sequence[int], *, max_tokens: int = 0, cache_salt: Optional[str] = None,
+                  adapter_id=None, mm_hashes: Sequence[str] = (), num_new_tokens: Optional[int] = None) -> bool:
+        """Whether admit() would succeed now. Raises RequestTooLargeError if it never could."""
+        r = self._new_state(None, list(token_ids), max_tokens, cache_salt, adapter_id, mm_hashes)
+        return self._start(r, num_new_tokens, dry_run=True) is not None
+
+    def admit(self, req_id: Hashable, token_ids: Sequence[int], *, max_tokens: int = 0,
+              cache_salt: Optional[str] = None, adapter_id=None, mm_hashes: Sequence[str] = (),
+              num_new_tokens: Optional[int] = None) -> Optional[int]:
+        """Register and start a request: prefix match over every kind, then each kind takes its
+        share (references on hit blocks, a live slot filled from the hit's checkpoint). Returns
+        the hit length in tokens, or None when the pools cannot take it now (nothing changed)."""
+        if req_id in self._reqs:
+            raise RequestStateError(f"request id {req_id!r} is already known to the manager")
+        r = self._new_state(req_id, token_ids, max_tokens, cache_salt, adapter_id, mm_hashes)
+        hit = self._start(r, num_new_tokens)
+        if hit is not None:
+            self._reqs[req_id] = r
+        return hit
+
+    def _start(self, r: RequestState, num_new_tokens: Optional[int], dry_run: bool = False) -> Optional[int]:
+        bs, n_tok = self.block_size, len(r.token_ids)
+        if self.enable_prefix_caching:
+            m, kv, miss, branches = self._match(self._hashes(r), n_tok)
+        else:
+            m, kv, miss, branches = 0, 0, MISS_CACHING_OFF, False
+        hit = m * bs
+        end = n_tok if num_new_tokens is None else hit + num_new_tokens
+        if not all(k.can_admit(r.block_hashes, m, end) for k in self.kinds):
+            return None
+        if dry_run:
+            return hit
+        for kind in self.kinds:
+            kind.admit(r.req_id, r.block_hashes, m)
+        r.num_computed_tokens, r.num_hashed_blocks = hit, m
+        # Only a real junction (another cached continuation), not the end of a cached sequence.
+        r.branch_point = kv * bs if kv > m and branches else None
+        r.status = RUNNING
+        self._queries += 1
+        self._query_tokens += n_tok
+        self._hit_tokens += hit
+        if miss:
+            self._misses[miss] += 1
+        if self.enable_prefix_caching:  # this request now computes its prompt's uncached blocks
+            self.bursts.register(r.req_id, r.block_hashes[m:(r.num_prompt_tokens - 1) // bs])
+        return hit
+
+    def waits_for_shared_prefix(self, req_id: Hashable, token_ids: Sequence[int], *,
+                                cache_salt: Optional[str] = None, adapter_id=None,
+                                mm_hashes: Sequence[str] = ()) -> bool:
+        """The burst rule (memory/burst.py): True when a not-yet-admitted request shares blocks
+        beyond its usable hit with a running request that has not computed them yet; that
+        request is then asked to checkpoint at the deepest shared boundary. Hold this one a
+        step. Changes nothing else; False whenever waiting would not save work."""
+        if not self.enable_prefix_caching or req_id in self._reqs or len(token_ids) <= self.block_size:
+            return False
+        hashes: list[bytes] = []
+        extend_hashes(hashes, token_ids, (len(token_ids) - 1) // self.block_size,
+                      extra_key(self.fingerprint, adapter_id, tuple(mm_hashes), cache_salt), self.block_size)
+        m = self._match(hashes, len(token_ids))[0]
+        leader, s = self.bursts.shared_with(req_id, hashes, m, len(hashes))
+        lead = self._reqs.get(leader)
+        if lead is None or lead.status is not RUNNING or lead.num_computed_tokens >= s * self.block_size:
+            return False
+        if self.recurrent is not None and s * self.block_size not in lead.shared:
+            lead.shared.append(s * self.block_size)
+        self.bursts.waits += 1
+        return True
 
     # ---- the step --------------------------------------------------------------------------
     def append_tokens(self, req_id: Hashable, token_ids: Sequence[int]) -> None:
-        """Add sampled tokens to the request's known tokens (they are computed by later steps)."""
+        """Add sampled tokens to the request's token list (they are computed by later steps)."""
         self._reqs[req_id].token_ids.extend(token_ids)
 
     def allocate(self, req_id: Hashable, num_new_tokens: int) -> Optional[list[int]]:
         """KV write slots (`block * block_size + pos % block_size`) for positions [num_computed,
         num_computed + num_new_tokens); blocks are added (or a shared partial block copied) as
-        needed. None when the pool cannot supply them; then nothing changed."""
+        needed. None when a pool cannot supply them; then nothing changed."""
         r = self._reqs[req_id]
         if r.status is not RUNNING:
             raise RequestStateError(f"request {req_id!r} is {r.status}; resume it before allocating")
-        if not self.has_attention:
-            return [-1] * num_new_tokens
-        bs, blocks = self.block_size, r.block_ids
-        start = r.num_computed_tokens
-        end = start + num_new_tokens
         if num_new_tokens <= 0:
             return []
-        if end > len(blocks) * bs or (start % bs and self.blocks.refcount[blocks[start // bs]] > 1):
-            if not self._grow(r, start, end):
-                return None
-        if num_new_tokens == 1:
-            return [blocks[start // bs] * bs + start % bs]
-        return [blocks[p // bs] * bs + p % bs for p in range(start, end)]
-
-    def _grow(self, r: RequestState, start: int, end: int) -> bool:
-        bs, blocks, pool = self.block_size, r.block_ids, self.blocks
-        need = max(0, -(-end // bs) - len(blocks))
-        cow = bool(start % bs) and pool.refcount[blocks[start // bs]] > 1
-        new = pool.allocate(need + cow)
-        if new is None:
-            return False
-        if cow:  # never write a shared block: give this request its own copy of the partial block
-            i, fresh = start // bs, new.pop()
-            pool.copy_block(blocks[i], fresh)
-            pool.release([blocks[i]])
-            blocks[i] = fresh
-            self.tables.write(r.row, i, [fresh])
-        if new:
-            self.tables.write(r.row, len(blocks), new)
-            blocks.extend(new)
-        return True
+        start = r.num_computed_tokens
+        end = start + num_new_tokens
+        if not all(k.can_allocate(req_id, start, end) for k in self.kinds):
+            return None
+        for kind in self.kinds:
+            kind.allocate(req_id, start, end)
+        if self.attention is None:
+            return [-1] * num_new_tokens
+        return self.attention.slot_mapping(req_id, start, end)
 
     def commit(self, req_id: Hashable, num_new_tokens: int) -> None:
-        """The model computed `num_new_tokens` more tokens: advance num_computed_tokens and hash
-        blocks that became full into the prefix cache."""
+        """The model computed `num_new_tokens` more tokens: advance num_computed_tokens, hash
+        blocks that became full into the prefix cache, let blocks that left a window go."""
         r = self._reqs[req_id]
         new = r.num_computed_tokens + num_new_tokens
-        if new > len(r.token_ids) or (self.has_attention and new > len(r.block_ids) * self.block_size):
+        held = len(self.attention.block_ids(req_id)) * self.block_size if self.attention else new
+        if new > len(r.token_ids) or new > held:
             raise RequestStateError(
                 f"commit of {num_new_tokens} tokens for {req_id!r} reaches {new}, past its "
-                f"{len(r.token_ids)} known tokens or {len(r.block_ids)} allocated blocks: allocate() first")
+                f"{len(r.token_ids)} known tokens or {held} allocated token slots: allocate() first")
         r.num_computed_tokens = new
-        if self.enable_prefix_caching and new // self.block_size > r.num_hashed_blocks:
-            self._hash_full_blocks(r)
-
-    def _hash_full_blocks(self, r: RequestState) -> None:
-        full = r.num_computed_tokens // self.block_size
-        extend_hashes(r.block_hashes, r.token_ids, full, r.extra_key, self.block_size)
-        if self.has_attention:
-            for i in range(r.num_hashed_blocks, full):
-                parent = r.block_hashes[i - 1] if i else b""
-                self.blocks.set_hash(r.block_ids[i], r.block_hashes[i], parent)
-        r.num_hashed_blocks = full
+        full = new // self.block_size if self.enable_prefix_caching else 0
+        if full > r.num_hashed_blocks:
+            extend_hashes(r.block_hashes, r.token_ids, full, r.extra_key, self.block_size)
+        for kind in self.kinds:
+            kind.commit(req_id, r.block_hashes, r.num_hashed_blocks, max(full, r.num_hashed_blocks), new)
+        r.num_hashed_blocks = max(full, r.num_hashed_blocks)
 
     def block_table(self, req_ids: Sequence[Hashable], width: Optional[int] = None) -> torch.Tensor:
         """int32 `[len(req_ids), width]` (CPU) of block ids; width defaults to the longest table."""
-        reqs = [self._reqs[i] for i in req_ids]
-        if not self.has_attention:
-            return torch.zeros(len(reqs), max(1, width or 1), dtype=torch.int32)
-        if width is None:
-            width = max((len(r.block_ids) for r in reqs), default=1)
-        return self.tables.gather([r.row for r in reqs], width)
+        for i in req_ids:
+            self._running(i)
+        if self.attention is None:
+            return torch.zeros(len(req_ids), max(1, width or 1), dtype=torch.int32)
+        return self.attention.block_table(req_ids, width)
 
     # ---- checkpoints -----------------------------------------------------------------------
     def checkpoint_due(self, req_id: Hashable, start: int, end: int) -> Optional[int]:
         """The first block boundary in (start, end] where the policy wants the state kept, else None."""
-        if not (self.has_recurrent and self.enable_prefix_caching):
+        if self.recurrent is None or not self.enable_prefix_caching:
             return None
         r = self._reqs[req_id]
-        return self.policy.due(start, end, r.num_prompt_tokens, r.branch_point)
+        return self.policy.due(start, end, r.num_prompt_tokens, r.branch_point, r.shared)
 
     def checkpoint(self, req_id: Hashable) -> bool:
-        """Copy the live slot into a checkpoint keyed by the hash of the block ending at
+        """Copy the live state into a checkpoint keyed by the hash of the block ending at
         num_computed_tokens (a block boundary). False if one exists already, caching is off, or
         no slot can be freed."""
         r = self._running(req_id)
-        if not (self.has_recurrent and self.enable_prefix_caching):
+        if self.recurrent is None or not self.enable_prefix_caching:
             return False
         nc, bs = r.num_computed_tokens, self.block_size
         if nc == 0 or nc % bs:
             raise RequestStateError(
                 f"checkpoint of {req_id!r} at num_computed_tokens={nc}, not a block boundary (block_size "
                 f"{bs}): cut the chunk where checkpoint_due() says")
-        h = self._boundary_hash(r)
-        if nc <= r.num_prompt_tokens or not self.policy.rolling_output:
-            return self.prefix.store(h, nc, r.slot)
-        # A rolling checkpoint in the output replaces the request's previous one, and displaces
-        # only other output states, never a prefix state that other requests share.
-        old, r.rolling_checkpoint = r.rolling_checkpoint, h
-        if old is not None and old != h and old in self.prefix.checkpoints:
-            self.prefix.drop(old)
-        return self.prefix.store(h, nc, r.slot, output=True)
+        h = self._boundary(r)
+        output = nc > r.num_prompt_tokens and self.policy.rolling_output
+        return self.recurrent.checkpoint(req_id, h, nc, output)
 
-    def _boundary_hash(self, r: RequestState) -> bytes:
+    def _boundary(self, r: RequestState) -> bytes:
+        """Hash of the block ending at num_computed_tokens, made findable in every kind."""
         i = r.num_computed_tokens // self.block_size - 1
-        if self.has_attention:  # re-register in case an evicted twin answered for this hash
-            self.blocks.set_hash(r.block_ids[i], r.block_hashes[i])
+        for kind in self.kinds:
+            kind.mark_boundary(r.req_id, i, r.block_hashes[i])
         return r.block_hashes[i]
 
-    # ---- bursts ----------------------------------------------------------------------------
-    def waits_for_shared_prefix(self, req_id: Hashable, token_ids: Sequence[int], *,
-                                cache_salt: Optional[str] = None) -> bool:
-        """Whether a not-yet-admitted request should wait one step for a running request that is
-        computing a prefix they share (burst rule). Placeholder until memory v2 lands: never."""
-        return False
+    def _donation(self, r: RequestState) -> Optional[tuple[bytes, int]]:
+        """Where a released live state can stay as a checkpoint: (hash, position), or None."""
+        nc = r.num_computed_tokens
+        if self.recurrent is None or not self.enable_prefix_caching or not nc or nc % self.block_size:
+            return None
+        return self._boundary(r), nc
+
+    # ---- a request's life ------------------------------------------------------------------
+    def fork(self, parent_id: Hashable, child_id: Hashable, token_ids: Optional[list[int]] = None) -> bool:
+        """Start `child_id` as a copy of a running parent: blocks shared (a partial one copied on
+        first write), state copied. token_ids: the child's own list, equal to the parent's now
+        (None: the manager keeps a copy). False if a kind cannot take it now."""
+        p = self._running(parent_id)
+        if child_id in self._reqs:
+            raise RequestStateError(f"request id {child_id!r} is already known to the manager")
+        if token_ids is not None and list(token_ids) != p.token_ids:
+            raise RequestStateError(f"fork {child_id!r}: its token_ids differ from parent {parent_id!r}'s")
+        if not all(k.can_fork() for k in self.kinds):
+            return False
+        for kind in self.kinds:
+            kind.fork(parent_id, child_id, p.num_computed_tokens)
+        self._reqs[child_id] = RequestState(
+            child_id, list(p.token_ids) if token_ids is None else token_ids, p.num_prompt_tokens, p.max_tokens,
+            p.extra_key, p.cache_salt, p.adapter_id, p.mm_hashes, RUNNING, p.num_computed_tokens,
+            list(p.block_hashes), p.num_hashed_blocks)
+        return True
+
+    def finish(self, req_id: Hashable) -> None:
+        """Forget the request: every kind lets its memory go (full blocks stay cached; the state
+        stays as a checkpoint when the policy keeps final states and it ends at a block boundary)."""
+        r = self.request(req_id)
+        if r.status is RUNNING:
+            donate = self._donation(r) if self.policy.keeps_final_state else None
+            for kind in self.kinds:
+                kind.release(req_id, donate)
+        for kind in self.kinds:
+            kind.forget(req_id)
+        self.bursts.drop(req_id)
+        r.swapped = None
+        del self._reqs[req_id]
+
+    def preempt(self, req_id: Hashable, mode: str = "recompute") -> None:
+        """recompute: every kind lets go (the state at the last block boundary is kept as a
+        checkpoint); resume() re-matches the prefix. swap: every kind copies to host, then lets go."""
+        r = self._running(req_id)
+        if mode == "recompute":
+            donate = self._donation(r)
+            for kind in self.kinds:
+                kind.release(req_id, donate)
+            r.num_computed_tokens = r.num_hashed_blocks = 0
+            r.shared.clear()
+            r.status = PREEMPTED
+        elif mode == "swap":
+            r.swapped = {kind.name: kind.swap_out(req_id, r.num_computed_tokens) for kind in self.kinds}
+            r.status = SWAPPED
+        else:
+            raise ValueError(f"preemption mode {mode!r}; choose 'recompute' or 'swap'")
+        self.bursts.drop(req_id)
+        self._preemptions[mode] += 1
+
+    def resume(self, req_id: Hashable, num_new_tokens: Optional[int] = None) -> Optional[int]:
+        """Restart a preempted request; returns its num_computed_tokens, or None if it cannot run now."""
+        r = self.request(req_id)
+        if r.status is PREEMPTED:
+            return self._start(r, num_new_tokens)
+        if r.status is not SWAPPED:
+            raise RequestStateError(f"request {req_id!r} is {r.status}, not preempted")
+        nc = r.num_computed_tokens
+        end = len(r.token_ids) if num_new_tokens is None else nc + num_new_tokens
+        if not all(k.can_swap_in(r.swapped[k.name], end) for k in self.kinds):
+            return None
+        hashes = r.block_hashes if self.enable_prefix_caching else []
+        for kind in self.kinds:
+            kind.swap_in(req_id, r.swapped[kind.name], hashes, nc)
+        r.swapped = None
+        r.status = RUNNING
+        return nc
+
+    # ---- migrate ---------------------------------------------------------------------------
+    def export_snapshot(self, req_id: Hashable, device: torch.device | str = "cpu",
+                        sampling_state=None) -> RequestSnapshot:
+        """Copy a running request's memory of [0, num_computed_tokens) (KV, or the window of it,
+        and the live state) to `device`."""
+        r = self._running(req_id)
+        parts: dict = {"kv": {}, "kv_start": {}, "conv": {}, "ssm": {}}
+        for kind in self.kinds:
+            for field_name, value in kind.export(req_id, r.num_computed_tokens, device).items():
+                parts[field_name].update(value)
+        return RequestSnapshot(r.req_id, list(r.token_ids), r.num_prompt_tokens, r.num_computed_tokens,
+                               r.max_tokens, parts["kv"], parts["conv"], parts["ssm"], self.fingerprint,
+                               self.block_size, r.cache_salt, r.adapter_id, r.mm_hashes, sampling_state,
+                               self._layer_shapes(), kv_start=parts["kv_start"])
+
+    def import_snapshot(self, snap: RequestSnapshot, req_id: Optional[Hashable] = None,
+                        num_new_tokens: Optional[int] = None, token_ids: Optional[list[int]] = None) -> bool:
+        """Continue an exported request here (any block size). token_ids: the owner's list equal to
+        snap.token_ids (None: the manager keeps a copy). False if the pools cannot take it now;
+        SnapshotMismatchError if it was taken on another model."""
+        if snap.fingerprint != self.fingerprint:
+            raise SnapshotMismatchError(
+                f"snapshot fingerprint {snap.fingerprint!r} != this model's {self.fingerprint!r}: a request "
+                f"can only move between engines serving the same model and weights")
+        mine = self._layer_shapes()
+        if snap.layer_shapes != mine:
+            raise SnapshotMismatchError(
+                f"snapshot layers {snap.layer_shapes} differ from this model's {mine}: same fingerprint, "
+                f"different layer specs; check the model config")
+        rid = snap.req_id if req_id is None else req_id
+        if rid in self._reqs:
+            raise RequestStateError(f"request id {rid!r} is already known to the manager")
+        self.check_fits(snap.num_prompt_tokens, snap.max_tokens)
+        nc = snap.num_computed_tokens
+        end = len(snap.token_ids) if num_new_tokens is None else nc + num_new_tokens
+        part = {"kv": snap.kv, "kv_start": snap.kv_start, "conv": snap.conv, "ssm": snap.ssm}
+        if not all(k.can_import(part, nc, end) for k in self.kinds):
+            return False
+        key = extra_key(self.fingerprint, snap.adapter_id, tuple(snap.mm_hashes), snap.cache_salt)
+        r = RequestState(rid, list(snap.token_ids) if token_ids is None else token_ids, snap.num_prompt_tokens,
+                         snap.max_tokens, key, snap.cache_salt, snap.adapter_id, tuple(snap.mm_hashes),
+                         RUNNING, nc)
+        hashes: list[bytes] = []
+        if self.enable_prefix_caching:
+            hashes = self._hashes(r)
+            r.num_hashed_blocks = nc // self.block_size
+        for kind in self.kinds:
+            kind.import_(rid, part, hashes, nc)
+        self._reqs[rid] = r
+        return True
+
+    def _layer_shapes(self) -> dict[int, tuple]:
+        """{layer: per-token KV shape or (conv shape, state shape)} with dtypes, to refuse mismatched imports."""
+        out: dict[int, tuple] = {}
+        for kind in self.kinds:
+            out.update(kind.layer_shapes())
+        return dict(sorted(out.items()))
 
     # ---- statistics ------------------------------------------------------------------------
     def stats(self) -> ManagerStats:
-        pool, st = self.blocks, self.states
-        used = pool.num_blocks - pool.num_free
+        kinds = {k.name: k.stats() for k in self.kinds}
+        a = kinds.get(self.attention.name, {}) if self.attention else {}
+        s = kinds.get(RecurrentMemory.name, {})
         running = [r for r in self._reqs.values() if r.status is RUNNING]
-        waste = sum(len(r.block_ids) * self.block_size - r.num_computed_tokens for r in running if r.block_ids)
+        used = a.get("blocks_used", 0)
+        waste = sum(len(self.attention.block_ids(r.req_id)) * self.block_size - r.num_computed_tokens
+                    for r in running) if self.attention else 0
         return ManagerStats(
-            kv_blocks_used=used, kv_blocks_cached=pool.num_cached_free, kv_blocks_free=pool.num_free,
-            kv_blocks_total=pool.num_blocks, slots_live=st.count(LIVE), slots_checkpoint=st.count(CHECKPOINT),
-            slots_free=st.num_free, slots_total=max(0, st.num_slots - 1), prefix_hit_tokens=self._hit_tokens,
+            kv_blocks_used=used, kv_blocks_cached=a.get("blocks_cached", 0), kv_blocks_free=a.get("blocks_free", 0),
+            kv_blocks_total=a.get("blocks_total", 0), slots_live=s.get("slots_live", 0),
+            slots_checkpoint=s.get("slots_checkpoint", 0), slots_free=s.get("slots_free", 0),
+            slots_total=s.get("slots_total", 0), prefix_hit_tokens=self._hit_tokens,
             prefix_query_tokens=self._query_tokens, prefix_queries=self._queries, prefix_misses=dict(self._misses),
             preemptions=dict(self._preemptions),
-            fragmentation=waste / (used * self.block_size) if used else 0.0, running_requests=len(running))
+            fragmentation=max(0.0, waste / (used * self.block_size)) if used else 0.0,
+            running_requests=len(running), burst_waits=self.bursts.waits, kinds=kinds)

@@ -12,6 +12,7 @@ class ManagerStats:
     ('no_kv_match', 'kv_match_no_checkpoint', 'caching_off').
     preemptions: by mode ('recompute', 'swap').
     fragmentation: unused token slots in requests' partially filled last blocks / token slots in used blocks.
+    The kv_* and slots_* fields sum the attention kind and the recurrent kind; `kinds` has each one.
     """
 
     kv_blocks_used: int
@@ -29,6 +30,8 @@ class ManagerStats:
     preemptions: dict[str, int] = field(default_factory=dict)
     fragmentation: float = 0.0
     running_requests: int = 0
+    burst_waits: int = 0    # times a request waited a step for a burst leader (memory/burst.py)
+    kinds: dict[str, dict] = field(default_factory=dict)  # each kind of memory's own counters
 
     @property
     def prefix_hit_rate(self) -> float:

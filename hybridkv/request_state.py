@@ -1,23 +1,23 @@
-"""What the manager keeps per request between steps."""
+"""What the manager keeps per request between steps (the kinds keep their memory by request id)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional
 
-RUNNING = "running"          # holds blocks and a live slot
+RUNNING = "running"          # holds its memory in every kind
 PREEMPTED = "preempted"      # recompute: holds nothing, resumes through a prefix match
-SWAPPED = "swapped"          # holds a host copy of its blocks and slot
+SWAPPED = "swapped"          # holds a host copy of its memory
 
 
 @dataclass(eq=False)
 class RequestState:
     """One request as the manager sees it. Read freely; change only through the manager.
 
-    token_ids: prompt + generated tokens known so far (the scheduler appends sampled tokens).
-    block_ids: KV blocks covering [0, num_computed_tokens) and any tokens allocated past it.
+    token_ids: the owner's list of prompt + generated tokens (the manager never copies it).
     block_hashes: chained hashes of the full blocks of token_ids computed so far (or matched).
-    slot: the live state slot (0, the null slot, for pure-attention models or when not running).
     branch_point: where the policy 'branch_points' wants a checkpoint (set at admission), or None.
+    shared: block boundaries where waiting requests of a burst need this request's state.
+    swapped: {kind name: host copy} while SWAPPED.
     """
 
     req_id: Hashable
@@ -30,11 +30,8 @@ class RequestState:
     mm_hashes: tuple = ()
     status: str = PREEMPTED
     num_computed_tokens: int = 0
-    block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_hashed_blocks: int = 0
-    slot: int = 0
-    row: int = -1
     branch_point: Optional[int] = None
-    rolling_checkpoint: Optional[bytes] = None  # hash of its latest checkpoint inside its output
-    swapped: Any = None  # swap.HostCopy while SWAPPED
+    shared: list[int] = field(default_factory=list)
+    swapped: Optional[dict] = None

@@ -12,8 +12,9 @@ class RequestSnapshot:
     """One running request, exported by `HybridCacheManager.export_snapshot`.
 
     token_ids: prompt + generated tokens; num_computed_tokens: tokens whose KV/state are included.
-    kv[layer]: `[2, num_computed_tokens, kv_heads, head_dim]` per attention layer (token-major, so
-        it imports into a manager with any block size).
+    kv[layer]: `[2, num_computed_tokens - kv_start[layer], kv_heads, head_dim]` per attention layer
+        (token-major, so it imports into a manager with any block size); a sliding-window layer
+        exports only the blocks it still holds, from token kv_start[layer] (absent: 0).
     conv[layer] / ssm[layer]: the live slot's tensors per recurrent layer (`conv_shape`, `state_shape`).
     fingerprint: model fingerprint; import refuses a mismatch. block_size: of the exporting manager.
     sampling_state: opaque, filled by the engine (sampling params, generator state).
@@ -34,3 +35,4 @@ class RequestSnapshot:
     mm_hashes: tuple = ()
     sampling_state: Any = None
     layer_shapes: dict[int, tuple] = field(default_factory=dict)  # what the exporter's layers hold
+    kv_start: dict[int, int] = field(default_factory=dict)  # layer -> first token in kv (sliding window; else 0)

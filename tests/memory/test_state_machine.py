@@ -1,11 +1,13 @@
-"""Random sequences of admit / step / fork / checkpoint / finish / preempt / resume / migrate.
+"""Random sequences of admit / step / fork / checkpoint / finish / preempt / resume / migrate,
+through the coordinator, over models with full-attention KV, sliding-window KV and recurrent state.
 
 A stand-in "model" writes, for every computed position p, a value that depends on the whole
 prefix tokens[0..p] into the KV slots the manager hands out, and after each step the state
 value of the whole prefix into the live slot. So any mix-up (a wrong prefix hit, a block
 written while shared, a lost swap, a bad import) shows as a wrong value. After every rule:
 block refcounts equal the block tables' references, every slot is free, live for one running
-request or one checkpoint, and every running request reads back its own values.
+request or one checkpoint, every running request reads back its own values (a sliding-window
+request: those of its window), and a sliding-window request holds at most ceil(w / bs) + 1 blocks.
 """
 from collections import Counter
 
@@ -16,6 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.errors import RequestTooLargeError
+from hybridkv.memory.full_attention import NO_BLOCK
 from hybridkv.request_state import PREEMPTED, RUNNING, SWAPPED
 from hybridkv.specs import AttentionSpec, RecurrentSpec
 from hybridkv.state_pool import CHECKPOINT, FREE, LIVE, NULL
@@ -40,17 +43,25 @@ def state_value(tokens, n):
     return float(rolling(tokens[:n])[-1] % 65519 + 2)
 
 
+def held_from(mgr, rid):
+    """Index of the request's first held block (0 unless blocks left a sliding window)."""
+    ids = mgr.block_ids(rid)
+    return next((i for i, b in enumerate(ids) if b != NO_BLOCK), len(ids))
+
+
 def kv_of(mgr, r):
-    """{layer: [num_computed] value per position} read back from the request's blocks."""
+    """(first position, {layer: value per position from there to num_computed}) read back from
+    the request's held blocks."""
     out = {}
     n = r.num_computed_tokens
+    first = held_from(mgr, r.req_id)
     for i, t in mgr.kv_caches.items():
-        if n == 0:
-            continue
         nb = -(-n // mgr.block_size)
-        g = t[r.block_ids[:nb]]  # [nb, 2, bs, h, d]
-        out[i] = g.permute(0, 2, 1, 3, 4).reshape(nb * mgr.block_size, -1)[:n]
-    return out
+        if nb == first:  # nothing computed, or a window of one token: no block to read
+            continue
+        g = t[mgr.block_ids(r.req_id)[first:nb]]  # [nb - first, 2, bs, h, d]
+        out[i] = g.permute(0, 2, 1, 3, 4).reshape((nb - first) * mgr.block_size, -1)[: n - first * mgr.block_size]
+    return first * mgr.block_size, out
 
 
 def write_step(mgr, rid, slot_mapping, start, end):
@@ -62,45 +73,63 @@ def write_step(mgr, rid, slot_mapping, start, end):
         if s < 0:
             continue
         b = s // bs
-        assert mgr.blocks.refcount[b] == 1, f"write into block {b} with refcount {mgr.blocks.refcount[b]}"
+        rc = mgr.attention.pool.refcount[b]
+        assert rc == 1, f"write into block {b} with refcount {rc}"
         for t in mgr.kv_caches.values():
             t[b, :, s % bs] = v
-    if r.slot:
+    slot = mgr.live_slot(rid)
+    if slot:
         sv = state_value(r.token_ids, end)
         for t in list(mgr.conv_states.values()) + list(mgr.ssm_states.values()):
-            t[r.slot] = sv
+            t[slot] = sv
 
 
 def check_request_data(mgr, r):
     n = r.num_computed_tokens
     want = kv_values(r.token_ids, n)
-    for i, got in kv_of(mgr, r).items():
-        assert torch.equal(got, want[:, None].expand_as(got)), f"KV of request {r.req_id} layer {i} differs"
-    if r.slot and n:
+    first, kv = kv_of(mgr, r)
+    window = getattr(mgr.attention, "window", None)
+    seen = 0 if window is None else max(first, n - window + 1)  # what the next token attends to
+    if mgr.attention is not None and n:
+        assert first <= mgr.attention.first_needed_block(n) * mgr.block_size, "a block inside the window is gone"
+    for i, got in kv.items():
+        got = got[seen - first:]
+        assert torch.equal(got, want[seen:, None].expand_as(got)), f"KV of request {r.req_id} layer {i} differs"
+    slot = mgr.live_slot(r.req_id)
+    if slot and n:
         sv = state_value(r.token_ids, n)
         for t in list(mgr.conv_states.values()) + list(mgr.ssm_states.values()):
-            assert bool((t[r.slot] == sv).all()), f"state of request {r.req_id} differs"
+            assert bool((t[slot] == sv).all()), f"state of request {r.req_id} differs"
 
 
 def check_conservation(mgr):
-    pool, states = mgr.blocks, mgr.states
     running = [r for r in mgr.requests.values() if r.status == RUNNING]
-    want = [0] * pool.num_blocks
-    for r in running:
-        assert len(r.block_ids) * mgr.block_size >= r.num_computed_tokens or not mgr.has_attention
-        for b in r.block_ids:
-            want[b] += 1
-        if r.block_ids:
-            assert mgr.block_table([r.req_id])[0, : len(r.block_ids)].tolist() == r.block_ids
-    assert pool.refcount == want
-    assert set(pool.free) == {b for b in range(pool.num_blocks) if want[b] == 0}
     for r in mgr.requests.values():
         if r.status != RUNNING:
-            assert r.block_ids == [] and r.slot == 0 and (r.swapped is not None) == (r.status == SWAPPED)
-    if not mgr.has_recurrent:
+            assert mgr.block_ids(r.req_id) == [] and mgr.live_slot(r.req_id) == 0
+            assert (r.swapped is not None) == (r.status == SWAPPED)
+    if mgr.attention is not None:
+        pool, window = mgr.attention.pool, getattr(mgr.attention, "window", None)
+        want = [0] * pool.num_blocks
+        for r in running:
+            ids = mgr.block_ids(r.req_id)
+            assert len(ids) * mgr.block_size >= r.num_computed_tokens
+            for b in ids:
+                if b != NO_BLOCK:
+                    want[b] += 1
+            if ids:
+                assert mgr.block_table([r.req_id])[0, : len(ids)].tolist() == [max(b, 0) for b in ids]
+            if window is not None:  # blocks that left the window were let go
+                held = sum(b != NO_BLOCK for b in ids)
+                assert held <= -(-window // mgr.block_size) + 1, (held, window, r.num_computed_tokens)
+                EVENTS["sliding window held blocks bounded"] += held > 0
+        assert pool.refcount == want
+        assert set(pool.free) == {b for b in range(pool.num_blocks) if want[b] == 0}
+    if mgr.recurrent is None:
         return
-    live = [r.slot for r in running]
-    ckpt = [c.slot for c in mgr.prefix.checkpoints.values()]
+    states = mgr.recurrent.states
+    live = [mgr.live_slot(r.req_id) for r in running]
+    ckpt = [c.slot for c in mgr.recurrent.checkpoints.values()]
     assert len(set(live)) == len(live) and 0 not in live and len(set(ckpt)) == len(ckpt)
     assert not set(live) & set(ckpt)
     for s, kind in enumerate(states.kind):
@@ -110,15 +139,16 @@ def check_conservation(mgr):
 
 
 class ManagerMachine(RuleBasedStateMachine):
-    @initialize(kind=st.sampled_from(["hybrid", "hybrid", "attention", "recurrent"]), bs=st.sampled_from([2, 4]),
+    @initialize(kind=st.sampled_from(["hybrid", "hybrid", "attention", "recurrent", "sliding", "sliding hybrid"]),
+                window=st.sampled_from([1, 3, 5, 8]), bs=st.sampled_from([2, 4]),
                 num_blocks=st.integers(6, 24), num_slots=st.integers(2, 6), caching=st.booleans(),
                 policy=st.sampled_from(["none", "prompt_end", "every_n_blocks", "branch_points"]),
                 eviction=st.sampled_from(["lru", "flop"]), other_bs=st.sampled_from([1, 3, 4]))
-    def setup(self, kind, bs, num_blocks, num_slots, caching, policy, eviction, other_bs):
+    def setup(self, kind, window, bs, num_blocks, num_slots, caching, policy, eviction, other_bs):
         specs = {}
         if kind != "recurrent":
-            specs[1] = AttentionSpec(1, 2, torch.float32)
-        if kind != "attention":
+            specs[1] = AttentionSpec(1, 2, torch.float32, window if kind.startswith("sliding") else None)
+        if kind not in ("attention", "sliding"):
             specs[0] = RecurrentSpec((2, 2), (3,), torch.float32)
             specs[2] = RecurrentSpec((2, 1), (), torch.float32)
         kw = dict(enable_prefix_caching=caching, checkpoint_policy=policy, checkpoint_eviction=eviction,
@@ -143,15 +173,17 @@ class ManagerMachine(RuleBasedStateMachine):
         end = min(start + n, len(r.token_ids))
         due = mgr.checkpoint_due(rid, start, end)
         end = due or end
-        before = (list(r.block_ids), mgr.blocks.num_free, list(mgr.blocks.refcount))
+        pool = mgr.attention.pool if mgr.attention else None
+        before = (list(mgr.block_ids(rid)), pool and pool.num_free, pool and list(pool.refcount))
         slots = mgr.allocate(rid, end - start)
         EVENTS["step"] += 1
         if slots is None:
             EVENTS["allocate refused"] += 1
-            assert before == (r.block_ids, mgr.blocks.num_free, mgr.blocks.refcount), "failed allocate changed state"
+            assert before == (mgr.block_ids(rid), pool.num_free, pool.refcount), "failed allocate changed state"
             return False
         assert len(slots) == end - start
-        EVENTS["copy-on-write"] += bool(start % mgr.block_size and r.block_ids) and r.block_ids[start // mgr.block_size] not in before[0]
+        ids = mgr.block_ids(rid)
+        EVENTS["copy-on-write"] += bool(start % mgr.block_size and ids) and ids[start // mgr.block_size] not in before[0]
         write_step(mgr, rid, slots, start, end)
         mgr.commit(rid, end - start)
         self.record_prefix_states(r)
@@ -171,7 +203,8 @@ class ManagerMachine(RuleBasedStateMachine):
         try:
             can = mgr.can_admit(prompt, max_tokens=max_tokens, cache_salt=salt, num_new_tokens=num_new)
         except RequestTooLargeError:
-            assert mgr.has_attention and -(-(len(prompt) + max_tokens) // mgr.block_size) > mgr.num_blocks
+            assert mgr.attention is not None
+            assert mgr.attention._blocks_to_hold(len(prompt) + max_tokens) > mgr.num_blocks
             return
         hit = mgr.admit(rid, prompt, max_tokens=max_tokens, cache_salt=salt, num_new_tokens=num_new)
         assert (hit is not None) == can
@@ -203,7 +236,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.next_id += 1
         if self.mgr.fork(parent, child):
             p, c = self.mgr.request(parent), self.mgr.request(child)
-            assert c.block_ids == p.block_ids[: len(c.block_ids)] and c.num_computed_tokens == p.num_computed_tokens
+            cb, pb = self.mgr.block_ids(child), self.mgr.block_ids(parent)
+            assert cb == pb[: len(cb)] and c.num_computed_tokens == p.num_computed_tokens
             EVENTS["fork"] += 1
             check_request_data(self.mgr, c)
 
@@ -254,8 +288,9 @@ class ManagerMachine(RuleBasedStateMachine):
         if self.mgr.import_snapshot(snap):
             check_request_data(self.mgr, self.mgr.request(rid))
         else:  # only when a fork still holds the blocks it released
-            need = -(-len(snap.token_ids) // self.mgr.block_size) if self.mgr.has_attention else 0
-            assert self.mgr.blocks.num_free < need or not self.mgr._slot_available()
+            part = {"kv": snap.kv, "kv_start": snap.kv_start, "conv": snap.conv, "ssm": snap.ssm}
+            nc = snap.num_computed_tokens
+            assert not all(k.can_import(part, nc, len(snap.token_ids)) for k in self.mgr.kinds)
 
     @rule()
     def finish_all(self):
@@ -273,7 +308,7 @@ class ManagerMachine(RuleBasedStateMachine):
         for r in self.mgr.requests.values():
             if r.status == RUNNING:
                 check_request_data(self.mgr, r)
-        for h, c in self.mgr.prefix.checkpoints.items():  # checkpoints never change
+        for h, c in (self.mgr.recurrent.checkpoints.items() if self.mgr.recurrent else ()):  # never change
             for t in list(self.mgr.conv_states.values()) + list(self.mgr.ssm_states.values()):
                 assert bool((t[c.slot] == self.expected_ckpt[h]).all()), "a checkpoint's state changed"
 
@@ -290,5 +325,5 @@ def test_manager_state_machine():
     print(dict(EVENTS))
     assert EVENTS["rule"] >= 10_000, EVENTS
     for what in ["prefix hit", "allocate refused", "copy-on-write", "checkpoint stored", "resumed after swap",
-                 "resumed by recompute", "imported elsewhere", "fork"]:
+                 "resumed by recompute", "imported elsewhere", "fork", "sliding window held blocks bounded"]:
         assert EVENTS[what] > 0, f"the random runs never exercised {what}: {EVENTS}"

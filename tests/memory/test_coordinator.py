@@ -31,10 +31,9 @@ def run(m, rid, n, rng=None):
 
 
 def kv_tokens(m, rid):
-    r = m.request(rid)
-    n = r.num_computed_tokens
+    n = m.request(rid).num_computed_tokens
     nb = -(-n // BS)
-    return {i: t[r.block_ids[:nb]].permute(1, 0, 2, 3, 4).reshape(2, nb * BS, *t.shape[3:])[:, :n].clone()
+    return {i: t[m.block_ids(rid)[:nb]].permute(1, 0, 2, 3, 4).reshape(2, nb * BS, *t.shape[3:])[:, :n].clone()
             for i, t in m.kv_caches.items()}
 
 
@@ -62,7 +61,7 @@ def test_hybrid_hit_needs_checkpoint_and_copies_it():
     assert m.admit("b", prompt + [7]) == 16  # KV blocks and the checkpoint at exactly 16
     assert same(state(m, "b"), at16)  # copy-on-hit
     run(m, "b", 3)
-    ckpt = next(iter(m.prefix.checkpoints.values()))
+    ckpt = next(iter(m.recurrent.checkpoints.values()))
     assert same([t[ckpt.slot] for t in list(m.conv_states.values()) + list(m.ssm_states.values())], at16)
     assert m.admit("c", list(range(12)) + [50, 51, 52]) == 0  # KV matches 12 tokens, no checkpoint at 12
     s = m.stats()
@@ -111,9 +110,9 @@ def test_allocate_shortage_has_no_side_effects_and_evicts_cached_blocks_first():
     assert m.stats().kv_blocks_cached == 2
     run(m, "b", 4)  # evicts a cached block (LRU) rather than failing
     assert m.stats().kv_blocks_cached == 1
-    table, free = list(m.request("b").block_ids), m.blocks.num_free
+    table, free = list(m.block_ids("b")), m.attention.pool.num_free
     assert m.allocate("b", 6) is None  # needs 2 blocks, 1 is free
-    assert m.request("b").block_ids == table and m.blocks.num_free == free
+    assert m.block_ids("b") == table and m.attention.pool.num_free == free
 
 
 def test_fork_shares_blocks_and_copies_partial_block_on_first_write():
@@ -121,18 +120,18 @@ def test_fork_shares_blocks_and_copies_partial_block_on_first_write():
     m.admit("p", list(range(10)))
     run(m, "p", 10)
     assert m.fork("p", "c")
-    p, c = m.request("p"), m.request("c")
-    assert c.block_ids == p.block_ids and all(m.blocks.refcount[b] == 2 for b in p.block_ids)
+    p, c = m.block_ids("p"), m.block_ids("c")
+    assert c == p and all(m.attention.pool.refcount[b] == 2 for b in p)
     assert m.live_slot("c") != m.live_slot("p") and same(state(m, "c"), state(m, "p"))
     before = kv_tokens(m, "p")
     m.append_tokens("p", [1])
     m.append_tokens("c", [2])
     run(m, "c", 1)  # the partial block 2 is copied for the child before it writes
-    assert c.block_ids[:2] == p.block_ids[:2] and c.block_ids[2] != p.block_ids[2]
+    assert c[:2] == p[:2] and c[2] != p[2]
     assert same(kv_tokens(m, "p"), before)  # the child's write does not show in the parent
     assert all(torch.equal(kv_tokens(m, "c")[i][:, :10], before[i]) for i in before)
     run(m, "p", 1)
-    assert m.blocks.refcount[p.block_ids[2]] == 1
+    assert m.attention.pool.refcount[p[2]] == 1
 
 
 def test_swap_roundtrip_restores_data_into_new_blocks():
@@ -171,9 +170,9 @@ def test_export_import_into_manager_with_other_block_size():
     other = HybridCacheManager(HYBRID, 3, 20, 3, fingerprint="m1")
     assert other.import_snapshot(snap)
     r = other.request("a")
-    assert r.num_computed_tokens == 11 and len(r.block_ids) == 4 and r.cache_salt == "t"
+    assert r.num_computed_tokens == 11 and len(other.block_ids("a")) == 4 and r.cache_salt == "t"
     for i, t in other.kv_caches.items():
-        got = t[r.block_ids].permute(1, 0, 2, 3, 4).reshape(2, 12, *t.shape[3:])[:, :11]
+        got = t[other.block_ids("a")].permute(1, 0, 2, 3, 4).reshape(2, 12, *t.shape[3:])[:, :11]
         assert torch.equal(got, kv_tokens(m, "a")[i])
     assert same(state(other, "a"), state(m, "a")) and snap.sampling_state == {"seed": 3}
     with pytest.raises(SnapshotMismatchError, match="'m1' != this model's 'm2'"):
@@ -184,7 +183,7 @@ def test_export_import_into_manager_with_other_block_size():
 
 def test_admission_errors_and_not_now():
     m = mgr(blocks=4, slots=2)
-    with pytest.raises(RequestTooLargeError, match=r"needs 5 KV blocks \(15 prompt \+ 5 max_tokens.*pool has 4"):
+    with pytest.raises(RequestTooLargeError, match=r"15 prompt \+ 5 max_tokens needs 5 KV blocks.*pool has 4"):
         m.can_admit(list(range(15)), max_tokens=5)
     with pytest.raises(RequestTooLargeError):
         m.admit("big", list(range(17)))
@@ -243,4 +242,4 @@ def test_stats_and_block_table_and_from_budget():
     assert s.fragmentation == pytest.approx((2 + 1) / (3 * BS))
     t = m.block_table(["b", "a"])
     assert t.dtype == torch.int32 and t.shape == (2, 2)
-    assert t[0, 0].item() == m.request("b").block_ids[0] and t[1].tolist() == m.request("a").block_ids
+    assert t[0, 0].item() == m.block_ids("b")[0] and t[1].tolist() == m.block_ids("a")

@@ -1,0 +1,203 @@
+"""Recurrent state: one live slot per running request, and immutable checkpoints for prefix hits.
+
+A recurrent layer's state after p tokens summarises the whole prefix, so it exists only at the
+positions where a request's chunk ended. The kind keeps (a) one live slot per running request,
+written in place by the kernels, and (b) checkpoints: copies of a live state at a block boundary,
+keyed by the hash of the block ending there, never written again. A hit copies the checkpoint
+into a fresh live slot (copy-on-hit). When slots run short, checkpoints are evicted:
+unreachable ones first (the attention KV before them is gone), then by the eviction rule.
+An output checkpoint (inside generated tokens; only a continuation of that answer can use it)
+may displace only other output checkpoints; each request keeps one, rolling forward.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Hashable, Mapping, Optional, Sequence
+
+import torch
+
+from hybridkv.eviction import check_rule, choose_victim
+from hybridkv.specs import RecurrentSpec
+from hybridkv.state_pool import CHECKPOINT, LIVE, StatePool
+
+from .layer_memory import LayerMemory
+
+
+@dataclass
+class Checkpoint:
+    slot: int
+    position: int
+    last_used: int
+    output: bool = False  # a state inside a request's generated tokens
+
+
+class RecurrentMemory(LayerMemory):
+    """conv[layer]: [num_slots, *conv_shape]; ssm[layer]: [num_slots, *state_shape]; slot 0 is null.
+
+    reachable(h): whether the attention kinds still hold the KV a checkpoint keyed h needs.
+    saved_flops(p): prefill FLOPs a checkpoint at position p saves (for the 'flop' eviction rule).
+    """
+
+    name = "recurrent"
+
+    @staticmethod
+    def handles(spec) -> bool:
+        return isinstance(spec, RecurrentSpec)
+
+    def __init__(self, layers: Mapping[int, RecurrentSpec], block_size: int, num_slots: int,
+                 device: torch.device | str = "cpu", eviction: str = "lru",
+                 saved_flops: Optional[Callable[[int], float]] = None,
+                 reachable: Callable[[bytes], bool] = lambda h: True, flop_weight: float = 1.0):
+        super().__init__(layers, block_size)
+        check_rule(eviction)
+        self.states = StatePool(self.layers, num_slots, device)
+        self.eviction = eviction
+        self.saved_flops = saved_flops or (lambda p: float(p))
+        self.flop_weight = flop_weight
+        self.reachable = reachable
+        self.checkpoints: OrderedDict[bytes, Checkpoint] = OrderedDict()  # least recently used first
+        self._slot: dict[Hashable, int] = {}
+        self._rolling: dict[Hashable, bytes] = {}  # rid -> key of its output checkpoint
+        self._clock = 0
+
+    @property
+    def num_slots(self) -> int:
+        return self.states.num_slots
+
+    def live_slot(self, rid: Hashable) -> int:
+        return self._slot.get(rid, 0)
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    def _touch(self, h: bytes) -> None:
+        self._clock += 1
+        self.checkpoints[h].last_used = self._clock
+        self.checkpoints.move_to_end(h)
+
+    def _add(self, h: bytes, position: int, slot: int, output: bool = False) -> None:
+        self._clock += 1
+        self.checkpoints[h] = Checkpoint(slot, position, self._clock, output)
+
+    def _drop(self, h: bytes) -> None:
+        self.states.free(self.checkpoints.pop(h).slot)
+
+    def _take_slot(self, kind: str, protect: Optional[bytes] = None, only_output: bool = False) -> Optional[int]:
+        """A free slot marked `kind`, evicting checkpoints (unreachable first, then by the rule)
+        if needed; never the one keyed `protect`. None when none can be freed."""
+        slot = self.states.allocate(kind)
+        if slot is not None or not self.checkpoints:
+            return slot
+        for h in [h for h in self.checkpoints if h != protect and not self.reachable(h)]:
+            self._drop(h)
+        if self.states.num_free == 0:
+            keys = [h for h, c in self.checkpoints.items() if h != protect and (c.output or not only_output)]
+            if keys:
+                i = choose_victim(self.eviction, [self.checkpoints[h].position for h in keys], self.saved_flops,
+                                  self.flop_weight)
+                self._drop(keys[i])
+        return self.states.allocate(kind)
+
+    def _can_take_slot(self) -> bool:
+        return self.states.num_free > 0 or bool(self.checkpoints)
+
+    def checkpoint(self, rid: Hashable, h: bytes, position: int, output: bool) -> bool:
+        if output:  # one rolling output state per request: the new one replaces the old
+            old = self._rolling.get(rid)
+            self._rolling[rid] = h
+            if old is not None and old != h and old in self.checkpoints:
+                self._drop(old)
+        if h in self.checkpoints:
+            self._touch(h)
+            return False
+        slot = self._take_slot(CHECKPOINT, only_output=output)
+        if slot is None:
+            return False
+        self.states.copy(self._slot[rid], slot)
+        self._add(h, position, slot, output)
+        return True
+
+    # ---- prefix reuse ----------------------------------------------------------------------
+    def usable_prefix(self, hashes: Sequence[bytes], limit: int) -> int:
+        m = min(limit, len(hashes))
+        while m > 0 and hashes[m - 1] not in self.checkpoints:
+            m -= 1
+        return m
+
+    # ---- admission -------------------------------------------------------------------------
+    def can_admit(self, hashes: Sequence[bytes], hit: int, end: int) -> bool:
+        return self._can_take_slot()
+
+    def admit(self, rid: Hashable, hashes: Sequence[bytes], hit: int) -> None:
+        if not hit:
+            self._slot[rid] = self._take_slot(LIVE)
+            return
+        key = hashes[hit - 1]
+        src = self.checkpoints[key]
+        slot = self._take_slot(LIVE, protect=key)
+        if slot is None:  # the hit's checkpoint is the only slot left: it becomes the live slot
+            del self.checkpoints[key]
+            self.states.mark(src.slot, LIVE)
+            self._slot[rid] = src.slot
+            return
+        self._touch(key)
+        self.states.copy(src.slot, slot)
+        self._slot[rid] = slot
+
+    # ---- a request's life ------------------------------------------------------------------
+    def can_fork(self) -> bool:
+        return self._can_take_slot()
+
+    def fork(self, parent: Hashable, child: Hashable, num_computed: int) -> None:
+        slot = self._take_slot(LIVE)
+        self.states.copy(self._slot[parent], slot)
+        self._slot[child] = slot
+
+    def release(self, rid: Hashable, donate: Optional[tuple[bytes, int]] = None) -> None:
+        slot = self._slot.pop(rid, 0)
+        if not slot:
+            return
+        if donate is not None and donate[0] not in self.checkpoints:  # the live state becomes it, no copy
+            self.states.mark(slot, CHECKPOINT)
+            self._add(donate[0], donate[1], slot)
+            return
+        self.states.free(slot)
+
+    def forget(self, rid: Hashable) -> None:
+        h = self._rolling.pop(rid, None)
+        if h in self.checkpoints:
+            # only a continuation of this exact answer (the next turn of a chat) reuses it:
+            # first to go when slots are short, unless it is hit before
+            self.checkpoints.move_to_end(h, last=False)
+
+    def swap_out(self, rid: Hashable, num_computed: int) -> dict:
+        slot = self._slot[rid]
+        pin = any(t.is_cuda for t in self.states._tensors())
+        conv, ssm = self.states.to_host(slot, "cpu", pin)
+        self.release(rid)
+        return {"conv": conv, "ssm": ssm}
+
+    def can_swap_in(self, copy: dict, end: int) -> bool:
+        return self._can_take_slot()
+
+    def swap_in(self, rid: Hashable, copy: dict, hashes: Sequence[bytes], num_computed: int) -> None:
+        self._slot[rid] = slot = self._take_slot(LIVE)
+        self.states.from_host(slot, copy["conv"], copy["ssm"])
+
+    def export(self, rid: Hashable, num_computed: int, device: torch.device | str) -> dict:
+        conv, ssm = self.states.to_host(self._slot[rid], device)
+        return {"conv": conv, "ssm": ssm}
+
+    def can_import(self, part: dict, num_computed: int, end: int) -> bool:
+        return self._can_take_slot()
+
+    def import_(self, rid: Hashable, part: dict, hashes: Sequence[bytes], num_computed: int) -> None:
+        self.swap_in(rid, part, hashes, num_computed)
+
+    def layer_shapes(self) -> dict[int, tuple]:
+        return {i: ("rec", tuple(s.conv_shape), tuple(s.state_shape), str(s.dtype), str(s.ssm_dtype))
+                for i, s in self.layers.items()}
+
+    def stats(self) -> dict:
+        st = self.states
+        return {"slots_live": st.count(LIVE), "slots_checkpoint": st.count(CHECKPOINT),
+                "slots_free": st.num_free, "slots_total": max(0, st.num_slots - 1)}

@@ -1,0 +1,70 @@
+"""RecurrentMemory on its own: live slots, checkpoints (copy-on-hit, dedup), eviction order."""
+import torch
+
+from hybridkv.memory.recurrent import RecurrentMemory
+from hybridkv.specs import RecurrentSpec
+from hybridkv.state_pool import CHECKPOINT
+
+SPEC = {1: RecurrentSpec((2, 3), (2, 2), torch.float32)}
+
+
+def make(n_slots=4, eviction="lru", saved=None, reachable=lambda h: True):
+    return RecurrentMemory(SPEC, 4, n_slots, eviction=eviction, saved_flops=saved, reachable=reachable)
+
+
+def checkpoint(mem, h, pos, value=0.0):
+    slot = mem.states.allocate(CHECKPOINT)
+    mem.states.conv[1][slot] = value
+    mem._add(h, pos, slot)
+    return slot
+
+
+def test_hit_copies_the_checkpoint_into_a_fresh_live_slot():
+    mem = make()
+    slot = checkpoint(mem, b"h1", 4, value=5.0)
+    assert mem.usable_prefix([b"h0", b"h1", b"h2"], 3) == 2 and mem.usable_prefix([b"h0"], 1) == 0
+    mem.admit("a", [b"h0", b"h1"], 2)
+    live = mem.live_slot("a")
+    assert live not in (0, slot) and bool((mem.states.conv[1][live] == 5.0).all())
+    mem.states.conv[1][live] = 7.0  # the live slot is written in place; the checkpoint never changes
+    assert bool((mem.states.conv[1][slot] == 5.0).all())
+
+
+def test_last_slot_hit_turns_the_checkpoint_into_the_live_slot():
+    mem = make(n_slots=2)  # one usable slot, held by the checkpoint
+    slot = checkpoint(mem, b"h0", 4)
+    assert mem.can_admit([b"h0"], 1, 8)
+    mem.admit("a", [b"h0"], 1)
+    assert mem.live_slot("a") == slot and not mem.checkpoints
+
+
+def test_take_slot_reclaims_unreachable_first_then_lru():
+    gone = {b"c"}
+    mem = make(n_slots=4, reachable=lambda h: h not in gone)  # 3 usable slots
+    a, b, c = checkpoint(mem, b"a", 4), checkpoint(mem, b"b", 8), checkpoint(mem, b"c", 12)
+    mem._touch(b"a")  # LRU order now b, c, a
+    assert mem._take_slot("live") == c and set(mem.checkpoints) == {b"a", b"b"}
+    assert mem._take_slot("live") == b  # LRU
+    assert mem._take_slot("live", protect=b"a") is None and b"a" in mem.checkpoints
+
+
+def test_flop_aware_eviction_prefers_short_prefixes():
+    mem = make(n_slots=4, eviction="flop", saved=lambda p: float(p * p))
+    long_old = checkpoint(mem, b"long", 32)
+    short_mid = checkpoint(mem, b"short", 4)
+    checkpoint(mem, b"mid", 8)
+    # LRU would drop the oldest (32 tokens); FLOP-aware keeps it: it saves 64x the prefill of 4 tokens
+    assert mem._take_slot("live") == short_mid and b"long" in mem.checkpoints
+    assert long_old in [c.slot for c in mem.checkpoints.values()]
+
+
+def test_checkpoint_copies_and_dedups_and_output_states_roll():
+    mem = make(n_slots=5)
+    mem.admit("a", [], 0)
+    mem.states.conv[1][mem.live_slot("a")] = 3.0
+    assert mem.checkpoint("a", b"p", 4, output=False) and not mem.checkpoint("a", b"p", 4, output=False)
+    assert bool((mem.states.conv[1][mem.checkpoints[b"p"].slot] == 3.0).all())
+    assert mem.checkpoint("a", b"o1", 8, output=True) and mem.checkpoint("a", b"o2", 12, output=True)
+    assert set(mem.checkpoints) == {b"p", b"o2"}  # one rolling output state per request
+    mem.release("a", donate=(b"end", 16))  # the live state stays as a checkpoint, no copy
+    assert b"end" in mem.checkpoints and mem.stats()["slots_live"] == 0
