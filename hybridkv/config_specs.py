@@ -129,8 +129,8 @@ def _layer_kinds(names, table: Mapping[str, str], family: str) -> list[str]:
 def _attention_only(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
     c = hf_config(cfg)
     # Mistral's window (class default 4096) is on every layer; Qwen2/3 set it to None unless
-    # use_sliding_window, and then only their "sliding_attention" layers use it.
-    window = getattr(c, "sliding_window", None)
+    # use_sliding_window, and then only their "sliding_attention" layers use it; Llama has none.
+    window = getattr(c, "sliding_window", None) if cfg["model_type"] != "llama" else None
     types = getattr(c, "layer_types", None) or ["sliding_attention"] * c.num_hidden_layers
     kinds = _layer_kinds(types, {"sliding_attention": "s", "full_attention": "a"}, cfg["model_type"])
     return {i: AttentionSpec(c.num_key_value_heads, _head_dim(c), dtype, window if k == "s" else None)

@@ -30,14 +30,14 @@ def tiny_config(**overrides):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, sliding_window=None):
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         bias = getattr(config, "attention_bias", False)  # Mistral's config has no such field
         self.self_attn = PagedAttention(
             config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim,
             qkv_bias=bias, o_bias=bias,
-            sliding_window=getattr(config, "sliding_window", None))
+            sliding_window=sliding_window)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size,
                             bias=getattr(config, "mlp_bias", False), act=config.hidden_act)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -49,21 +49,23 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class _LlamaBody(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, sliding_window=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, sliding_window)
+                                    for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
 class LlamaModel(HybridModel):
-    """Parameter names equal the HF checkpoint's (model.layers.N.self_attn.q_proj.weight, ...)."""
+    """Parameter names equal the HF checkpoint's (model.layers.N.self_attn.q_proj.weight, ...).
+    `sliding_window` (None for Llama, which ignores any such config field) goes to every layer."""
 
     architecture = ARCHITECTURE
 
-    def __init__(self, config):
+    def __init__(self, config, sliding_window=None):
         super().__init__(config)
-        self.model = _LlamaBody(config)
+        self.model = _LlamaBody(config, sliding_window)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config, self.model.layers[0].self_attn.head_dim)
 

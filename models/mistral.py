@@ -27,9 +27,12 @@ def tiny_config(**overrides):
 
 
 class MistralModel(LlamaModel):
-    """Parameter names equal the HF checkpoint's, as Llama's; the layers read `sliding_window`."""
+    """Parameter names equal the HF checkpoint's, as Llama's; every layer gets `sliding_window`."""
 
     architecture = ARCHITECTURE
+
+    def __init__(self, config):
+        super().__init__(config, sliding_window=config.sliding_window)
 
 
 MODEL_CLASS = MistralModel

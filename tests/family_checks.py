@@ -1,25 +1,82 @@
-"""The checks every model family passes against transformers' model of the same tiny checkpoint.
-
-Each family test file keeps its own test functions (so every test id stays) and calls these with
-its models and the few numbers where the family differs (chunk sizes, tolerances, prompt lengths).
-Not collected by pytest: the module name does not start with `test_`.
+"""The checks every model family passes against transformers' model of the same tiny checkpoint,
+and the table of families they run over (tests/models/test_families.py: one test per check,
+parametrized over FAMILIES). A row names the tiny checkpoint and the few numbers where a family
+differs (chunk sizes, tolerances, prompt lengths); a family's own checks live in
+tests/models/test_<family>.py. Not collected by pytest: the module name does not start with `test_`.
 """
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from engine_fixtures import assert_no_leaks
-from hybridkv import LLM, SamplingParams
 from hybridkv.models import load_model
+from hybridkv.models.tiny import make_tiny_checkpoint
 from model_harness import Harness, assert_close_rel, assert_greedy_matches_hf, hf_logits
 
 BS = 16
 RAGGED_LENGTHS = (1, BS - 1, BS, BS + 1, 3 * BS + 5)  # one token, around a block edge, several blocks
+ENGINE_LENGTHS = (1, BS - 1, BS + 1, 3 * BS + 5)
+WINDOW = 24  # the tiny Mistral's sliding window (models/mistral.py): its edge falls inside a block
+
+
+def tiny_nemotron_h(family: str, path, seed: int = 0, **overrides) -> Path:
+    """A tiny Nemotron-H checkpoint whose router correction biases are not all zero (transformers'
+    init leaves them zero, and 1-D noise in make_tiny_checkpoint reaches parameters only)."""
+    path = make_tiny_checkpoint(family, path, seed=seed, **overrides)
+    tensors = load_file(str(path / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    for name, t in tensors.items():
+        if name.endswith("e_score_correction_bias"):
+            tensors[name] = torch.randn(t.shape, generator=g) * 0.3
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+@dataclass
+class Family:
+    """One row of the table: a tiny checkpoint and the numbers where the family's checks differ."""
+
+    name: str  # the tiny checkpoint kind (hybridkv.models.tiny) and the test id
+    seed: int
+    overrides: dict = field(default_factory=dict)  # tiny_config overrides
+    logits_len: int = 3 * BS + 5  # prompt length of the one-pass logits check
+    ragged: tuple[int, ...] = RAGGED_LENGTHS  # prompt lengths of the ragged greedy batch
+    chunks: tuple[int, ...] = (5, 16, 7, 1, 16)  # uneven prefill chunks (a 1 takes the decode path)
+    chunk_tol: float = 1e-4
+    engine: Optional[tuple[tuple[int, ...], int]] = None  # (prompt lengths, seed) for LLM.generate
+    names: Optional[tuple[str, str]] = None  # (published tensor, stacked suffix) of transformers' names
+    hf_attn: Optional[str] = None  # transformers' attn_implementation (None: its default)
+    make: Callable[..., Path] = make_tiny_checkpoint
+
+
+FAMILIES = {f.name: f for f in [
+    # attention only: each chunk reads the KV blocks written so far
+    Family("llama", seed=1, overrides=dict(attention_bias=True), chunks=(5, 16, 7, 12), chunk_tol=1e-5),
+    # prompts shorter than the window and 2-3 windows long; chunks cross the window edge, one is
+    # wider than the window; eager attention applies transformers' sliding-window mask as is
+    Family("mistral", seed=4, logits_len=3 * WINDOW + 5, ragged=(*RAGGED_LENGTHS, 3 * WINDOW + 5),
+           chunks=(5, 16, 7, 1, WINDOW + 6, 3, 1, 16), chunk_tol=1e-5,
+           engine=((1, BS - 1, WINDOW + 1, 3 * BS + 5, 3 * WINDOW + 5), 60), hf_attn="eager"),
+    # recurrent families: chunks resume from the slot's conv window and SSM / GDN state
+    Family("bamba", seed=2),
+    Family("jamba", seed=3),
+    Family("qwen3_next", seed=3),
+    # chunks of 1 and 2 tokens are shorter than the conv window (k-1 = 2): the window carries over
+    Family("lfm2", seed=3, chunks=(5, 16, 7, 1, 2, 14), engine=((1, 7, BS, BS + 1, 37), 20)),
+    Family("granitemoehybrid", seed=3, engine=(ENGINE_LENGTHS, 40),
+           names=("model.layers.0.block_sparse_moe.input_linear.weight",
+                  "block_sparse_moe.experts.gate_up_proj")),
+    Family("nemotron_h", seed=5, make=tiny_nemotron_h, engine=(ENGINE_LENGTHS, 40),
+           names=("backbone.layers.3.mixer.experts.0.up_proj.weight", "mixer.experts.up_proj")),
+    Family("falcon_h1", seed=5, engine=(ENGINE_LENGTHS, 40)),  # two cache keys per layer
+    Family("zamba2", seed=2, engine=(ENGINE_LENGTHS, 40)),  # one KV cache per shared-block site
+]}
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -28,10 +85,17 @@ def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(4, 128, (n,), generator=g).tolist()
 
 
-def load_pair(path):
+def load_pair(path, attn_implementation: Optional[str] = None):
     """(our model, transformers' float32 model in eval mode), both from checkpoint dir `path`."""
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
     return load_model(path), hf
+
+
+def load_family(fam: Family, path) -> tuple[Path, object, object]:
+    """(checkpoint dir, our model, transformers' model) for table row `fam`, written under `path`."""
+    ckpt = fam.make(fam.name, path, seed=fam.seed, **fam.overrides)
+    return (ckpt, *load_pair(ckpt, fam.hf_attn))
 
 
 def check_prompt_logits(ours, hf, n: int = 3 * BS + 5, seed: int = 0) -> torch.Tensor:
@@ -40,6 +104,7 @@ def check_prompt_logits(ours, hf, n: int = 3 * BS + 5, seed: int = 0) -> torch.T
     h = Harness(ours, block_size=BS)
     tokens = prompt(n, seed)
     logits = h.step([(h.add(tokens), len(tokens))], return_all_logits=True)
+    assert logits.shape == (n, ours.vocab_size) and logits.dtype == torch.float32
     assert_close_rel(logits, hf_logits(hf, tokens))
     return logits
 
@@ -79,7 +144,8 @@ def check_uneven_chunks_equal_one_pass(ours, chunks=(5, 16, 7, 1, 16), tol: floa
 
 def check_state_checkpoint_at_block_boundary(ours, hf):
     """A state checkpoint taken at a block boundary, copied into a fresh slot after the original
-    went on, continues exactly like the uninterrupted run, which is transformers' greedy output."""
+    went on, continues exactly like the uninterrupted run, which is transformers' greedy output.
+    The full KV blocks before the boundary are shared (for attention-only models that is all)."""
     h = Harness(ours, block_size=BS)
     tokens = prompt(2 * BS + 6, 5)
     full = h.add(tokens)
@@ -105,6 +171,9 @@ def check_engine_generate(path, hf, lengths=(1, BS - 1, BS + 1, 3 * BS + 5), see
                           max_tokens: int = 12):
     """`LLM(path).generate` of prompts of `lengths` (seeds `seed + n`): `max_tokens` greedy tokens
     each, all transformers' greedy choices; afterwards no KV block, slot or request is left."""
+    from engine_fixtures import assert_no_leaks  # the engine only here: model checks need none of it
+    from hybridkv import LLM, SamplingParams
+
     prompts = [prompt(n, seed + n) for n in lengths]
     llm = LLM(str(path), memory_budget_bytes=16 << 20)
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),

@@ -1,16 +1,12 @@
-"""Zamba2 (Mamba2 + shared attention blocks with per-site adapters) on the pools against
-transformers' Zamba2ForCausalLM of the same tiny checkpoint."""
+"""Zamba2's own checks (cache keys per attention site, shared block weights, checkpoints that
+repeat a shared block); the shared ones are its row in test_families.py."""
 import shutil
 
-import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from family_checks import (BS, check_engine_generate, check_prompt_logits,
-                           check_ragged_batch_greedy, check_state_checkpoint_at_block_boundary,
-                           check_uneven_chunks_equal_one_pass, load_pair, prompt)
+from family_checks import BS, prompt
 from hybridkv.models import load_model
-from hybridkv.models.tiny import make_tiny_checkpoint
 from hybridkv.models.zamba2 import Zamba2HybridLayer
 from hybridkv.specs import AttentionSpec, RecurrentSpec
 from model_harness import Harness
@@ -19,18 +15,8 @@ N_LAYERS = 6
 HYBRID = (1, 3, 4)  # tiny_config: sites 0 and 2 (layers 1, 4) share block 0; site 1 runs block 1
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_tiny_checkpoint("zamba2", tmp_path_factory.mktemp("zamba2"), seed=2)
-
-
-@pytest.fixture(scope="module")
-def models(ckpt):
-    return load_pair(ckpt)
-
-
-def test_cache_specs_key_every_mamba_layer_and_every_attention_site(models):
-    ours, _ = models
+def test_cache_specs_key_every_mamba_layer_and_every_attention_site(family_models):
+    _, ours, _ = family_models("zamba2")
     specs = ours.cache_specs()
     # key i: layer i's Mamba2 state; key num_layers + i: the KV of hybrid layer i's use site
     assert sorted(specs) == list(range(N_LAYERS)) + [N_LAYERS + i for i in HYBRID]
@@ -41,8 +27,8 @@ def test_cache_specs_key_every_mamba_layer_and_every_attention_site(models):
     assert all(specs[N_LAYERS + i] == AttentionSpec(4, 16, torch.float32) for i in HYBRID)
 
 
-def test_sites_share_block_weights_but_not_adapters(models):
-    ours, hf = models
+def test_sites_share_block_weights_but_not_adapters(family_models):
+    _, ours, hf = family_models("zamba2")
     site0, site1, site2 = (ours.model.layers[i] for i in HYBRID)
     assert all(isinstance(s, Zamba2HybridLayer) for s in (site0, site1, site2))
     assert site0.shared_transformer is site2.shared_transformer
@@ -56,31 +42,10 @@ def test_sites_share_block_weights_but_not_adapters(models):
         torch.testing.assert_close(t, ref[name], rtol=0, atol=0, msg=name)
 
 
-def test_full_prompt_logits(models):
-    check_prompt_logits(*models)
-
-
-def test_ragged_batch_greedy_20_tokens(models):
-    check_ragged_batch_greedy(*models)
-
-
-def test_uneven_chunks_equal_one_pass(models):
-    # chunks resume from the slot's conv window and SSM state, and each site's KV blocks
-    check_uneven_chunks_equal_one_pass(models[0], chunks=(5, 16, 7, 1, 16))
-
-
-def test_state_checkpoint_at_block_boundary(models):
-    check_state_checkpoint_at_block_boundary(*models)
-
-
-def test_engine_generate_matches_transformers_and_frees_everything(ckpt, models):
-    check_engine_generate(ckpt, models[1])
-
-
-def test_checkpoint_with_every_sites_copy_loads_the_same(ckpt, models, tmp_path):
+def test_checkpoint_with_every_sites_copy_loads_the_same(family_models, tmp_path):
     # save_pretrained stores a block once, under its first site; transformers' in-memory state dict
     # repeats it under every site (as a checkpoint saved without dedup would): both load the same
-    ours, hf = models
+    ckpt, ours, hf = family_models("zamba2")
     assert "model.layers.1.shared_transformer.self_attn.q_proj.weight" in load_file(str(ckpt / "model.safetensors"))
     assert "model.layers.4.shared_transformer.self_attn.q_proj.weight" not in load_file(str(ckpt / "model.safetensors"))
     shutil.copytree(ckpt, tmp_path / "ckpt")

@@ -1,34 +1,19 @@
-"""Falcon-H1 (attention and Mamba2 in parallel in every layer, muP multipliers) on the pools
-against transformers' FalconH1ForCausalLM."""
+"""Falcon-H1's own checks (two cache keys per layer, muP multipliers, variants, a prefix hit);
+the shared ones are its row in test_families.py."""
 import json
 import shutil
 
-import pytest
 import torch
 
-from engine_fixtures import assert_no_leaks
-from family_checks import (BS, check_engine_generate, check_prompt_logits, check_ragged_batch_greedy,
-                           check_state_checkpoint_at_block_boundary,
-                           check_uneven_chunks_equal_one_pass, load_pair)
-from hybridkv import LLM, SamplingParams
+from family_checks import BS, check_prompt_logits, check_ragged_batch_greedy, load_pair
 from hybridkv.models import load_model
 from hybridkv.models.tiny import make_tiny_checkpoint
 from hybridkv.specs import AttentionSpec, RecurrentSpec
 from model_harness import Harness, assert_greedy_matches_hf
 
 
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    return make_tiny_checkpoint("falcon_h1", tmp_path_factory.mktemp("falcon_h1"), seed=5)
-
-
-@pytest.fixture(scope="module")
-def models(tiny_path):
-    return load_pair(tiny_path)
-
-
-def test_cache_specs_two_keys_per_layer(models):
-    ours, _ = models
+def test_cache_specs_two_keys_per_layer(family_models):
+    _, ours, _ = family_models("falcon_h1")
     specs = ours.cache_specs()
     # attention half of layer i under key i, Mamba half under num_hidden_layers + i
     assert sorted(specs) == list(range(6))
@@ -38,14 +23,10 @@ def test_cache_specs_two_keys_per_layer(models):
         assert specs[3 + i] == RecurrentSpec((96 + 2 * 2 * 16, 3), (6, 16, 16), torch.float32)
 
 
-def test_full_prompt_logits(models):
-    check_prompt_logits(*models)
-
-
-def test_multipliers_matter(models, tiny_path, tmp_path):
+def test_multipliers_matter(family_models, tmp_path):
     """The same weights under a config with every multiplier at 1 give other logits: the
-    oracle comparison above does exercise the multipliers."""
-    ours, _ = models
+    oracle comparison in test_families.py does exercise the multipliers."""
+    tiny_path, ours, _ = family_models("falcon_h1")
     plain_dir = tmp_path / "plain"
     shutil.copytree(tiny_path, plain_dir)
     cfg = json.loads((plain_dir / "config.json").read_text())
@@ -82,31 +63,18 @@ def test_norm_after_gate_variant_logits(tmp_path):
     check_prompt_logits(*load_pair(path), n=BS + 5, seed=2)
 
 
-def test_ragged_batch_greedy_20_tokens(models):
-    check_ragged_batch_greedy(*models)
-
-
-def test_uneven_chunks_equal_one_pass(models):
-    # chunks resume from the slot's conv window and SSM state and the KV blocks written so far
-    check_uneven_chunks_equal_one_pass(models[0], chunks=(5, 16, 7, 1, 16))
-
-
-def test_state_checkpoint_at_block_boundary(models):
-    check_state_checkpoint_at_block_boundary(*models)
-
-
-def test_engine_generate_matches_transformers(models, tiny_path):
-    check_engine_generate(tiny_path, models[1], lengths=(1, BS - 1, BS + 1, 3 * BS + 5), seed=40)
-
-
-def test_engine_prefix_hit_restores_kv_and_state(models, tiny_path):
+def test_engine_prefix_hit_restores_kv_and_state(family_models):
     """A second prompt sharing a 40-token prefix hits 32 cached tokens (KV blocks of every
     attention half plus a state checkpoint of every Mamba half) and still decodes as transformers."""
+    from engine_fixtures import assert_no_leaks
+    from hybridkv import LLM, SamplingParams
+
+    tiny_path, _, hf = family_models("falcon_h1")
     llm = LLM(str(tiny_path), memory_budget_bytes=16 << 20)
     base = list(range(10, 50))
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     llm.generate([base + [5, 6, 7]], params, use_tqdm=False)
     out = llm.generate([base + [9, 10]], params, use_tqdm=False)[0]
     assert out.num_cached_tokens == 2 * BS
-    assert assert_greedy_matches_hf(models[1], base + [9, 10], list(out.outputs[0].token_ids)) == 0
+    assert assert_greedy_matches_hf(hf, base + [9, 10], list(out.outputs[0].token_ids)) == 0
     assert_no_leaks(llm)

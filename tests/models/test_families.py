@@ -1,0 +1,51 @@
+"""Every family on the pools against transformers' model of the same tiny checkpoint: one test
+per shared check (tests/family_checks.py), parametrized over the table FAMILIES."""
+import pytest
+
+from family_checks import (FAMILIES, check_engine_generate, check_prompt_logits,
+                           check_ragged_batch_greedy, check_state_checkpoint_at_block_boundary,
+                           check_transformers_names_load_the_same, check_uneven_chunks_equal_one_pass)
+
+
+def rows(has: str = ""):
+    """The table's rows (those whose field `has` is set, when given), with the family as test id."""
+    return [pytest.param(f, id=f.name) for f in FAMILIES.values() if not has or getattr(f, has)]
+
+
+@pytest.mark.parametrize("fam", rows())
+def test_full_prompt_logits(fam, family_models):
+    _, ours, hf = family_models(fam.name)
+    check_prompt_logits(ours, hf, n=fam.logits_len)
+
+
+@pytest.mark.parametrize("fam", rows())
+def test_ragged_batch_greedy_20_tokens(fam, family_models):
+    _, ours, hf = family_models(fam.name)
+    check_ragged_batch_greedy(ours, hf, lengths=fam.ragged)
+
+
+@pytest.mark.parametrize("fam", rows())
+def test_uneven_chunks_equal_one_pass(fam, family_models):
+    _, ours, _ = family_models(fam.name)
+    check_uneven_chunks_equal_one_pass(ours, chunks=fam.chunks, tol=fam.chunk_tol)
+
+
+@pytest.mark.parametrize("fam", rows())
+def test_state_checkpoint_at_block_boundary(fam, family_models):
+    _, ours, hf = family_models(fam.name)
+    check_state_checkpoint_at_block_boundary(ours, hf)
+
+
+@pytest.mark.parametrize("fam", rows("engine"))
+def test_engine_generate_matches_transformers(fam, family_models):
+    path, _, hf = family_models(fam.name)
+    lengths, seed = fam.engine
+    check_engine_generate(path, hf, lengths=lengths, seed=seed)
+
+
+@pytest.mark.parametrize("fam", rows("names"))
+def test_transformers_in_memory_names_load_the_same(fam, family_models, tmp_path):
+    """A checkpoint holding transformers' own parameter names (stacked experts) loads identically."""
+    path, ours, hf = family_models(fam.name)
+    published, stacked_suffix = fam.names
+    check_transformers_names_load_the_same(ours, hf, path, tmp_path, published, stacked_suffix)
