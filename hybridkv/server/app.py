@@ -4,7 +4,7 @@
     /v1/models  /health  /metrics (Prometheus text)
 
 Bad input is a 400 that names the field, the value and the limit (never a 500); a missing or
-wrong API key a 401; an unknown model a 404; a dead engine a 503.
+wrong API key a 401 (an unknown model is bad input too: a 400); a dead engine a 503.
 """
 from __future__ import annotations
 

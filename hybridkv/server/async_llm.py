@@ -249,9 +249,9 @@ class RequestStream:
                     if d.index not in detok:
                         detok[d.index] = IncrementalDetokenizer(self.engine.tokenizer)
                         hold[d.index] = StopHoldback(self.params.stop)
-                    text = hold[d.index].push(detok[d.index].push(d.token_ids))
-                    if d.finish_reason is not None:
-                        text += hold[d.index].finish(d.final_text)
+                    new = detok[d.index].push(d.token_ids)
+                    text = (hold[d.index].push(new) if d.finish_reason is None
+                            else hold[d.index].finish(new, d.final_text))
                     yield DeltaOutput(self.request_id, d.index, d.token_ids, text, d.logprobs,
                                       d.finish_reason, news.num_prompt_tokens, news.num_cached_tokens)
                 self.finished = self.finished or news.finished

@@ -37,7 +37,7 @@ class IncrementalDetokenizer:
 class StopHoldback:
     """Streamed text that a later stop string could still swallow is held back until it cannot.
 
-    `push(text)` returns what is safe to send now; `finish(final)` returns the rest of the
+    `push(text)` returns what is safe to send now; `finish(text, final)` returns the rest of the
     engine's final text (stop string cut) after what was sent.
     """
 
@@ -55,10 +55,11 @@ class StopHoldback:
         self.sent += out
         return out
 
-    def finish(self, final: Optional[str]) -> str:
-        """The text left to send at the end; `final` is the engine's text for the whole sequence."""
+    def finish(self, text: str, final: Optional[str]) -> str:
+        """The last `text` came with the end: what is left to send of `final`, the engine's text
+        for the whole sequence (stop string cut), after what was sent."""
         if final is None:
-            final = self.sent + self.pending
+            final = self.sent + self.pending + text
         rest = final[len(self.sent):] if final.startswith(self.sent) else ""
         self.sent += rest
         self.pending = ""

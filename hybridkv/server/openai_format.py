@@ -47,7 +47,9 @@ def token_str(tokenizer, token_id: int) -> str:
     """A token as text for logprobs; `token_id:N` when the checkpoint has no tokenizer (vLLM's form)."""
     if tokenizer is None:
         return f"token_id:{token_id}"
-    return tokenizer.decode([token_id])
+    text = tokenizer.decode([token_id])
+    # a special token decodes to nothing: its name keeps it apart from the others in a top-k dict
+    return text or tokenizer.convert_ids_to_tokens(token_id) or f"token_id:{token_id}"
 
 
 def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:

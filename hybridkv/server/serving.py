@@ -44,7 +44,7 @@ class OpenAIServing:
     def check_model(self, name: str) -> None:
         if name != self.model_name:
             raise APIError(f"model {name!r} is not served here; this server serves {self.model_name!r} "
-                           f"(see /v1/models)", status=404, param="model")
+                           f"(see /v1/models)", param="model")
 
     def _prompt_ids(self, prompt: Union[str, list[int]]) -> list[int]:
         if isinstance(prompt, str):
