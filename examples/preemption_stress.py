@@ -165,16 +165,20 @@ def main(argv=None) -> int:
 
 
 def inject_swap_fault() -> None:
-    """Make swap-in restore a perturbed state: a real memory bug the stress run must report."""
-    import hybridkv.transfer as transfer
+    """Make swap-in restore a perturbed state and KV: a real memory bug the stress run must report."""
+    from hybridkv.memory.full_attention import FullAttentionMemory
+    from hybridkv.memory.recurrent import RecurrentMemory
 
-    def corrupted_copy_in(blocks, states, copy, block_ids, slot):
-        copy.ssm = {i: t * 1.5 + 0.5 for i, t in copy.ssm.items()}
-        copy.kv = {i: t * 1.5 + 0.5 for i, t in copy.kv.items()}
-        real_copy_in(blocks, states, copy, block_ids, slot)
+    def corrupt(kind, field):
+        real = kind.swap_in
 
-    real_copy_in = transfer.copy_in
-    transfer.copy_in = corrupted_copy_in
+        def swap_in(self, rid, copy, hashes, num_computed):
+            copy = dict(copy, **{field: {i: t * 1.5 + 0.5 for i, t in copy[field].items()}})
+            real(self, rid, copy, hashes, num_computed)
+        kind.swap_in = swap_in
+
+    corrupt(RecurrentMemory, "ssm")
+    corrupt(FullAttentionMemory, "kv")
 
 
 def run(path: str, n: int, max_prompt: int, max_new: int, args) -> int:
