@@ -5,7 +5,8 @@ run together: their KV is gathered from the pool into one padded `[R, S_max, Hkv
 attended with two batched matmuls under a length mask. Prefill chunks (query_len > 1) run one
 request at a time through `F.scaled_dot_product_attention` with the GQA group folded into the
 query rows (no KV copy per query head). Soft-capped layers take the batched matmul path for
-prefill too (SDPA has no soft cap). Checked against the reference in tests/kernels/test_attention_cpu.py.
+prefill too (SDPA has no soft cap). Under a sliding window only the blocks from the first query's
+window on are gathered. Checked against the reference in tests/kernels/test_attention_cpu.py.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def _gather_kv(kv_cache, block_table, rows, first, nblk):
     """K, V [R, nblk * bs, Hkv, D] in fp32: blocks first[r] .. first[r] + nblk - 1 of each row."""
     cols = first.view(-1, 1) + torch.arange(nblk, device=first.device)
     cols = cols.clamp_(max=block_table.shape[1] - 1)  # past a short row's end: masked keys
-    blocks = block_table[rows.view(-1, 1), cols].long().clamp_(0, kv_cache.shape[0] - 1)  # unused entries: any id
+    # unused entries may hold any id (even -1): clamp into the pool, their keys are masked
+    blocks = block_table[rows.view(-1, 1), cols].long().clamp_(0, kv_cache.shape[0] - 1)
     kv = kv_cache[blocks]  # [R, nblk, 2, bs, Hkv, D]
     r, _, _, bs, hkv, d = kv.shape
     kv = kv.transpose(1, 2).reshape(r, 2, nblk * bs, hkv, d).float()
