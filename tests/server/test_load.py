@@ -1,0 +1,129 @@
+"""Under concurrent load and disconnects: streams equal the offline run token for token, a client
+that leaves frees its blocks and slot at once, and /metrics tells it all. Bounded: 16 streams of
+at most 48 tokens, every wait capped, on 127.0.0.1 only."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+from hybridkv import SamplingParams
+
+API_KEY = "sk-test"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def scrape(url: str) -> dict[str, float]:
+    """/metrics as {'name{label=value,...}': value}."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def wait_idle(server, timeout: float = 5.0) -> dict:
+    """Poll the engine until no request holds a KV block or a live slot; returns the stats."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = server.stats()
+        if (s["kv_blocks_used"], s["state_slots_live"], s["running"], s["waiting"]) == (0, 0, 0, 0):
+            return s
+        assert time.monotonic() < deadline, f"memory still held {timeout}s after the clients left: {s}"
+        time.sleep(0.02)
+
+
+def test_concurrent_streams_equal_offline_and_leavers_free_memory(chat_server, oracle):
+    """16 concurrent greedy streams; every 4th client leaves after 3 chunks. Each finished stream
+    equals its prompt run alone offline; afterwards nothing is held."""
+    prompts = [[5 + i] + list(range(10, 10 + 7 * i % 40 + 3)) for i in range(16)]
+    max_tokens = [12 + (i * 5) % 20 for i in range(16)]
+    aborted_before = wait_idle(chat_server)["aborted"]
+
+    async def one(ac, i):
+        stream = await ac.completions.create(model="tiny-chat", prompt=prompts[i], max_tokens=max_tokens[i],
+                                             temperature=0, stream=True, extra_body={"return_token_ids": True})
+        ids, chunks = [], 0
+        async for ch in stream:
+            ids += ch.choices[0].model_extra["token_ids"]
+            chunks += 1
+            if i % 4 == 3 and chunks == 3:
+                await stream.close()  # the client walks away mid-stream
+                return None
+        return ids
+
+    async def run():
+        ac = openai.AsyncOpenAI(base_url=chat_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(one(ac, i) for i in range(16))), 60)
+        finally:
+            await ac.close()
+
+    got = asyncio.run(run())
+    for i, ids in enumerate(got):
+        if i % 4 == 3:
+            assert ids is None
+            continue
+        ref = oracle.generate([prompts[i]], SamplingParams(max_tokens=max_tokens[i], temperature=0),
+                              use_tqdm=False)[0].outputs[0]
+        assert ids == ref.token_ids, f"stream {i} differs from its offline run"
+    s = wait_idle(chat_server)
+    # the leavers were aborted (not run to their end): unless one finished before its abort arrived
+    assert s["aborted"] - aborted_before >= 1
+    m = scrape(chat_server.url)
+    assert m["hybridkv:kv_blocks_used"] == 0 and m["hybridkv:state_slots_live"] == 0
+    assert m["hybridkv:num_requests_running"] == 0 and m["hybridkv:kv_cache_usage_perc"] == 0
+
+
+def test_disconnect_mid_stream_aborts_at_once(chat_server):
+    body = {"model": "tiny-chat", "prompt": [5, 6, 7, 8, 9], "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    before = wait_idle(chat_server)["aborted"]
+    with httpx.stream("POST", chat_server.url + "/v1/completions", json=body, headers=AUTH, timeout=30) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]  # a few events, then hang up
+        assert all(g == "" or g.startswith("data: {") for g in got)
+        s = chat_server.stats()
+        assert s["running"] == 1 and s["kv_blocks_used"] > 0 and s["state_slots_live"] == 1
+    t0 = time.monotonic()
+    s = wait_idle(chat_server, timeout=3.0)
+    assert s["aborted"] == before + 1, "the request ran to its end instead of being aborted"
+    assert s["generated_tokens"] > 0 and time.monotonic() - t0 < 3.0
+
+
+def test_disconnect_while_waiting_for_a_json_answer_aborts(chat_server):
+    body = {"model": "tiny-chat", "prompt": [5, 6, 7], "max_tokens": 450, "temperature": 0, "ignore_eos": True}
+    before = wait_idle(chat_server)["aborted"]
+    try:
+        httpx.post(chat_server.url + "/v1/completions", json=body, headers=AUTH, timeout=0.3)
+        raise AssertionError("450 tokens came back in 0.3 s: the test needs a longer request")
+    except httpx.TimeoutException:
+        pass
+    s = wait_idle(chat_server, timeout=3.0)
+    assert s["aborted"] == before + 1
+
+
+def test_metrics_scrape(chat_server, client):
+    prompt = list(range(20, 90))  # 70 tokens: a repeat hits the 64-token prefix (4 blocks + state)
+    for _ in range(2):
+        client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=4, temperature=0)
+    list(client.completions.create(model="tiny-chat", prompt=[5, 6], max_tokens=5, temperature=0, stream=True))
+    m = scrape(chat_server.url)
+    for name in ["num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc",
+                 "kv_blocks_total", "state_slots_live", "state_slots_checkpoint", "state_slots_total",
+                 "num_preemptions_total{mode=recompute}", "num_preemptions_total{mode=swap}",
+                 "num_swaps_total", "num_migrations_total{direction=out}"]:
+        assert "hybridkv:" + name in m, name
+    assert m["hybridkv:prefix_cache_hits_total"] >= 64
+    assert m["hybridkv:prefix_cache_queries_total"] >= 140
+    assert m["hybridkv:state_slots_checkpoint"] >= 1
+    assert m["hybridkv:prompt_tokens_total"] >= 142 and m["hybridkv:generation_tokens_total"] >= 13
+    assert m["hybridkv:request_success_total{finished_reason=length}"] >= 3
+    for h in ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"]:
+        assert m[f"hybridkv:{h}_count"] >= 3 and m[f"hybridkv:{h}_sum"] > 0, h
+    assert m["hybridkv:e2e_request_latency_seconds_sum"] >= m["hybridkv:time_to_first_token_seconds_sum"]
