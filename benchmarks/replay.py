@@ -19,7 +19,7 @@ from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.contiguous import pool_utilization
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.scheduler.preemption import PreemptionPolicy
-from hybridkv.scheduler.request import Request, RequestStatus
+from hybridkv.scheduler.sequence import Sequence as Seq
 from hybridkv.scheduler.scheduler import Scheduler
 
 from traces import TraceRequest
@@ -81,7 +81,7 @@ def replay(mgr: HybridCacheManager, trace: Sequence[TraceRequest], max_num_seqs:
     def submit(t: TraceRequest) -> None:
         nonlocal arrival
         arrival += 1
-        req = Request(t.request_id, t.request_id, 0, list(t.prompt), SamplingParams(max_tokens=len(t.output)),
+        req = Seq(t.request_id, list(t.prompt), SamplingParams(max_tokens=len(t.output)),
                       arrival=float(arrival))
         script[t.request_id] = t
         sched.add(req)
@@ -101,7 +101,7 @@ def replay(mgr: HybridCacheManager, trace: Sequence[TraceRequest], max_num_seqs:
             raise RuntimeError(f"no request fits the pools; stats: {mgr.stats()}")
         res.steps += 1
         for c in out.chunks:
-            req, rid = c.request, c.request.request_id
+            req, rid = c.seq, c.seq.request_id
             if rid not in admitted:  # first admission: this is the request's prefix hit
                 admitted.add(rid)
                 res.prompt_tokens += len(req.prompt_token_ids)
@@ -117,16 +117,13 @@ def replay(mgr: HybridCacheManager, trace: Sequence[TraceRequest], max_num_seqs:
         if on_step is not None:
             on_step(mgr)
         for c in out.chunks:
-            req = c.request
+            req = c.seq
             if c.start + c.num_tokens < req.num_tokens:
                 continue  # prefill not finished: nothing sampled yet
             t = script[req.request_id]
-            req.output_token_ids.append(t.output[len(req.output_token_ids)])
-            mgr.append_tokens(req.request_id, req.output_token_ids[-1:])
-            if len(req.output_token_ids) == len(t.output):
-                sched.remove(req)
-                mgr.finish(req.request_id)
-                req.status = RequestStatus.FINISHED
+            req.append_token(t.output[req.num_output_tokens])  # the manager reads the same list
+            if req.num_output_tokens == len(t.output):
+                sched.finish(req, "length")
                 queue = sessions.get(t.session)
                 if queue:
                     submit(queue.popleft())

@@ -1,12 +1,13 @@
 """The engine step: schedule, build the packed batch, run the model, sample, advance the manager.
 
 Request-level API for a server: `add_request`, `step`, `abort`, `export_request` /
-`import_request` (migration), `stats`. A request id names a prompt and its n sequences.
+`import_request` (migration), `stats`. A request id names a `SequenceGroup`: a prompt and its n
+sequences. Each `Sequence` owns its token list; the manager reads sampled tokens from it.
 """
 from __future__ import annotations
 
+import numbers
 import time
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -15,30 +16,16 @@ from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.models.forward_batch import ForwardBatch, ModelCaches
 from hybridkv.outputs import CompletionOutput, RequestOutput
 from hybridkv.sampling_params import SamplingParams
+from hybridkv.snapshot import RequestSnapshot
 
-from .migration import MigrationMixin
-from .request import Request, RequestStatus
+from . import migration
 from .sampler import SampleRow, Sampler
 from .scheduler import ScheduledChunk, Scheduler
+from .sequence import Sequence, SequenceGroup
 from .stopping import check_stop
 
 
-@dataclass
-class Group:
-    """One user request: a prompt and its n sequences (index 0 first; forks join after prefill)."""
-
-    request_id: str
-    prompt: Optional[str]
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Request] = field(default_factory=list)
-
-    @property
-    def finished(self) -> bool:
-        return len(self.seqs) == self.params.n and all(s.finished for s in self.seqs)
-
-
-class Engine(MigrationMixin):
+class Engine:
     def __init__(self, model, manager: HybridCacheManager, scheduler: Scheduler, seed: int = 0):
         self.model = model
         self.mgr = manager
@@ -50,16 +37,19 @@ class Engine(MigrationMixin):
         self.max_model_len = model.max_model_len
         self.caches = ModelCaches(kv=manager.kv_caches, conv=manager.conv_states,
                                   state=manager.ssm_states, block_size=manager.block_size)
-        self.groups: dict[str, Group] = {}
+        self.groups: dict[str, SequenceGroup] = {}
         self.counters = {"steps": 0, "generated_tokens": 0, "processed_tokens": 0, "model_seconds": 0.0,
                          "swaps_out": 0, "migrations_out": 0, "migrations_in": 0, "forks": 0,
                          "aborted": 0}
 
     # ---- requests --------------------------------------------------------------------------
-    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError naming the value and the limit; nothing in the engine changes."""
+    def validate(self, token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
+        """Raise ValueError (TypeError for a wrong type) naming the value and the limit; nothing in
+        the engine changes."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+            raise TypeError(f"priority must be an integer (lower runs first), got {priority!r}")
         if len(token_ids) == 0:
             raise ValueError("the prompt is empty: give at least one token")
         bad = [t for t in token_ids if not 0 <= t < self.model.vocab_size]
@@ -76,12 +66,9 @@ class Engine(MigrationMixin):
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = [int(t) for t in token_ids]
-        self.validate(token_ids, params)
-        g = Group(request_id, prompt, token_ids, params)
-        seq = Request(request_id, request_id, 0, list(token_ids), params, prompt, priority, cache_salt,
-                      children_pending=params.n - 1)
-        g.seqs.append(seq)
-        self.groups[request_id] = g
+        self.validate(token_ids, params, priority)
+        seq = Sequence(request_id, token_ids, params, priority=int(priority), cache_salt=cache_salt)
+        self.groups[request_id] = SequenceGroup(request_id, prompt, params, [seq])
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
@@ -90,16 +77,30 @@ class Engine(MigrationMixin):
         if g is None:
             return
         for s in g.seqs:
-            self._release(s, "abort")
+            self.scheduler.finish(s, "abort")
         self.counters["aborted"] += 1
 
-    def _release(self, s: Request, reason: str) -> None:
-        if s.finished:
-            return
-        self.scheduler.remove(s)
-        if s.request_id in self.mgr.requests:
-            self.mgr.finish(s.request_id)
-        s.status, s.finish_reason = RequestStatus.FINISHED, reason
+    def export_request(self, request_id: str) -> RequestSnapshot:
+        """Freeze request `request_id` (n == 1) into a snapshot and release it from this engine."""
+        g = self.groups.get(request_id)
+        if g is None:
+            raise KeyError(f"unknown request id {request_id!r}")
+        snap = migration.freeze(g, self.mgr)
+        del self.groups[request_id]
+        self.scheduler.finish(g.seqs[0], "migrated")
+        self.counters["migrations_out"] += 1
+        return snap
+
+    def import_request(self, snap: RequestSnapshot) -> None:
+        """Continue a migrated request here. Raises SnapshotMismatchError for another model, and
+        RuntimeError when the pools cannot take its KV and state now (then nothing changed)."""
+        rid = str(snap.req_id)
+        if rid in self.groups:
+            raise ValueError(f"request id {rid!r} is already in use on this engine")
+        g, holds_memory = migration.thaw(snap, self.mgr)
+        (self.scheduler.add_running if holds_memory else self.scheduler.add)(g.seqs[0])
+        self.groups[rid] = g
+        self.counters["migrations_in"] += 1
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -142,21 +143,21 @@ class Engine(MigrationMixin):
         self.counters["model_seconds"] += time.perf_counter() - t0
         self.counters["steps"] += 1
         self.counters["processed_tokens"] += plan.num_tokens
-        touched: dict[str, Group] = {}
+        touched: dict[str, SequenceGroup] = {}
         rows, row_reqs = [], []
         for i, c in enumerate(plan.chunks):
-            rid = c.request.request_id
+            rid = c.seq.request_id
             self.mgr.commit(rid, c.num_tokens)
             if c.checkpoint:
                 self.mgr.checkpoint(rid)
-            if c.start + c.num_tokens < c.request.num_tokens:
+            if c.start + c.num_tokens < c.seq.num_tokens:
                 continue  # a prefill chunk short of the end: nothing to sample yet
-            for seq in self._fork_children(c.request):
+            for seq in self._fork_children(c.seq):
                 rows.append(i)
                 row_reqs.append(seq)
         if rows:
             tokens, logprobs = self.sampler(
-                logits[rows], [SampleRow(s.params, s.seq_index, len(s.output_token_ids)) for s in row_reqs])
+                logits[rows], [SampleRow(s.params, s.seq_index, s.num_output_tokens) for s in row_reqs])
             for seq, tok, lp in zip(row_reqs, tokens, logprobs):
                 self._append(seq, tok, lp)
                 touched[seq.group_id] = self.groups[seq.group_id]
@@ -167,12 +168,12 @@ class Engine(MigrationMixin):
     def _batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
         ids, pos, slots, qsl, seq_lens = [], [], [], [0], []
         for c in chunks:
-            ids.extend(c.request.token_slice(c.start, c.start + c.num_tokens))
+            ids.extend(c.seq.token_ids[c.start:c.start + c.num_tokens])
             pos.extend(range(c.start, c.start + c.num_tokens))
             slots.extend(c.slot_mapping)
             qsl.append(qsl[-1] + c.num_tokens)
             seq_lens.append(c.start + c.num_tokens)
-        rids = [c.request.request_id for c in chunks]
+        rids = [c.seq.request_id for c in chunks]
         dev, i32 = self.device, torch.int32
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
@@ -185,18 +186,18 @@ class Engine(MigrationMixin):
             has_initial_state=torch.tensor([c.start > 0 for c in chunks], device=dev),
             query_lens_cpu=[c.num_tokens for c in chunks], seq_lens_cpu=seq_lens)
 
-    def _fork_children(self, parent: Request) -> list[Request]:
+    def _fork_children(self, parent: Sequence) -> list[Sequence]:
         """The sequences that sample from this row: the parent, plus its n-1 forks when its
         prompt just finished (they share its blocks and start from copies of its state)."""
         out = [parent]
         g = self.groups[parent.group_id]
-        while parent.children_pending:
-            j = parent.params.n - parent.children_pending
-            parent.children_pending -= 1
-            child = Request(f"{g.request_id}#{j}", g.request_id, j, list(g.prompt_token_ids), g.params,
-                            g.prompt, parent.priority, parent.cache_salt)
+        if parent.seq_index != 0:
+            return out
+        while g.forks_pending:
+            j = len(g.seqs)
+            child = parent.fork(f"{g.request_id}#{j}", j)
             g.seqs.append(child)
-            if self.mgr.fork(parent.request_id, child.request_id):
+            if self.mgr.fork(parent.request_id, child.request_id, token_ids=child.token_ids):
                 self.scheduler.add_running(child)
                 self.counters["forks"] += 1
                 out.append(child)
@@ -204,23 +205,20 @@ class Engine(MigrationMixin):
                 self.scheduler.add(child)
         return out
 
-    def _append(self, seq: Request, token: int, logprobs) -> None:
-        seq.output_token_ids.append(token)
-        if logprobs is not None:
-            seq.output_logprobs.append(logprobs)
-        self.mgr.append_tokens(seq.request_id, [token])
+    def _append(self, seq: Sequence, token: int, logprobs) -> None:
+        seq.append_token(token, logprobs)
         self.counters["generated_tokens"] += 1
         reason = check_stop(seq, self.eos_ids, self.max_model_len, self.tokenizer)
         if reason is not None:
-            self._release(seq, reason)
+            self.scheduler.finish(seq, reason)
 
-    def _output(self, g: Group) -> RequestOutput:
-        outs = [CompletionOutput(s.seq_index, list(s.output_token_ids), s.finish_reason,
+    def _output(self, g: SequenceGroup) -> RequestOutput:
+        outs = [CompletionOutput(s.seq_index, s.output_token_ids, s.finish_reason,
                                  list(s.output_logprobs) if s.params.logprobs is not None else None,
                                  self.tokenizer, tuple(s.params.stop))
                 for s in g.seqs]
         done = g.finished
         if done:
             self.groups.pop(g.request_id, None)
-        return RequestOutput(g.request_id, g.prompt, list(g.prompt_token_ids), outs, done,
+        return RequestOutput(g.request_id, g.prompt, g.prompt_token_ids, outs, done,
                              g.seqs[0].num_cached_tokens)

@@ -1,11 +1,15 @@
 """Continuous batching over the dual memory manager.
 
-Each step: running decodes first, then running chunked prefills, then swapped-out requests, then
+Each step: running decodes first, then running chunked prefills, then swapped-out sequences, then
 waiting ones (priority, then arrival), under a token budget and a cap on running sequences.
+FCFS: when the head of the swapped or waiting queue does not fit, nobody behind it starts. The one
+exception is a new sequence the manager holds back for a running one that is computing the prefix
+they share (burst rule): it stays waiting and the scan goes on, as it is not short of memory.
 A prefill chunk is cut at the block boundary where the manager wants a state checkpoint, so the
 state at that boundary exists at the end of the step. When blocks or slots run out the manager
 evicts cached blocks and checkpoints first; if that is not enough, the lowest-priority,
-latest-arriving running sequence is preempted (recompute or swap, per PreemptionPolicy).
+latest-arriving running sequence is preempted (recompute or swap, per PreemptionPolicy) and goes
+back to its queue. Queues are keyed by id (sequence_queue.py): a step costs what it schedules.
 """
 from __future__ import annotations
 
@@ -15,15 +19,16 @@ from typing import Optional
 from hybridkv.cache_manager import HybridCacheManager
 
 from .preemption import PreemptionPolicy
-from .request import Request, RequestStatus
+from .sequence import Sequence, SequenceStatus
+from .sequence_queue import SequenceQueue
 
 
 @dataclass
 class ScheduledChunk:
-    """`num_tokens` tokens of `request` from position `start`; `checkpoint` if a state
-    checkpoint is due once they are computed."""
+    """`num_tokens` tokens of `seq` from position `start`; `checkpoint` if a state checkpoint is
+    due once they are computed."""
 
-    request: Request
+    seq: Sequence
     start: int
     num_tokens: int
     slot_mapping: list[int]
@@ -33,7 +38,7 @@ class ScheduledChunk:
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[tuple[Request, str]] = field(default_factory=list)
+    preempted: list[tuple[Sequence, str]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -47,24 +52,31 @@ class Scheduler:
         self.policy = policy
         self.max_tokens = max_num_batched_tokens
         self.max_seqs = max_num_seqs
-        self.waiting: list[Request] = []   # new, and preempted by recompute
-        self.swapped: list[Request] = []
-        self.running: list[Request] = []
+        self.waiting = SequenceQueue()   # new, and preempted by recompute
+        self.swapped = SequenceQueue()
+        self.running = SequenceQueue()
 
     # ---- queues ----------------------------------------------------------------------------
-    def add(self, req: Request) -> None:
-        req.status = RequestStatus.WAITING
-        self.waiting.append(req)
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence the manager does not hold (new, or a fork that found no slot)."""
+        seq.status = SequenceStatus.WAITING
+        self.waiting.add(seq)
 
-    def add_running(self, req: Request) -> None:
-        """A request the manager already holds as running (a fork, or an imported snapshot)."""
-        req.status = RequestStatus.RUNNING
-        self.running.append(req)
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence the manager already holds as running (a fork, or an imported snapshot)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.add(seq)
 
-    def remove(self, req: Request) -> None:
-        for q in (self.waiting, self.swapped, self.running):
-            if req in q:
-                q.remove(req)
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End `seq` now (stopped, aborted, migrated away): out of its queue, memory freed."""
+        if seq.finished:
+            return
+        for queue in (self.running, self.waiting, self.swapped):
+            if queue.remove(seq):
+                break
+        if seq.request_id in self.mgr.requests:
+            self.mgr.finish(seq.request_id)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.swapped or self.running)
@@ -76,88 +88,98 @@ class Scheduler:
         # Decodes (one token left to compute) before prefills; within each, by priority/arrival.
         reqs = self.mgr.requests
         order = []
-        for r in self.running:
-            start = reqs[r.request_id].num_computed_tokens
-            rem = r.num_tokens - start
-            order.append((rem > 1, r.priority, r.arrival, start, rem, r))
-        order.sort(key=lambda x: x[:3])
-        for _, _, _, start, rem, req in order:
+        for seq in self.running:  # run order
+            start = reqs[seq.request_id].num_computed_tokens
+            order.append((seq.num_tokens - start > 1, start, seq))
+        order.sort(key=lambda x: x[0])  # stable: keeps the run order within decodes and prefills
+        for _, start, seq in order:
             if budget == 0:
                 break
-            if req.status is not RequestStatus.RUNNING:
+            if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            chunk = self._fit_running(req, start, min(rem, budget), out)
+            chunk = self._fit_running(seq, start, min(seq.num_tokens - start, budget), out)
             if chunk is not None:
                 out.chunks.append(chunk)
                 budget -= chunk.num_tokens
         if out.preempted:
             return out  # memory is short: admit nothing new this step
-        for queue, resume in ((self.swapped, True), (self.waiting, False)):
-            for req in sorted(queue, key=Request.sort_key):
-                if budget == 0 or len(self.running) >= self.max_seqs:
-                    return out
-                chunk = self._start(req, budget, resume or self._is_preempted(req))
-                if chunk is None:
-                    return out  # keep FCFS: nobody overtakes the head of the queue
-                queue.remove(req)
-                self.running.append(req)
-                req.status = RequestStatus.RUNNING
-                out.chunks.append(chunk)
-                budget -= chunk.num_tokens
+        for queue in (self.swapped, self.waiting):
+            budget = self._admit_from(queue, budget, out)
+            if budget < 0:
+                break
         return out
 
-    def _remaining(self, req: Request) -> int:
-        return req.num_tokens - self.mgr.request(req.request_id).num_computed_tokens
+    def _admit_from(self, queue: SequenceQueue, budget: int, out: SchedulerOutput) -> int:
+        """Start sequences from the head of `queue` while they fit; the budget left, or -1 when
+        the scan must stop here (budget or seat cap reached, or the head does not fit now)."""
+        held: list[Sequence] = []  # waiting one step for a shared prefix: back in place afterwards
+        try:
+            while (seq := queue.peek()) is not None:
+                if budget == 0 or len(self.running) >= self.max_seqs:
+                    return -1
+                known = seq.request_id in self.mgr.requests  # swapped, or preempted by recompute
+                if not known and self.mgr.waits_for_shared_prefix(seq.request_id, seq.token_ids,
+                                                                  cache_salt=seq.cache_salt):
+                    held.append(queue.pop())
+                    if len(held) >= self.max_seqs:
+                        return -1  # bound the scan: a burst must not make a step cost the queue
+                    continue
+                chunk = self._start(seq, budget, known)
+                if chunk is None:
+                    return -1  # keep FCFS: nobody overtakes the head of the queue
+                queue.remove(seq)
+                self.running.add(seq)
+                seq.status = SequenceStatus.RUNNING
+                out.chunks.append(chunk)
+                budget -= chunk.num_tokens
+            return budget
+        finally:
+            for seq in held:
+                queue.add(seq)
 
-    def _is_preempted(self, req: Request) -> bool:
-        return req.request_id in self.mgr.requests
-
-    def _cut(self, req: Request, start: int, n: int) -> tuple[int, bool]:
-        due = self.mgr.checkpoint_due(req.request_id, start, start + n)
+    def _cut(self, seq: Sequence, start: int, n: int) -> tuple[int, bool]:
+        due = self.mgr.checkpoint_due(seq.request_id, start, start + n)
         return (due - start, True) if due is not None else (n, False)
 
-    def _fit_running(self, req: Request, start: int, n: int, out: SchedulerOutput) -> Optional[ScheduledChunk]:
-        n, ckpt = self._cut(req, start, n)
+    def _fit_running(self, seq: Sequence, start: int, n: int, out: SchedulerOutput) -> Optional[ScheduledChunk]:
+        n, ckpt = self._cut(seq, start, n)
         while True:
-            slots = self.mgr.allocate(req.request_id, n)
+            slots = self.mgr.allocate(seq.request_id, n)
             if slots is not None:
-                return ScheduledChunk(req, start, n, slots, ckpt)
-            victim = max((r for r in self.running if r.status is RequestStatus.RUNNING),
-                         key=Request.sort_key)
+                return ScheduledChunk(seq, start, n, slots, ckpt)
+            victim = max(self.running, key=Sequence.sort_key)
             self._preempt(victim, out)
-            if victim is req:
+            if victim is seq:
                 return None
 
-    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, victim: Sequence, out: SchedulerOutput) -> None:
         nc = self.mgr.request(victim.request_id).num_computed_tokens
         mode = self.policy.choose(nc)
         self.mgr.preempt(victim.request_id, mode)
         self.running.remove(victim)
-        for c in list(out.chunks):
-            if c.request is victim:
-                out.chunks.remove(c)
+        out.chunks = [c for c in out.chunks if c.seq is not victim]
         if mode == "swap":
-            victim.status = RequestStatus.SWAPPED
-            self.swapped.append(victim)
+            victim.status = SequenceStatus.SWAPPED
+            self.swapped.add(victim)
         else:
-            victim.status = RequestStatus.WAITING
-            self.waiting.append(victim)
+            victim.status = SequenceStatus.WAITING
+            self.waiting.add(victim)
         out.preempted.append((victim, mode))
 
-    def _start(self, req: Request, budget: int, resume: bool) -> Optional[ScheduledChunk]:
-        """Admit (or resume) a request with its first chunk, or None if memory is short now."""
-        rid = req.request_id
-        want = min(req.num_tokens, budget)
+    def _start(self, seq: Sequence, budget: int, resume: bool) -> Optional[ScheduledChunk]:
+        """Admit (or resume) a sequence with its first chunk, or None if memory is short now."""
+        rid = seq.request_id
+        want = min(seq.num_tokens, budget)
         if resume:
-            start = self.mgr.resume(rid, num_new_tokens=min(want, budget))
+            start = self.mgr.resume(rid, num_new_tokens=want)
         else:
-            start = self.mgr.admit(rid, req.all_token_ids, max_tokens=req.params.max_tokens,
-                                   cache_salt=req.cache_salt, num_new_tokens=want)
+            start = self.mgr.admit(rid, seq.token_ids, max_tokens=seq.params.max_tokens,
+                                   cache_salt=seq.cache_salt, num_new_tokens=want)
             if start is not None:
-                req.num_cached_tokens = start
+                seq.num_cached_tokens = start
         if start is None:
             return None
-        n, ckpt = self._cut(req, start, min(req.num_tokens - start, budget))
+        n, ckpt = self._cut(seq, start, min(seq.num_tokens - start, budget))
         slots = self.mgr.allocate(rid, n)
         assert slots is not None, "admit/resume promised room for this chunk"
-        return ScheduledChunk(req, start, n, slots, ckpt)
+        return ScheduledChunk(seq, start, n, slots, ckpt)

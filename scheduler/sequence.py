@@ -1,0 +1,115 @@
+"""A sequence owns its tokens and progress; a group is one user request and its n sequences.
+
+A `Sequence` holds ONE list, `token_ids` (prompt then output), and `num_prompt_tokens`. The memory
+manager keeps a reference to that same list (passed to `admit` / `fork` / `import_snapshot`) and
+its block and slot bookkeeping by `request_id`; nothing else keeps a copy of the tokens.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from typing import Optional
+
+from hybridkv.sampling_params import SamplingParams
+
+_serials = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"      # not admitted yet, or preempted by recompute
+    RUNNING = "running"      # holds blocks and a live slot
+    SWAPPED = "swapped"      # preempted by swap: its KV and state wait in host memory
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One sequence: its tokens, sampling params, queue order and status.
+
+    request_id: the id the scheduler and the manager know it by (group id, or "<group>#<j>").
+    token_ids: prompt + output tokens (a private copy of the prompt given).
+    priority: lower runs first, as in vLLM; arrival then serial break ties (earlier first).
+    """
+
+    def __init__(self, request_id: str, token_ids: list[int], params: SamplingParams, *,
+                 group_id: Optional[str] = None, seq_index: int = 0, priority: int = 0,
+                 cache_salt: Optional[str] = None, arrival: Optional[float] = None,
+                 num_prompt_tokens: Optional[int] = None):
+        self.request_id = request_id
+        self.group_id = request_id if group_id is None else group_id
+        self.seq_index = seq_index
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(self.token_ids) if num_prompt_tokens is None else num_prompt_tokens
+        self.params = params
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.arrival = time.monotonic() if arrival is None else arrival
+        self.serial = next(_serials)
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: Optional[str] = None
+        self.num_cached_tokens = 0   # prefix-hit tokens at first admission
+        self.output_logprobs: list[dict[int, float]] = []
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, {self.num_prompt_tokens} prompt + "
+                f"{self.num_output_tokens} output tokens, {self.status.value})")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def sort_key(self) -> tuple[int, float, int]:
+        """Who runs first: lower priority value, then earlier arrival, then earlier creation."""
+        return (self.priority, self.arrival, self.serial)
+
+    def append_token(self, token: int, logprobs: Optional[dict[int, float]] = None) -> None:
+        """Add a sampled token (the manager sees it through the shared list)."""
+        self.token_ids.append(token)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+
+    def fork(self, request_id: str, seq_index: int) -> "Sequence":
+        """A sibling that starts from this sequence's tokens now (its own list), in the same group."""
+        return Sequence(request_id, self.token_ids, self.params, group_id=self.group_id,
+                        seq_index=seq_index, priority=self.priority, cache_salt=self.cache_salt,
+                        num_prompt_tokens=self.num_prompt_tokens)
+
+
+class SequenceGroup:
+    """One user request: a prompt and its n sequences (index 0 first; forks join after prefill)."""
+
+    def __init__(self, request_id: str, prompt: Optional[str], params: SamplingParams,
+                 seqs: Optional[list[Sequence]] = None):
+        self.request_id = request_id
+        self.prompt = prompt          # the text, when the prompt came as text
+        self.params = params
+        self.seqs: list[Sequence] = seqs or []
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.seqs[0].prompt_token_ids
+
+    @property
+    def forks_pending(self) -> int:
+        """How many of the n sequences do not exist yet (made when the first one's prompt is done)."""
+        return self.params.n - len(self.seqs)
+
+    @property
+    def finished(self) -> bool:
+        return self.forks_pending == 0 and all(s.finished for s in self.seqs)

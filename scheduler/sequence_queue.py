@@ -1,0 +1,69 @@
+"""A queue of sequences in run order (priority, then arrival), with removal by id.
+
+A binary heap of (priority, arrival, serial, ticket, id) entries plus a dict id -> (ticket, sequence).
+Removing a sequence only drops it from the dict; its heap entry goes stale (its ticket no longer
+matches) and is discarded when it reaches the top, or when stale entries outnumber live ones.
+So add is O(log n), remove O(1), the head O(log n) amortized: a scheduler step that looks at the
+first k sequences costs O(k log n), not a sort of the whole queue.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Iterator, Optional
+
+from .sequence import Sequence
+
+
+class SequenceQueue:
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, float, int, int, str]] = []  # sort key, ticket, id
+        self._live: dict[str, tuple[int, Sequence]] = {}
+        self._tickets = itertools.count()
+
+    def add(self, seq: Sequence) -> None:
+        """Queue `seq` at its place by (priority, arrival, serial); its id must not be queued."""
+        if seq.request_id in self._live:
+            raise ValueError(f"sequence {seq.request_id!r} is already in this queue")
+        ticket = next(self._tickets)
+        self._live[seq.request_id] = (ticket, seq)
+        heapq.heappush(self._heap, (*seq.sort_key(), ticket, seq.request_id))
+
+    def remove(self, seq: Sequence) -> bool:
+        """Take `seq` out; False if it was not queued here."""
+        entry = self._live.get(seq.request_id)
+        if entry is None or entry[1] is not seq:
+            return False
+        del self._live[seq.request_id]
+        if len(self._heap) > 2 * len(self._live) + 64:  # keep stale entries a bounded share
+            self._heap = [(*s.sort_key(), t, s.request_id) for t, s in self._live.values()]
+            heapq.heapify(self._heap)
+        return True
+
+    def peek(self) -> Optional[Sequence]:
+        """The sequence that runs first, or None when empty."""
+        heap, live = self._heap, self._live
+        while heap:
+            entry = live.get(heap[0][4])
+            if entry is not None and entry[0] == heap[0][3]:
+                return entry[1]
+            heapq.heappop(heap)  # stale: removed (and maybe queued again under a new ticket)
+        return None
+
+    def pop(self) -> Sequence:
+        seq = self.peek()
+        if seq is None:
+            raise IndexError("pop from an empty SequenceQueue")
+        self.remove(seq)
+        return seq
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __contains__(self, seq: Sequence) -> bool:
+        entry = self._live.get(seq.request_id)
+        return entry is not None and entry[1] is seq
+
+    def __iter__(self) -> Iterator[Sequence]:
+        """All queued sequences in run order (sorts: for inspection, not for the step)."""
+        return iter(sorted((s for _, s in self._live.values()), key=Sequence.sort_key))
