@@ -23,6 +23,7 @@ a request that can never fit raises RequestTooLargeError, a ValueError):
     mgr.admit(req_id, token_ids, max_tokens=, cache_salt=, ..., num_new_tokens=None)
         -> hit tokens (block-aligned, < len(token_ids)) or None (does not fit now; no side effect).
         The manager keeps `token_ids` (the owner's list) and reads appended tokens from it.
+    mgr.plan_bursts([(req_id, token_ids, cache_salt), ...])  the next waiting requests, before admitting
     mgr.waits_for_shared_prefix(req_id, token_ids, cache_salt=) -> bool   the burst rule
     mgr.append_tokens(req_id, token_ids)                   extends the owner's list
     mgr.allocate(req_id, n) -> list[int] | None            KV write slots for [num_computed, +n)
@@ -123,6 +124,8 @@ class HybridCacheManager:
         # Kinds that can refuse for lack of a slot are asked first.
         self.kinds: list[LayerMemory] = [k for k in (self.recurrent, self.attention) if k is not None]
         self.bursts = BurstTracker()
+        self._planned_shared: dict[Hashable, set[int]] = {}  # leader -> boundaries (plan_bursts)
+        self._waiting_hashes: dict[Hashable, list[bytes]] = {}
         self._reqs: dict[Hashable, RequestState] = {}
         self._hit_tokens = self._query_tokens = self._queries = 0
         self._misses = {MISS_NO_KV: 0, MISS_NO_CHECKPOINT: 0, MISS_CACHING_OFF: 0}
@@ -277,20 +280,52 @@ class HybridCacheManager:
             self._misses[miss] += 1
         if self.enable_prefix_caching:  # this request now computes its prompt's uncached blocks
             self.bursts.register(r.req_id, r.block_hashes[m:(r.num_prompt_tokens - 1) // bs])
+            self._waiting_hashes.pop(r.req_id, None)
+            if self.recurrent is not None:
+                r.shared.extend(b for b in self._planned_shared.pop(r.req_id, ()) if b > hit)
         return hit
 
+    def plan_bursts(self, candidates: Sequence[tuple[Hashable, Sequence[int], Optional[str]]]) -> None:
+        """Before a step admits new requests: `candidates` are the next not-yet-admitted requests
+        in queue order, as (req_id, token_ids, cache_salt). Where a later one shares blocks beyond
+        its usable hit with an earlier one, the earlier one (the leader) will checkpoint at the
+        deepest shared boundary: its first chunk is cut there when it is admitted."""
+        self._planned_shared = {}
+        if not self.enable_prefix_caching or len(candidates) < 2:
+            return
+        owner: dict[bytes, Hashable] = {}
+        for rid, tokens, salt in candidates:
+            hashes = self._candidate_hashes(rid, tokens, salt)
+            m = self._match(hashes, len(tokens))[0]
+            s, leader = m, None
+            while s < len(hashes) and owner.get(hashes[s], rid) != rid:
+                leader, s = owner[hashes[s]], s + 1
+            if leader is not None:
+                self._planned_shared.setdefault(leader, set()).add(s * self.block_size)
+            for h in hashes[m:]:
+                owner.setdefault(h, rid)
+
+    def _candidate_hashes(self, rid: Hashable, tokens: Sequence[int], salt: Optional[str]) -> list[bytes]:
+        """Hashes of the full blocks strictly inside a not-yet-admitted prompt (cached per id)."""
+        n = (len(tokens) - 1) // self.block_size
+        hashes = self._waiting_hashes.get(rid)
+        if hashes is None or len(hashes) != n:
+            hashes = []
+            extend_hashes(hashes, tokens, n, extra_key(self.fingerprint, None, (), salt), self.block_size)
+            if len(self._waiting_hashes) > 4096:  # ids that were never admitted (aborted while waiting)
+                self._waiting_hashes.clear()
+            self._waiting_hashes[rid] = hashes
+        return hashes
+
     def waits_for_shared_prefix(self, req_id: Hashable, token_ids: Sequence[int], *,
-                                cache_salt: Optional[str] = None, adapter_id=None,
-                                mm_hashes: Sequence[str] = ()) -> bool:
+                                cache_salt: Optional[str] = None) -> bool:
         """The burst rule (memory/burst.py): True when a not-yet-admitted request shares blocks
         beyond its usable hit with a running request that has not computed them yet; that
-        request is then asked to checkpoint at the deepest shared boundary. Hold this one a
-        step. Changes nothing else; False whenever waiting would not save work."""
+        request is asked to checkpoint at the deepest shared boundary. Hold this one a step.
+        Changes nothing else; False whenever waiting would not save work."""
         if not self.enable_prefix_caching or req_id in self._reqs or len(token_ids) <= self.block_size:
             return False
-        hashes: list[bytes] = []
-        extend_hashes(hashes, token_ids, (len(token_ids) - 1) // self.block_size,
-                      extra_key(self.fingerprint, adapter_id, tuple(mm_hashes), cache_salt), self.block_size)
+        hashes = self._candidate_hashes(req_id, token_ids, cache_salt)
         m = self._match(hashes, len(token_ids))[0]
         leader, s = self.bursts.shared_with(req_id, hashes, m, len(hashes))
         lead = self._reqs.get(leader)
