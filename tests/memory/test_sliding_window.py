@@ -51,10 +51,10 @@ def test_a_hit_needs_only_the_blocks_inside_the_window():
     hashes = list(m.request("a").block_hashes)
     m.finish("a")  # all 10 blocks cached, 2 never used
     pool = m.attention.pool
-    pool.allocate(2 + 7)  # the 2 unused, then the 7 blocks that left the window first
+    pool.release(pool.allocate(2 + 7))  # the 2 unused, then the 7 blocks that left the window first
     assert not any(h in pool.cached for h in hashes[:7]) and all(h in pool.cached for h in hashes[7:])
     again = prompt + [7]
-    assert m.admit("b", again) == 40  # block 0 is gone, but position 40 needs only [31, 40)
+    assert m.admit("b", again) == 40  # blocks 0-6 are gone; position 40 needs only [31, 40)
     assert m.block_ids("b")[:7] == [NO_BLOCK] * 7 and len(held(m, "b")) == 3
 
 
