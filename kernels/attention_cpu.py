@@ -74,6 +74,9 @@ def _batched(q, kv_cache, block_table, reqs, starts, qlens, lens, scale, causal,
     pos = seq - ql + torch.arange(lmax, device=q.device).view(1, -1, 1)  # [R, L, 1]
     key = (first * bs).view(-1, 1, 1) + torch.arange(nblk * bs, device=q.device).view(1, 1, -1)
     vis = _visible(pos, key, seq, causal, window)[:, None, None]
+    # keys past seq_len (a block's unwritten tail, padding columns) hold another owner's data: a
+    # zero weight times a non-finite value there would still be NaN, so zero them
+    v = v.masked_fill((key[:, 0] >= seq[:, 0])[..., None, None], 0.0)
     o = _attend(qr, k.transpose(1, 2), v.transpose(1, 2), vis, scale, soft_cap)
     return o.permute(0, 3, 1, 2, 4).reshape(len(reqs), lmax, hq, d)
 

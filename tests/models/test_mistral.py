@@ -1,15 +1,16 @@
-"""Mistral's own checks (the window in its specs, that the window changes the outputs, a config
-without a window); the shared ones are its row in test_families.py."""
+"""Mistral's own checks (the window in its specs, that the window changes the outputs, blocks let
+go once they leave the window, a config without a window); the shared ones are its row in
+test_families.py."""
 import json
 
 import torch
 from transformers import AutoModelForCausalLM, MistralConfig
 
-from family_checks import WINDOW, check_prompt_logits, load_pair, prompt
+from family_checks import BS, WINDOW, check_prompt_logits, load_pair, prompt
 from hybridkv.config_specs import specs_from_config
 from hybridkv.models.tiny import make_tiny_checkpoint
 from hybridkv.specs import AttentionSpec
-from model_harness import Harness, assert_close_rel, hf_logits
+from model_harness import Harness, assert_close_rel, assert_greedy_matches_hf, hf_logits
 
 
 def test_cache_specs_carry_the_window(family_models):
@@ -32,6 +33,44 @@ def test_window_changes_the_outputs(family_models):
     ref = hf_logits(no_window, tokens)
     assert_close_rel(logits[:WINDOW], ref[:WINDOW])
     assert (logits[WINDOW:] - ref[WINDOW:]).abs().max() > 0.1 * ref.abs().max()
+
+
+def test_blocks_let_go_outside_the_window_may_be_reused(family_models):
+    """As the memory manager will do: after every step, the blocks wholly before the window of
+    each request's next token leave its block table (-1), are filled with NaN and go to the front
+    of the free list, where the other request takes them and writes its own KV in part of them.
+    Every token is still transformers'."""
+    _, ours, hf = family_models("mistral")
+    h = Harness(ours)
+    prompts = [prompt(3 * WINDOW + 5, 7), prompt(5, 8)]
+    long, short = seqs = [h.add(p) for p in prompts]
+    let_go = []
+
+    def let_go_outside_the_window():
+        for s in seqs:
+            first = max(0, s.num_computed - WINDOW + 1) // BS  # the next token sees keys > p - WINDOW
+            for i in range(first):
+                if s.blocks[i] >= 0:
+                    let_go.append(s.blocks[i])
+                    for kv in h.caches.kv.values():
+                        kv[s.blocks[i]] = float("nan")
+                    h.free_blocks.append(s.blocks[i])  # popped next
+                    s.blocks[i] = -1
+
+    while long.num_computed < len(long.tokens):  # prefill in chunks of 20, the short one rides along
+        work = [(s, min(20, len(s.tokens) - s.num_computed)) for s in seqs if s.num_computed < len(s.tokens)]
+        h.step(work)
+        let_go_outside_the_window()
+    generated = [[], []]
+    for step in range(20):
+        for s, out in zip(seqs, generated):
+            out.append(int(s.last_logits.argmax()))
+            s.tokens.append(out[-1])
+        h.step([(s, 1) for s in seqs])
+        let_go_outside_the_window()
+    assert len(let_go) >= 4 and set(let_go) & set(short.blocks)  # the short request reused some
+    for p, g in zip(prompts, generated):
+        assert assert_greedy_matches_hf(hf, p, g) == 0
 
 
 def test_config_without_a_window(tmp_path):
