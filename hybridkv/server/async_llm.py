@@ -76,7 +76,11 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncLLM:
-    """Owns `llm` on a background thread; `generate` streams deltas; `abort`, `stats`, `close`."""
+    """Owns `llm` on a background thread; `generate` streams deltas; `abort`, `stats`, `close`.
+
+    Every `log_stats_interval` seconds in which the engine stepped, one stats line is logged
+    (logger `hybridkv.engine`); 0 turns it off.
+    """
 
     def __init__(self, llm, log_stats_interval: float = 10.0):
         self.llm = llm
@@ -145,12 +149,13 @@ class AsyncLLM:
 
     def _run(self) -> None:
         last_log, last_steps = time.monotonic(), -1
+        idle_wait = min(1.0, self.log_stats_interval or 1.0)  # so the line after a burst is on time
         while True:
             busy = self.llm.has_unfinished_requests()
             cmds = []
             if not busy:
                 try:
-                    cmds.append(self._cmds.get(timeout=1.0))
+                    cmds.append(self._cmds.get(timeout=idle_wait))
                 except queue.Empty:
                     pass
             while True:

@@ -31,3 +31,49 @@ def test_unknown_command_is_refused():
     proc = subprocess.run([sys.executable, "-m", "hybridkv", "nonsense"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_answers_the_openai_client_then_stops_on_ctrl_c():
+    """`hybridkv serve` with no checkpoint: the tiny random model on 127.0.0.1, logs saying so,
+    a line per finished request and periodic engine stats; Ctrl-C stops it cleanly."""
+    import signal
+    import time
+
+    import httpx
+    import openai
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "hybridkv", "serve", "--port", str(port),
+                             "--memory-budget-mb", "16", "--log-stats-interval", "0.2"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.communicate()[0]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up in 90 s"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        name = client.models.list().data[0].id
+        r = client.completions.create(model=name, prompt="Hello", max_tokens=5, temperature=0)
+        assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+        time.sleep(0.5)  # one stats period
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 0, out
+    assert "RANDOM weights" in out and f"http://127.0.0.1:{port}" in out
+    assert re.search(r"request cmpl-\w+-0 finished: 5 prompt tokens \(0 cached\), 5 generated, finish length", out), out
+    assert re.search(r"hybridkv.engine: running 0, waiting 0, swapped 0; KV blocks 0/\d+ used", out), out
