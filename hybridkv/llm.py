@@ -6,8 +6,11 @@
 """
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import itertools
-from typing import Optional, Sequence, Union
+import operator
+from typing import Mapping, Optional, Sequence, Union
 
 import torch
 from tqdm.auto import tqdm
@@ -23,8 +26,12 @@ from hybridkv.scheduler.profiler import Profile, profile_model
 from hybridkv.scheduler.scheduler import Scheduler
 from hybridkv.snapshot import RequestSnapshot
 
-Prompt = Union[str, Sequence[int]]
+# A prompt: text, token ids, or a vLLM-style dict {"prompt": text} / {"prompt_token_ids": ids}
+# (optionally with "cache_salt", and "prompt" beside the ids as the text they came from).
+Prompt = Union[str, Sequence[int], Mapping[str, object]]
 _CPU_DEFAULT_BUDGET = 1 << 30
+_PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+_MULTIMODAL_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids")
 
 
 def _dtype(d) -> torch.dtype:
@@ -50,6 +57,7 @@ class LLM:
                  enable_prefix_caching: bool = True, preemption_mode: str = "auto",
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64,
                  max_model_len: Optional[int] = None, seed: int = 0, **kwargs):
+        _check_keywords(kwargs)
         self.config = EngineConfig(block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
                                    max_num_seqs=max_num_seqs, memory_budget_bytes=memory_budget_bytes,
                                    gpu_memory_utilization=gpu_memory_utilization,
@@ -74,7 +82,7 @@ class LLM:
         policy = PreemptionPolicy(preemption_mode, specs, block_size, self.profile, enable_prefix_caching)
         scheduler = Scheduler(self.manager, policy, max_num_batched_tokens, max_num_seqs)
         self.engine = Engine(self.model, self.manager, scheduler, seed=seed)
-        self._ids = itertools.count()
+        self._ids_counter = itertools.count()
 
     def _budget(self, profile: Profile) -> int:
         if self.config.memory_budget_bytes is not None:
@@ -92,21 +100,65 @@ class LLM:
         return budget
 
     # ---- requests --------------------------------------------------------------------------
-    def _token_ids(self, prompt: Prompt) -> list[int]:
+    def _parse(self, prompt: Prompt) -> tuple[list[int], Optional[str], Optional[str]]:
+        """(token ids, prompt text or None, the prompt's own cache_salt or None). Raises
+        ValueError / TypeError for a prompt of another shape; nothing changes."""
+        salt = None
+        if isinstance(prompt, Mapping):
+            unknown = sorted(set(prompt) - set(_PROMPT_KEYS) - set(_MULTIMODAL_KEYS))
+            if unknown:
+                raise ValueError(f"prompt dict has unknown key(s) {unknown}; accepted keys: {list(_PROMPT_KEYS)}")
+            mm = [k for k in _MULTIMODAL_KEYS if k in prompt]
+            if mm:
+                raise ValueError(f"prompt dict key(s) {mm}: multi-modal input is not supported; give text "
+                                 "or token ids")
+            if "prompt_token_ids" not in prompt and "prompt" not in prompt:
+                raise ValueError(f"prompt dict {dict(prompt)!r} has neither 'prompt' (text) nor "
+                                 "'prompt_token_ids' (a list of ints); give one of them")
+            salt = prompt.get("cache_salt")
+            if salt is not None and not isinstance(salt, str):
+                raise TypeError(f"prompt dict 'cache_salt' must be a string, got {type(salt).__name__}")
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise TypeError(f"prompt dict 'prompt' must be a string, got {type(text).__name__}")
+            if "prompt_token_ids" in prompt:
+                return self._as_token_ids(prompt["prompt_token_ids"], "'prompt_token_ids'"), text, salt
+            return self._encode(text), text, salt
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this checkpoint has no tokenizer: pass prompts as lists of token ids")
-            return list(self.tokenizer(prompt)["input_ids"])
-        return [int(t) for t in prompt]
+            return self._encode(prompt), prompt, None
+        return self._as_token_ids(prompt, "a prompt"), None, None
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this checkpoint has no tokenizer: pass prompts as lists of token ids")
+        return list(self.tokenizer(text)["input_ids"])
+
+    @staticmethod
+    def _as_token_ids(ids, what: str) -> list[int]:
+        if isinstance(ids, (str, bytes, Mapping)):
+            raise TypeError(f"{what} must be a list of token ids, got {type(ids).__name__}")
+        try:
+            return [operator.index(t) for t in (ids.tolist() if hasattr(ids, "tolist") else ids)]
+        except TypeError:
+            raise TypeError(f"{what} must be text, a list of integer token ids or a prompt dict; got "
+                            f"{ids!r:.80}") from None
 
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
                     request_id: Optional[str] = None, priority: int = 0,
                     cache_salt: Optional[str] = None) -> str:
-        """Queue one prompt; returns its request id. Bad input raises ValueError; nothing else changes."""
-        rid = request_id if request_id is not None else str(next(self._ids))
-        text = prompt if isinstance(prompt, str) else None
-        self.engine.add_request(rid, self._token_ids(prompt), params or SamplingParams(), text, priority,
-                                cache_salt)
+        """Queue one prompt (text, token ids, or a vLLM prompt dict); returns its request id.
+        Bad input raises ValueError / TypeError; nothing else changes. A dict's own cache_salt
+        wins over the argument."""
+        ids, text, salt = self._parse(prompt)
+        rid = request_id if request_id is not None else self._new_id()
+        self.engine.add_request(rid, ids, params or SamplingParams(), text, priority,
+                                salt if salt is not None else cache_salt)
+        return rid
+
+    def _new_id(self) -> str:
+        rid = str(next(self._ids_counter))
+        while rid in self.engine.groups:  # a caller's own id took it
+            rid = str(next(self._ids_counter))
         return rid
 
     def step(self) -> list[RequestOutput]:
@@ -135,25 +187,50 @@ class LLM:
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: bool = True, cache_salt: Optional[str] = None,
                  priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
-        """Run prompts (strings or token-id lists) to completion; outputs in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Run prompts (text, token-id lists or vLLM prompt dicts) to completion; outputs in prompt
+        order. The whole batch is checked before any of it is queued: a refused call queues
+        nothing, and a call that fails midway aborts what it queued."""
+        if isinstance(prompts, (str, Mapping)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        prompts = list(prompts)
         params = sampling_params or SamplingParams()
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts; give one or one each")
-        token_ids = [self._token_ids(p) for p in prompts]
-        for ids, sp in zip(token_ids, params):  # refuse a bad batch before any of it runs
-            self.engine.validate(ids, sp)
-        ids = [self.add_request(ids if not isinstance(p, str) else p, sp, priority=(priority or [0] * len(prompts))[i],
-                                cache_salt=cache_salt)
-               for i, (p, ids, sp) in enumerate(zip(prompts, token_ids, params))]
-        done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req")
-        while len(done) < len(ids) and self.engine.has_unfinished():
-            for out in self.engine.step(finished_only=True):
-                if out.request_id in ids:
-                    done[out.request_id] = out
-                    bar.update(1)
-        bar.close()
+        if priority is None:
+            priority = [0] * len(prompts)
+        elif len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} values for {len(prompts)} prompts; give one "
+                             "per prompt (or none)")
+        parsed = [self._parse(p) for p in prompts]
+        for (tok, _, _), sp, prio in zip(parsed, params, priority):  # refuse a bad batch before any is queued
+            self.engine.validate(tok, sp, prio)
+        ids: list[str] = []
+        try:
+            for (tok, text, salt), sp, prio in zip(parsed, params, priority):
+                rid = self._new_id()
+                self.engine.add_request(rid, tok, sp, text, prio, salt if salt is not None else cache_salt)
+                ids.append(rid)
+            wanted = set(ids)
+            done: dict[str, RequestOutput] = {}
+            with tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req") as bar:
+                while len(done) < len(ids) and self.engine.has_unfinished():
+                    for out in self.engine.step(finished_only=True):
+                        if out.request_id in wanted:
+                            done[out.request_id] = out
+                            bar.update(1)
+        except BaseException:
+            for rid in ids:  # leave nothing of this call queued or holding memory
+                self.engine.abort(rid)
+            raise
         return [done[i] for i in ids]
+
+
+def _check_keywords(kwargs: dict) -> None:
+    """Refuse a keyword LLM() does not know, naming it and the accepted ones."""
+    named = [p for p in inspect.signature(LLM.__init__).parameters if p not in ("self", "model", "kwargs")]
+    extra = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in named]
+    unknown = sorted(set(kwargs) - set(extra))
+    if unknown:
+        raise TypeError(f"LLM() got unexpected keyword argument(s) {unknown}; LLM accepts: "
+                        f"{', '.join(named + extra)}")
