@@ -12,7 +12,7 @@ same manager, scheduler and engine: `LLM(path, **contiguous_llm_kwargs(max_model
 from __future__ import annotations
 
 from hybridkv.cache_manager import HybridCacheManager
-from hybridkv.plan import kv_bytes_per_block, state_bytes_per_slot, split_specs
+from hybridkv.plan import kv_bytes_per_request, state_bytes_per_slot, split_specs
 
 
 def contiguous_llm_kwargs(max_model_len: int) -> dict:
@@ -29,11 +29,11 @@ def contiguous_manager(specs, budget_bytes: int, max_model_len: int, max_num_seq
 
 
 def bytes_per_request(specs, context_len: int, block_size: int = 16) -> int:
-    """Bytes one request of `context_len` tokens holds: its KV blocks (rounded up to whole blocks)
-    in every attention layer plus one state slot over all recurrent layers."""
-    attn, rec = split_specs(specs)
-    kv = -(-context_len // block_size) * kv_bytes_per_block(specs, block_size) if attn else 0
-    return kv + (state_bytes_per_slot(specs) if rec else 0)
+    """Bytes one request of `context_len` tokens holds: its KV blocks (rounded up to whole blocks;
+    a sliding-window layer only its window's) in every attention layer plus one state slot over
+    all recurrent layers."""
+    rec = split_specs(specs)[1]
+    return kv_bytes_per_request(specs, context_len, block_size) + (state_bytes_per_slot(specs) if rec else 0)
 
 
 def max_concurrent_requests(specs, budget_bytes: int, context_len: int, block_size: int = 16) -> int:
@@ -50,7 +50,9 @@ def pool_utilization(manager: HybridCacheManager) -> tuple[int, int]:
     fragmentation; 1.0 for paging would mean no block is partly empty."""
     held = reserved = 0
     for r in manager.requests.values():
-        if r.block_ids:
-            held += r.num_computed_tokens
-            reserved += len(r.block_ids) * manager.block_size
+        ids = manager.block_ids(r.req_id)
+        first = next((i for i, b in enumerate(ids) if b >= 0), len(ids))  # blocks that left a window
+        if len(ids) > first:
+            held += r.num_computed_tokens - first * manager.block_size
+            reserved += (len(ids) - first) * manager.block_size
     return held, reserved

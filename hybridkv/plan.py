@@ -40,6 +40,19 @@ def state_bytes_per_slot(specs: Mapping[int, LayerSpec]) -> int:
     return sum(s.bytes_per_slot() for s in split_specs(specs)[1].values())
 
 
+def kv_bytes_per_request(specs: Mapping[int, LayerSpec], context_len: int, block_size: int) -> int:
+    """KV bytes one running request of `context_len` tokens holds in whole blocks: a full-attention
+    layer keeps every block, a sliding-window layer at most ceil(window / block_size) + 1."""
+    _check_block_size(block_size)
+    total = 0
+    for s in split_specs(specs)[0].values():
+        blocks = -(-context_len // block_size)
+        if s.sliding_window is not None:
+            blocks = min(blocks, -(-s.sliding_window // block_size) + 1)
+        total += blocks * block_size * s.bytes_per_token()
+    return total
+
+
 def kv_cache_bytes(specs: Mapping[int, LayerSpec], seq_len: int, batch_size: int) -> int:
     """KV bytes of `batch_size` sequences of `seq_len` tokens: 2 x L x kv_heads x head_dim x S x B x bytes."""
     return kv_bytes_per_token(specs) * seq_len * batch_size

@@ -91,3 +91,13 @@ def test_plan_errors_name_values_and_limits():
         plan(llama(2), GiB, block_size=0)
     with pytest.raises(MemoryBudgetError, match="block_size=-4"):
         kv_bytes_per_block(llama(2), -4)
+
+
+def test_kv_bytes_per_request_counts_only_the_window_of_sliding_layers():
+    from hybridkv.plan import kv_bytes_per_request
+    full = {0: AttentionSpec(2, 8, torch.float32)}
+    window = {0: AttentionSpec(2, 8, torch.float32, sliding_window=40)}
+    per_token = 2 * 2 * 8 * 4
+    assert kv_bytes_per_request(full, 1000, 16) == 63 * 16 * per_token
+    assert kv_bytes_per_request(window, 1000, 16) == (3 + 1) * 16 * per_token  # ceil(40 / 16) + 1 blocks
+    assert kv_bytes_per_request(window, 20, 16) == 2 * 16 * per_token  # shorter than the window
