@@ -3,6 +3,7 @@ go once they leave the window, a config without a window); the shared ones are i
 test_families.py."""
 import json
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, MistralConfig
 
@@ -35,11 +36,13 @@ def test_window_changes_the_outputs(family_models):
     assert (logits[WINDOW:] - ref[WINDOW:]).abs().max() > 0.1 * ref.abs().max()
 
 
-def test_blocks_let_go_outside_the_window_may_be_reused(family_models):
+@pytest.mark.parametrize("backend", ["torch", "triton"])  # Triton runs interpreted on CPU
+def test_blocks_let_go_outside_the_window_may_be_reused(family_models, backend, monkeypatch):
     """As the memory manager will do: after every step, the blocks wholly before the window of
     each request's next token leave its block table (-1), are filled with NaN and go to the front
     of the free list, where the other request takes them and writes its own KV in part of them.
     Every token is still transformers'."""
+    monkeypatch.setenv("HYBRIDKV_BACKEND", backend)
     _, ours, hf = family_models("mistral")
     h = Harness(ours)
     prompts = [prompt(3 * WINDOW + 5, 7), prompt(5, 8)]
