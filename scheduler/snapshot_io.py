@@ -27,7 +27,8 @@ def snapshot_to_bytes(snap: RequestSnapshot) -> bytes:
             "fingerprint": snap.fingerprint, "block_size": snap.block_size, "cache_salt": snap.cache_salt,
             "adapter_id": snap.adapter_id, "mm_hashes": list(snap.mm_hashes),
             "sampling_state": snap.sampling_state,
-            "layer_shapes": {str(k): list(v) for k, v in snap.layer_shapes.items()}}
+            "layer_shapes": {str(k): list(v) for k, v in snap.layer_shapes.items()},
+            "kv_start": {str(k): v for k, v in snap.kv_start.items()}}
     return st_save(tensors, metadata={"snapshot": json.dumps(meta)})
 
 
@@ -43,7 +44,8 @@ def snapshot_from_bytes(data: bytes) -> RequestSnapshot:
         meta["req_id"], meta["token_ids"], meta["num_prompt_tokens"], meta["num_computed_tokens"],
         meta["max_tokens"], parts["kv"], parts["conv"], parts["ssm"], meta["fingerprint"], meta["block_size"],
         meta["cache_salt"], meta["adapter_id"], tuple(meta["mm_hashes"]), meta["sampling_state"],
-        {int(k): _tuples(v) for k, v in meta["layer_shapes"].items()})
+        {int(k): _tuples(v) for k, v in meta["layer_shapes"].items()},
+        {int(k): v for k, v in meta.get("kv_start", {}).items()})
 
 
 def send_snapshot(snap: RequestSnapshot, dst: int, device: torch.device | str = "cpu") -> None:
