@@ -96,22 +96,16 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None)
         message, param = _validation_message(exc)
         return JSONResponse(APIError(message, param=param).body(), status_code=400)
 
-    async def answer(request: Request, result):
-        if isinstance(result, dict):
-            return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         if body.stream:
-            return await answer(request, await serving.completions(body))
+            return _sse(await serving.completions(body))
         return await _cancel_on_disconnect(request, _json(serving.completions(body)))
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         if body.stream:
-            return await answer(request, await serving.chat(body))
+            return _sse(await serving.chat(body))
         return await _cancel_on_disconnect(request, _json(serving.chat(body)))
 
     @app.get("/v1/models")
@@ -131,6 +125,11 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None)
         return Response(metrics.render(await engine.stats()), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _sse(events) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 async def _json(work) -> JSONResponse:
