@@ -63,6 +63,7 @@ class Engine:
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
                     prompt: Optional[str] = None, priority: int = 0,
                     cache_salt: Optional[str] = None) -> None:
+        """Queue a prompt's token ids as request `request_id` (its n sequences fork after prefill)."""
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = [int(t) for t in token_ids]
@@ -98,7 +99,10 @@ class Engine:
         if rid in self.groups:
             raise ValueError(f"request id {rid!r} is already in use on this engine")
         g, holds_memory = migration.thaw(snap, self.mgr)
-        (self.scheduler.add_running if holds_memory else self.scheduler.add)(g.seqs[0])
+        if holds_memory:
+            self.scheduler.add_running(g.seqs[0])
+        else:  # moved as tokens: recomputed here
+            self.scheduler.add(g.seqs[0])
         self.groups[rid] = g
         self.counters["migrations_in"] += 1
 
@@ -116,7 +120,7 @@ class Engine:
             "state_slots_checkpoint": m.slots_checkpoint, "state_slots_total": m.slots_total,
             "prefix_hit_tokens": m.prefix_hit_tokens, "prefix_query_tokens": m.prefix_query_tokens,
             "prefix_hit_rate": m.prefix_hit_rate, "prefix_misses": dict(m.prefix_misses),
-            "preemptions": dict(m.preemptions), "swaps": c["swaps_out"],
+            "preemptions": dict(m.preemptions), "burst_waits": m.burst_waits, "swaps": c["swaps_out"],
             "migrations": {"out": c["migrations_out"], "in": c["migrations_in"]},
             "forks": c["forks"], "aborted": c["aborted"], "fragmentation": m.fragmentation,
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),

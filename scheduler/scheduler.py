@@ -103,6 +103,10 @@ class Scheduler:
                 budget -= chunk.num_tokens
         if out.preempted:
             return out  # memory is short: admit nothing new this step
+        room = self.max_seqs - len(self.running)
+        if room > 1 and len(self.waiting) > 1:  # burst rule: leaders learn where to checkpoint first
+            self.mgr.plan_bursts([(s.request_id, s.token_ids, s.cache_salt) for s in self.waiting.head(room)
+                                  if s.request_id not in self.mgr.requests])
         for queue in (self.swapped, self.waiting):
             budget = self._admit_from(queue, budget, out)
             if budget < 0:

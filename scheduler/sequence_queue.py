@@ -50,6 +50,15 @@ class SequenceQueue:
             heapq.heappop(heap)  # stale: removed (and maybe queued again under a new ticket)
         return None
 
+    def head(self, k: int) -> list[Sequence]:
+        """The first k sequences in run order, left in the queue (O(k log n), not a scan)."""
+        entries = []
+        while len(entries) < k and self.peek() is not None:  # peek drops stale entries on top
+            entries.append(heapq.heappop(self._heap))
+        for entry in entries:
+            heapq.heappush(self._heap, entry)
+        return [self._live[entry[4]][1] for entry in entries]
+
     def pop(self) -> Sequence:
         seq = self.peek()
         if seq is None:
