@@ -76,6 +76,8 @@ def test_queue_drops_stale_entries_and_keeps_order_under_churn():
     assert len(q._heap) <= 2 * len(q) + 64  # stale entries are compacted away
     assert [s.request_id for s in q] == [f"s{i}" for i in range(990, 1000)]
     assert q.pop() is seqs[990] and len(q) == 9
+    assert q.head(3) == seqs[991:994] and len(q) == 9 and q.head(50) == seqs[991:]  # left in place
+    assert list(q) == seqs[991:]
     while q.peek() is not None:
         q.pop()
     assert len(q) == 0 and not q._heap
