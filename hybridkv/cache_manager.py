@@ -49,7 +49,7 @@ from hybridkv.block_hash import extend_hashes, extra_key
 from hybridkv.checkpoint_policy import DEFAULT_POLICY, CheckpointPolicy
 from hybridkv.errors import MemoryBudgetError, RequestStateError, RequestTooLargeError, SnapshotMismatchError
 from hybridkv.manager_stats import ManagerStats
-from hybridkv.memory.burst import BurstTracker
+from hybridkv.memory.burst import BurstRule
 from hybridkv.memory.full_attention import FullAttentionMemory
 from hybridkv.memory.layer_memory import LayerMemory
 from hybridkv.memory.recurrent import RecurrentMemory
@@ -123,9 +123,7 @@ class HybridCacheManager:
                 reachable=self.attention.is_cached if self.attention else (lambda h: True))
         # Kinds that can refuse for lack of a slot are asked first.
         self.kinds: list[LayerMemory] = [k for k in (self.recurrent, self.attention) if k is not None]
-        self.bursts = BurstTracker()
-        self._planned_shared: dict[Hashable, set[int]] = {}  # leader -> boundaries (plan_bursts)
-        self._waiting_hashes: dict[Hashable, list[bytes]] = {}
+        self.bursts = BurstRule(block_size, self._prompt_hashes, lambda hashes, n: self._match(hashes, n)[0])
         self._reqs: dict[Hashable, RequestState] = {}
         self._hit_tokens = self._query_tokens = self._queries = 0
         self._misses = {MISS_NO_KV: 0, MISS_NO_CHECKPOINT: 0, MISS_CACHING_OFF: 0}
@@ -279,62 +277,40 @@ class HybridCacheManager:
         if miss:
             self._misses[miss] += 1
         if self.enable_prefix_caching:  # this request now computes its prompt's uncached blocks
-            self.bursts.register(r.req_id, r.block_hashes[m:(r.num_prompt_tokens - 1) // bs])
-            self._waiting_hashes.pop(r.req_id, None)
+            planned = self.bursts.admitted(r.req_id, r.block_hashes[m:(r.num_prompt_tokens - 1) // bs], hit)
             if self.recurrent is not None:
-                r.shared.extend(b for b in self._planned_shared.pop(r.req_id, ()) if b > hit)
+                r.shared.extend(planned)
         return hit
 
     def plan_bursts(self, candidates: Sequence[tuple[Hashable, Sequence[int], Optional[str]]]) -> None:
-        """Before a step admits new requests: `candidates` are the next not-yet-admitted requests
-        in queue order, as (req_id, token_ids, cache_salt). Where a later one shares blocks beyond
-        its usable hit with an earlier one, the earlier one (the leader) will checkpoint at the
-        deepest shared boundary: its first chunk is cut there when it is admitted."""
-        self._planned_shared = {}
-        if not self.enable_prefix_caching or len(candidates) < 2:
-            return
-        owner: dict[bytes, Hashable] = {}
-        for rid, tokens, salt in candidates:
-            hashes = self._candidate_hashes(rid, tokens, salt)
-            m = self._match(hashes, len(tokens))[0]
-            s, leader = m, None
-            while s < len(hashes) and owner.get(hashes[s], rid) != rid:
-                leader, s = owner[hashes[s]], s + 1
-            if leader is not None:
-                self._planned_shared.setdefault(leader, set()).add(s * self.block_size)
-            for h in hashes[m:]:
-                owner.setdefault(h, rid)
-
-    def _candidate_hashes(self, rid: Hashable, tokens: Sequence[int], salt: Optional[str]) -> list[bytes]:
-        """Hashes of the full blocks strictly inside a not-yet-admitted prompt (cached per id)."""
-        n = (len(tokens) - 1) // self.block_size
-        hashes = self._waiting_hashes.get(rid)
-        if hashes is None or len(hashes) != n:
-            hashes = []
-            extend_hashes(hashes, tokens, n, extra_key(self.fingerprint, None, (), salt), self.block_size)
-            if len(self._waiting_hashes) > 4096:  # ids that were never admitted (aborted while waiting)
-                self._waiting_hashes.clear()
-            self._waiting_hashes[rid] = hashes
-        return hashes
+        """Before a step admits new requests: the next not-yet-admitted ones in queue order, as
+        (req_id, token_ids, cache_salt). A leader of a burst learns where to checkpoint before
+        its first chunk is cut (memory/burst.py)."""
+        if self.enable_prefix_caching and len(candidates) > 1:
+            self.bursts.plan(candidates)
 
     def waits_for_shared_prefix(self, req_id: Hashable, token_ids: Sequence[int], *,
                                 cache_salt: Optional[str] = None) -> bool:
-        """The burst rule (memory/burst.py): True when a not-yet-admitted request shares blocks
-        beyond its usable hit with a running request that has not computed them yet; that
-        request is asked to checkpoint at the deepest shared boundary. Hold this one a step.
-        Changes nothing else; False whenever waiting would not save work."""
+        """The burst rule: True when a not-yet-admitted request shares blocks beyond its usable
+        hit with a running request that has not computed them yet; that request is asked to
+        checkpoint at the deepest shared boundary. Hold this one a step. Changes nothing else;
+        False whenever waiting would not save work."""
         if not self.enable_prefix_caching or req_id in self._reqs or len(token_ids) <= self.block_size:
             return False
-        hashes = self._candidate_hashes(req_id, token_ids, cache_salt)
-        m = self._match(hashes, len(token_ids))[0]
-        leader, s = self.bursts.shared_with(req_id, hashes, m, len(hashes))
+        leader, boundary = self.bursts.leader_for(req_id, token_ids, cache_salt)
         lead = self._reqs.get(leader)
-        if lead is None or lead.status is not RUNNING or lead.num_computed_tokens >= s * self.block_size:
+        if lead is None or lead.status is not RUNNING or lead.num_computed_tokens >= boundary:
             return False
-        if self.recurrent is not None and s * self.block_size not in lead.shared:
-            lead.shared.append(s * self.block_size)
+        if self.recurrent is not None and boundary not in lead.shared:
+            lead.shared.append(boundary)
         self.bursts.waits += 1
         return True
+
+    def _prompt_hashes(self, token_ids: Sequence[int], cache_salt: Optional[str]) -> list[bytes]:
+        hashes: list[bytes] = []
+        extend_hashes(hashes, token_ids, (len(token_ids) - 1) // self.block_size,
+                      extra_key(self.fingerprint, None, (), cache_salt), self.block_size)
+        return hashes
 
     # ---- the step --------------------------------------------------------------------------
     def append_tokens(self, req_id: Hashable, token_ids: Sequence[int]) -> None:
