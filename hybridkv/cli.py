@@ -131,7 +131,11 @@ def serve(args: argparse.Namespace) -> int:
             log.warning("no checkpoint given: serving the %s", TINY_NOTICE)
             path = build_tiny(d)
         name = args.served_model_name or (args.checkpoint or f"tiny-{TINY_FAMILY}-random")
-        llm = LLM(path, **llm_kwargs(args))
+        try:
+            llm = LLM(path, **llm_kwargs(args))
+        except (ValueError, OSError) as e:  # a bad option or checkpoint: say what, not a traceback
+            log.error("cannot serve %s: %s", path, e)
+            return 2
         run_server(llm, name, host=args.host, port=args.port, api_key=args.api_key,
                    log_stats_interval=args.log_stats_interval)
     return 0

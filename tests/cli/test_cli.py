@@ -77,3 +77,9 @@ def test_serve_answers_the_openai_client_then_stops_on_ctrl_c():
     assert "RANDOM weights" in out and f"http://127.0.0.1:{port}" in out
     assert re.search(r"request cmpl-\w+-0 finished: 5 prompt tokens \(0 cached\), 5 generated, finish length", out), out
     assert re.search(r"hybridkv.engine: running 0, waiting 0, swapped 0; KV blocks 0/\d+ used", out), out
+
+
+def test_serve_refuses_a_missing_checkpoint_with_a_message(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "hybridkv", "serve", str(tmp_path / "nope"), "--port", "1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
