@@ -18,12 +18,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.background import BackgroundTask
 
 from .async_llm import AsyncLLM, EngineDeadError
 from .metrics import ServerMetrics
 from .openai_format import APIError
 from .protocol import ChatRequest, CompletionRequest
-from .serving import OpenAIServing
+from .serving import Flow, OpenAIServing
 
 log = logging.getLogger("hybridkv.server")
 
@@ -74,14 +75,8 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None)
     started = int(time.time())
     app.state.engine, app.state.metrics = engine, metrics
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            got = request.headers.get("authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
-                err = APIError("missing or wrong API key: send 'Authorization: Bearer <key>'", status=401)
-                return JSONResponse(err.body(), status_code=401)
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_APIKeyCheck, api_key=api_key)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError):
@@ -127,8 +122,26 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None)
     return app
 
 
-def _sse(events) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
+class _APIKeyCheck:
+    """ASGI middleware: /v1/* needs 'Authorization: Bearer <key>' (401 otherwise); /health and
+    /metrics stay open for probes and scrapers."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.expected):
+                err = APIError("missing or wrong API key: send 'Authorization: Bearer <key>'", status=401)
+                return await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def _sse(flow: Flow) -> StreamingResponse:
+    # the background task runs however the stream ends: a client gone before the first event
+    # still has its requests aborted
+    return StreamingResponse(flow.sse(), media_type="text/event-stream", background=BackgroundTask(flow.abort),
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 

@@ -92,6 +92,13 @@ class AsyncLLM:
         self._thread = threading.Thread(target=self._run, name="hybridkv-engine", daemon=True)
         self._thread.start()
 
+    @classmethod
+    def create(cls, model: str, log_stats_interval: float = 10.0, **llm_kwargs) -> "AsyncLLM":
+        """Build the `LLM(model, **llm_kwargs)` (the same options) and own it."""
+        from hybridkv.llm import LLM
+
+        return cls(LLM(model, **llm_kwargs), log_stats_interval)
+
     # ---- the caller's side (any thread; generate on an event loop) ---------------------------
     def submit(self, fn: Callable) -> concurrent.futures.Future:
         """Run `fn(llm)` on the engine thread between two steps; a Future of its result."""

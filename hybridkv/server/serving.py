@@ -86,8 +86,8 @@ class OpenAIServing:
         prompts = [self._prompt_ids(p) for p in body.prompts()]
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._start(rid, prompts, body.max_tokens, body, body.logprobs)
-        flow = _Flow(self, rid, "text_completion", body, streams, body.logprobs)
-        return flow.sse() if body.stream else await flow.collect()
+        flow = Flow(self, rid, "text_completion", body, streams, body.logprobs)
+        return flow if body.stream else await flow.collect()
 
     async def chat(self, body: ChatRequest):
         self.check_model(body.model)
@@ -96,12 +96,13 @@ class OpenAIServing:
         ids = chat_prompt_ids(self.tokenizer, messages, body.add_generation_prompt, body.chat_template_kwargs)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._start(rid, [ids], body.requested_max_tokens, body, body.num_logprobs)
-        flow = _Flow(self, rid, "chat.completion", body, streams, body.num_logprobs)
-        return flow.sse() if body.stream else await flow.collect()
+        flow = Flow(self, rid, "chat.completion", body, streams, body.num_logprobs)
+        return flow if body.stream else await flow.collect()
 
 
-class _Flow:
-    """One HTTP request's engine requests (one per prompt, n sequences each) from start to end."""
+class Flow:
+    """One HTTP request's engine requests (one per prompt, n sequences each) from start to end:
+    `collect()` for one JSON answer, `sse()` for a stream; `abort()` stops what is unfinished."""
 
     def __init__(self, serving: OpenAIServing, rid: str, kind: str, body, streams: list[RequestStream],
                  num_logprobs: Optional[int]):
@@ -112,6 +113,11 @@ class _Flow:
         self.timers = [RequestTimer(serving.metrics) for _ in streams]
         self.prompt_tokens = [0] * len(streams)
         self.cached_tokens = [0] * len(streams)
+
+    def abort(self) -> None:
+        """Abort every request of this flow that has not finished (idempotent)."""
+        for st in self.streams:
+            st.abort()
 
     async def _deltas(self) -> AsyncIterator[tuple[int, DeltaOutput]]:
         """(prompt index, delta) from all streams as they come; aborts what is left on exit."""
@@ -141,8 +147,7 @@ class _Flow:
         finally:
             for t in tasks:
                 t.cancel()
-            for st in self.streams:
-                st.abort()
+            self.abort()
 
     def _account(self, i: int, d: DeltaOutput) -> DeltaOutput:
         c = self.choices[i * self.n + d.index]

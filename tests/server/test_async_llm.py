@@ -21,7 +21,7 @@ def plain_llm(checkpoints):
 
 @pytest.fixture
 def engine(checkpoints):
-    e = AsyncLLM(LLM(str(checkpoints["plain"]), **KW), log_stats_interval=0)
+    e = AsyncLLM.create(str(checkpoints["plain"]), log_stats_interval=0, **KW)
     yield e
     e.close()
 
