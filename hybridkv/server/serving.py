@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from typing import AsyncIterator, Optional, Union
 
@@ -204,7 +205,8 @@ class Flow:
         """The SSE body: one chunk per delta, then a usage chunk if asked, then [DONE]."""
         chat = self.kind == "chat.completion"
         kind = "chat.completion.chunk" if chat else "text_completion"
-        model, created = self.s.model_name, None
+        model, created = self.s.model_name, int(time.time())
+        quiet_ok = not self.body.return_token_ids and self.k is None  # nothing but text to carry
         if chat:  # the role comes first, once per choice
             for idx in range(len(self.choices)):
                 yield sse(envelope(kind, self.rid, model, [
@@ -212,7 +214,7 @@ class Flow:
                      "finish_reason": None}], created))
         try:
             async for i, d in self._deltas():
-                if not d.text and d.finish_reason is None and not self.body.return_token_ids:
+                if not d.text and d.finish_reason is None and quiet_ok:
                     continue  # text held back (a split character or a possible stop string)
                 idx = i * self.n + d.index
                 choice = {"index": idx, "logprobs": self._logprobs(self.choices[idx], d.token_ids, d.logprobs),

@@ -101,6 +101,18 @@ def test_logprobs(client):
     assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
 
 
+def test_streamed_logprobs_cover_every_token_even_while_text_is_held_back(client):
+    kw = dict(model="tiny-chat", prompt=[5, 6, 7], max_tokens=12, temperature=0, logprobs=1,
+              stop=["a long stop string that never shows up"])  # holds back text the whole way
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, **kw))
+    streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for t in ch.choices[0].logprobs.token_logprobs]
+    assert streamed == full.choices[0].logprobs.token_logprobs and len(streamed) == 12
+    assert "".join(ch.choices[0].text for ch in chunks) == full.choices[0].text
+    assert len({ch.created for ch in chunks}) == 1 and len({ch.id for ch in chunks}) == 1
+
+
 def test_chat_uses_the_template_once(client, oracle, chat_server):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
     tok = oracle.get_tokenizer()
