@@ -18,8 +18,11 @@ TINY_NOTICE = ("built-in tiny Bamba (Mamba2 + attention), RANDOM weights: the te
 
 def build_tiny(directory: str) -> str:
     """Write the built-in tiny random Bamba (with a character-level tokenizer) to `directory`."""
+    from transformers.utils import logging as hf_logging
+
     from hybridkv.models.tiny import make_tiny_checkpoint
 
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar for a 1 MB file
     return str(make_tiny_checkpoint(TINY_FAMILY, directory))
 
 
