@@ -97,11 +97,11 @@ def test_disconnect_mid_stream_aborts_at_once(chat_server):
 
 
 def test_disconnect_while_waiting_for_a_json_answer_aborts(chat_server):
-    body = {"model": "tiny-chat", "prompt": [5, 6, 7], "max_tokens": 450, "temperature": 0, "ignore_eos": True}
+    body = {"model": "tiny-chat", "prompt": [5, 6, 7], "max_tokens": 500, "temperature": 0, "ignore_eos": True}
     before = wait_idle(chat_server)["aborted"]
     try:
         httpx.post(chat_server.url + "/v1/completions", json=body, headers=AUTH, timeout=0.3)
-        raise AssertionError("450 tokens came back in 0.3 s: the test needs a longer request")
+        raise AssertionError("500 tokens came back in 0.3 s: the test needs a longer request")
     except httpx.TimeoutException:
         pass
     s = wait_idle(chat_server, timeout=3.0)
