@@ -503,10 +503,16 @@ class HybridCacheManager:
         rid = snap.req_id if req_id is None else req_id
         if rid in self._reqs:
             raise RequestStateError(f"request id {rid!r} is already known to the manager")
+        nc, n_tok = snap.num_computed_tokens, len(snap.token_ids)
+        if not 1 <= snap.num_prompt_tokens <= n_tok or not 0 <= nc <= n_tok:
+            raise SnapshotMismatchError(
+                f"snapshot positions are inconsistent: {n_tok} tokens, num_prompt_tokens="
+                f"{snap.num_prompt_tokens}, num_computed_tokens={nc} (need 1 <= prompt <= tokens, computed <= tokens)")
         self.check_fits(snap.num_prompt_tokens, snap.max_tokens)
-        nc = snap.num_computed_tokens
-        end = len(snap.token_ids) if num_new_tokens is None else nc + num_new_tokens
         part = {"kv": snap.kv, "kv_start": snap.kv_start, "conv": snap.conv, "ssm": snap.ssm}
+        for kind in self.kinds:  # before anything is allocated: a refused import changes nothing
+            kind.check_import(part, nc)
+        end = n_tok if num_new_tokens is None else nc + num_new_tokens
         if not all(k.can_import(part, nc, end) for k in self.kinds):
             return False
         key = extra_key(self.fingerprint, snap.adapter_id, tuple(snap.mm_hashes), snap.cache_salt)

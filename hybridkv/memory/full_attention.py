@@ -15,6 +15,7 @@ import torch
 
 from hybridkv.block_pool import BlockPool
 from hybridkv.block_table import BlockTables
+from hybridkv.errors import SnapshotMismatchError
 from hybridkv.specs import AttentionSpec
 from hybridkv.kv_tokens import blocks_from_tokens, kv_tokens
 
@@ -51,9 +52,12 @@ class FullAttentionMemory(LayerMemory):
     def held_blocks(self, rid: Hashable) -> list[int]:
         return [b for b in self._blocks.get(rid, ()) if b != NO_BLOCK]
 
-    def first_needed_block(self, position: int) -> int:
-        """The first block the token at `position` attends to (full attention: block 0)."""
+    def first_needed_token(self, position: int) -> int:
+        """The first key the token at `position` attends to (full attention: 0)."""
         return 0
+
+    def first_needed_block(self, position: int) -> int:
+        return self.first_needed_token(position) // self.block_size
 
     # ---- prefix reuse ----------------------------------------------------------------------
     def usable_prefix(self, hashes: Sequence[bytes], limit: int) -> int:
@@ -212,6 +216,24 @@ class FullAttentionMemory(LayerMemory):
         first = start // self.block_size
         n = -(-num_computed // self.block_size) - first
         return first, max(0, n), start
+
+    def check_import(self, part: dict, num_computed: int) -> None:
+        kv, starts = part.get("kv", {}), part.get("kv_start", {})
+        needed = self.first_needed_token(num_computed)
+        for i, s in self.layers.items():
+            start = starts.get(i, 0)
+            want = (2, num_computed - start, s.num_kv_heads, s.head_dim)
+            t = kv.get(i)
+            if t is None:
+                raise SnapshotMismatchError(f"snapshot has no KV for attention layer {i}")
+            if not 0 <= start <= needed:
+                raise SnapshotMismatchError(
+                    f"snapshot KV of layer {i} starts at token {start}; the next token needs keys from {needed}")
+            if tuple(t.shape) != want or t.dtype != s.dtype:
+                raise SnapshotMismatchError(
+                    f"snapshot KV of layer {i} is {tuple(t.shape)} {t.dtype}; expected {want} {s.dtype}")
+            if not bool(torch.isfinite(t).all()):
+                raise SnapshotMismatchError(f"snapshot KV of layer {i} holds NaN or infinite values")
 
     def can_import(self, part: dict, num_computed: int, end: int) -> bool:
         first, n, _ = self._import_layout(part, num_computed)

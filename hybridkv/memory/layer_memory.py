@@ -102,6 +102,11 @@ class LayerMemory(ABC):
         """rid's memory as tensors for a RequestSnapshot (fields kv / kv_start / conv / ssm)."""
 
     @abstractmethod
+    def check_import(self, part: dict, num_computed: int) -> None:
+        """Raise SnapshotMismatchError naming the layer, the value and what was expected if an
+        exported part does not fit this kind's layers exactly (shape, dtype, finite values)."""
+
+    @abstractmethod
     def can_import(self, part: dict, num_computed: int, end: int) -> bool:
         """Whether import_(part) and then allocate up to position `end` would succeed now."""
 

@@ -17,6 +17,7 @@ from typing import Callable, Hashable, Mapping, Optional, Sequence
 
 import torch
 
+from hybridkv.errors import SnapshotMismatchError
 from hybridkv.eviction import check_rule, choose_victim
 from hybridkv.specs import RecurrentSpec
 from hybridkv.state_pool import CHECKPOINT, LIVE, StatePool
@@ -186,6 +187,21 @@ class RecurrentMemory(LayerMemory):
     def export(self, rid: Hashable, num_computed: int, device: torch.device | str) -> dict:
         conv, ssm = self.states.to_host(self._slot[rid], device)
         return {"conv": conv, "ssm": ssm}
+
+    def check_import(self, part: dict, num_computed: int) -> None:
+        for field, tensors, shape_of, dtype_of in (
+                ("conv", self.states.conv, lambda s: tuple(s.conv_shape), lambda s: s.dtype),
+                ("ssm", self.states.ssm, lambda s: tuple(s.state_shape), lambda s: s.ssm_dtype)):
+            for i in tensors:
+                spec, t = self.layers[i], part.get(field, {}).get(i)
+                if t is None:
+                    raise SnapshotMismatchError(f"snapshot has no {field} state for recurrent layer {i}")
+                if tuple(t.shape) != shape_of(spec) or t.dtype != dtype_of(spec):
+                    raise SnapshotMismatchError(
+                        f"snapshot {field} state of layer {i} is {tuple(t.shape)} {t.dtype}; expected "
+                        f"{shape_of(spec)} {dtype_of(spec)}")
+                if not bool(torch.isfinite(t).all()):
+                    raise SnapshotMismatchError(f"snapshot {field} state of layer {i} holds NaN or infinite values")
 
     def can_import(self, part: dict, num_computed: int, end: int) -> bool:
         return self._can_take_slot()

@@ -35,8 +35,8 @@ class SlidingWindowMemory(FullAttentionMemory):
         self.max_chunk_tokens = max_chunk_tokens
         super().__init__(layers, block_size, num_blocks, device)
 
-    def first_needed_block(self, position: int) -> int:
-        return max(0, position - self.window + 1) // self.block_size
+    def first_needed_token(self, position: int) -> int:
+        return max(0, position - self.window + 1)
 
     def _blocks_to_hold(self, num_tokens: int) -> int:
         # a prefill chunk of C tokens holds the window before it plus its own blocks

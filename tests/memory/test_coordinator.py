@@ -243,3 +243,25 @@ def test_stats_and_block_table_and_from_budget():
     t = m.block_table(["b", "a"])
     assert t.dtype == torch.int32 and t.shape == (2, 2)
     assert t[0, 0].item() == m.block_ids("b")[0] and t[1].tolist() == m.block_ids("a")
+
+
+def test_corrupt_snapshots_are_refused_before_anything_is_allocated():
+    import dataclasses
+    m = mgr()
+    m.admit("a", list(range(11)), max_tokens=5)
+    run(m, "a", 11, torch.Generator().manual_seed(4))
+    snap = m.export_snapshot("a")
+    m.finish("a")
+    before = m.stats()
+    kv1 = dict(snap.kv)
+    kv1[1] = kv1[1][:, :-1]  # KV missing its last token
+    nan_state = {i: t.clone().fill_(float("nan")) for i, t in snap.ssm.items()}
+    bad = [(dict(kv=kv1), "KV of layer 1 is"), (dict(kv={**snap.kv, 3: snap.kv[3].float()}), "expected"),
+           (dict(ssm={i: torch.tensor(1.0) for i in snap.ssm}), "ssm state of layer"),
+           (dict(ssm=nan_state), "NaN"), (dict(num_computed_tokens=snap.num_computed_tokens + 5), "inconsistent"),
+           (dict(num_prompt_tokens=50), "inconsistent"), (dict(kv={}), "no KV for attention layer")]
+    for change, msg in bad:
+        with pytest.raises(SnapshotMismatchError, match=msg):
+            m.import_snapshot(dataclasses.replace(snap, **change))
+        assert m.stats() == before and "a" not in m.requests
+    assert m.import_snapshot(snap)
