@@ -89,6 +89,7 @@ class AsyncLLM:
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self.dead: Optional[BaseException] = None
+        self._dead_lock = threading.Lock()  # no command slips in after the engine stopped
         self._thread = threading.Thread(target=self._run, name="hybridkv-engine", daemon=True)
         self._thread.start()
 
@@ -103,10 +104,11 @@ class AsyncLLM:
     def submit(self, fn: Callable) -> concurrent.futures.Future:
         """Run `fn(llm)` on the engine thread between two steps; a Future of its result."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        if self.dead is not None:
-            fut.set_exception(EngineDeadError(f"the engine is not running: {self.dead}"))
-            return fut
-        self._cmds.put((fut, fn))
+        with self._dead_lock:
+            if self.dead is None:
+                self._cmds.put((fut, fn))
+                return fut
+        fut.set_exception(EngineDeadError(f"the engine is not running: {self.dead}"))
         return fut
 
     async def call(self, fn: Callable):
@@ -151,8 +153,10 @@ class AsyncLLM:
         self._streams[rid] = stream
 
     def _abort(self, llm, rid: str) -> None:
-        if self._streams.pop(rid, None) is not None:
+        stream = self._streams.pop(rid, None)
+        if stream is not None:
             llm.abort(rid)
+            _post_to(stream.loop, [(stream.queue, StepNews([], 0, 0, True))])  # ends its iterator
 
     def _run(self) -> None:
         last_log, last_steps = time.monotonic(), -1
@@ -213,18 +217,21 @@ class AsyncLLM:
                 del self._streams[out.request_id]
             if deltas or out.finished:
                 news = StepNews(deltas, len(out.prompt_token_ids), out.num_cached_tokens, out.finished)
-                by_loop.setdefault(stream.loop, []).append((stream.queue, news))
+                by_loop.setdefault(stream.loop, []).append((stream.queue, news, out.request_id))
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_deliver, items)
+            if not _post_to(loop, [(q, news) for q, news, _ in items]):
+                for _, _, rid in items:  # its caller's event loop is gone: nobody will read these
+                    self._abort(self.llm, rid)
 
     def _shutdown(self, err: BaseException) -> None:
-        self.dead = err
+        with self._dead_lock:
+            self.dead = err
         for rid, stream in list(self._streams.items()):
             try:
                 self.llm.abort(rid)
             except Exception:  # the engine may be broken; the callers still hear why
                 pass
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineDeadError(str(err)))
+            _post_to(stream.loop, [(stream.queue, EngineDeadError(str(err)))])
         self._streams.clear()
         while True:  # commands that arrived too late
             try:
@@ -274,6 +281,15 @@ class RequestStream:
 def _deliver(items) -> None:
     for q, news in items:
         q.put_nowait(news)
+
+
+def _post_to(loop: asyncio.AbstractEventLoop, items) -> bool:
+    """Hand (queue, news) pairs to `loop`'s thread; False when that loop is closed."""
+    try:
+        loop.call_soon_threadsafe(_deliver, items)
+        return True
+    except RuntimeError:
+        return False
 
 
 def stats_line(s: dict) -> str:

@@ -78,6 +78,46 @@ def test_leaving_early_aborts_and_frees_memory(engine):
     assert s["aborted"] == 1 and s["kv_blocks_used"] == 0 and s["state_slots_live"] == 0
 
 
+def _wait_free(engine, timeout=5.0) -> dict:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        s = engine.submit(lambda llm: llm.stats()).result(timeout=10)
+        if s["kv_blocks_used"] == 0 and s["state_slots_live"] == 0 and s["running"] == 0:
+            return s
+        assert time.monotonic() < deadline, s
+        time.sleep(0.01)
+
+
+def test_abort_from_another_task_ends_the_iteration(engine):
+    async def run():
+        st = await engine.add_request([5, 6, 7], SamplingParams(max_tokens=400, ignore_eos=True), "y")
+
+        async def consume():
+            return [d async for d in st]
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.05)
+        st.abort()
+        return await asyncio.wait_for(task, 5)
+
+    got = asyncio.run(run())
+    assert 0 < sum(len(d.token_ids) for d in got) < 400
+    assert _wait_free(engine)["aborted"] == 1
+
+
+def test_a_caller_whose_event_loop_closed_does_not_kill_the_engine(engine):
+    async def orphan():  # adds a request, never reads it, and its loop ends
+        await engine.add_request([5, 6, 7], SamplingParams(max_tokens=400, ignore_eos=True), "orphan")
+
+    asyncio.run(orphan())
+    s = _wait_free(engine)
+    assert engine.dead is None and s["aborted"] == 1 and s["generated_tokens"] < 400
+    got = asyncio.run(_collect(engine, [5, 6], SamplingParams(max_tokens=3, temperature=0), "next"))
+    assert len(got[0][0]) == 3
+
+
 class _StepFails:
     """A real LLM whose step() raises from the `after`-th call on (fault injection)."""
 
