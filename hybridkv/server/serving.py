@@ -41,11 +41,17 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         model = getattr(engine.llm, "model", None)
         self.max_model_len: Optional[int] = getattr(model, "max_model_len", None)
+        self.max_num_seqs: Optional[int] = getattr(getattr(engine.llm, "config", None), "max_num_seqs", None)
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
             raise APIError(f"model {name!r} is not served here; this server serves {self.model_name!r} "
                            f"(see /v1/models)", param="model")
+
+    def _check_n(self, body) -> None:
+        if self.max_num_seqs is not None and isinstance(body.n, int) and body.n > self.max_num_seqs:
+            raise APIError(f"n={body.n} is more than this server's max_num_seqs {self.max_num_seqs}: "
+                           f"ask for at most {self.max_num_seqs} sequences", param="n")
 
     def _prompt_ids(self, prompt: Union[str, list[int]]) -> list[int]:
         if isinstance(prompt, str):
@@ -84,6 +90,7 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest):
         self.check_model(body.model)
         body.refuse_unsupported()
+        self._check_n(body)
         prompts = [self._prompt_ids(p) for p in body.prompts()]
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._start(rid, prompts, body.max_tokens, body, body.logprobs)
@@ -93,6 +100,7 @@ class OpenAIServing:
     async def chat(self, body: ChatRequest):
         self.check_model(body.model)
         body.refuse_unsupported()
+        self._check_n(body)
         messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
         ids = chat_prompt_ids(self.tokenizer, messages, body.add_generation_prompt, body.chat_template_kwargs)
         rid = f"chatcmpl-{uuid.uuid4().hex}"

@@ -153,6 +153,7 @@ BAD = [  # (body changes, words the message must contain)
     ({"temperature": -1}, ["temperature", "-1"]),
     ({"top_p": 2}, ["top_p", "2"]),
     ({"n": 0}, ["n must", "0"]),
+    ({"n": 100}, ["n=100", "max_num_seqs 32"]),
     ({"prompt": [5, 100000]}, ["100000", "vocabulary"]),
     ({"prompt": []}, ["empty"]),
     ({"logprobs": 50}, ["logprobs", "50"]),
