@@ -19,7 +19,7 @@ from typing import Optional
 from hybridkv.cache_manager import HybridCacheManager
 
 from .preemption import PreemptionPolicy
-from .sequence import Sequence, SequenceStatus
+from .sequence import Sequence, SequenceStatus, run_order
 from .sequence_queue import SequenceQueue
 
 
@@ -151,7 +151,7 @@ class Scheduler:
             slots = self.mgr.allocate(seq.request_id, n)
             if slots is not None:
                 return ScheduledChunk(seq, start, n, slots, ckpt)
-            victim = max(self.running, key=Sequence.sort_key)
+            victim = max(self.running, key=run_order)
             self._preempt(victim, out)
             if victim is seq:
                 return None

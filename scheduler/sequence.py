@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import enum
 import itertools
+import operator
 import time
 from typing import Optional
 
 from hybridkv.sampling_params import SamplingParams
 
 _serials = itertools.count()
+
+# Who runs first: lower priority value, then earlier arrival, then earlier creation.
+run_order = operator.attrgetter("priority", "arrival", "serial")
 
 
 class SequenceStatus(enum.Enum):
@@ -73,10 +77,6 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
-
-    def sort_key(self) -> tuple[int, float, int]:
-        """Who runs first: lower priority value, then earlier arrival, then earlier creation."""
-        return (self.priority, self.arrival, self.serial)
 
     def append_token(self, token: int, logprobs: Optional[dict[int, float]] = None) -> None:
         """Add a sampled token (the manager sees it through the shared list)."""

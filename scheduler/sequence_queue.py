@@ -12,7 +12,7 @@ import heapq
 import itertools
 from typing import Iterator, Optional
 
-from .sequence import Sequence
+from .sequence import Sequence, run_order
 
 
 class SequenceQueue:
@@ -27,7 +27,7 @@ class SequenceQueue:
             raise ValueError(f"sequence {seq.request_id!r} is already in this queue")
         ticket = next(self._tickets)
         self._live[seq.request_id] = (ticket, seq)
-        heapq.heappush(self._heap, (*seq.sort_key(), ticket, seq.request_id))
+        heapq.heappush(self._heap, (*run_order(seq), ticket, seq.request_id))
 
     def remove(self, seq: Sequence) -> bool:
         """Take `seq` out; False if it was not queued here."""
@@ -36,7 +36,7 @@ class SequenceQueue:
             return False
         del self._live[seq.request_id]
         if len(self._heap) > 2 * len(self._live) + 64:  # keep stale entries a bounded share
-            self._heap = [(*s.sort_key(), t, s.request_id) for t, s in self._live.values()]
+            self._heap = [(*run_order(s), t, s.request_id) for t, s in self._live.values()]
             heapq.heapify(self._heap)
         return True
 
@@ -75,4 +75,4 @@ class SequenceQueue:
 
     def __iter__(self) -> Iterator[Sequence]:
         """All queued sequences in run order (sorts: for inspection, not for the step)."""
-        return iter(sorted((s for _, s in self._live.values()), key=Sequence.sort_key))
+        return iter(sorted((s for _, s in self._live.values()), key=run_order))
