@@ -16,6 +16,11 @@ _ARCHITECTURES: dict[str, str] = {
     "Lfm2ForCausalLM": "lfm2",
     "Zamba2ForCausalLM": "zamba2",
     "FalconH1ForCausalLM": "falcon_h1",
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "MambaForCausalLM": "mamba",
+    "Mamba2ForCausalLM": "mamba2",
+    "FalconMambaForCausalLM": "falcon_mamba",
 }
 
 
