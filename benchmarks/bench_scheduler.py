@@ -6,8 +6,9 @@
 The real Scheduler and HybridCacheManager run as in benchmarks/replay.py, with no forward pass:
 a step schedules, commits every chunk, checkpoints where a chunk was cut for one, appends a
 scripted token to each sequence whose chunk reached its end, and finishes those at their length
-(freeing a seat for the head of the waiting queue). `max_num_seqs` run at once and the rest wait,
-so a step schedules the same work whatever the queue depth: its cost should not grow with it.
+(freeing a seat for the head of the waiting queue); new requests arrive between steps to keep
+the queue at its depth. `max_num_seqs` run at once and the rest wait, so a step schedules the
+same work whatever the queue depth: its cost should not grow with it.
 Timed: CPU time (`time.process_time`) of each step after a warm-up that admits and prefills the
 first batch, one torch thread; per repeat the median step, then the median of the repeats and
 their min-max. Goal: < 2 ms per step with 20,000 waiting.
@@ -36,18 +37,31 @@ SPECS = {0: AttentionSpec(1, 4, torch.float16), 1: RecurrentSpec((2, 3), (2, 2),
 BLOCK_SIZE = 16
 
 
-def build(num_waiting: int, max_num_seqs: int, max_batched_tokens: int, seed: int = 0) -> Scheduler:
-    """A scheduler over a fresh manager with `num_waiting` queued requests of 16-128 random prompt
-    tokens and 4-32 output tokens (pools sized so that seats, not memory, bound the batch)."""
+class Arrivals:
+    """New requests of 16-128 random prompt tokens and 4-32 output tokens, in arrival order."""
+
+    def __init__(self, seed: int = 0):
+        self.rng, self.count = random.Random(seed), 0
+
+    def next(self) -> Sequence:
+        rng, i = self.rng, self.count
+        self.count += 1
+        prompt = [rng.randrange(4, 32000) for _ in range(rng.randint(16, 128))]
+        return Sequence(f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(4, 32)), arrival=float(i))
+
+
+def build(num_waiting: int, max_num_seqs: int, max_batched_tokens: int,
+          seed: int = 0) -> tuple[Scheduler, Arrivals]:
+    """A scheduler over a fresh manager with `num_waiting` queued requests, and the arrivals that
+    made them (for more); the pools are sized so that seats, not memory, bound the batch."""
     blocks = 4 * max_num_seqs * (128 + 32) // BLOCK_SIZE
     mgr = HybridCacheManager(SPECS, BLOCK_SIZE, blocks, 1 + max_num_seqs + 16, fingerprint="bench_scheduler")
     policy = PreemptionPolicy("recompute", SPECS, BLOCK_SIZE, None, True)
     sched = Scheduler(mgr, policy, max_batched_tokens, max_num_seqs)
-    rng = random.Random(seed)
-    for i in range(num_waiting):
-        prompt = [rng.randrange(4, 32000) for _ in range(rng.randint(16, 128))]
-        sched.add(Sequence(f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(4, 32)), arrival=float(i)))
-    return sched
+    arrivals = Arrivals(seed)
+    for _ in range(num_waiting):
+        sched.add(arrivals.next())
+    return sched, arrivals
 
 
 def step(sched: Scheduler) -> int:
@@ -70,15 +84,17 @@ def step(sched: Scheduler) -> int:
 
 def step_times(num_waiting: int, steps: int, warmup: int, max_num_seqs: int = 64,
                max_batched_tokens: int = 2048, seed: int = 0) -> list[float]:
-    """CPU seconds of each of `steps` steps taken after `warmup` untimed ones."""
-    sched = build(num_waiting + max_num_seqs, max_num_seqs, max_batched_tokens, seed)
-    for _ in range(warmup):
-        step(sched)
+    """CPU seconds of each of `steps` steps taken after `warmup` untimed ones; between steps
+    (untimed) new requests arrive to keep `num_waiting` waiting, so every step sees that depth."""
+    sched, arrivals = build(num_waiting + max_num_seqs, max_num_seqs, max_batched_tokens, seed)
     times = []
-    for _ in range(steps):
+    for i in range(warmup + steps):
         t0 = time.process_time()
         step(sched)
-        times.append(time.process_time() - t0)
+        if i >= warmup:
+            times.append(time.process_time() - t0)
+        while len(sched.waiting) < num_waiting:
+            sched.add(arrivals.next())
     return times
 
 

@@ -188,7 +188,7 @@ def test_a_step_costs_the_same_with_20000_waiting_as_with_200():
 def test_bench_step_runs_everyone_to_the_end():
     from bench_scheduler import build
 
-    sched = build(50, max_num_seqs=8, max_batched_tokens=256)
+    sched, _ = build(50, max_num_seqs=8, max_batched_tokens=256)
     for _ in range(2000):
         if not sched.has_unfinished():
             break
