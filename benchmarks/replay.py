@@ -39,6 +39,7 @@ class ReplayResult:
     held_tokens: int = 0        # summed over steps
     reserved_tokens: int = 0    # summed over steps
     preemptions: int = 0
+    prefill_chunks: int = 0     # chunks that compute prompt tokens (a checkpoint cut adds one)
 
     @property
     def hit_rate(self) -> float:
@@ -82,7 +83,7 @@ def replay(mgr: HybridCacheManager, trace: Sequence[TraceRequest], max_num_seqs:
         nonlocal arrival
         arrival += 1
         req = Seq(t.request_id, list(t.prompt), SamplingParams(max_tokens=len(t.output)),
-                      arrival=float(arrival))
+                      cache_salt=t.cache_salt, arrival=float(arrival))
         script[t.request_id] = t
         sched.add(req)
 
@@ -107,6 +108,7 @@ def replay(mgr: HybridCacheManager, trace: Sequence[TraceRequest], max_num_seqs:
                 res.prompt_tokens += len(req.prompt_token_ids)
                 res.hit_tokens += req.num_cached_tokens
                 res.hits.append((len(req.prompt_token_ids), req.num_cached_tokens))
+            res.prefill_chunks += c.start < len(req.prompt_token_ids)
             mgr.commit(rid, c.num_tokens)
             if c.checkpoint:
                 mgr.checkpoint(rid)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-POLICIES = ("none", "prompt_end", "every_n_blocks", "branch_points")
-DEFAULT_POLICY = "prompt_end"  # what LLM, EngineConfig and the manager use when none is named
+POLICIES = ("none", "prompt_end", "every_n_blocks", "branch_points", "junctions")
+DEFAULT_POLICY = "junctions"  # what LLM, EngineConfig and the manager use when none is named
 
 
 class CheckpointPolicy:
-    """none | prompt_end | every_n_blocks (every `every_n` blocks) | branch_points (Marconi-style).
+    """none | prompt_end | every_n_blocks (every `every_n` blocks) | branch_points | junctions.
 
     prompt_end: the last block boundary strictly inside the prompt, `((P - 1) // bs) x bs`, which a
     repeat of the same prompt (a hit leaves one token) and any longer prompt extending it can reuse;
@@ -23,6 +23,11 @@ class CheckpointPolicy:
     deepest checkpoint AND another cached block continues the match with other content (the
     prefix tree branches there), found at admission. The end of a cached sequence that a new
     prompt merely extends (the next turn of a chat) is not a junction.
+    junctions (default; Marconi's admission): branch_points without the prompt-end state: only
+    states that a second request is known to want (junctions, burst boundaries) or that the
+    next turn of a chat resumes from (the rolling output state, the final state). A prompt-end
+    state is reused only by a repeat of the whole prompt; under a tight budget it displaces
+    junctions (BENCHMARKS.md, "Prefix-cache policies").
     """
 
     def __init__(self, name: str, block_size: int, every_n: int = 4):
@@ -37,7 +42,7 @@ class CheckpointPolicy:
     @property
     def rolling_output(self) -> bool:
         """Whether states inside generated tokens are one rolling checkpoint per request."""
-        return self.name in ("prompt_end", "branch_points")
+        return self.name in ("prompt_end", "branch_points", "junctions")
 
     @property
     def keeps_final_state(self) -> bool:
@@ -57,11 +62,13 @@ class CheckpointPolicy:
             return None
         found = list(shared)
         if self.rolling_output:
-            found.append(self.prompt_end(num_prompt_tokens))
+            e = self.prompt_end(num_prompt_tokens)
+            if self.name != "junctions" or e - start >= start:
+                found.append(e)
             latest = end // self.block_size * self.block_size
             if latest > num_prompt_tokens:  # in generated tokens: keep the latest boundary (multi-turn)
                 found.append(latest)
-        if self.name == "branch_points" and branch_point is not None:
+        if self.name in ("branch_points", "junctions") and branch_point is not None:
             found.append(branch_point)
         if self.name == "every_n_blocks":
             step = self.every_n * self.block_size
