@@ -20,6 +20,9 @@ from .norms import RMSNorm
 from .slot_split import split_decode_prefill
 
 ARCHITECTURE = "MambaForCausalLM"
+# No position embedding bounds the length (configs have no max_position_embeddings); a cap keeps
+# the engine's length checks meaningful. LLM(max_model_len=...) lowers it.
+MAX_MODEL_LEN = 1 << 20
 
 
 def tiny_config(**overrides):
@@ -81,6 +84,7 @@ class MambaModel(HybridModel):
         self.backbone = _MambaBody(config, make_mixer)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.residual_in_fp32 = bool(getattr(config, "residual_in_fp32", False))
+        self.max_model_len = self.max_model_len or MAX_MODEL_LEN
 
     def tied_weights(self) -> dict[str, str]:
         if getattr(self.config, "tie_word_embeddings", False):

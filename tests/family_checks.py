@@ -76,6 +76,14 @@ FAMILIES = {f.name: f for f in [
            names=("backbone.layers.3.mixer.experts.0.up_proj.weight", "mixer.experts.up_proj")),
     Family("falcon_h1", seed=5, engine=(ENGINE_LENGTHS, 40)),  # two cache keys per layer
     Family("zamba2", seed=2, engine=(ENGINE_LENGTHS, 40)),  # one KV cache per shared-block site
+    # Qwen3-Next's layers with split GDN projections; dense, and MoE in every layer
+    Family("qwen3_5", seed=6, engine=(ENGINE_LENGTHS, 40)),
+    Family("qwen3_5_moe", seed=6, engine=(ENGINE_LENGTHS, 40),
+           names=("model.layers.0.mlp.experts.0.gate_proj.weight", "mlp.experts.gate_up_proj")),
+    # no attention at all: zero KV blocks, states only (engine checks in test_pure_recurrent.py)
+    Family("mamba", seed=7, engine=(ENGINE_LENGTHS, 40)),
+    Family("mamba2", seed=7, engine=(ENGINE_LENGTHS, 40)),
+    Family("falcon_mamba", seed=7, engine=(ENGINE_LENGTHS, 40)),
 ]}
 
 

@@ -1,0 +1,149 @@
+"""Models without a single attention layer (Mamba, Mamba2, FalconMamba) through the whole engine:
+the KV pool takes no memory, prefix hits come from state checkpoints alone, preemption and
+migration move only states, and every token is transformers' greedy choice."""
+import pytest
+
+from hybridkv import LLM
+from hybridkv.plan import state_bytes_per_slot
+from hybridkv.scheduler.snapshot_io import snapshot_from_bytes, snapshot_to_bytes
+from hybridkv.specs import RecurrentSpec
+
+from engine_fixtures import assert_no_leaks, greedy
+from family_checks import BS, prompt
+from model_harness import assert_greedy_matches_hf
+
+PURE = ["mamba", "mamba2", "falcon_mamba"]
+LENGTHS = (1, BS - 1, BS + 1, 3 * BS + 5)
+BUDGET = 4 << 20
+
+
+def _prompts(seed: int = 70) -> list[list[int]]:
+    return [prompt(n, seed + n) for n in LENGTHS]
+
+
+def _run(llm: LLM, ids: list) -> list[list[int]]:
+    """Step `llm` until nothing is left; the token ids of requests `ids`, in that order."""
+    done = {}
+    while llm.has_unfinished_requests():
+        for o in llm.step():
+            if o.finished:
+                done[o.request_id] = list(o.outputs[0].token_ids)
+    return [done[i] for i in ids]
+
+
+def _assert_hf(hf, prompts, outputs):
+    for p, t in zip(prompts, outputs):
+        assert assert_greedy_matches_hf(hf, p, t) == 0
+
+
+@pytest.mark.parametrize("name", PURE)
+def test_no_kv_pool_every_byte_to_state_slots(name, family_models):
+    path, ours, _ = family_models(name)
+    specs = ours.cache_specs()
+    assert len(specs) == ours.config.num_hidden_layers
+    assert all(isinstance(s, RecurrentSpec) for s in specs.values())
+    llm = LLM(str(path), memory_budget_bytes=BUDGET)
+    mgr, stats = llm.engine.mgr, llm.stats()
+    plan = mgr.memory_plan
+    assert stats["kv_blocks_total"] == 0 and plan.num_blocks == 0 and plan.kv_bytes == 0
+    assert mgr.kv_caches == {}
+    # what would have been KV blocks holds checkpoints: the slots use the budget to within a slot
+    slot = state_bytes_per_slot(specs)
+    held = sum(t.numel() * t.element_size()
+               for t in (*mgr.conv_states.values(), *mgr.ssm_states.values()))
+    assert held == plan.state_bytes == plan.num_slots * slot
+    assert BUDGET - slot < held <= BUDGET
+    assert stats["state_slots_total"] == plan.num_slots - 1 > plan.live_slots  # null slot not counted
+
+
+@pytest.mark.parametrize("name", PURE)
+def test_prefix_hit_from_a_state_checkpoint_alone(name, family_models):
+    """A prompt sharing 40 tokens with an earlier one resumes from the earlier prompt_end state at
+    32 (no KV anywhere) and still makes transformers' tokens."""
+    path, _, hf = family_models(name)
+    llm = LLM(str(path), memory_budget_bytes=BUDGET)
+    shared = prompt(40, 31)
+    first, second = shared + prompt(5, 32), shared + prompt(9, 33)
+    a = llm.generate([first], greedy(8), use_tqdm=False)[0]
+    assert a.num_cached_tokens == 0
+    b = llm.generate([second], greedy(8), use_tqdm=False)[0]
+    assert b.num_cached_tokens == 2 * BS
+    stats = llm.stats()
+    assert stats["prefix_hit_tokens"] == 2 * BS and stats["kv_blocks_cached"] == 0
+    assert stats["state_slots_checkpoint"] >= 1
+    _assert_hf(hf, [first, second], [a.outputs[0].token_ids, b.outputs[0].token_ids])
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("name", PURE)
+def test_more_requests_than_slots_queue_and_match(name, family_models):
+    """Two live slots for four requests: the others wait for a slot. A running request never needs
+    more memory (allocate has nothing to give), so slot pressure queues and never preempts."""
+    path, ours, hf = family_models(name)
+    budget = state_bytes_per_slot(ours.cache_specs()) * (1 + 2)  # null slot + 2 live
+    llm = LLM(str(path), memory_budget_bytes=budget, max_num_seqs=4, checkpoint_share=0.0,
+              max_num_batched_tokens=24)
+    assert llm.stats()["state_slots_total"] == 2
+    prompts = _prompts()
+    ids = [llm.add_request(p, greedy(12)) for p in prompts]
+    peak, done = 0, {}
+    while llm.has_unfinished_requests():
+        for o in llm.step():
+            if o.finished:
+                done[o.request_id] = list(o.outputs[0].token_ids)
+        peak = max(peak, llm.stats()["state_slots_live"])
+    assert peak == 2
+    _assert_hf(hf, prompts, [done[i] for i in ids])
+    assert sum(llm.stats()["preemptions"].values()) == 0
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("name", PURE)
+def test_preempted_mid_decode_resumes_identically(name, mode, family_models, monkeypatch):
+    """The scheduler's preemption path with zero KV: allocate refuses once per request after 20
+    computed tokens (slot pressure alone never preempts, see above), the latest-arriving running
+    request is preempted (recompute: from the donated state; swap: the slot to host and back)."""
+    path, _, hf = family_models(name)
+    llm = LLM(str(path), memory_budget_bytes=BUDGET, preemption_mode=mode, max_num_batched_tokens=32)
+    mgr = llm.engine.mgr
+    allocate, refused = mgr.allocate, set()
+
+    def refuse_once(req_id, n):
+        if req_id not in refused and mgr.request(req_id).num_computed_tokens >= 20:
+            refused.add(req_id)
+            return None
+        return allocate(req_id, n)
+
+    monkeypatch.setattr(mgr, "allocate", refuse_once)
+    prompts = _prompts(80)
+    ids = [llm.add_request(p, greedy(12)) for p in prompts]
+    _assert_hf(hf, prompts, _run(llm, ids))
+    stats = llm.stats()
+    assert stats["preemptions"][mode] >= 2 and stats["kv_blocks_total"] == 0
+    if mode == "swap":
+        assert stats["swaps"] == stats["preemptions"]["swap"]
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("name", PURE)
+def test_migration_mid_decode_moves_the_state_alone(name, family_models):
+    path, _, hf = family_models(name)
+    src = LLM(str(path), memory_budget_bytes=BUDGET, max_num_batched_tokens=32)
+    dst = LLM(str(path), memory_budget_bytes=BUDGET, block_size=32)  # another block size
+    prompts = _prompts(90)
+    ids = [src.add_request(p, greedy(12)) for p in prompts]
+    for _ in range(5):  # prefill (the long prompt in two chunks) and a few decodes
+        src.step()
+    moving = ids[1:3]
+    snaps = [snapshot_from_bytes(snapshot_to_bytes(src.export_request(i))) for i in moving]
+    for s, i in zip(snaps, moving):
+        assert s.num_computed_tokens > s.num_prompt_tokens  # mid-decode
+        assert s.kv == {} and set(s.ssm) == set(range(hf.config.num_hidden_layers))
+        dst.import_request(s)
+    stay = [i for i in ids if i not in moving]
+    got = dict(zip(stay, _run(src, stay))) | dict(zip(moving, _run(dst, moving)))
+    _assert_hf(hf, prompts, [got[i] for i in ids])
+    assert src.stats()["migrations"]["out"] == 2 and dst.stats()["migrations"]["in"] == 2
+    assert_no_leaks(src)
+    assert_no_leaks(dst)
