@@ -12,8 +12,11 @@ by default every `full_attention_interval`-th layer), granitemoehybrid (Mamba2 o
 MoE blocks keep nothing and get no key; the SSM state in `mamba_ssm_cache_dtype`), lfm2 (short conv,
 window only, or attention per `layer_types`), falcon_h1 (attention AND Mamba2 in every layer: key
 `i` and key `num_hidden_layers + i`), zamba2 (Mamba2 state at key `i` for every layer; the shared
-attention block's KV of each hybrid layer i at key `num_hidden_layers + i`).
-For these five newer families and the attention-only ones, fields a config.json omits take
+attention block's KV of each hybrid layer i at key `num_hidden_layers + i`), qwen3_5 / qwen3_5_moe
+(Qwen3-Next's GDN and attention per `layer_types`; the `_text` model types, or the published
+multimodal config whose `text_config` holds them), mamba / falcon_mamba (Mamba1 state in every
+layer, no attention) and mamba2 (Mamba2 state in every layer, no attention).
+For the families from granitemoehybrid on and the attention-only ones, fields a config.json omits take
 transformers' config-class defaults
 (`hf_config`), as they do when transformers loads it. Shapes follow the models in hybridkv.models,
 and tests check them against those models' own `cache_specs()`.
@@ -189,9 +192,35 @@ def _zamba2(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
     return specs
 
 
+def _qwen3_5(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
+    c = hf_config(cfg)
+    c = getattr(c, "text_config", None) or c  # a published multimodal config nests the text model
+    kinds = _layer_kinds(c.layer_types, {"linear_attention": "g", "full_attention": "a"}, cfg["model_type"])
+    nk, nv = c.linear_num_key_heads, c.linear_num_value_heads
+    dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+    gdn = RecurrentSpec((2 * nk * dk + nv * dv, c.linear_conv_kernel_dim - 1), (nv, dk, dv), dtype)
+    attn = AttentionSpec(c.num_key_value_heads, _head_dim(c), dtype)
+    return {i: attn if k == "a" else gdn for i, k in enumerate(kinds)}
+
+
+def _mamba(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
+    c = hf_config(cfg)
+    d_inner = c.intermediate_size
+    spec = RecurrentSpec((d_inner, c.conv_kernel - 1), (d_inner, c.state_size), dtype)
+    return {i: spec for i in range(c.num_hidden_layers)}
+
+
+def _mamba2_only(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
+    c = hf_config(cfg)
+    spec = _mamba2(c.num_heads, c.head_dim, c.n_groups, c.state_size, c.conv_kernel, dtype)
+    return {i: spec for i in range(c.num_hidden_layers)}
+
+
 _BUILDERS = {"bamba": _bamba, "jamba": _jamba, "qwen3_next": _qwen3_next,
              "granitemoehybrid": _granitemoehybrid, "nemotron_h": _nemotron_h, "lfm2": _lfm2,
-             "falcon_h1": _falcon_h1, "zamba2": _zamba2}
+             "falcon_h1": _falcon_h1, "zamba2": _zamba2,
+             **dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), _qwen3_5),
+             "mamba": _mamba, "falcon_mamba": _mamba, "mamba2": _mamba2_only}
 
 
 def specs_from_config(cfg: Mapping, dtype: Optional[torch.dtype] = None) -> dict[int, LayerSpec]:

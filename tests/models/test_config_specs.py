@@ -1,12 +1,13 @@
-"""Config-only specs of the attention-only families: which layers get a window follows
-transformers' config classes (the equality with each model's own cache_specs() is checked in
-test_mistral.py and tests/test_compare_baseline.py)."""
+"""Config-only specs: which layers get a window follows transformers' config classes (the
+equality with each older model's own cache_specs() is checked in test_mistral.py and
+tests/engine/test_compare_baseline.py; the newer families' here, on the family fixtures)."""
 import pytest
 import torch
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from hybridkv.config_specs import specs_from_config
-from hybridkv.specs import AttentionSpec
+from hybridkv.plan import state_bytes_per_slot
+from hybridkv.specs import AttentionSpec, RecurrentSpec
 
 BASE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
             vocab_size=128, sliding_window=100)
@@ -30,3 +31,33 @@ def test_llama_has_no_window():
     """transformers' Llama ignores a stray `sliding_window` field, and so do we."""
     specs = specs_from_config(dict(BASE, model_type="llama"), torch.float32)
     assert all(s.sliding_window is None for s in specs.values())
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "mamba", "mamba2", "falcon_mamba"])
+def test_config_only_specs_equal_the_models_own(family, family_models):
+    import json
+
+    path, ours, _ = family_models(family)
+    cfg = json.loads((path / "config.json").read_text())
+    assert specs_from_config(cfg, torch.float32) == ours.cache_specs()
+
+
+@pytest.mark.parametrize("family, model_type", [("qwen3_5", "qwen3_5"), ("qwen3_5_moe", "qwen3_5_moe")])
+def test_published_multimodal_qwen3_5_config_plans_its_text_model(family, model_type, family_models):
+    """Published Qwen3.5 checkpoints nest the text model under `text_config`; the plan is its."""
+    _, ours, _ = family_models(family)
+    text = {k: v for k, v in ours.config.to_dict().items() if k != "architectures"}
+    nested = CONFIG_MAPPING[model_type](text_config=text).to_dict()
+    assert nested["model_type"] == model_type and "text_config" in nested
+    assert specs_from_config(nested, torch.float32) == ours.cache_specs()
+
+
+def test_pure_recurrent_defaults_hand_computed():
+    """transformers' defaults (Mamba-130m-like v1, Mamba-Codestral-like v2): every layer a state,
+    no attention layer; sizes worked out by hand."""
+    m1 = specs_from_config({"model_type": "mamba"}, torch.bfloat16)  # hidden 768, expand 2, 32 layers
+    assert len(m1) == 32 and set(m1.values()) == {RecurrentSpec((1536, 3), (1536, 16), torch.bfloat16)}
+    m2 = specs_from_config({"model_type": "mamba2"}, torch.bfloat16)  # 128 heads x 64, 8 groups, N 128
+    assert len(m2) == 64
+    assert set(m2.values()) == {RecurrentSpec((8192 + 2 * 8 * 128, 3), (128, 64, 128), torch.bfloat16)}
+    assert state_bytes_per_slot(m2) == 64 * (10240 * 3 + 128 * 64 * 128) * 2  # 131.75 MiB per request
