@@ -49,3 +49,16 @@ def test_transformers_in_memory_names_load_the_same(fam, family_models, tmp_path
     path, ours, hf = family_models(fam.name)
     published, stacked_suffix = fam.names
     check_transformers_names_load_the_same(ours, hf, path, tmp_path, published, stacked_suffix)
+
+
+def test_every_registered_family_has_a_row_and_a_readme_entry():
+    """The registry, the family table and the README's "Supported architectures" paragraph agree."""
+    import re
+    from pathlib import Path
+
+    from hybridkv.models.registry import family_names, supported_architectures
+
+    assert set(family_names()) == set(FAMILIES)
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    paragraph = readme.split("Supported architectures:", 1)[1].split("\n\n", 1)[0]
+    assert set(re.findall(r"`(\w+ForCausalLM)`", paragraph)) == set(supported_architectures())
