@@ -25,11 +25,8 @@ def tiny_config(**overrides):
 
 
 def mamba2_mixer(config) -> Mamba2Mixer:
-    """A Mamba2Mixer from a Mamba2Config; refuses a config whose heads do not tile d_inner."""
-    d_inner = int(config.expand * config.hidden_size)
-    if config.num_heads * config.head_dim != d_inner:
-        raise ValueError(f"num_heads x head_dim = {config.num_heads} x {config.head_dim} must equal "
-                         f"expand x hidden_size = {d_inner} (transformers' Mamba2 splits by both)")
+    """A Mamba2Mixer from a Mamba2Config (whose validation already ties num_heads x head_dim to
+    expand x hidden_size)."""
     return Mamba2Mixer(config.hidden_size, config.num_heads, config.head_dim, config.n_groups,
                        config.state_size, config.conv_kernel, config.chunk_size,
                        eps=config.layer_norm_epsilon, conv_bias=config.use_conv_bias,

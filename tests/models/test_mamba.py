@@ -39,3 +39,20 @@ def test_pure_recurrent_max_model_len_is_not_zero(family_models):
     for name in ("mamba", "mamba2", "falcon_mamba"):
         _, ours, _ = family_models(name)
         assert ours.max_model_len >= 1 << 20
+
+
+def test_configs_this_code_would_run_wrongly_are_refused():
+    """(transformers itself refuses a Mamba2 config whose heads do not tile expand x hidden.)"""
+    import pytest
+
+    from hybridkv.models.loader import build_model
+    from hybridkv.models.registry import family_module
+
+    bad = [("mamba", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+           ("mamba", dict(intermediate_size=100), "intermediate_size=100 is not a multiple"),
+           ("qwen3_5", dict(layer_types=["linear_attention", "sliding_attention"] * 2),
+            "layer_types\\[1\\] is 'sliding_attention'")]
+    for family, overrides, message in bad:
+        config = family_module(family).tiny_config(**overrides)
+        with pytest.raises(ValueError, match=message):
+            build_model(config)
