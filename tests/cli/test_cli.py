@@ -23,7 +23,8 @@ def test_demo_runs_and_reports():
     assert re.search(r"KV blocks used 0, cached \d+, total \d+", out), out
     assert re.search(r"state slots live 0, checkpoints \d+, total \d+", out), out
     hit = re.search(r"prefix hits: (\d+) of (\d+) prompt tokens", out)
-    assert hit and int(hit.group(1)) == cached["follow-up"], out
+    # the stats count every hit the lines above show (the follow-up's at least)
+    assert hit and int(hit.group(1)) >= cached["follow-up"], out
     assert re.search(r"preemptions \{.*\}", out) and re.search(r"[\d.]+ tokens/s", out), out
 
 
