@@ -3,7 +3,7 @@ the KV pool takes no memory, prefix hits come from state checkpoints alone, pree
 migration move only states, and every token is transformers' greedy choice."""
 import pytest
 
-from hybridkv import LLM
+from hybridkv import LLM, SamplingParams
 from hybridkv.plan import state_bytes_per_slot
 from hybridkv.scheduler.snapshot_io import snapshot_from_bytes, snapshot_to_bytes
 from hybridkv.specs import RecurrentSpec
@@ -72,6 +72,25 @@ def test_prefix_hit_from_a_state_checkpoint_alone(name, family_models):
     assert stats["prefix_hit_tokens"] == 2 * BS and stats["kv_blocks_cached"] == 0
     assert stats["state_slots_checkpoint"] >= 1
     _assert_hf(hf, [first, second], [a.outputs[0].token_ids, b.outputs[0].token_ids])
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("name", PURE)
+def test_burst_computes_a_shared_prefix_once_and_forks_copy_the_state(name, family_models):
+    """Three prompts sharing 40 tokens arrive together: the leader stops at 32 and keeps the state
+    there, the followers wait a step and resume from it. Then n=2 greedy samples fork the live state."""
+    path, _, hf = family_models(name)
+    llm = LLM(str(path), memory_budget_bytes=BUDGET)
+    shared = prompt(40, 41)
+    prompts = [shared + prompt(3 + i, 42 + i) for i in range(3)]
+    outs = llm.generate(prompts, greedy(6), use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [0, 2 * BS, 2 * BS]
+    assert llm.stats()["burst_waits"] >= 2
+    _assert_hf(hf, prompts, [o.outputs[0].token_ids for o in outs])
+    two = SamplingParams(n=2, temperature=0.0, max_tokens=6, ignore_eos=True)
+    forked = llm.generate([prompts[0]], two, use_tqdm=False)[0]
+    assert [c.token_ids for c in forked.outputs] == [outs[0].outputs[0].token_ids] * 2
+    assert llm.stats()["forks"] >= 1
     assert_no_leaks(llm)
 
 
