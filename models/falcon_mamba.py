@@ -5,6 +5,8 @@ all-ones buffer, never in a checkpoint), so they add nothing to load.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -41,8 +43,8 @@ class FalconMambaModel(MambaModel):
     architecture = ARCHITECTURE
 
     def __init__(self, config):
-        eps = config.mixer_rms_eps
-        super().__init__(config, make_mixer=lambda c: mamba1_mixer(c, lambda dim: WeightlessRMSNorm(eps)))
+        norm = partial(WeightlessRMSNorm, config.mixer_rms_eps)
+        super().__init__(config, make_mixer=lambda c: mamba1_mixer(c, inner_norm=norm))
 
 
 MODEL_CLASS = FalconMambaModel

@@ -37,8 +37,9 @@ def tiny_config(**overrides):
     return MambaConfig(**kw)
 
 
-def mamba1_mixer(config, inner_norm) -> Mamba1Mixer:
-    """A Mamba1Mixer from a Mamba/FalconMamba config; `inner_norm(dim)` builds its dt, B and C norms."""
+def mamba1_mixer(config, inner_norm=nn.Identity) -> Mamba1Mixer:
+    """A Mamba1Mixer from a Mamba/FalconMamba config; `inner_norm()` builds each of its dt, B and C
+    norms (Jamba's weighted RMSNorms are replaced: Mamba has none, FalconMamba weightless ones)."""
     h, d_inner = config.hidden_size, config.intermediate_size
     if d_inner % h:
         raise ValueError(f"intermediate_size={d_inner} is not a multiple of hidden_size={h}; "
@@ -48,10 +49,7 @@ def mamba1_mixer(config, inner_norm) -> Mamba1Mixer:
     mixer = Mamba1Mixer(h, config.state_size, config.conv_kernel, d_inner // h,
                         int(config.time_step_rank), eps=config.layer_norm_epsilon,
                         conv_bias=config.use_conv_bias, proj_bias=config.use_bias)
-    rank = int(config.time_step_rank)
-    mixer.dt_layernorm = inner_norm(rank)
-    mixer.b_layernorm = inner_norm(config.state_size)
-    mixer.c_layernorm = inner_norm(config.state_size)
+    mixer.dt_layernorm, mixer.b_layernorm, mixer.c_layernorm = inner_norm(), inner_norm(), inner_norm()
     return mixer
 
 
@@ -79,7 +77,7 @@ class MambaModel(HybridModel):
 
     architecture = ARCHITECTURE
 
-    def __init__(self, config, make_mixer=lambda c: mamba1_mixer(c, lambda dim: nn.Identity())):
+    def __init__(self, config, make_mixer=mamba1_mixer):
         super().__init__(config)
         self.backbone = _MambaBody(config, make_mixer)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -96,11 +94,12 @@ class MambaModel(HybridModel):
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         h = self.backbone.embeddings(batch.input_ids)
+        dtype = h.dtype
         split = split_decode_prefill(batch)  # shared by every layer
         for i, layer in enumerate(self.backbone.layers):
-            x = layer.mixer(layer.norm(h.to(self.dtype)), batch, caches.conv[i], caches.state[i], split)
+            x = layer.mixer(layer.norm(h.to(dtype)), batch, caches.conv[i], caches.state[i], split)
             h = (h.float() if self.residual_in_fp32 else h) + x
-        return self.compute_logits(self.backbone.norm_f(h).to(self.dtype), batch, self.lm_head)
+        return self.compute_logits(self.backbone.norm_f(h).to(dtype), batch, self.lm_head)
 
 
 MODEL_CLASS = MambaModel
