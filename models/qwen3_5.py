@@ -6,6 +6,10 @@ as in Qwen3-Next. What differs: the GDN projects q|k|v, z, b and a with four pla
 interleaved `in_proj_qkvz` / `in_proj_ba`, and every layer's MLP is a dense SwiGLU. Rope is
 transformers' interleaved M-RoPE, which for text (the same position on all three axes) is plain
 rope over `partial_rotary_factor` of each head. Qwen3.5-MoE (qwen3_5_moe.py) swaps in a MoE.
+
+Published Qwen3.5 checkpoints are multimodal (`Qwen3_5ForConditionalGeneration`: the text config
+under `text_config`, text weights under `model.language_model.`); they load here as the text
+model alone, as transformers' AutoModelForCausalLM loads them. The vision tower is ignored.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from .decoder import HybridDecoderLayer, layer_cache_specs, rotary_for, run_laye
 from .forward_batch import ForwardBatch, ModelCaches
 from .gdn_mixer import GatedDeltaNetMixer
 from .mlp import GatedMLP
+from .moe import PerExpertView
 from .norms import RMSNorm
 
 ARCHITECTURE = "Qwen3_5ForCausalLM"
@@ -40,6 +45,27 @@ def tiny_config(**overrides):
               eos_token_id=2, tie_word_embeddings=False, architectures=[ARCHITECTURE])
     kw.update(overrides)
     return Qwen3_5TextConfig(**kw)
+
+
+class LanguageModelView:
+    """A checkpoint seen with text-model names (`model.X`) when it stores a multimodal layout
+    (`model.language_model.X`). Wraps anything with `__contains__` and `get(name)`."""
+
+    def __init__(self, ckpt):
+        self.ckpt = ckpt
+
+    def _source(self, name: str) -> str:
+        if name not in self.ckpt and name.startswith("model."):
+            nested = "model.language_model." + name[len("model."):]
+            if nested in self.ckpt:
+                return nested
+        return name
+
+    def __contains__(self, name: str) -> bool:
+        return self._source(name) in self.ckpt
+
+    def get(self, name: str):
+        return self.ckpt.get(self._source(name))
 
 
 class SplitProjectionGDN(GatedDeltaNetMixer):
@@ -113,11 +139,17 @@ class Qwen3_5Model(HybridModel):
     architecture = ARCHITECTURE
 
     def __init__(self, config, make_mlp=dense_mlp):
+        config = getattr(config, "text_config", None) or config  # a multimodal checkpoint's text model
         super().__init__(config)
         self.model = _Qwen3_5Body(config, make_mlp)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # partial_rotary_factor (0.25 by default) comes from config.rope_parameters
         self.rotary = rotary_for(config, self.model.layers)
+
+    def load_weights(self, ckpt) -> None:
+        """Text-model names as saved by Qwen3_5ForCausalLM or the multimodal layout; MoE experts
+        per expert as published or transformers' fused tensors."""
+        super().load_weights(PerExpertView(LanguageModelView(ckpt)))
 
     def cache_specs(self) -> dict[int, LayerSpec]:
         return layer_cache_specs(self.model.layers, self.dtype)

@@ -2,12 +2,13 @@
 
 The MoE routes top-k of a float32 softmax and always renormalises the k weights (Qwen3.5-MoE has
 no `norm_topk_prob` option), plus a shared expert scaled by sigmoid(shared_expert_gate(x)).
+Published (multimodal) checkpoints load as the text model alone, as for Qwen3.5.
 """
 from __future__ import annotations
 
 from torch import nn
 
-from .moe import PerExpertView, SparseMoE
+from .moe import SparseMoE
 from .qwen3_5 import Qwen3_5Model
 
 ARCHITECTURE = "Qwen3_5MoeForCausalLM"
@@ -39,7 +40,8 @@ def moe_mlp(config, i: int) -> nn.Module:
 
 class Qwen3_5MoeModel(Qwen3_5Model):
     """Parameter names equal the HF checkpoint's, except the router: ours `mlp.router`, the
-    checkpoint's `mlp.gate` (mapped in `checkpoint_name`); experts load per expert or fused."""
+    checkpoint's `mlp.gate` (mapped in `checkpoint_name`); experts load per expert or fused
+    (Qwen3_5Model.load_weights)."""
 
     architecture = ARCHITECTURE
 
@@ -50,10 +52,6 @@ class Qwen3_5MoeModel(Qwen3_5Model):
         if ".mlp.router." in name:
             return name.replace(".mlp.router.", ".mlp.gate.")
         return name
-
-    def load_weights(self, ckpt) -> None:
-        """Per-expert checkpoints as published, or transformers' fused expert tensors."""
-        super().load_weights(PerExpertView(ckpt))
 
 
 MODEL_CLASS = Qwen3_5MoeModel

@@ -18,6 +18,8 @@ _ARCHITECTURES: dict[str, str] = {
     "FalconH1ForCausalLM": "falcon_h1",
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",  # published checkpoints: the text model alone
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     "MambaForCausalLM": "mamba",
     "Mamba2ForCausalLM": "mamba2",
     "FalconMambaForCausalLM": "falcon_mamba",

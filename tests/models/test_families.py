@@ -61,4 +61,5 @@ def test_every_registered_family_has_a_row_and_a_readme_entry():
     assert set(family_names()) == set(FAMILIES)
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     paragraph = readme.split("Supported architectures:", 1)[1].split("\n\n", 1)[0]
-    assert set(re.findall(r"`(\w+ForCausalLM)`", paragraph)) == set(supported_architectures())
+    named = re.findall(r"`(\w+For(?:CausalLM|ConditionalGeneration))`", paragraph)
+    assert set(named) == set(supported_architectures())
