@@ -23,11 +23,12 @@ class CheckpointPolicy:
     deepest checkpoint AND another cached block continues the match with other content (the
     prefix tree branches there), found at admission. The end of a cached sequence that a new
     prompt merely extends (the next turn of a chat) is not a junction.
-    junctions (default; Marconi's admission): branch_points without the prompt-end state: only
-    states that a second request is known to want (junctions, burst boundaries) or that the
-    next turn of a chat resumes from (the rolling output state, the final state). A prompt-end
-    state is reused only by a repeat of the whole prompt; under a tight budget it displaces
-    junctions (BENCHMARKS.md, "Prefix-cache policies").
+    junctions (default): branch_points, but a prompt-end state only where it saves at least as
+    many tokens as the state the request resumed from (`end - start >= start` for the chunk that
+    reaches it: a fresh prompt keeps one, so a repeat of it hits; a few-shot query or a chat turn
+    resuming from a deep state does not). Such a state serves only a repeat of this very prompt,
+    and under a tight budget it displaces junctions (Marconi's admission: keep states that a
+    second request is known to want). BENCHMARKS.md, "Prefix-cache policies", has the numbers.
     """
 
     def __init__(self, name: str, block_size: int, every_n: int = 4):
