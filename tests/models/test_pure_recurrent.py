@@ -61,7 +61,7 @@ def test_prefix_hit_from_a_state_checkpoint_alone(name, family_models):
     """A prompt sharing 40 tokens with an earlier one resumes from the earlier prompt_end state at
     32 (no KV anywhere) and still makes transformers' tokens."""
     path, _, hf = family_models(name)
-    llm = LLM(str(path), memory_budget_bytes=BUDGET)
+    llm = LLM(str(path), memory_budget_bytes=BUDGET, checkpoint_policy="prompt_end")
     shared = prompt(40, 31)
     first, second = shared + prompt(5, 32), shared + prompt(9, 33)
     a = llm.generate([first], greedy(8), use_tqdm=False)[0]
@@ -124,7 +124,8 @@ def test_preempted_mid_decode_resumes_identically(name, mode, family_models, mon
     computed tokens (slot pressure alone never preempts, see above), the latest-arriving running
     request is preempted (recompute: from the donated state; swap: the slot to host and back)."""
     path, _, hf = family_models(name)
-    llm = LLM(str(path), memory_budget_bytes=BUDGET, preemption_mode=mode, max_num_batched_tokens=32)
+    llm = LLM(str(path), memory_budget_bytes=BUDGET, preemption_mode=mode, max_num_batched_tokens=32,
+              checkpoint_policy="prompt_end")
     mgr = llm.engine.mgr
     allocate, refused = mgr.allocate, set()
 
@@ -142,6 +143,8 @@ def test_preempted_mid_decode_resumes_identically(name, mode, family_models, mon
     assert stats["preemptions"][mode] >= 2 and stats["kv_blocks_total"] == 0
     if mode == "swap":
         assert stats["swaps"] == stats["preemptions"]["swap"]
+    else:  # at least one victim resumed from the state it donated, not from token 0
+        assert stats["prefix_hit_tokens"] >= BS
     assert_no_leaks(llm)
 
 
