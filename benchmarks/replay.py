@@ -28,7 +28,8 @@ from traces import TraceRequest
 @dataclass
 class ReplayResult:
     """Per trace: prompt tokens, prefix-hit tokens (first admission of each request), the hits
-    themselves, steps, peak checkpoint slots, running requests and utilization per step."""
+    themselves, steps, prefill chunks, peak checkpoint slots, running requests and utilization per
+    step."""
 
     prompt_tokens: int = 0
     hit_tokens: int = 0
