@@ -169,3 +169,18 @@ def test_migration_mid_decode_moves_the_state_alone(name, family_models):
     assert src.stats()["migrations"]["out"] == 2 and dst.stats()["migrations"]["in"] == 2
     assert_no_leaks(src)
     assert_no_leaks(dst)
+
+
+@pytest.mark.parametrize("chunk", [2048, 29])
+def test_a_repeated_prompt_hits_however_its_prefill_was_chunked(chunk, family_models):
+    """FAILS on main (checkpoint policy, not this family): under the default policy a fresh prompt
+    keeps its prompt-end state "so a repeat of it hits" (hybridkv/checkpoint_policy.py). Prefilled
+    in one pass, the repeat of a 53-token prompt resumes at 48; prefilled in chunks [0, 29) and
+    [29, 53) it resumes at 0, because `due()` tests `end - start >= start` with the CHUNK's start
+    (48 - 29 < 29) instead of where the request resumed (0). A pure-recurrent model then has
+    nothing else to hit; hybrids lose the hit the same way."""
+    path, _, _ = family_models("mamba")
+    llm = LLM(str(path), memory_budget_bytes=BUDGET, max_num_batched_tokens=chunk)
+    tokens = prompt(3 * BS + 5, 51)
+    llm.generate([tokens], greedy(2), use_tqdm=False)
+    assert llm.generate([tokens], greedy(2), use_tqdm=False)[0].num_cached_tokens == 3 * BS
