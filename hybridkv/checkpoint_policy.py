@@ -23,12 +23,12 @@ class CheckpointPolicy:
     deepest checkpoint AND another cached block continues the match with other content (the
     prefix tree branches there), found at admission. The end of a cached sequence that a new
     prompt merely extends (the next turn of a chat) is not a junction.
-    junctions (default): branch_points, but a prompt-end state only where it saves at least as
-    many tokens as the state the request resumed from (`end - start >= start` for the chunk that
-    reaches it: a fresh prompt keeps one, so a repeat of it hits; a few-shot query or a chat turn
-    resuming from a deep state does not). Such a state serves only a repeat of this very prompt,
-    and under a tight budget it displaces junctions (Marconi's admission: keep states that a
-    second request is known to want). BENCHMARKS.md, "Prefix-cache policies", has the numbers.
+    junctions (default): branch_points, but a prompt-end state only where it adds at least as
+    many tokens as the request resumed from (e - resumed_from >= resumed_from: a fresh prompt
+    keeps one, so a repeat of it hits; a few-shot query or a chat turn resuming from a deep state
+    does not). Such a state serves only a repeat of this very prompt, and under a tight budget it
+    displaces junctions (Marconi's admission: keep states a second request is known to want).
+    BENCHMARKS.md, "Prefix-cache policies", has the numbers.
     """
 
     def __init__(self, name: str, block_size: int, every_n: int = 4):
@@ -54,17 +54,19 @@ class CheckpointPolicy:
         return (num_prompt_tokens - 1) // self.block_size * self.block_size
 
     def due(self, start: int, end: int, num_prompt_tokens: int, branch_point: Optional[int],
-            shared: Sequence[int] = ()) -> Optional[int]:
+            shared: Sequence[int] = (), resumed_from: Optional[int] = None) -> Optional[int]:
         """The first block boundary b in (start, end] where a checkpoint is wanted, else None.
 
         shared: boundaries where requests waiting in a burst need this request's state (the
-        manager's burst rule); every policy but 'none' honours them."""
+        manager's burst rule); every policy but 'none' honours them.
+        resumed_from: where the request's prefill started (its prefix hit); None: unknown, and
+        'junctions' guesses from the chunk (see _keeps_prompt_end)."""
         if self.name == "none" or end <= start:
             return None
         found = list(shared)
         if self.rolling_output:
             e = self.prompt_end(num_prompt_tokens)
-            if self.name != "junctions" or e - start >= start:
+            if self.name != "junctions" or self._keeps_prompt_end(e, start, resumed_from):
                 found.append(e)
             latest = end // self.block_size * self.block_size
             if latest > num_prompt_tokens:  # in generated tokens: keep the latest boundary (multi-turn)
@@ -76,3 +78,11 @@ class CheckpointPolicy:
             found.append((start // step + 1) * step)
         hits = [b for b in found if start < b <= end and b > 0]
         return min(hits) if hits else None
+
+    def _keeps_prompt_end(self, e: int, start: int, resumed_from: Optional[int]) -> bool:
+        if resumed_from is not None:
+            return e - resumed_from >= resumed_from
+        # Unknown: a chunk that starts off a block boundary, or adds 256+ tokens, is taken for a
+        # piece of a chunked fresh prefill (no hit starts there); a short aligned tail for a
+        # request that resumed from a state at `start`.
+        return start % self.block_size != 0 or e - start >= min(start, 256)
