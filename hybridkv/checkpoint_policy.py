@@ -24,9 +24,9 @@ class CheckpointPolicy:
     prefix tree branches there), found at admission. The end of a cached sequence that a new
     prompt merely extends (the next turn of a chat) is not a junction.
     junctions (default): branch_points, but a prompt-end state only where it adds at least as
-    many tokens as the request resumed from (e - resumed_from >= resumed_from: a fresh prompt
-    keeps one, so a repeat of it hits; a few-shot query or a chat turn resuming from a deep state
-    does not). Such a state serves only a repeat of this very prompt, and under a tight budget it
+    many tokens as its parent state (where the request resumed, or a junction or burst state it
+    leaves before): a fresh prompt keeps one, so a repeat of it hits; a few-shot query or a chat
+    turn after a deep state does not. Such a state serves only a repeat of this very prompt, and under a tight budget it
     displaces junctions (Marconi's admission: keep states a second request is known to want).
     BENCHMARKS.md, "Prefix-cache policies", has the numbers.
     """
@@ -66,7 +66,7 @@ class CheckpointPolicy:
         found = list(shared)
         if self.rolling_output:
             e = self.prompt_end(num_prompt_tokens)
-            if self.name != "junctions" or self._keeps_prompt_end(e, start, resumed_from):
+            if self.name != "junctions" or self._keeps_prompt_end(e, start, resumed_from, branch_point, shared):
                 found.append(e)
             latest = end // self.block_size * self.block_size
             if latest > num_prompt_tokens:  # in generated tokens: keep the latest boundary (multi-turn)
@@ -79,9 +79,14 @@ class CheckpointPolicy:
         hits = [b for b in found if start < b <= end and b > 0]
         return min(hits) if hits else None
 
-    def _keeps_prompt_end(self, e: int, start: int, resumed_from: Optional[int]) -> bool:
+    def _keeps_prompt_end(self, e: int, start: int, resumed_from: Optional[int], branch_point: Optional[int],
+                          shared: Sequence[int]) -> bool:
+        """Whether the prompt end e saves at least as much as its parent, the deepest state before
+        it that this request resumed from or leaves (a junction or burst cut): Marconi values a
+        state by what it saves over its parent."""
         if resumed_from is not None:
-            return e - resumed_from >= resumed_from
+            parent = max([resumed_from] + [b for b in (branch_point, *shared) if b is not None and b < e])
+            return e - parent >= parent
         # Unknown: a chunk that starts off a block boundary, or adds 256+ tokens, is taken for a
         # piece of a chunked fresh prefill (no hit starts there); a short aligned tail for a
         # request that resumed from a state at `start`.

@@ -21,6 +21,10 @@ def test_a_short_tail_after_a_deep_hit_keeps_no_prompt_end():
     assert J.due(960, 1030, 1030, None, resumed_from=960) is None
     assert J.due(960, 1030, 1030, None) is None
     assert CheckpointPolicy("branch_points", 16).due(960, 1030, 1030, None) == 1024
+    # the second query of a task: cut at the junction it found, then no prompt end past it
+    assert J.due(0, 1030, 1030, 960, resumed_from=0) == 960
+    assert J.due(960, 1030, 1030, 960, resumed_from=0) is None
+    assert J.due(512, 560, 560, None, shared=[512], resumed_from=0) is None  # a burst leader's tail
 
 
 def test_junctions_bursts_and_output_states_are_kept():
