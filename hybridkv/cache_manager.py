@@ -267,7 +267,7 @@ class HybridCacheManager:
             return hit
         for kind in self.kinds:
             kind.admit(r.req_id, r.block_hashes, m)
-        r.num_computed_tokens, r.num_hashed_blocks = hit, m
+        r.num_computed_tokens, r.num_hashed_blocks, r.resumed_from = hit, m, hit
         # Only a real junction (another cached continuation), not the end of a cached sequence.
         r.branch_point = kv * bs if kv > m and branches else None
         r.status = RUNNING
@@ -368,7 +368,7 @@ class HybridCacheManager:
         if self.recurrent is None or not self.enable_prefix_caching:
             return None
         r = self._reqs[req_id]
-        return self.policy.due(start, end, r.num_prompt_tokens, r.branch_point, r.shared)
+        return self.policy.due(start, end, r.num_prompt_tokens, r.branch_point, r.shared, r.resumed_from)
 
     def checkpoint(self, req_id: Hashable) -> bool:
         """Copy the live state into a checkpoint keyed by the hash of the block ending at
@@ -468,7 +468,7 @@ class HybridCacheManager:
         for kind in self.kinds:
             kind.swap_in(req_id, r.swapped[kind.name], hashes, nc)
         r.swapped = None
-        r.status = RUNNING
+        r.status, r.resumed_from = RUNNING, nc
         return nc
 
     # ---- migrate ---------------------------------------------------------------------------
@@ -518,7 +518,7 @@ class HybridCacheManager:
         key = extra_key(self.fingerprint, snap.adapter_id, tuple(snap.mm_hashes), snap.cache_salt)
         r = RequestState(rid, list(snap.token_ids) if token_ids is None else token_ids, snap.num_prompt_tokens,
                          snap.max_tokens, key, snap.cache_salt, snap.adapter_id, tuple(snap.mm_hashes),
-                         RUNNING, nc)
+                         RUNNING, nc, resumed_from=nc)
         hashes: list[bytes] = []
         if self.enable_prefix_caching:
             hashes = self._hashes(r)

@@ -17,6 +17,8 @@ class RequestState:
     block_hashes: chained hashes of the full blocks of token_ids computed so far (or matched).
     branch_point: where the policy 'branch_points' wants a checkpoint (set at admission), or None.
     shared: block boundaries where waiting requests of a burst need this request's state.
+    resumed_from: where its current run started computing (the prefix hit, or where a swap-in
+        or an import resumed it); the policy values a prompt-end state by what it adds past it.
     swapped: {kind name: host copy} while SWAPPED.
     """
 
@@ -34,4 +36,5 @@ class RequestState:
     num_hashed_blocks: int = 0
     branch_point: Optional[int] = None
     shared: list[int] = field(default_factory=list)
+    resumed_from: int = 0
     swapped: Optional[dict] = None
