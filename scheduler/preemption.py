@@ -1,6 +1,6 @@
 """Which way to preempt a victim: swap its memory to the host or drop it and recompute later.
 
-The cost model (DESIGN.md): moving costs `bytes / host bandwidth x 2` (out and back in);
+The cost model (docs/design.md, "Preemption, swap and migration"): moving costs `bytes / host bandwidth x 2` (out and back in);
 recomputing costs `tokens to recompute x prefill seconds per token`, where a recompute resumes
 from the request's latest block-boundary checkpoint (it is donated to the prefix cache).
 Both rates are measured at start-up by `profiler.profile_model`.
