@@ -1,12 +1,15 @@
 """Fast torch path for paged attention on CPU: same contract as `attention_ref.paged_attention_ref`.
 
-The reference loops over requests and builds masks for each. Here the one-token decodes of a step
-run together: their KV is gathered from the pool into one padded `[R, S_max, Hkv, D]` batch and
-attended with two batched matmuls under a length mask. Prefill chunks (query_len > 1) run one
-request at a time through `F.scaled_dot_product_attention` with the GQA group folded into the
-query rows (no KV copy per query head). Soft-capped layers take the batched matmul path for
-prefill too (SDPA has no soft cap). Under a sliding window only the blocks from the first query's
-window on are gathered. Checked against the reference in tests/kernels/test_attention_cpu.py.
+The cost follows the tokens held, not (requests x longest context). One-token decodes are sorted
+by the number of blocks they read and cut into buckets whose padding at most doubles their work,
+so one long request runs in its own bucket instead of making every short one pay for its length.
+A bucket gathers its whole blocks with one `index_select` straight into a `[Hkv, R, S, D]` layout
+and attends with two batched matmuls, the GQA group folded into the query rows (no copy of K or V
+per query head). Prefill chunks (query_len > 1) run one request at a time through
+`F.scaled_dot_product_attention` on the same gather; soft-capped layers take the batched matmul
+path for prefill too (SDPA has no soft cap). Under a sliding window only the blocks from the first
+query's window on are gathered: blocks before it may already belong to another request.
+Checked against the reference in tests/kernels/test_attention_cpu.py.
 """
 from __future__ import annotations
 
@@ -22,16 +25,36 @@ def _first_block(seq_len: int, qlen: int, bs: int, window) -> int:
     return 0 if window is None else max(0, seq_len - qlen - window + 1) // bs
 
 
+def decode_buckets(nblocks: list[int], waste: float = 2.0) -> list[list[int]]:
+    """Indices into `nblocks` (blocks each decode reads), cut into buckets run as one batch each.
+
+    Sorted by length; a bucket takes the next (longest so far) request while its padded size
+    (count x longest) stays within `waste` times the blocks its requests really read.
+    """
+    order = sorted(range(len(nblocks)), key=nblocks.__getitem__)
+    buckets, cur, held = [], [], 0
+    for i in order:
+        n = nblocks[i]
+        if cur and n * (len(cur) + 1) > waste * (held + n):
+            buckets.append(cur)
+            cur, held = [], 0
+        cur.append(i)
+        held += n
+    return buckets + [cur] if cur else buckets
+
+
 def _gather_kv(kv_cache, block_table, rows, first, nblk):
-    """K, V [R, nblk * bs, Hkv, D] in fp32: blocks first[r] .. first[r] + nblk - 1 of each row."""
+    """K, V [Hkv, R, nblk * bs, D] fp32: blocks first[r] .. first[r] + nblk - 1 of each row,
+    gathered with one index_select of whole blocks from the pool viewed as [2, Hkv, blocks, bs, D]."""
     cols = first.view(-1, 1) + torch.arange(nblk, device=first.device)
     cols = cols.clamp_(max=block_table.shape[1] - 1)  # past a short row's end: masked keys
     # unused entries may hold any id (even -1): clamp into the pool, their keys are masked
     blocks = block_table[rows.view(-1, 1), cols].long().clamp_(0, kv_cache.shape[0] - 1)
-    kv = kv_cache[blocks]  # [R, nblk, 2, bs, Hkv, D]
-    r, _, _, bs, hkv, d = kv.shape
-    kv = kv.transpose(1, 2).reshape(r, 2, nblk * bs, hkv, d).float()
-    return kv[:, 0], kv[:, 1]
+    _, _, bs, hkv, d = kv_cache.shape
+    kv = kv_cache.permute(1, 3, 0, 2, 4).index_select(2, blocks.view(-1))  # [2, Hkv, R*nblk, bs, D]
+    kv = kv.view(2, hkv, rows.shape[0], nblk * bs, d)
+    kv = kv if kv.dtype == torch.float32 else kv.float()
+    return kv[0], kv[1]
 
 
 def _visible(pos, key, seq_len, causal, sliding_window):
@@ -44,41 +67,40 @@ def _visible(pos, key, seq_len, causal, sliding_window):
     return vis
 
 
-def _attend(q, k, v, vis, scale, soft_cap):
-    """q [R, Hkv, G, L, D], k/v [R, Hkv, S, D], vis [R, 1, 1, L, S] -> [R, Hkv, G, L, D] fp32."""
-    logits = (q @ k.unsqueeze(2).transpose(-1, -2)) * scale
-    if soft_cap is not None:
-        logits = soft_cap * torch.tanh(logits / soft_cap)
-    logits = logits.masked_fill(~vis, float("-inf"))
-    probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # a row with no key gives zeros
-    return probs @ v.unsqueeze(2)
-
-
 def _batched(q, kv_cache, block_table, reqs, starts, qlens, lens, scale, causal, window, soft_cap):
-    """Requests `reqs` (same padded query length Lmax) at once; returns [R, Lmax, Hq, D] fp32."""
+    """Requests `reqs` (queries padded to the longest, Lmax) at once; returns [R, Lmax, Hq, D] fp32."""
     bs, hkv = kv_cache.shape[2], kv_cache.shape[3]
-    t, hq, d = q.shape
-    g = hq // hkv
-    lmax = max(qlens)
+    _, hq, d = q.shape
+    g, r_n, lmax = hq // hkv, len(reqs), max(qlens)
     firsts = [_first_block(s, n, bs, window) for s, n in zip(lens, qlens)]
     nblk = max(-(-s // bs) - f for s, f in zip(lens, firsts))
-    rows = torch.tensor(reqs, device=q.device)
-    first = torch.tensor(firsts, device=q.device)
-    k, v = _gather_kv(kv_cache, block_table, rows, first, nblk)  # [R, S, Hkv, D]
+    dev = q.device
+    first = torch.tensor(firsts, device=dev)
+    k, v = _gather_kv(kv_cache, block_table, torch.tensor(reqs, device=dev), first, nblk)
+    s_n = nblk * bs
     # queries padded to lmax per request; padding rows point at row 0 and are dropped later
-    idx = torch.tensor([[s + i if i < n else 0 for i in range(lmax)] for s, n in zip(starts, qlens)],
-                       device=q.device)
-    qr = q[idx].float().view(len(reqs), lmax, hkv, g, d).permute(0, 2, 3, 1, 4)  # [R, Hkv, G, L, D]
-    seq = torch.tensor(lens, device=q.device).view(-1, 1, 1)
-    ql = torch.tensor(qlens, device=q.device).view(-1, 1, 1)
-    pos = seq - ql + torch.arange(lmax, device=q.device).view(1, -1, 1)  # [R, L, 1]
-    key = (first * bs).view(-1, 1, 1) + torch.arange(nblk * bs, device=q.device).view(1, 1, -1)
-    vis = _visible(pos, key, seq, causal, window)[:, None, None]
+    if lmax == 1:
+        idx = torch.tensor(starts, device=dev)
+    else:
+        idx = torch.tensor([[s + i if i < n else 0 for i in range(lmax)]
+                            for s, n in zip(starts, qlens)], device=dev).view(-1)
+    qr = q.index_select(0, idx).float().mul_(scale).view(r_n, lmax, hkv, g, d)
+    qr = qr.permute(2, 0, 3, 1, 4).reshape(hkv * r_n, g * lmax, d)  # rows are (group, query)
+    logits = torch.bmm(qr, k.view(hkv * r_n, s_n, d).transpose(1, 2))  # [Hkv*R, G*L, S]
+    if soft_cap is not None:
+        logits.div_(soft_cap).tanh_().mul_(soft_cap)
+    seq = torch.tensor(lens, device=dev).view(-1, 1, 1)
+    ql = torch.tensor(qlens, device=dev).view(-1, 1, 1)
+    pos = seq - ql + torch.arange(lmax, device=dev).view(1, -1, 1)  # [R, L, 1]
+    key = (first * bs).view(-1, 1, 1) + torch.arange(s_n, device=dev).view(1, 1, -1)  # [R, 1, S]
+    hidden = ~_visible(pos, key, seq, causal, window)  # [R, L, S]
+    logits.view(hkv, r_n, g, lmax, s_n).masked_fill_(hidden[None, :, None], float("-inf"))
+    probs = torch.softmax(logits, dim=-1)  # every real query sees its own key: no empty row
     # keys past seq_len (a block's unwritten tail, padding columns) hold another owner's data: a
     # zero weight times a non-finite value there would still be NaN, so zero them
-    v = v.masked_fill((key[:, 0] >= seq[:, 0])[..., None, None], 0.0)
-    o = _attend(qr, k.transpose(1, 2), v.transpose(1, 2), vis, scale, soft_cap)
-    return o.permute(0, 3, 1, 2, 4).reshape(len(reqs), lmax, hq, d)
+    v.masked_fill_((key[:, 0] >= seq[:, 0])[None, :, :, None], 0.0)
+    o = torch.bmm(probs, v.view(hkv * r_n, s_n, d))  # [Hkv*R, G*L, D]
+    return o.view(hkv, r_n, g, lmax, d).permute(1, 3, 0, 2, 4).reshape(r_n, lmax, hq, d)
 
 
 def _prefill_sdpa(q, kv_cache, block_table, r, q0, qlen, seq_len, scale, causal, window):
@@ -90,7 +112,7 @@ def _prefill_sdpa(q, kv_cache, block_table, r, q0, qlen, seq_len, scale, causal,
     k, v = _gather_kv(kv_cache, block_table, torch.tensor([r], device=q.device),
                       torch.tensor([first], device=q.device), -(-seq_len // bs) - first)
     k0 = first * bs  # position of the first key read
-    k, v = k[0, :seq_len - k0].transpose(0, 1), v[0, :seq_len - k0].transpose(0, 1)  # [Hkv, S, D]
+    k, v = k[:, 0, :seq_len - k0], v[:, 0, :seq_len - k0]  # [Hkv, S, D]
     qr = q[q0:q0 + qlen].float().view(qlen, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * qlen, d)
     pos = torch.arange(seq_len - qlen, seq_len, device=q.device).view(-1, 1)
     key = torch.arange(k0, seq_len, device=q.device).view(1, -1)
@@ -124,10 +146,13 @@ def paged_attention_cpu(q, kv_cache, query_start_loc, seq_lens, block_table, sca
             raise ValueError(f"request {r}: seq_len {seq_len} needs {-(-seq_len // bs)} blocks of "
                              f"{bs}; block_table has {block_table.shape[1]} columns")
         (decodes if qlen == 1 else prefills).append(r)
-    if decodes:
-        o = _batched(q, kv_cache, block_table, decodes, [qsl[r] for r in decodes], [1] * len(decodes),
-                     [lens[r] for r in decodes], scale, causal, sliding_window, soft_cap)
-        out[torch.tensor([qsl[r] for r in decodes], device=q.device)] = o[:, 0].to(q.dtype)
+    nblocks = [-(-lens[r] // bs) - _first_block(lens[r], 1, bs, sliding_window) for r in decodes]
+    for bucket in decode_buckets(nblocks):
+        reqs = [decodes[i] for i in bucket]
+        rows = [qsl[r] for r in reqs]
+        o = _batched(q, kv_cache, block_table, reqs, rows, [1] * len(reqs), [lens[r] for r in reqs],
+                     scale, causal, sliding_window, soft_cap)
+        out[torch.tensor(rows, device=q.device)] = o[:, 0].to(q.dtype)
     for r in prefills:
         q0, qlen = qsl[r], qsl[r + 1] - qsl[r]
         if soft_cap is None:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import hybridkv.kernels as K
-from hybridkv.kernels.attention_cpu import paged_attention_cpu
+from hybridkv.kernels.attention_cpu import decode_buckets, paged_attention_cpu
 from hybridkv.kernels.attention_ref import paged_attention_ref
 
 # (query_len, seq_len): decodes at block edges, prefill chunks from 0 and after a context, an idle
@@ -55,6 +55,26 @@ def test_all_decode_or_all_prefill(reqs):
     q, kv, qsl, seq_lens, table = paged_batch(reqs, 16, 2, 3, 32, seed=len(reqs))
     want = paged_attention_ref(q, kv, qsl, seq_lens, table, 0.2)
     assert rel_err(paged_attention_cpu(q, kv, qsl, seq_lens, table, 0.2), want) < 1e-5
+
+
+def test_decode_buckets_bound_the_padding():
+    assert decode_buckets([4] * 31 + [128]) == [list(range(31)), [31]]  # the long one runs alone
+    assert decode_buckets([3, 1, 2, 2]) == [[1, 2, 3, 0]]  # sorted; padded 12 <= 2 x 8 held
+    assert decode_buckets([]) == []
+    sizes = [1, 7, 2, 30, 30, 5, 64, 1, 9, 16]
+    buckets = decode_buckets(sizes)
+    assert sorted(i for b in buckets for i in b) == list(range(len(sizes)))
+    for b in buckets:
+        assert len(b) * max(sizes[i] for i in b) <= 2 * sum(sizes[i] for i in b)
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(sliding_window=40), dict(soft_cap=3.0)])
+def test_skewed_decodes_match_reference(opts):
+    """31 short decodes and one long one (separate buckets), with a prefill chunk in the batch."""
+    reqs = [(1, 20 + 3 * i) for i in range(31)] + [(1, 700), (9, 50)]
+    q, kv, qsl, seq_lens, table = paged_batch(reqs, 16, 2, 2, 32, seed=11)
+    want = paged_attention_ref(q, kv, qsl, seq_lens, table, 0.2, **opts)
+    assert rel_err(paged_attention_cpu(q, kv, qsl, seq_lens, table, 0.2, **opts), want) < 1e-5
 
 
 def test_half_precision_pool_matches_reference():
