@@ -84,26 +84,58 @@ def mamba2_chunk_scan_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_
     return _gate(out, x, D, z).to(x.dtype)
 
 
+def _slot_rows(pool, slots):
+    """Where a decode step updates `pool` [S, ...] rows `slots` [B] (long).
+
+    Returns (rows, order): `rows` is the view pool[lo:lo + B] when the slots are a permutation of
+    one contiguous range (a fresh batch gets slots 1..B) and the pool is fp32, else None; `order`
+    [B] lists the requests in slot order (None when already sorted).
+    """
+    nb = slots.shape[0]
+    if nb == 0 or pool.dtype != torch.float32 or not pool.is_contiguous():
+        return None, None
+    lo = int(slots.min())
+    if int(slots.max()) - lo != nb - 1:
+        return None, None
+    if bool((slots[1:] > slots[:-1]).all()):
+        return pool[lo:lo + nb], None
+    ranked, order = slots.sort()
+    if not bool((ranked[1:] > ranked[:-1]).all()):  # a slot twice: keep the gather's semantics
+        return None, None
+    return pool[lo:lo + nb], order
+
+
 def mamba2_state_update_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, dt_softplus=True,
                             dt_limit=None):
-    """Same contract as `mamba2_ref.mamba2_state_update_ref`, with fewer passes over the state.
+    """Same contract as `mamba2_ref.mamba2_state_update_ref`, updating the slots where they live.
 
-    The state rows are gathered once, decayed and updated in place (the outer product x B^T
-    added by one batched matmul, no [B, H, P, N] temporary), read out by one batched matmul
-    with C, and scattered back once. Heads of one group share B and C rows.
+    When the slots form one contiguous range (in any order) the state rows are a view of the
+    pool: decayed in place, the outer product x B^T added by one broadcast multiply-add, read out
+    by one matrix-vector product per (request, group) with C: three passes, no copy. Otherwise the
+    rows are gathered once, updated the same way and written back once. Heads of one group share
+    B and C rows (broadcast, never repeated).
     """
     slots = slot_idx.long()
     nb, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
+    hpg = H // G
     dt = _discretize_dt(dt, dt_bias, dt_softplus, dt_limit)  # [nb, H] fp32
-    h = ssm_state.index_select(0, slots)
-    h = h.float() if h.dtype != torch.float32 else h
-    h.mul_(torch.exp(dt * A.float())[..., None, None])
-    xdt = (x.float() * dt[..., None]).reshape(nb * H, P, 1)
-    Bh = B.float().repeat_interleave(H // G, dim=1).reshape(nb * H, 1, N)
-    hv = h.view(nb * H, P, N)
-    hv.baddbmm_(xdt, Bh)
-    ssm_state.index_copy_(0, slots, h.to(ssm_state.dtype))
-    Ch = C.float().repeat_interleave(H // G, dim=1).reshape(nb * H, N, 1)
-    y = torch.bmm(hv, Ch).view(nb, H, P)
+    dA = torch.exp(dt * A.float())
+    xdt = x.float() * dt[..., None]  # [nb, H, P]
+    Bf, Cf = B.float(), C.float()
+    h, order = _slot_rows(ssm_state, slots)
+    in_place = h is not None
+    if not in_place:
+        h = ssm_state.index_select(0, slots)
+        h = h.float() if h.dtype != torch.float32 else h
+    elif order is not None:  # requests permuted into slot order, results permuted back below
+        dA, xdt, Bf, Cf = dA[order], xdt[order], Bf[order], Cf[order]
+    h.mul_(dA[..., None, None])
+    hg = h.view(nb, G, hpg * P, N)
+    hg.view(nb, G, hpg, P, N).addcmul_(xdt.view(nb, G, hpg, P, 1), Bf.view(nb, G, 1, 1, N))
+    y = torch.matmul(hg, Cf.view(nb, G, N, 1)).view(nb, H, P)
+    if not in_place:
+        ssm_state.index_copy_(0, slots, h.to(ssm_state.dtype))
+    elif order is not None:
+        y = torch.empty_like(y).index_copy_(0, order, y)
     return _gate(y, x, D, z).to(x.dtype)

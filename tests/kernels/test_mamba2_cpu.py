@@ -73,9 +73,18 @@ def test_states_at_positions_go_to_reference():
     assert torch.equal(y1, y2) and all(torch.equal(u, v) for u, v in zip(s1, s2))
 
 
+SLOT_LAYOUTS = {  # scattered: gather + write back; a range (sorted or not): a view of the pool
+    "scattered": lambda g, nb: torch.randperm(SLOTS - 1, generator=g)[:nb] + 1,
+    "range": lambda g, nb: torch.arange(2, 2 + nb),
+    "range_shuffled": lambda g, nb: torch.randperm(nb, generator=g) + 3,
+    "range_with_hole": lambda g, nb: torch.tensor([7, 2, 3, 5, 6]),
+}
+
+
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("with_z, dt_limit", [(True, None), (False, (0.05, 1.5))])
-def test_state_update_matches_reference(pool_dtype, with_z, dt_limit):
+@pytest.mark.parametrize("layout", SLOT_LAYOUTS)
+def test_state_update_matches_reference(pool_dtype, with_z, dt_limit, layout):
     from hybridkv.kernels.mamba2_cpu import mamba2_state_update_cpu
     from hybridkv.kernels.mamba2_ref import mamba2_state_update_ref
 
@@ -86,7 +95,7 @@ def test_state_update_matches_reference(pool_dtype, with_z, dt_limit):
     B, C = torch.randn(nb, G, N, generator=g), torch.randn(nb, G, N, generator=g)
     D, dt_bias = torch.randn(H, generator=g), torch.randn(H, generator=g) * 0.5
     z = torch.randn(nb, H, P, generator=g) if with_z else None
-    slots = (torch.randperm(SLOTS - 1, generator=g)[:nb] + 1).to(torch.int32)
+    slots = SLOT_LAYOUTS[layout](g, nb).to(torch.int32)
     pool = torch.randn(SLOTS, H, P, N, generator=g).to(pool_dtype)
     ref_pool, cpu_pool = pool.clone(), pool.clone()
     want = mamba2_state_update_ref(ref_pool, x, dt, A, B, C, D, z, dt_bias, slots, True, dt_limit)
