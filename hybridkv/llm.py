@@ -34,14 +34,12 @@ _PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 _MULTIMODAL_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids")
 
 
-def _dtype(d) -> torch.dtype:
-    if isinstance(d, torch.dtype):
-        return d
-    table = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
-             "half": torch.float16, "bfloat16": torch.bfloat16}
-    if d not in table:
-        raise ValueError(f"dtype={d!r}; choose one of {sorted(table)}")
-    return table[d]
+def _dtype(d):
+    """LLM's dtype -> a torch.dtype, or "auto": the checkpoint's config.json dtype (float32 when it
+    names none), which load_model resolves. ValueError naming the accepted names, before loading."""
+    from hybridkv.models.loader import parse_dtype
+
+    return parse_dtype(d)
 
 
 class LLM:
@@ -65,7 +63,7 @@ class LLM:
                                    preemption_mode=preemption_mode, max_model_len=max_model_len,
                                    seed=seed, **kwargs)
         self.model_path = model
-        self.model = load_model(model, device=device, dtype=_dtype(dtype))
+        self.model = load_model(model, device=device, dtype=_dtype(dtype), max_model_len=max_model_len)
         if max_model_len is not None:
             self.model.max_model_len = min(self.model.max_model_len or max_model_len, max_model_len)
         self.tokenizer = self.model.tokenizer

@@ -8,6 +8,7 @@ from hybridkv.specs import LayerSpec
 
 from .checkpoint import CheckpointError, CheckpointTensors
 from .forward_batch import ForwardBatch, ModelCaches
+from .generation_defaults import GenerationDefaults
 
 
 def _as_id_list(value) -> list[int]:
@@ -20,7 +21,8 @@ class HybridModel(nn.Module):
     """A decoder LM whose attention layers use the paged KV pool and recurrent layers state slots.
 
     Attributes set by the loader: `config` (HF config), `tokenizer` (or None), `fingerprint` (str),
-    `vocab_size`, `max_model_len`, `eos_token_ids`, `architecture`.
+    `vocab_size`, `max_model_len`, `eos_token_ids`, `architecture`, `generation_defaults`
+    (generation_config.json's sampling defaults, for fields a request leaves unset).
     A family subclass builds its layers in `__init__(config)`, names its parameters like the HF
     checkpoint (or overrides `checkpoint_name` / `load_weights`), and implements `cache_specs`
     and `forward`.
@@ -36,6 +38,7 @@ class HybridModel(nn.Module):
         self.vocab_size = int(config.vocab_size)
         self.max_model_len = int(getattr(config, "max_position_embeddings", 0) or 0)
         self.eos_token_ids = _as_id_list(getattr(config, "eos_token_id", None))
+        self.generation_defaults = GenerationDefaults()
 
     # --- what the engine calls -------------------------------------------------------------
     def cache_specs(self) -> dict[int, LayerSpec]:

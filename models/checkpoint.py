@@ -6,20 +6,50 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
 class CheckpointError(ValueError):
-    """A checkpoint directory is missing something or holds a tensor of the wrong shape."""
+    """A checkpoint directory is missing something or holds a malformed file, a tensor of the wrong
+    shape or a config value no model can have; the message names the file and what is wrong."""
+
+
+def read_json(file: Path) -> dict:
+    """The JSON object in `file`; CheckpointError naming the file, the line and column when it is
+    not valid JSON or not an object (a dict)."""
+    try:
+        value = json.loads(Path(file).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file} is not valid JSON ({e.msg} at line {e.lineno}, column "
+                              f"{e.colno}); restore or re-download this file") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{file} is not UTF-8 text ({e.reason} at byte {e.start}); restore "
+                              f"or re-download this file") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{file} holds a JSON {type(value).__name__}, not an object; restore "
+                              f"or re-download this file")
+    return value
+
+
+def _shard_path(directory: Path, index: Path, name: str, fname) -> Path:
+    """The shard file `fname` for tensor `name`, refused unless it is a file name inside `directory`."""
+    if not isinstance(fname, str) or not fname:
+        raise CheckpointError(f"{index}: weight_map[{name!r}] is {fname!r}; it must be a shard file name")
+    # lexical, not resolve(): a Hugging Face cache snapshot's shards are symlinks into ../../blobs
+    if Path(fname).is_absolute() or ".." in Path(fname).parts:
+        raise CheckpointError(f"{index}: weight_map[{name!r}] names shard {fname!r}, outside the "
+                              f"checkpoint directory {directory}; shards must lie inside it")
+    return directory / fname
 
 
 class CheckpointTensors:
     """Name -> tensor over `model.safetensors` or the shards listed in `model.safetensors.index.json`.
 
-    Tensors are read on demand (`get`), so a model loads one tensor at a time.
+    Every file's header is read at construction (a corrupt file is refused before any weight is
+    loaded); tensors are read on demand (`get`), so a model loads one tensor at a time.
     """
 
     def __init__(self, directory: str | Path):
@@ -29,13 +59,18 @@ class CheckpointTensors:
         index = self.directory / INDEX_FILE
         single = self.directory / SINGLE_FILE
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise CheckpointError(f"{index} has no 'weight_map' (tensor name -> shard file) or "
+                                      f"it is empty (got {weight_map!r:.80}); re-download the checkpoint")
             for name, fname in weight_map.items():
-                self._file_of[name] = self.directory / fname
-            for f in sorted(set(self._file_of.values())):
+                self._file_of[name] = _shard_path(self.directory, index, name, fname)
+            for f in self.files():
                 if not f.is_file():
                     raise CheckpointError(f"{index} lists shard {f.name}, which is missing from "
                                           f"{self.directory}; re-download the checkpoint")
+            for f in self.files():
+                self._check_listed(f, index)
         elif single.is_file():
             for name in self._open(single).keys():
                 self._file_of[name] = single
@@ -47,8 +82,20 @@ class CheckpointTensors:
 
     def _open(self, f: Path):
         if f not in self._handles:
-            self._handles[f] = safe_open(str(f), framework="pt", device="cpu")
+            try:
+                self._handles[f] = safe_open(str(f), framework="pt", device="cpu")
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{f} is not a readable safetensors file ({e}); it is corrupt "
+                                      f"or truncated: re-download it") from None
         return self._handles[f]
+
+    def _check_listed(self, f: Path, index: Path) -> None:
+        """Each tensor the index puts in shard `f` must be in its header."""
+        stored = set(self._open(f).keys())
+        absent = sorted(n for n, g in self._file_of.items() if g == f and n not in stored)
+        if absent:
+            raise CheckpointError(f"{index} places {len(absent)} tensor(s) in {f.name} that it does "
+                                  f"not hold (first: {absent[0]!r}); re-download the checkpoint")
 
     def names(self) -> list[str]:
         return sorted(self._file_of)
@@ -60,10 +107,16 @@ class CheckpointTensors:
         return sorted(set(self._file_of.values()))
 
     def get(self, name: str) -> torch.Tensor:
-        """The stored tensor `name` (CPU, stored dtype); CheckpointError naming it when absent."""
+        """The stored tensor `name` (CPU, stored dtype); CheckpointError naming it when absent or
+        naming its file when the bytes cannot be read."""
         if name not in self._file_of:
             raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self.directory}")
-        return self._open(self._file_of[name]).get_tensor(name)
+        f = self._file_of[name]
+        try:
+            return self._open(f).get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read tensor {name!r} from {f} ({e}); the file is corrupt "
+                                  f"or truncated: re-download it") from None
 
     def checksum(self) -> str:
         """blake2b over every safetensors file's bytes, files in name order: the weight identity."""

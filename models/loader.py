@@ -4,52 +4,85 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Optional, Union
 
 import torch
 
 from .base import HybridModel
-from .checkpoint import CheckpointError, CheckpointTensors
+from .checkpoint import CheckpointError, CheckpointTensors, read_json
+from .config_check import check_config
+from .generation_defaults import GenerationDefaults, read_generation_defaults
 from .registry import family_module, supported_architectures
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
+          "half": torch.float16, "bfloat16": torch.bfloat16}
+DType = Union[torch.dtype, str]  # a torch dtype, a name in DTYPES, or "auto"
+
+
+def parse_dtype(d: DType) -> DType:
+    """A dtype option -> a torch.dtype, or "auto" (resolved from config.json by `load_model`).
+    ValueError naming the value and the accepted names otherwise."""
+    if isinstance(d, torch.dtype) or d == "auto":
+        return d
+    if not isinstance(d, str) or d not in DTYPES:
+        raise ValueError(f"dtype={d!r}; choose 'auto' (the checkpoint's dtype in config.json) or one "
+                         f"of {sorted(DTYPES)}")
+    return DTYPES[d]
+
+
+def checkpoint_dtype(config: dict, file: Path) -> torch.dtype:
+    """The dtype config.json says the weights were saved in (`dtype`, or transformers 4's
+    `torch_dtype`, also under `text_config`); float32 when it names none."""
+    for section in (config, config.get("text_config") or {}):
+        name = section.get("dtype") or section.get("torch_dtype")
+        if name is not None:
+            key = str(name).removeprefix("torch.")
+            if key not in DTYPES:
+                raise CheckpointError(f"{file} names dtype {name!r}, which this engine cannot compute "
+                                      f"in; pass dtype= one of {sorted(DTYPES)}")
+            return DTYPES[key]
+    return torch.float32
 
 
 def load_config(path: str | Path):
-    """config.json -> the transformers config class of its model_type (no remote code)."""
+    """config.json -> (the transformers config class of its model_type (no remote code), the raw
+    JSON dict). Raises FileNotFoundError, or CheckpointError naming config.json and what is wrong."""
     from transformers import AutoConfig
 
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist; pass the folder "
                                 f"that holds config.json and the *.safetensors weights")
-    if not (path / "config.json").is_file():
+    file = path / "config.json"
+    if not file.is_file():
         raise FileNotFoundError(f"{path} has no config.json; it is not a Hugging Face checkpoint "
                                 f"directory (save one with model.save_pretrained(dir))")
+    raw = read_json(file)
+    check_config(raw, file)  # before transformers divides by a head count
     try:
-        return AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+        return AutoConfig.from_pretrained(str(path), trust_remote_code=False), raw
     except ValueError as e:
-        raise CheckpointError(f"cannot read {path / 'config.json'}: {e}; supported architectures: "
+        raise CheckpointError(f"cannot read {file}: {e}; supported architectures: "
                               f"{', '.join(supported_architectures())}") from e
 
 
-def fingerprint(path: Path, ckpt: CheckpointTensors, dtype: torch.dtype) -> str:
+def fingerprint(config: dict, ckpt: CheckpointTensors, dtype: torch.dtype) -> str:
     """sha256 of the canonical config.json, the weights' checksum and the compute dtype.
 
     Anything that changes KV or state values changes it, so prefix caches keyed by it never mix.
     """
-    cfg = json.dumps(json.loads((path / "config.json").read_text()), sort_keys=True)
     h = hashlib.sha256()
-    for part in (cfg, ckpt.checksum(), str(dtype)):
+    for part in (json.dumps(config, sort_keys=True), ckpt.checksum(), str(dtype)):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()
 
 
-def _eos_ids(path: Path, config, tokenizer) -> list[int]:
-    ids: list[int] = []
-    gen = path / "generation_config.json"
-    sources = [json.loads(gen.read_text()).get("eos_token_id")] if gen.is_file() else []
-    sources.append(getattr(config, "eos_token_id", None))
+def _eos_ids(defaults: GenerationDefaults, config, tokenizer) -> list[int]:
+    """generation_config.json's EOS ids, then config.json's, then the tokenizer's, without repeats."""
+    ids: list[int] = list(dict.fromkeys(defaults.eos_token_ids))
+    sources = [getattr(config, "eos_token_id", None)]
     if tokenizer is not None:
         sources.append(tokenizer.eos_token_id)
     for s in sources:
@@ -60,9 +93,13 @@ def _eos_ids(path: Path, config, tokenizer) -> list[int]:
 
 
 def load_tokenizer(path: Path):
-    """The directory's tokenizer through transformers, or None when it ships none."""
+    """The directory's tokenizer through transformers, or None when it ships none. A tokenizer
+    file that is not valid JSON raises CheckpointError naming it."""
     if not any((path / f).is_file() for f in _TOKENIZER_FILES):
         return None
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (path / name).is_file():
+            read_json(path / name)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
@@ -83,20 +120,46 @@ def build_model(config, device="cpu", dtype=torch.float32) -> HybridModel:
     return model
 
 
-def load_model(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32) -> HybridModel:
+def _check_max_model_len(max_model_len) -> None:
+    if max_model_len is None:
+        return
+    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len <= 0:
+        raise ValueError(f"max_model_len={max_model_len!r}; it must be a positive number of tokens "
+                         f"(or None for the checkpoint's max_position_embeddings)")
+
+
+def load_model(path: str | Path, device="cpu", dtype: DType = torch.float32,
+               max_model_len: Optional[int] = None) -> HybridModel:
     """Checkpoint directory -> HybridModel in eval mode on `device` with parameters in `dtype`.
 
+    dtype: a torch.dtype, a name in DTYPES, or "auto" (config.json's dtype, float32 when it names
+    none). max_model_len: caps the checkpoint's own limit (None keeps it).
+    Sets `generation_defaults` (GenerationDefaults from generation_config.json) on the model.
     Raises FileNotFoundError (no directory / config.json), UnsupportedArchitectureError (listing
-    the supported ones) and CheckpointError (no weights, a tensor missing or of the wrong shape).
+    the supported ones), ValueError for a bad dtype or max_model_len, and CheckpointError naming
+    the file for everything wrong inside the directory (malformed JSON, an index without
+    weight_map or with a shard outside the directory, a corrupt safetensors file, a count in
+    config.json that is not positive, a tensor missing or of the wrong shape).
     """
     path = Path(path)
-    config = load_config(path)
+    dtype = parse_dtype(dtype)
+    _check_max_model_len(max_model_len)
+    config, raw = load_config(path)
     arch = (getattr(config, "architectures", None) or [None])[0]
     family_module(arch)  # fail on the architecture before reading any weights
+    defaults = read_generation_defaults(path)
     ckpt = CheckpointTensors(path)
-    model = build_model(config, device=device, dtype=dtype)
+    if dtype == "auto":
+        dtype = checkpoint_dtype(raw, path / "config.json")
+    try:
+        model = build_model(config, device=device, dtype=dtype)
+    except ValueError as e:  # a family refusing its config (heads that do not divide, ...)
+        raise CheckpointError(f"{path / 'config.json'}: {e}") from e
     model.load_weights(ckpt)
+    if max_model_len is not None:
+        model.max_model_len = min(model.max_model_len or max_model_len, max_model_len)
     model.tokenizer = load_tokenizer(path)
-    model.eos_token_ids = _eos_ids(path, config, model.tokenizer)
-    model.fingerprint = fingerprint(path, ckpt, dtype)
+    model.generation_defaults = defaults
+    model.eos_token_ids = _eos_ids(defaults, config, model.tokenizer)
+    model.fingerprint = fingerprint(raw, ckpt, dtype)
     return model.eval()

@@ -1,0 +1,36 @@
+"""What config.json must hold before a model is built: sizes, head counts and lengths that are
+positive integers. Checked on the raw JSON, before transformers divides by any of them."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .checkpoint import CheckpointError
+
+# Keys that count something (tokens, channels, heads, layers): a value <= 0 is no model at all.
+# A key a family does not use is absent (or null) and is skipped.
+POSITIVE_KEYS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "max_position_embeddings",
+    # recurrent layers: Mamba / Mamba2 / Bamba / Jamba / NemotronH / Zamba2 / Falcon-H1 names
+    "state_size", "conv_kernel", "time_step_rank", "mamba_n_heads", "mamba_d_head", "mamba_d_state",
+    "mamba_d_conv", "mamba_expand", "mamba_num_heads", "mamba_head_dim", "ssm_state_size",
+    # gated delta net (Qwen3-Next, Qwen3.5)
+    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+    "linear_value_head_dim", "linear_conv_kernel_dim",
+)
+
+
+def check_config(config: dict, file: Path) -> None:
+    """Refuse a config.json dict (and its nested `text_config`) with a count that is not a
+    positive integer: CheckpointError naming the file, the key and the value."""
+    sections = [("", config)]
+    if isinstance(config.get("text_config"), dict):
+        sections.append(("text_config.", config["text_config"]))
+    for prefix, section in sections:
+        for key in POSITIVE_KEYS:
+            value = section.get(key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise CheckpointError(f"{file} has {prefix}{key}={value!r}; it must be a positive "
+                                      f"integer: fix config.json or re-download the checkpoint")
