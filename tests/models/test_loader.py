@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GPT2Config
 
+from hybridkv import LLM, SamplingParams
 from hybridkv.models import (CheckpointError, UnsupportedArchitectureError, load_model,
                              supported_architectures)
 from hybridkv.models.tiny import make_tiny_checkpoint
@@ -129,3 +130,50 @@ def test_wrong_shape_is_named(llama_dir, tmp_path):
     save_file(w, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.up_proj\.weight.*\(100, 64\)"):
         load_model(path)
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(llama_dir, tmp_path_factory):
+    """The tiny Llama saved in bfloat16: config.json says dtype "bfloat16"."""
+    path = tmp_path_factory.mktemp("bf16") / "ckpt"
+    AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.bfloat16).save_pretrained(path)
+    assert json.loads((path / "config.json").read_text())["dtype"] == "bfloat16"
+    return path
+
+
+def _set_config_dtype(path, **keys):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("dtype", None)
+    cfg.pop("torch_dtype", None)
+    (path / "config.json").write_text(json.dumps({**cfg, **keys}))
+
+
+def test_dtype_auto_takes_the_checkpoint_dtype(bf16_dir, llama_dir, tmp_path):
+    m = load_model(bf16_dir, dtype="auto")
+    assert m.dtype == torch.bfloat16 and all(s.dtype == torch.bfloat16 for s in m.cache_specs().values())
+    assert m.fingerprint == load_model(bf16_dir, dtype=torch.bfloat16).fingerprint
+    assert load_model(bf16_dir, dtype="float32").dtype == torch.float32  # an explicit dtype wins
+    assert load_model(llama_dir, dtype="auto").dtype == torch.float32  # saved in float32
+    legacy = _copy(bf16_dir, tmp_path, "legacy")  # transformers 4 writes torch_dtype
+    _set_config_dtype(legacy, torch_dtype="bfloat16")
+    assert load_model(legacy, dtype="auto").dtype == torch.bfloat16
+    unnamed = _copy(bf16_dir, tmp_path, "unnamed")  # no dtype in config.json: float32
+    _set_config_dtype(unnamed)
+    assert load_model(unnamed, dtype="auto").dtype == torch.float32
+
+
+def test_dtype_auto_refuses_a_dtype_it_cannot_compute_in(bf16_dir, tmp_path):
+    path = _copy(bf16_dir, tmp_path)
+    _set_config_dtype(path, dtype="float8_e4m3fn")
+    with pytest.raises(CheckpointError, match=r"config\.json names dtype 'float8_e4m3fn'.*pass dtype="):
+        load_model(path, dtype="auto")
+    assert load_model(path, dtype="bfloat16").dtype == torch.bfloat16
+
+
+def test_llm_dtype_auto_and_unknown_names(bf16_dir):
+    llm = LLM(str(bf16_dir), dtype="auto", memory_budget_bytes=4 << 20, max_num_seqs=2)
+    assert llm.model.dtype == torch.bfloat16
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    with pytest.raises(ValueError, match=r"dtype='fp8'; choose 'auto' .* or one of \['bfloat16'"):
+        LLM(str(bf16_dir), dtype="fp8")
