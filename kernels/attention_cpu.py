@@ -94,11 +94,15 @@ def _batched(q, kv_cache, block_table, reqs, starts, qlens, lens, scale, causal,
     pos = seq - ql + torch.arange(lmax, device=dev).view(1, -1, 1)  # [R, L, 1]
     key = (first * bs).view(-1, 1, 1) + torch.arange(s_n, device=dev).view(1, 1, -1)  # [R, 1, S]
     hidden = ~_visible(pos, key, seq, causal, window)  # [R, L, S]
-    logits.view(hkv, r_n, g, lmax, s_n).masked_fill_(hidden[None, :, None], float("-inf"))
+    if bool(hidden.any()):
+        logits.view(hkv, r_n, g, lmax, s_n).masked_fill_(hidden[None, :, None], float("-inf"))
     probs = torch.softmax(logits, dim=-1)  # every real query sees its own key: no empty row
     # keys past seq_len (a block's unwritten tail, padding columns) hold another owner's data: a
-    # zero weight times a non-finite value there would still be NaN, so zero them
-    v.masked_fill_((key[:, 0] >= seq[:, 0])[None, :, :, None], 0.0)
+    # zero weight times a non-finite value there would still be NaN, so zero them (only those rows:
+    # a broadcast mask over all of V costs more than the attention)
+    tail = (key[:, 0] >= seq[:, 0]).view(-1).nonzero().squeeze(1)  # flat (request, key) rows
+    if tail.numel():
+        v.view(hkv, r_n * s_n, d).index_fill_(1, tail, 0.0)
     o = torch.bmm(probs, v.view(hkv * r_n, s_n, d))  # [Hkv*R, G*L, D]
     return o.view(hkv, r_n, g, lmax, d).permute(1, 3, 0, 2, 4).reshape(r_n, lmax, hq, d)
 
