@@ -1,0 +1,146 @@
+"""The CPU decode kernels before and after issue 12 (items 1 and 2), same inputs, one process.
+
+    python benchmarks/bench_cpu_kernels.py              # 7 repeats
+    python benchmarks/bench_cpu_kernels.py --repeats 5 --quick
+
+"before" is the kernel file as it stood at BASELINE (loaded from git, so the script needs the
+repository's history); "after" is the installed one. Shapes are those of bench_engine.py's model
+(attention: 4 query heads over 2 KV heads of 64, blocks of 16; Mamba2: 8 heads of 64, 1 group,
+d_state 64), fp32, one torch thread. Each repeat runs both variants alternating on the same
+inputs; a repeat's time is CPU time (`time.process_time`) per call, averaged over `--inner`
+calls. Printed: median and min-max of each, the before/after ratio of the medians, and the check
+that both outputs agree (relative max error <= 1e-5).
+Cases: one attention layer's decode step at 32 requests x 64 tokens, at 31 x 64 + 1 x 2048 and
+at 32 x 2048; one Mamba2 layer's decode state update at batch 32 with slots 1..32 (a fresh batch:
+a view of the pool) and with 32 slots scattered over 128 (gather + write back).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from hybridkv.kernels.attention_cpu import paged_attention_cpu
+from hybridkv.kernels.mamba2_cpu import mamba2_state_update_cpu
+
+BASELINE = "2fd806b"  # main before the bucketed attention and the in-place Mamba2 decode
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def baseline_module(name: str):
+    """kernels/<name>.py at BASELINE, imported inside hybridkv.kernels (its relative imports work)."""
+    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{BASELINE}:kernels/{name}.py"],
+                         check=True, capture_output=True, text=True).stdout
+    spec = importlib.util.spec_from_loader(f"hybridkv.kernels._baseline_{name}", loader=None)
+    mod = importlib.util.module_from_spec(spec)
+    mod.__package__ = "hybridkv.kernels"
+    exec(compile(src, f"{BASELINE}:kernels/{name}.py", "exec"), mod.__dict__)
+    return mod
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def attention_case(lens, bs=16, hkv=2, group=2, d=64, seed=0):
+    """Decode inputs: one query per request over a pool whose blocks are shuffled."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-s // bs) for s in lens]
+    kv = torch.randn(sum(need) + 4, 2, bs, hkv, d, generator=g)
+    perm = torch.randperm(kv.shape[0], generator=g)
+    table = torch.zeros(len(lens), max(need), dtype=torch.int32)
+    used = 0
+    for r, n in enumerate(need):
+        table[r, :n] = perm[used:used + n].to(torch.int32)
+        used += n
+    q = torch.randn(len(lens), hkv * group, d, generator=g)
+    qsl = torch.arange(len(lens) + 1, dtype=torch.int32)
+    return q, kv, qsl, torch.tensor(lens, dtype=torch.int32), table
+
+
+def mamba2_case(slots, num_slots, nb=32, H=8, P=64, G=1, N=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    args = dict(x=torch.randn(nb, H, P, generator=g), dt=torch.randn(nb, H, generator=g),
+                A=-torch.exp(torch.randn(H, generator=g) * 0.5),
+                B=torch.randn(nb, G, N, generator=g), C=torch.randn(nb, G, N, generator=g),
+                D=torch.randn(H, generator=g), z=None, dt_bias=torch.randn(H, generator=g) * 0.5,
+                slot_idx=slots.to(torch.int32))
+    return torch.randn(num_slots, H, P, N, generator=g) * 0.1, args
+
+
+def alternate(fns: dict, repeats: int, inner: int) -> dict:
+    """{name: [CPU seconds per call, one per repeat]}, the variants run in turn in every repeat."""
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            fn()  # warm
+            t0 = time.process_time()
+            for _ in range(inner):
+                fn()
+            times[name].append((time.process_time() - t0) / inner)
+    return times
+
+
+def fmt(ts):
+    return (f"{statistics.median(ts) * 1e3:.3f} ms ({min(ts) * 1e3:.3f}-{max(ts) * 1e3:.3f})")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--quick", action="store_true", help="fewer calls per repeat (a smoke run)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    old_attn, old_m2 = baseline_module("attention_cpu"), baseline_module("mamba2_cpu")
+    print(f"# {platform.machine()} {platform.processor() or ''}, torch {torch.__version__}, "
+          f"1 thread, baseline {BASELINE}, {args.repeats} repeats, CPU time per call")
+    print("| case | before: median (min-max) | after: median (min-max) | before / after | max rel err |")
+    print("| --- | --- | --- | --- | --- |")
+    results = {}
+    for label, lens in [("attention decode 32 x 64", [64] * 32),
+                        ("attention decode 31 x 64 + 1 x 2048", [64] * 31 + [2048]),
+                        ("attention decode 32 x 2048", [2048] * 32)]:
+        q, kv, qsl, seq_lens, table = attention_case(lens)
+        call = (q, kv, qsl, seq_lens, table, 0.125)
+        err = rel_err(paged_attention_cpu(*call), old_attn.paged_attention_cpu(*call))
+        long = max(lens) > 64
+        inner = 1 if args.quick else (3 if long else 30)
+        t = alternate({"before": lambda: old_attn.paged_attention_cpu(*call),
+                       "after": lambda: paged_attention_cpu(*call)}, args.repeats, inner)
+        results[label] = t
+        ratio = statistics.median(t["before"]) / statistics.median(t["after"])
+        print(f"| {label} | {fmt(t['before'])} | {fmt(t['after'])} | {ratio:.2f}x | {err:.1e} |")
+    for label, slots, num_slots in [
+            ("Mamba2 decode update, batch 32, slots 1..32", torch.arange(1, 33), 33),
+            ("Mamba2 decode update, batch 32, slots scattered", torch.randperm(127)[:32] + 1, 128)]:
+        pool, kw = mamba2_case(slots, num_slots)
+        pools = {"before": pool.clone(), "after": pool.clone()}
+        y_old = old_m2.mamba2_state_update_cpu(pools["before"], **kw)
+        y_new = mamba2_state_update_cpu(pools["after"], **kw)
+        err = max(rel_err(y_new, y_old), rel_err(pools["after"], pools["before"]))
+        inner = 3 if args.quick else 50
+        # the states keep evolving call after call, the same way in both pools
+        t = alternate({"before": lambda: old_m2.mamba2_state_update_cpu(pools["before"], **kw),
+                       "after": lambda: mamba2_state_update_cpu(pools["after"], **kw)},
+                      args.repeats, inner)
+        results[label] = t
+        ratio = statistics.median(t["before"]) / statistics.median(t["after"])
+        print(f"| {label} | {fmt(t['before'])} | {fmt(t['after'])} | {ratio:.2f}x | {err:.1e} |")
+    short = statistics.median(results["attention decode 32 x 64"]["after"])
+    skew = statistics.median(results["attention decode 31 x 64 + 1 x 2048"]["after"])
+    short_old = statistics.median(results["attention decode 32 x 64"]["before"])
+    skew_old = statistics.median(results["attention decode 31 x 64 + 1 x 2048"]["before"])
+    print(f"\nskewed step / short step: before {skew_old / short_old:.1f}x, after {skew / short:.1f}x "
+          f"(goal <= 1.5x; the skewed step holds {(31 * 64 + 2048) / (32 * 64):.2f}x the tokens)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
