@@ -7,7 +7,8 @@ from pathlib import Path
 from .checkpoint import CheckpointError
 
 # Keys that count something (tokens, channels, heads, layers): a value <= 0 is no model at all.
-# A key a family does not use is absent (or null) and is skipped.
+# A key a family does not use is absent (or null) and is skipped; "auto" (Mamba's time_step_rank,
+# Bamba's mamba_d_head) is derived by the transformers config class.
 POSITIVE_KEYS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "max_position_embeddings",
@@ -29,7 +30,7 @@ def check_config(config: dict, file: Path) -> None:
     for prefix, section in sections:
         for key in POSITIVE_KEYS:
             value = section.get(key)
-            if value is None:
+            if value is None or value == "auto":
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise CheckpointError(f"{file} has {prefix}{key}={value!r}; it must be a positive "

@@ -133,6 +133,7 @@ def test_symlinked_shards_of_a_hub_cache_snapshot_load(sharded_dir, tmp_path):
 def test_nested_text_config_is_checked(tmp_path):
     file = tmp_path / "config.json"
     check_config({"hidden_size": 8, "text_config": {"hidden_size": 8, "num_key_value_heads": 2}}, file)
+    check_config({"time_step_rank": "auto", "head_dim": None}, file)  # derived / unused: accepted
     with pytest.raises(CheckpointError, match=r"config\.json has text_config\.num_key_value_heads=0"):
         check_config({"text_config": {"num_key_value_heads": 0}}, file)
 
