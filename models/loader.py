@@ -97,12 +97,15 @@ def load_tokenizer(path: Path):
     file that is not valid JSON raises CheckpointError naming it."""
     if not any((path / f).is_file() for f in _TOKENIZER_FILES):
         return None
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if (path / name).is_file():
-            read_json(path / name)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    try:
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    except Exception:
+        for name in ("tokenizer.json", "tokenizer_config.json"):  # parsed again only on failure
+            if (path / name).is_file():
+                read_json(path / name)
+        raise
 
 
 def build_model(config, device="cpu", dtype=torch.float32) -> HybridModel:

@@ -52,6 +52,8 @@ SINGLE_FILE_CASES = [
     ("generation_config_not_json", _write("generation_config.json", '{"eos_token_id": 2,'),
      r"generation_config\.json is not valid JSON"),
     ("tokenizer_not_json", _write("tokenizer.json", "\x00garbage"), r"tokenizer\.json is not valid JSON"),
+    ("tokenizer_config_not_json", _write("tokenizer_config.json", "{"),
+     r"tokenizer_config\.json is not valid JSON"),
     ("safetensors_garbage", lambda d: (d / "model.safetensors").write_bytes(b"junk" * 64),
      r"model\.safetensors is not a readable safetensors file"),
     ("safetensors_truncated", _truncate, r"model\.safetensors is not a readable safetensors file"),
