@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Optional, Union
 
@@ -14,6 +15,7 @@ from .config_check import check_config
 from .generation_defaults import GenerationDefaults, read_generation_defaults
 from .registry import family_module, supported_architectures
 
+log = logging.getLogger(__name__)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
           "half": torch.float16, "bfloat16": torch.bfloat16}
@@ -154,6 +156,7 @@ def load_model(path: str | Path, device="cpu", dtype: DType = torch.float32,
     ckpt = CheckpointTensors(path)
     if dtype == "auto":
         dtype = checkpoint_dtype(raw, path / "config.json")
+        log.info("dtype='auto': computing in %s, the dtype config.json names (float32 when none)", dtype)
     try:
         model = build_model(config, device=device, dtype=dtype)
     except ValueError as e:  # a family refusing its config (heads that do not divide, ...)
