@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def baseline_module(name: str):
-    """kernels/<name>.py at BASELINE, imported inside hybridkv.kernels (its relative imports work)."""
+    """kernels/<name>.py at BASELINE, imported inside hybridkv.kernels (relative imports work)."""
     src = subprocess.run(["git", "-C", str(ROOT), "show", f"{BASELINE}:kernels/{name}.py"],
                          check=True, capture_output=True, text=True).stdout
     spec = importlib.util.spec_from_loader(f"hybridkv.kernels._baseline_{name}", loader=None)
@@ -101,7 +101,8 @@ def main():
     old_attn, old_m2 = baseline_module("attention_cpu"), baseline_module("mamba2_cpu")
     print(f"# {platform.machine()} {platform.processor() or ''}, torch {torch.__version__}, "
           f"1 thread, baseline {BASELINE}, {args.repeats} repeats, CPU time per call")
-    print("| case | before: median (min-max) | after: median (min-max) | before / after | max rel err |")
+    print("| case | before: median (min-max) | after: median (min-max) | before / after "
+          "| max rel err |")
     print("| --- | --- | --- | --- | --- |")
     results = {}
     for label, lens in [("attention decode 32 x 64", [64] * 32),
@@ -137,7 +138,8 @@ def main():
     skew = statistics.median(results["attention decode 31 x 64 + 1 x 2048"]["after"])
     short_old = statistics.median(results["attention decode 32 x 64"]["before"])
     skew_old = statistics.median(results["attention decode 31 x 64 + 1 x 2048"]["before"])
-    print(f"\nskewed step / short step: before {skew_old / short_old:.1f}x, after {skew / short:.1f}x "
+    print(f"\nskewed step / short step: before {skew_old / short_old:.1f}x, "
+          f"after {skew / short:.1f}x "
           f"(goal <= 1.5x; the skewed step holds {(31 * 64 + 2048) / (32 * 64):.2f}x the tokens)")
     return 0
 

@@ -45,7 +45,8 @@ def decode_buckets(nblocks: list[int], waste: float = 2.0) -> list[list[int]]:
 
 def _gather_kv(kv_cache, block_table, rows, first, nblk):
     """K, V [Hkv, R, nblk * bs, D] fp32: blocks first[r] .. first[r] + nblk - 1 of each row,
-    gathered with one index_select of whole blocks from the pool viewed as [2, Hkv, blocks, bs, D]."""
+    gathered with one index_select of whole blocks from the pool viewed as
+    [2, Hkv, blocks, bs, D]."""
     cols = first.view(-1, 1) + torch.arange(nblk, device=first.device)
     cols = cols.clamp_(max=block_table.shape[1] - 1)  # past a short row's end: masked keys
     # unused entries may hold any id (even -1): clamp into the pool, their keys are masked
@@ -68,7 +69,7 @@ def _visible(pos, key, seq_len, causal, sliding_window):
 
 
 def _batched(q, kv_cache, block_table, reqs, starts, qlens, lens, scale, causal, window, soft_cap):
-    """Requests `reqs` (queries padded to the longest, Lmax) at once; returns [R, Lmax, Hq, D] fp32."""
+    """Requests `reqs` (queries padded to the longest, Lmax) at once: [R, Lmax, Hq, D] fp32."""
     bs, hkv = kv_cache.shape[2], kv_cache.shape[3]
     _, hq, d = q.shape
     g, r_n, lmax = hq // hkv, len(reqs), max(qlens)

@@ -74,11 +74,21 @@ def test_varlen_packing_with_and_without_history():
     assert untouched(before, pool, slots)
 
 
-def test_decode_update_matches_transformers():
+DECODE_SLOTS = {  # scattered: gather + write back; one range, sorted or not: shifted in place
+    "scattered": lambda gen: shuffled_slots(4, SLOTS, gen),
+    "range": lambda gen: torch.tensor([2, 3, 4, 5], dtype=torch.int32),
+    "range_shuffled": lambda gen: torch.tensor([4, 2, 5, 3], dtype=torch.int32),
+    "range_with_hole": lambda gen: torch.tensor([6, 2, 4, 3], dtype=torch.int32),
+}
+
+
+@pytest.mark.parametrize("layout", DECODE_SLOTS)
+@pytest.mark.parametrize("k", [2, 4])
+def test_decode_update_matches_transformers(layout, k):
     gen = torch.Generator().manual_seed(3)
-    w, b = _params(gen)
-    pool = torch.randn(SLOTS, DIM, K - 1, generator=gen)
-    slots = shuffled_slots(4, SLOTS, gen)
+    w, b = _params(gen, k=k)
+    pool = torch.randn(SLOTS, DIM, k - 1, generator=gen)
+    slots = DECODE_SLOTS[layout](gen)
     before = pool.clone()
     x = torch.randn(4, DIM, generator=gen)
     y = conv1d_update_ref(x, pool, w, b, slots, "silu")
