@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import itertools
-import operator
+import numbers
 from typing import Mapping, Optional, Sequence, Union
 
 import torch
@@ -81,6 +81,7 @@ class LLM:
         scheduler = Scheduler(self.manager, policy, max_num_batched_tokens, max_num_seqs)
         self.engine = Engine(self.model, self.manager, scheduler, seed=seed)
         self._ids_counter = itertools.count()
+        self._parked: list[RequestOutput] = []  # add_request outputs that finished inside generate()
 
     def _budget(self, profile: Profile) -> int:
         if self.config.memory_budget_bytes is not None:
@@ -133,20 +134,41 @@ class LLM:
 
     @staticmethod
     def _as_token_ids(ids, what: str) -> list[int]:
-        if isinstance(ids, (str, bytes, Mapping)):
+        """A list of ints from a list / tuple of ints or a 1-D numpy or torch integer array;
+        floats, bools, bytes and strings (of digits too) are refused, naming the value."""
+        if isinstance(ids, (str, bytes, bytearray, Mapping)):
             raise TypeError(f"{what} must be a list of token ids, got {type(ids).__name__}")
+        if hasattr(ids, "tolist") and getattr(ids, "ndim", 1) != 1:
+            raise TypeError(f"{what} must be a 1-D array of token ids, got shape {tuple(ids.shape)}")
         try:
-            return [operator.index(t) for t in (ids.tolist() if hasattr(ids, "tolist") else ids)]
+            seq = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+            bad = [t for t in seq if isinstance(t, bool) or not isinstance(t, numbers.Integral)][:1]
         except TypeError:
+            seq, bad = None, [ids]
+        if bad:
+            bad = bad[0]
             raise TypeError(f"{what} must be text, a list of integer token ids or a prompt dict; got "
-                            f"{ids!r:.80}") from None
+                            f"{ids!r:.80} (token id {bad!r} is not an integer)")
+        return [int(t) for t in seq]
+
+    @staticmethod
+    def _is_one_prompt(prompts) -> bool:
+        if isinstance(prompts, (str, Mapping)):
+            return True
+        if hasattr(prompts, "tolist") and hasattr(prompts, "ndim"):  # numpy / torch
+            return prompts.ndim == 1
+        return (isinstance(prompts, (list, tuple)) and len(prompts) > 0
+                and isinstance(prompts[0], numbers.Integral) and not isinstance(prompts[0], bool))
 
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
                     request_id: Optional[str] = None, priority: int = 0,
                     cache_salt: Optional[str] = None) -> str:
-        """Queue one prompt (text, token ids, or a vLLM prompt dict); returns its request id.
-        Bad input raises ValueError / TypeError; nothing else changes. A dict's own cache_salt
-        wins over the argument."""
+        """Queue one prompt (text, token ids, or a vLLM prompt dict); returns its request id (a
+        string: yours, refused while in use, or a free one). Bad input raises ValueError /
+        TypeError; nothing else changes. A dict's own cache_salt wins over the argument. Any
+        thread may call this (and abort) while another steps."""
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got {request_id!r}")
         ids, text, salt = self._parse(prompt)
         rid = request_id if request_id is not None else self._new_id()
         self.engine.add_request(rid, ids, params or SamplingParams(), text, priority,
@@ -160,7 +182,10 @@ class LLM:
         return rid
 
     def step(self) -> list[RequestOutput]:
-        return self.engine.step()
+        """One engine step: the outputs of requests added with add_request that advanced, plus
+        those that finished while generate() was stepping."""
+        parked, self._parked = self._parked, []
+        return parked + self.engine.step()
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -187,8 +212,10 @@ class LLM:
                  priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
         """Run prompts (text, token-id lists or vLLM prompt dicts) to completion; outputs in prompt
         order. The whole batch is checked before any of it is queued: a refused call queues
-        nothing, and a call that fails midway aborts what it queued."""
-        if isinstance(prompts, (str, Mapping)) or (prompts and isinstance(prompts[0], int)):
+        nothing, and a call that fails midway aborts what it queued. Its requests are its own (no
+        request id of yours can reach them); a request of yours that finishes meanwhile is
+        returned by your next step()."""
+        if self._is_one_prompt(prompts):
             prompts = [prompts]
         prompts = list(prompts)
         params = sampling_params or SamplingParams()
@@ -197,31 +224,33 @@ class LLM:
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts; give one or one each")
         if priority is None:
             priority = [0] * len(prompts)
+        elif not isinstance(priority, (list, tuple)):
+            raise TypeError(f"priority must be a list of ints, one per prompt; got {priority!r:.80}")
         elif len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} values for {len(prompts)} prompts; give one "
                              "per prompt (or none)")
         parsed = [self._parse(p) for p in prompts]
         for (tok, _, _), sp, prio in zip(parsed, params, priority):  # refuse a bad batch before any is queued
             self.engine.validate(tok, sp, prio)
-        ids: list[str] = []
+        keys: list = []
         try:
             for (tok, text, salt), sp, prio in zip(parsed, params, priority):
-                rid = self._new_id()
-                self.engine.add_request(rid, tok, sp, text, prio, salt if salt is not None else cache_salt)
-                ids.append(rid)
-            wanted = set(ids)
-            done: dict[str, RequestOutput] = {}
-            with tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req") as bar:
-                while len(done) < len(ids) and self.engine.has_unfinished():
-                    for out in self.engine.step(finished_only=True):
-                        if out.request_id in wanted:
-                            done[out.request_id] = out
-                            bar.update(1)
+                keys.append(self.engine.add_request(self._new_id(), tok, sp, text, prio,
+                                                    salt if salt is not None else cache_salt, owned=True))
+            pending, done = set(keys), {}
+            with tqdm(total=len(keys), desc="generate", disable=not use_tqdm, unit="req") as bar:
+                while pending and self.engine.has_unfinished():
+                    self._parked.extend(self.engine.step(finished_only=True))
+                    for key in [k for k in self.engine.owned_done if k in pending]:
+                        done[key] = self.engine.owned_done.pop(key)
+                        pending.discard(key)
+                        bar.update(1)
         except BaseException:
-            for rid in ids:  # leave nothing of this call queued or holding memory
-                self.engine.abort(rid)
+            for key in keys:  # leave nothing of this call queued or holding memory
+                self.engine.abort(key)
+                self.engine.owned_done.pop(key, None)
             raise
-        return [done[i] for i in ids]
+        return [done[k] for k in keys]
 
 
 def _check_keywords(kwargs: dict) -> None:

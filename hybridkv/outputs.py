@@ -15,10 +15,11 @@ class CompletionOutput:
 
     index: int
     token_ids: list[int]
-    finish_reason: Optional[str] = None  # "stop" (EOS, stop id or string), "length", "abort"
+    finish_reason: Optional[str] = None  # "stop" (EOS, stop id or string), "length", "abort", "error"
     logprobs: Optional[list[dict[int, float]]] = None
     tokenizer: Any = field(default=None, repr=False, compare=False)
     stop: tuple[str, ...] = field(default=(), repr=False, compare=False)
+    error: Optional[str] = None  # with finish_reason "error": what failed (the request alone ended)
     _text: Optional[str] = field(default=None, repr=False, compare=False)
 
     @property

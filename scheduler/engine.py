@@ -3,12 +3,25 @@
 Request-level API for a server: `add_request`, `step`, `abort`, `export_request` /
 `import_request` (migration), `stats`. A request id names a `SequenceGroup`: a prompt and its n
 sequences. Each `Sequence` owns its token list; the manager reads sampled tokens from it.
+
+A step is a transaction per request: when committing, checkpointing, forking, sampling or
+stopping fails for one request, or its logits are not finite, that request alone ends with
+finish_reason "error" (the message on its outputs) and its memory is freed; the rest of the
+batch goes on as if it had never been there. A failed forward pass ends every request of its
+batch the same way (they cannot be told apart) and the engine serves on.
+
+Threads: `add_request` and `abort` may be called from any thread. They are checked at once
+(a refused call raises and changes nothing) and applied at once when no step runs, else at the
+start of the next step. Everything else (`step`, export / import, stats) is for one thread.
 """
 from __future__ import annotations
 
+import itertools
+import logging
 import numbers
+import threading
 import time
-from typing import Optional
+from typing import Hashable, Optional
 
 import torch
 
@@ -24,6 +37,8 @@ from .scheduler import ScheduledChunk, Scheduler
 from .sequence import Sequence, SequenceGroup
 from .stopping import check_stop
 
+log = logging.getLogger(__name__)
+
 
 class Engine:
     def __init__(self, model, manager: HybridCacheManager, scheduler: Scheduler, seed: int = 0):
@@ -37,10 +52,15 @@ class Engine:
         self.max_model_len = model.max_model_len
         self.caches = ModelCaches(kv=manager.kv_caches, conv=manager.conv_states,
                                   state=manager.ssm_states, block_size=manager.block_size)
-        self.groups: dict[str, SequenceGroup] = {}
+        self.groups: dict[Hashable, SequenceGroup] = {}  # by key: user ids (str) and owned keys (tuples)
+        self.owned_done: dict[Hashable, RequestOutput] = {}  # finished requests of an owner (generate)
+        self._inbox: list[tuple[str, object]] = []  # adds and aborts not applied yet, in call order
+        self._lock = threading.Lock()       # guards groups' ids and the inbox
+        self._stepping = threading.Lock()   # held while the queues and the manager change
+        self._serials = itertools.count()
         self.counters = {"steps": 0, "generated_tokens": 0, "processed_tokens": 0, "model_seconds": 0.0,
                          "swaps_out": 0, "migrations_out": 0, "migrations_in": 0, "forks": 0,
-                         "aborted": 0}
+                         "aborted": 0, "failed": 0}
 
     # ---- requests --------------------------------------------------------------------------
     def validate(self, token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
@@ -52,62 +72,153 @@ class Engine:
             raise TypeError(f"priority must be an integer (lower runs first), got {priority!r}")
         if len(token_ids) == 0:
             raise ValueError("the prompt is empty: give at least one token")
-        bad = [t for t in token_ids if not 0 <= t < self.model.vocab_size]
+        vocab = self.model.vocab_size
+        bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.model.vocab_size})")
+            raise TypeError(f"prompt token id {bad[0]!r} is not an integer")
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; this model's max_model_len is "
                              f"{self.max_model_len} (and one token must be left to generate)")
-        self.mgr.check_fits(len(token_ids), min(params.max_tokens, self.max_model_len - len(token_ids)))
+        if params.n > self.scheduler.max_seqs:
+            raise ValueError(f"n={params.n} sequences exceed this engine's max_num_seqs="
+                             f"{self.scheduler.max_seqs}; lower n or raise max_num_seqs")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab}")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        self.mgr.check_fits(len(token_ids), self.max_new_tokens(len(token_ids), params))
 
-    def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
+    def max_new_tokens(self, num_tokens: int, params: SamplingParams) -> int:
+        """Output tokens a request of `num_tokens` may generate: max_tokens, capped by max_model_len
+        (the number both the door and admission check against the pools)."""
+        return min(params.max_tokens, self.max_model_len - num_tokens)
+
+    def add_request(self, request_id: Optional[str], token_ids: list[int], params: SamplingParams,
                     prompt: Optional[str] = None, priority: int = 0,
-                    cache_salt: Optional[str] = None) -> None:
-        """Queue a prompt's token ids as request `request_id` (its n sequences fork after prefill)."""
-        if request_id in self.groups:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        token_ids = [int(t) for t in token_ids]
+                    cache_salt: Optional[str] = None, owned: bool = False) -> Hashable:
+        """Queue a prompt's token ids (its n sequences fork after prefill); returns the request's
+        key. A user's request is keyed by its id (a string, refused while in use); an `owned` one
+        (generate's) by a tuple no user id can equal, its finished output kept in `owned_done`.
+        Any thread may call this; bad input raises and changes nothing."""
+        if not owned and not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got {request_id!r}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        token_ids = list(token_ids)
         self.validate(token_ids, params, priority)
-        seq = Sequence(request_id, token_ids, params, priority=int(priority), cache_salt=cache_salt)
-        self.groups[request_id] = SequenceGroup(request_id, prompt, params, [seq])
-        self.scheduler.add(seq)
+        token_ids = [int(t) for t in token_ids]
+        with self._lock:
+            key = ("owned", next(self._serials)) if owned else request_id
+            if key in self.groups:
+                raise ValueError(f"request id {request_id!r} is already in use; give another id")
+            seq = Sequence(key, token_ids, params, priority=int(priority), cache_salt=cache_salt,
+                           max_tokens=self.max_new_tokens(len(token_ids), params))
+            g = SequenceGroup(str(request_id), prompt, params, [seq], key=key)
+            g.owned = owned
+            self.groups[key] = g
+            self._inbox.append(("add", seq))
+            self._apply_if_idle()
+        return key
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request now and free its blocks and slots."""
-        g = self.groups.pop(request_id, None)
-        if g is None:
-            return
-        for s in g.seqs:
-            self.scheduler.finish(s, "abort")
-        self.counters["aborted"] += 1
+    def abort(self, request_id: Hashable) -> None:
+        """Stop a request and free its blocks and slots: now, or at the start of the next step when
+        one is running in another thread. An unknown id is ignored."""
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+            self._apply_if_idle()
+
+    def _apply_if_idle(self) -> None:
+        if self._stepping.acquire(blocking=False):
+            try:
+                self._apply_inbox()
+            finally:
+                self._stepping.release()
+
+    def _apply_inbox(self) -> None:
+        """Apply queued adds and aborts in call order (caller holds both locks)."""
+        ops, self._inbox = self._inbox, []
+        for op, arg in ops:
+            if op == "add":
+                self.scheduler.add(arg)
+                continue
+            g = self.groups.pop(arg, None)
+            if g is None:
+                continue
+            for s in g.seqs:
+                try:
+                    self.scheduler.finish(s, "abort")
+                except Exception as e:  # free what can be freed; the others still go
+                    self.scheduler.fail(s, e)
+            self.counters["aborted"] += 1
+
+    def _sync(self) -> None:
+        with self._lock:
+            self._apply_inbox()
 
     def export_request(self, request_id: str) -> RequestSnapshot:
         """Freeze request `request_id` (n == 1) into a snapshot and release it from this engine."""
-        g = self.groups.get(request_id)
-        if g is None:
-            raise KeyError(f"unknown request id {request_id!r}")
-        snap = migration.freeze(g, self.mgr)
-        del self.groups[request_id]
-        self.scheduler.finish(g.seqs[0], "migrated")
-        self.counters["migrations_out"] += 1
-        return snap
+        with self._stepping:
+            self._sync()
+            g = self.groups.get(request_id) if isinstance(request_id, str) else None
+            if g is None:
+                raise KeyError(f"unknown request id {request_id!r}")
+            snap = migration.freeze(g, self.mgr)
+            del self.groups[request_id]
+            self.scheduler.finish(g.seqs[0], "migrated")
+            self.counters["migrations_out"] += 1
+            return snap
 
     def import_request(self, snap: RequestSnapshot) -> None:
-        """Continue a migrated request here. Raises SnapshotMismatchError for another model, and
-        RuntimeError when the pools cannot take its KV and state now (then nothing changed)."""
-        rid = str(snap.req_id)
-        if rid in self.groups:
-            raise ValueError(f"request id {rid!r} is already in use on this engine")
-        g, holds_memory = migration.thaw(snap, self.mgr)
-        if holds_memory:
-            self.scheduler.add_running(g.seqs[0])
-        else:  # moved as tokens: recomputed here
-            self.scheduler.add(g.seqs[0])
-        self.groups[rid] = g
-        self.counters["migrations_in"] += 1
+        """Continue a migrated request here. Raises SnapshotMismatchError for another model,
+        ValueError / TypeError for a malformed snapshot, and RuntimeError when the pools or
+        max_num_seqs cannot take it now; in every case nothing changed."""
+        if not isinstance(snap, RequestSnapshot):
+            raise TypeError(f"import_request takes a RequestSnapshot, got {type(snap).__name__}")
+        with self._stepping:
+            self._sync()
+            rid = str(snap.req_id)
+            self._check_snapshot(snap)
+            if rid in self.groups:
+                raise ValueError(f"request id {rid!r} is already in use on this engine")
+            holds = snap.num_computed_tokens > 0
+            if holds and len(self.scheduler.running) >= self.scheduler.max_seqs:
+                raise RuntimeError(f"cannot import request {rid!r} now: {len(self.scheduler.running)} "
+                                   f"sequences run, max_num_seqs={self.scheduler.max_seqs}; retry later")
+            g, holds_memory = migration.thaw(snap, self.mgr)
+            seq = g.seqs[0]
+            seq.max_tokens = self.max_new_tokens(seq.num_prompt_tokens, g.params)
+            if holds_memory:
+                self.scheduler.add_running(seq)
+            else:  # moved as tokens: recomputed here
+                self.scheduler.add(seq)
+            self.groups[rid] = g
+            self.counters["migrations_in"] += 1
+
+    def _check_snapshot(self, snap: RequestSnapshot) -> None:
+        """What the engine knows of a snapshot (the manager checks its tensors): sampling state,
+        tokens within the vocabulary and max_model_len, params valid for a new request here."""
+        st = snap.sampling_state
+        try:
+            params = SamplingParams(**st["params"])
+            priority = st["priority"]
+            num_prompt = snap.num_prompt_tokens
+            [int(k) for d in st["output_logprobs"] for k in d]
+        except (TypeError, KeyError, ValueError) as e:
+            raise ValueError(f"snapshot {snap.req_id!r} has a malformed sampling state: {e!r}") from None
+        if params.n != 1:
+            raise ValueError(f"snapshot {snap.req_id!r} has n={params.n}; only n == 1 requests migrate")
+        tokens = list(snap.token_ids)
+        if isinstance(num_prompt, bool) or not isinstance(num_prompt, int) or not 1 <= num_prompt <= len(tokens):
+            raise ValueError(f"snapshot {snap.req_id!r}: num_prompt_tokens={num_prompt!r} is not in "
+                             f"[1, {len(tokens)}] (its token count)")
+        self.validate(tokens, params, priority)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return bool(self._inbox) or self.scheduler.has_unfinished()
 
     def stats(self) -> dict:
         """Pools (blocks, slots), prefix hits and why requests missed, preemptions, tokens/s."""
@@ -122,7 +233,8 @@ class Engine:
             "prefix_hit_rate": m.prefix_hit_rate, "prefix_misses": dict(m.prefix_misses),
             "preemptions": dict(m.preemptions), "burst_waits": m.burst_waits, "swaps": c["swaps_out"],
             "migrations": {"out": c["migrations_out"], "in": c["migrations_in"]},
-            "forks": c["forks"], "aborted": c["aborted"], "fragmentation": m.fragmentation,
+            "forks": c["forks"], "aborted": c["aborted"], "failed": c["failed"],
+            "fragmentation": m.fragmentation,
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "swapped": len(self.scheduler.swapped), "steps": c["steps"],
             "generated_tokens": c["generated_tokens"],
@@ -132,42 +244,118 @@ class Engine:
 
     # ---- the step --------------------------------------------------------------------------
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
-        """Run one batch; returns the outputs of the requests that advanced (only those that
-        finished, with `finished_only`: what generate() needs, without per-step copies)."""
-        plan = self.scheduler.schedule()
-        self.counters["swaps_out"] += sum(1 for _, m in plan.preempted if m == "swap")
-        if not plan.chunks:
-            if self.scheduler.has_unfinished() and not plan.preempted:
-                raise RuntimeError("the scheduler made no progress: no request fits the pools; "
-                                   f"stats: {self.mgr.stats()}")
-            return []
+        """Run one batch; returns the outputs of the user requests that advanced or failed (only
+        those that finished, with `finished_only`). Owned requests' finished outputs go to
+        `owned_done`."""
+        with self._stepping:
+            self._sync()
+            touched: dict[Hashable, SequenceGroup] = {}
+            plan = self.scheduler.schedule()
+            self.counters["swaps_out"] += sum(1 for _, m in plan.preempted if m == "swap")
+            for seq in plan.failed:
+                self._fail_group(seq, seq.error or "failed while scheduling", touched)
+            if not plan.chunks:
+                if self.scheduler.has_unfinished() and not plan.preempted and not plan.failed:
+                    self._fail_stuck(touched)
+            else:
+                self._run(plan.chunks, touched)
+            return self._outputs(touched, finished_only)
+
+    def _run(self, chunks: list[ScheduledChunk], touched: dict) -> None:
         t0 = time.perf_counter()
-        with torch.inference_mode():  # no autograd graph (it would also chain the pools across steps)
-            logits = self.model(self._batch(plan.chunks), self.caches)
+        try:
+            with torch.inference_mode():  # no autograd graph (it would also chain the pools across steps)
+                logits = self.model(self._batch(chunks), self.caches)
+                finite = torch.isfinite(logits).all(dim=-1).tolist()
+        except Exception as e:  # the batch cannot be told apart: each of its requests fails
+            log.exception("the forward pass failed; its %d requests end with an error", len(chunks))
+            for c in chunks:
+                self._fail_group(c.seq, f"the forward pass of its batch failed: {type(e).__name__}: {e}",
+                                 touched, discard=True)
+            return
         self.counters["model_seconds"] += time.perf_counter() - t0
         self.counters["steps"] += 1
-        self.counters["processed_tokens"] += plan.num_tokens
-        touched: dict[str, SequenceGroup] = {}
-        rows, row_reqs = [], []
-        for i, c in enumerate(plan.chunks):
-            rid = c.seq.request_id
-            self.mgr.commit(rid, c.num_tokens)
-            if c.checkpoint:
-                self.mgr.checkpoint(rid)
-            if c.start + c.num_tokens < c.seq.num_tokens:
-                continue  # a prefill chunk short of the end: nothing to sample yet
-            for seq in self._fork_children(c.seq):
-                rows.append(i)
-                row_reqs.append(seq)
+        self.counters["processed_tokens"] += sum(c.num_tokens for c in chunks)
+        rows, row_seqs = [], []
+        for i, c in enumerate(chunks):
+            seq = c.seq
+            if seq.finished:
+                continue  # its group failed earlier in this loop
+            if not finite[i]:
+                self._fail_group(seq, "the model gave non-finite logits (NaN or inf) for this request",
+                                 touched, discard=True)  # its new KV and state are suspect: cache none
+                continue
+            try:
+                self.mgr.commit(seq.request_id, c.num_tokens)
+            except Exception as e:
+                self._fail_group(seq, e, touched, discard=True)
+                continue
+            try:
+                if c.checkpoint:
+                    self.mgr.checkpoint(seq.request_id)
+                if c.start + c.num_tokens < seq.num_tokens:
+                    continue  # a prefill chunk short of the end: nothing to sample yet
+                children = self._fork_children(seq)
+            except Exception as e:
+                self._fail_group(seq, e, touched)
+                continue
+            rows.extend([i] * len(children))
+            row_seqs.extend(children)
         if rows:
-            tokens, logprobs = self.sampler(
-                logits[rows], [SampleRow(s.params, s.seq_index, s.num_output_tokens) for s in row_reqs])
-            for seq, tok, lp in zip(row_reqs, tokens, logprobs):
-                self._append(seq, tok, lp)
-                touched[seq.group_id] = self.groups[seq.group_id]
-        if finished_only:
-            return [self._output(g) for g in touched.values() if g.finished]
-        return [self._output(g) for g in touched.values()]
+            self._sample(logits[rows], row_seqs, touched)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], touched: dict) -> None:
+        """Sample a token for each row and append it; a row whose sampling or stop check raises
+        fails its request alone (rows are redone one by one, so the others keep their draws)."""
+        rows = [SampleRow(s.params, s.seq_index, s.num_output_tokens) for s in seqs]
+        state = self.sampler.state()
+        try:
+            results = list(zip(*self.sampler(logits, rows)))
+        except Exception:
+            self.sampler.set_state(state)
+            results = []
+            for i, row in enumerate(rows):
+                try:
+                    tok, lp = self.sampler(logits[i:i + 1], [row])
+                    results.append((tok[0], lp[0]))
+                except Exception as e:
+                    results.append(e)
+        for seq, res in zip(seqs, results):
+            if seq.finished:
+                continue  # a sibling failed and took the group with it
+            try:
+                if isinstance(res, Exception):
+                    raise res
+                self._append(seq, *res)
+            except Exception as e:
+                self._fail_group(seq, e, touched)
+                continue
+            touched[seq.group_id] = self.groups[seq.group_id]
+
+    def _fail_group(self, seq: Sequence, error, touched: dict, discard: bool = False) -> None:
+        """End the request `seq` belongs to with "error": every unfinished sequence of it.
+        discard: this step ran past what the manager committed for it (see Scheduler.fail)."""
+        g = self.groups.get(seq.group_id)
+        seqs = g.seqs if g is not None else [seq]
+        message = seq.error or (f"{type(error).__name__}: {error}" if isinstance(error, BaseException)
+                                else str(error))
+        for s in seqs:
+            self.scheduler.fail(s, message if s is seq else f"another sequence of this request failed: "
+                                f"{message}", discard=discard)
+        if g is not None:
+            g.failed = True
+            touched[g.key] = g
+        self.counters["failed"] += 1
+
+    def _fail_stuck(self, touched: dict) -> None:
+        """Nothing ran and nothing was preempted: the head of the queue cannot fit even an idle
+        engine (checked at the door, so this is a bug); it fails so the rest can go on."""
+        q = self.scheduler.swapped or self.scheduler.waiting
+        head = q.peek()
+        if head is None:
+            return
+        self._fail_group(head, f"the scheduler could not fit it in the pools; stats: {self.mgr.stats()}",
+                         touched)
 
     def _batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
         ids, pos, slots, qsl, seq_lens = [], [], [], [0], []
@@ -192,20 +380,22 @@ class Engine:
 
     def _fork_children(self, parent: Sequence) -> list[Sequence]:
         """The sequences that sample from this row: the parent, plus its n-1 forks when its
-        prompt just finished (they share its blocks and start from copies of its state)."""
+        prompt just finished (they share its blocks and start from copies of its state; a fork
+        that finds no slot, or no seat under max_num_seqs, prefills on its own: a prefix hit)."""
         out = [parent]
         g = self.groups[parent.group_id]
         if parent.seq_index != 0:
             return out
         while g.forks_pending:
             j = len(g.seqs)
-            child = parent.fork(f"{g.request_id}#{j}", j)
+            child = parent.fork((g.key, j), j)  # a tuple: never equal to a user's id
             g.seqs.append(child)
-            if self.mgr.fork(parent.request_id, child.request_id, token_ids=child.token_ids):
+            if (len(self.scheduler.running) < self.scheduler.max_seqs
+                    and self.mgr.fork(parent.request_id, child.request_id, token_ids=child.token_ids)):
                 self.scheduler.add_running(child)
                 self.counters["forks"] += 1
                 out.append(child)
-            else:  # no slot to copy into now: the child prefills on its own (a prefix hit at best)
+            else:
                 self.scheduler.add(child)
         return out
 
@@ -216,13 +406,33 @@ class Engine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
 
+    def _outputs(self, touched: dict, finished_only: bool) -> list[RequestOutput]:
+        outs = []
+        for g in touched.values():
+            done = g.finished
+            if finished_only and not done:
+                continue
+            try:
+                out = self._output(g)
+            except Exception as e:  # building its output failed: it ends, the others still report
+                for s in g.seqs:
+                    self.scheduler.fail(s, e)
+                out = self._output(g)
+            if g.owned:
+                if out.finished:
+                    self.owned_done[g.key] = out
+            else:
+                outs.append(out)
+        return outs
+
     def _output(self, g: SequenceGroup) -> RequestOutput:
         outs = [CompletionOutput(s.seq_index, s.output_token_ids, s.finish_reason,
                                  list(s.output_logprobs) if s.params.logprobs is not None else None,
-                                 self.tokenizer, tuple(s.params.stop))
+                                 self.tokenizer, tuple(s.params.stop), error=s.error)
                 for s in g.seqs]
         done = g.finished
         if done:
-            self.groups.pop(g.request_id, None)
+            with self._lock:
+                self.groups.pop(g.key, None)
         return RequestOutput(g.request_id, g.prompt, g.prompt_token_ids, outs, done,
                              g.seqs[0].num_cached_tokens)

@@ -77,6 +77,13 @@ class Sampler:
                 logprobs[i] = entry
         return tokens, logprobs
 
+    def state(self) -> torch.Tensor:
+        """The shared generator's state, to redo a batch's unseeded draws after a failure."""
+        return self._generator.get_state()
+
+    def set_state(self, state: torch.Tensor) -> None:
+        self._generator.set_state(state)
+
     def _draw(self, row: torch.Tensor, r: SampleRow) -> int:
         p = r.params
         row = _filter(row / p.temperature, p.top_k, p.top_p)

@@ -10,17 +10,23 @@ state at that boundary exists at the end of the step. When blocks or slots run o
 evicts cached blocks and checkpoints first; if that is not enough, the lowest-priority,
 latest-arriving running sequence is preempted (recompute or swap, per PreemptionPolicy) and goes
 back to its queue. Queues are keyed by id (sequence_queue.py): a step costs what it schedules.
+A verb that raises for one sequence (admit, swap-in, swap-out, allocate) ends that sequence
+alone with "error" (`fail`, listed in `SchedulerOutput.failed`); the scan goes on for the rest.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
 from hybridkv.cache_manager import HybridCacheManager
+from hybridkv.request_state import RUNNING
 
 from .preemption import PreemptionPolicy
 from .sequence import Sequence, SequenceStatus, run_order
 from .sequence_queue import SequenceQueue
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,6 +45,7 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[tuple[Sequence, str]] = field(default_factory=list)
+    failed: list[Sequence] = field(default_factory=list)  # ended with "error" while scheduling
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +85,25 @@ class Scheduler:
             self.mgr.finish(seq.request_id)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
+    def fail(self, seq: Sequence, error: BaseException | str, discard: bool = False) -> None:
+        """End `seq` with finish_reason "error" and free its memory. discard: its live memory ran
+        past num_computed_tokens (a forward or commit failed), so none of it may be cached."""
+        if seq.finished:
+            return
+        rid = seq.request_id
+        log.warning("request %r failed: %s", rid, error)
+        try:
+            if discard and rid in self.mgr.requests and self.mgr.request(rid).status == RUNNING:
+                # a swap-out frees without donating the (advanced) state or hashing new blocks
+                self.mgr.preempt(rid, "swap")
+            self.finish(seq, "error")
+        except Exception as e:  # the manager could not free it: say so, never raise from here
+            log.error("request %r: freeing its memory failed too: %r", rid, e)
+            for queue in (self.running, self.waiting, self.swapped):
+                queue.remove(seq)
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
+        seq.error = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else error
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.swapped or self.running)
 
@@ -105,8 +131,11 @@ class Scheduler:
             return out  # memory is short: admit nothing new this step
         room = self.max_seqs - len(self.running)
         if room > 1 and len(self.waiting) > 1:  # burst rule: leaders learn where to checkpoint first
-            self.mgr.plan_bursts([(s.request_id, s.token_ids, s.cache_salt) for s in self.waiting.head(room)
-                                  if s.request_id not in self.mgr.requests])
+            try:
+                self.mgr.plan_bursts([(s.request_id, s.token_ids, s.cache_salt) for s in self.waiting.head(room)
+                                      if s.request_id not in self.mgr.requests])
+            except Exception as e:  # an optimisation: a step without it is still correct
+                log.error("burst planning failed, skipped this step: %r", e)
         for queue in (self.swapped, self.waiting):
             budget = self._admit_from(queue, budget, out)
             if budget < 0:
@@ -122,13 +151,18 @@ class Scheduler:
                 if budget == 0 or len(self.running) >= self.max_seqs:
                     return -1
                 known = seq.request_id in self.mgr.requests  # swapped, or preempted by recompute
-                if not known and self.mgr.waits_for_shared_prefix(seq.request_id, seq.token_ids,
-                                                                  cache_salt=seq.cache_salt):
-                    held.append(queue.pop())
-                    if len(held) >= self.max_seqs:
-                        return -1  # bound the scan: a burst must not make a step cost the queue
+                try:
+                    if not known and self.mgr.waits_for_shared_prefix(seq.request_id, seq.token_ids,
+                                                                      cache_salt=seq.cache_salt):
+                        held.append(queue.pop())
+                        if len(held) >= self.max_seqs:
+                            return -1  # bound the scan: a burst must not make a step cost the queue
+                        continue
+                    chunk = self._start(seq, budget, known)
+                except Exception as e:
+                    self.fail(seq, e)
+                    out.failed.append(seq)
                     continue
-                chunk = self._start(seq, budget, known)
                 if chunk is None:
                     return -1  # keep FCFS: nobody overtakes the head of the queue
                 queue.remove(seq)
@@ -146,22 +180,32 @@ class Scheduler:
         return (due - start, True) if due is not None else (n, False)
 
     def _fit_running(self, seq: Sequence, start: int, n: int, out: SchedulerOutput) -> Optional[ScheduledChunk]:
-        n, ckpt = self._cut(seq, start, n)
-        while True:
-            slots = self.mgr.allocate(seq.request_id, n)
-            if slots is not None:
-                return ScheduledChunk(seq, start, n, slots, ckpt)
-            victim = max(self.running, key=run_order)
-            self._preempt(victim, out)
-            if victim is seq:
-                return None
+        try:
+            n, ckpt = self._cut(seq, start, n)
+            while True:
+                slots = self.mgr.allocate(seq.request_id, n)
+                if slots is not None:
+                    return ScheduledChunk(seq, start, n, slots, ckpt)
+                victim = max(self.running, key=run_order)
+                self._preempt(victim, out)
+                if victim is seq or seq.finished:
+                    return None
+        except Exception as e:
+            self.fail(seq, e)
+            out.failed.append(seq)
+            return None
 
     def _preempt(self, victim: Sequence, out: SchedulerOutput) -> None:
-        nc = self.mgr.request(victim.request_id).num_computed_tokens
-        mode = self.policy.choose(nc)
-        self.mgr.preempt(victim.request_id, mode)
-        self.running.remove(victim)
         out.chunks = [c for c in out.chunks if c.seq is not victim]
+        try:
+            nc = self.mgr.request(victim.request_id).num_computed_tokens
+            mode = self.policy.choose(nc)
+            self.mgr.preempt(victim.request_id, mode)
+        except Exception as e:  # the victim alone fails; its memory is freed all the same
+            self.fail(victim, e)
+            out.failed.append(victim)
+            return
+        self.running.remove(victim)
         if mode == "swap":
             victim.status = SequenceStatus.SWAPPED
             self.swapped.add(victim)
@@ -177,7 +221,7 @@ class Scheduler:
         if resume:
             start = self.mgr.resume(rid, num_new_tokens=want)
         else:
-            start = self.mgr.admit(rid, seq.token_ids, max_tokens=seq.params.max_tokens,
+            start = self.mgr.admit(rid, seq.token_ids, max_tokens=seq.max_tokens,
                                    cache_salt=seq.cache_salt, num_new_tokens=want)
             if start is not None:
                 seq.num_cached_tokens = start

@@ -30,27 +30,33 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """One sequence: its tokens, sampling params, queue order and status.
 
-    request_id: the id the scheduler and the manager know it by (group id, or "<group>#<j>").
+    request_id: the id the scheduler and the manager know it by: the group's key for index 0,
+        `(group key, j)` for fork j (a tuple: no user id, always a string, can take it).
     token_ids: prompt + output tokens (a private copy of the prompt given).
     priority: lower runs first, as in vLLM; arrival then serial break ties (earlier first).
+    max_tokens: output tokens it may generate (params.max_tokens, capped by the engine at what
+        max_model_len leaves); the same number is checked at the door and at admission.
+    error: why it finished with finish_reason "error" (None otherwise).
     """
 
     def __init__(self, request_id: str, token_ids: list[int], params: SamplingParams, *,
                  group_id: Optional[str] = None, seq_index: int = 0, priority: int = 0,
                  cache_salt: Optional[str] = None, arrival: Optional[float] = None,
-                 num_prompt_tokens: Optional[int] = None):
+                 num_prompt_tokens: Optional[int] = None, max_tokens: Optional[int] = None):
         self.request_id = request_id
         self.group_id = request_id if group_id is None else group_id
         self.seq_index = seq_index
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(self.token_ids) if num_prompt_tokens is None else num_prompt_tokens
         self.params = params
+        self.max_tokens = params.max_tokens if max_tokens is None else max_tokens
         self.priority = priority
         self.cache_salt = cache_salt
         self.arrival = time.monotonic() if arrival is None else arrival
         self.serial = next(_serials)
         self.status = SequenceStatus.WAITING
         self.finish_reason: Optional[str] = None
+        self.error: Optional[str] = None
         self.num_cached_tokens = 0   # prefix-hit tokens at first admission
         self.output_logprobs: list[dict[int, float]] = []
 
@@ -84,19 +90,27 @@ class Sequence:
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
 
-    def fork(self, request_id: str, seq_index: int) -> "Sequence":
+    def fork(self, request_id, seq_index: int) -> "Sequence":
         """A sibling that starts from this sequence's tokens now (its own list), in the same group."""
         return Sequence(request_id, self.token_ids, self.params, group_id=self.group_id,
                         seq_index=seq_index, priority=self.priority, cache_salt=self.cache_salt,
-                        num_prompt_tokens=self.num_prompt_tokens)
+                        num_prompt_tokens=self.num_prompt_tokens, max_tokens=self.max_tokens)
 
 
 class SequenceGroup:
-    """One user request: a prompt and its n sequences (index 0 first; forks join after prefill)."""
+    """One request: a prompt and its n sequences (index 0 first; forks join after prefill).
+
+    request_id: the id its outputs carry. key: the engine's name for it, the user's id for a
+    request added by id; a tuple for one the engine owns (`generate`'s), which no user id (a
+    string) can equal. Sequences are named from the key.
+    """
 
     def __init__(self, request_id: str, prompt: Optional[str], params: SamplingParams,
-                 seqs: Optional[list[Sequence]] = None):
+                 seqs: Optional[list[Sequence]] = None, key=None):
         self.request_id = request_id
+        self.key = request_id if key is None else key
+        self.owned = False            # an owner inside the engine (generate) takes its output
+        self.failed = False           # ended with "error": its pending forks will never be made
         self.prompt = prompt          # the text, when the prompt came as text
         self.params = params
         self.seqs: list[Sequence] = seqs or []
@@ -112,4 +126,4 @@ class SequenceGroup:
 
     @property
     def finished(self) -> bool:
-        return self.forks_pending == 0 and all(s.finished for s in self.seqs)
+        return (self.failed or self.forks_pending == 0) and all(s.finished for s in self.seqs)
