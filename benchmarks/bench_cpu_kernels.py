@@ -11,8 +11,10 @@ inputs; a repeat's time is CPU time (`time.process_time`) per call, averaged ove
 calls. Printed: median and min-max of each, the before/after ratio of the medians, and the check
 that both outputs agree (relative max error <= 1e-5).
 Cases: one attention layer's decode step at 32 requests x 64 tokens, at 31 x 64 + 1 x 2048 and
-at 32 x 2048; one Mamba2 layer's decode state update at batch 32 with slots 1..32 (a fresh batch:
-a view of the pool) and with 32 slots scattered over 128 (gather + write back).
+at 32 x 2048; the Mamba2 decode state update at batch 32 with slots 1..32 (a fresh batch: a view
+of the pool) and with 32 slots scattered over 128 (gather + write back); and one whole Mamba2 layer
+(`Mamba2Mixer.forward`: in_proj, conv1d_update, state update, gated norm, out_proj) decoding 32
+requests, with the baseline's conv1d_update and state update patched in for "before".
 """
 from __future__ import annotations
 
@@ -27,8 +29,12 @@ from pathlib import Path
 
 import torch
 
+import hybridkv.kernels.conv1d_ref as conv1d_mod
+import hybridkv.kernels.mamba2_cpu as mamba2_mod
 from hybridkv.kernels.attention_cpu import paged_attention_cpu
 from hybridkv.kernels.mamba2_cpu import mamba2_state_update_cpu
+from hybridkv.models.forward_batch import ForwardBatch
+from hybridkv.models.mamba2_mixer import Mamba2Mixer
 
 BASELINE = "2fd806b"  # main before the bucketed attention and the in-place Mamba2 decode
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,6 +81,42 @@ def mamba2_case(slots, num_slots, nb=32, H=8, P=64, G=1, N=64, seed=0):
     return torch.randn(num_slots, H, P, N, generator=g) * 0.1, args
 
 
+def mixer_case(nb=32, slots=None):
+    """A Mamba2 layer of bench_engine.py's model and a batch of `nb` decodes at slots 1..nb."""
+    torch.manual_seed(0)
+    mixer = Mamba2Mixer(256, num_heads=8, head_dim=64, n_groups=1, d_state=64, d_conv=4,
+                        chunk_size=64, eps=1e-5).eval()
+    slots = torch.arange(1, nb + 1) if slots is None else slots
+    batch = ForwardBatch(
+        input_ids=torch.zeros(nb, dtype=torch.long), positions=torch.full((nb,), 64),
+        query_start_loc=torch.arange(nb + 1, dtype=torch.int32),
+        seq_lens=torch.full((nb,), 65, dtype=torch.int32),
+        block_table=torch.zeros(nb, 1, dtype=torch.int32), slot_mapping=torch.full((nb,), -1),
+        state_slots=slots.to(torch.int32), has_initial_state=torch.ones(nb, dtype=torch.bool),
+        query_lens_cpu=[1] * nb, seq_lens_cpu=[65] * nb)
+    n = int(slots.max()) + 1
+    conv = torch.randn(n, mixer.conv_dim, 3) * 0.1
+    state = torch.randn(n, 8, 64, 64) * 0.1
+    return mixer, batch, torch.randn(nb, 256), conv, state
+
+
+class baseline_kernels:
+    """Within the block, the dispatcher's CPU conv1d_update and Mamba2 decode are BASELINE's."""
+
+    def __init__(self, old_conv, old_m2):
+        self.patch = [(conv1d_mod, "conv1d_update_ref", old_conv.conv1d_update_ref),
+                      (mamba2_mod, "mamba2_state_update_cpu", old_m2.mamba2_state_update_cpu)]
+
+    def __enter__(self):
+        self.saved = [getattr(m, name) for m, name, _ in self.patch]
+        for m, name, fn in self.patch:
+            setattr(m, name, fn)
+
+    def __exit__(self, *exc):
+        for (m, name, _), fn in zip(self.patch, self.saved):
+            setattr(m, name, fn)
+
+
 def alternate(fns: dict, repeats: int, inner: int) -> dict:
     """{name: [CPU seconds per call, one per repeat]}, the variants run in turn in every repeat."""
     times = {name: [] for name in fns}
@@ -99,6 +141,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(1)
     old_attn, old_m2 = baseline_module("attention_cpu"), baseline_module("mamba2_cpu")
+    old_conv = baseline_module("conv1d_ref")
     print(f"# {platform.machine()} {platform.processor() or ''}, torch {torch.__version__}, "
           f"1 thread, baseline {BASELINE}, {args.repeats} repeats, CPU time per call")
     print("| case | before: median (min-max) | after: median (min-max) | before / after "
@@ -131,6 +174,27 @@ def main():
         t = alternate({"before": lambda: old_m2.mamba2_state_update_cpu(pools["before"], **kw),
                        "after": lambda: mamba2_state_update_cpu(pools["after"], **kw)},
                       args.repeats, inner)
+        results[label] = t
+        ratio = statistics.median(t["before"]) / statistics.median(t["after"])
+        print(f"| {label} | {fmt(t['before'])} | {fmt(t['after'])} | {ratio:.2f}x | {err:.1e} |")
+    for label, slots in [("Mamba2 layer decode (mixer forward), batch 32, slots 1..32", None),
+                         ("Mamba2 layer decode (mixer forward), batch 32, slots scattered",
+                          torch.randperm(127)[:32] + 1)]:
+        mixer, batch, hidden, conv, state = mixer_case(slots=slots)
+        pools = {"before": (conv.clone(), state.clone()), "after": (conv.clone(), state.clone())}
+
+        def before():
+            with baseline_kernels(old_conv, old_m2):
+                return mixer(hidden, batch, *pools["before"])
+
+        def after():
+            return mixer(hidden, batch, *pools["after"])
+
+        with torch.no_grad():
+            err = rel_err(after(), before())
+            err = max(err, rel_err(pools["after"][1], pools["before"][1]),
+                      rel_err(pools["after"][0], pools["before"][0]))
+            t = alternate({"before": before, "after": after}, args.repeats, 3 if args.quick else 50)
         results[label] = t
         ratio = statistics.median(t["before"]) / statistics.median(t["after"])
         print(f"| {label} | {fmt(t['before'])} | {fmt(t['after'])} | {ratio:.2f}x | {err:.1e} |")
