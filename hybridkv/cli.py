@@ -30,7 +30,7 @@ def build_tiny(directory: str) -> str:
 def add_llm_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("engine (the LLM(...) options)")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
-    g.add_argument("--dtype", default="float32", help="float32 | float16 | bfloat16 (default float32)")
+    g.add_argument("--dtype", default="auto", help="auto (the checkpoint's dtype from config.json, float32 if it names none) | float32 | float16 | bfloat16 (default auto, as vLLM)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     g.add_argument("--memory-budget-mb", type=int, default=None,
                    help="MiB for KV blocks + state slots (default: 1024 on a CPU, measured on a GPU)")
