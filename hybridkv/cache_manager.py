@@ -47,6 +47,7 @@ import torch
 
 from hybridkv.block_hash import extend_hashes, extra_key
 from hybridkv.checkpoint_policy import DEFAULT_POLICY, CheckpointPolicy
+from hybridkv.eviction import DEFAULT_EVICTION
 from hybridkv.errors import MemoryBudgetError, RequestStateError, RequestTooLargeError, SnapshotMismatchError
 from hybridkv.manager_stats import ManagerStats
 from hybridkv.memory.burst import BurstRule
@@ -82,7 +83,7 @@ class HybridCacheManager:
     def __init__(self, specs: Mapping[int, LayerSpec], block_size: int = 16, num_blocks: int = 0,
                  num_slots: int = 0, *, device: torch.device | str = "cpu", enable_prefix_caching: bool = True,
                  checkpoint_policy: str = DEFAULT_POLICY, checkpoint_every_n: int = 4,
-                 checkpoint_eviction: str = "lru", fingerprint: str = "",
+                 checkpoint_eviction: str = DEFAULT_EVICTION, fingerprint: str = "",
                  flops_per_token: Optional[float] = None, max_num_batched_tokens: Optional[int] = None):
         if not isinstance(block_size, int) or block_size <= 0:
             raise MemoryBudgetError(f"block_size={block_size!r} must be a positive integer (e.g. 16)")
@@ -120,7 +121,8 @@ class HybridCacheManager:
             self.recurrent = RecurrentMemory(
                 groups[RecurrentMemory], block_size, num_slots, device, eviction=checkpoint_eviction,
                 saved_flops=lambda p: lin * p + quad * p * p + p,
-                reachable=self.attention.is_cached if self.attention else (lambda h: True))
+                reachable=self.attention.is_cached if self.attention else (lambda h: True),
+                branches=self.attention.num_children if self.attention else (lambda h: 0))
         # Kinds that can refuse for lack of a slot are asked first.
         self.kinds: list[LayerMemory] = [k for k in (self.recurrent, self.attention) if k is not None]
         self.bursts = BurstRule(block_size, self._prompt_hashes, lambda hashes, n: self._match(hashes, n)[0])

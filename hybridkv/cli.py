@@ -11,6 +11,9 @@ import tempfile
 import time
 from typing import Optional
 
+from hybridkv.checkpoint_policy import DEFAULT_POLICY, POLICIES
+from hybridkv.eviction import DEFAULT_EVICTION, EVICTION_RULES
+
 TINY_FAMILY = "bamba"
 TINY_NOTICE = ("built-in tiny Bamba (Mamba2 + attention), RANDOM weights: the text is noise; "
                "this shows the engine, not a model")
@@ -41,10 +44,9 @@ def add_llm_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--checkpoint-policy", default="prompt_end",
-                   choices=["none", "prompt_end", "every_n_blocks", "branch_points"])
+    g.add_argument("--checkpoint-policy", default=DEFAULT_POLICY, choices=list(POLICIES))
     g.add_argument("--checkpoint-every-n", type=int, default=4)
-    g.add_argument("--checkpoint-eviction", default="lru", choices=["lru", "flop"])
+    g.add_argument("--checkpoint-eviction", default=DEFAULT_EVICTION, choices=list(EVICTION_RULES))
     g.add_argument("--checkpoint-share", type=float, default=None)
 
 

@@ -45,9 +45,10 @@ def _dtype(d):
 class LLM:
     """A model, its dual memory manager and the engine that serves it.
 
-    Keyword arguments beyond the vLLM ones: `checkpoint_policy` ('none' | 'prompt_end' |
-    'every_n_blocks' | 'branch_points'), `checkpoint_every_n`, `checkpoint_eviction` ('lru' |
-    'flop'), `checkpoint_share` (share of the budget for state checkpoints).
+    Keyword arguments beyond the vLLM ones: `checkpoint_policy` ('junctions' (default) | 'none' |
+    'prompt_end' | 'every_n_blocks' | 'branch_points'), `checkpoint_every_n`, `checkpoint_eviction`
+    ('utility' (default) | 'lru' | 'flop'), `checkpoint_share` (share of the budget for state
+    checkpoints). docs/design.md and BENCHMARKS.md say what each does.
     """
 
     def __init__(self, model: str, device: str = "cpu", dtype="float32", block_size: int = 16,

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from hybridkv.checkpoint_policy import DEFAULT_POLICY
+from hybridkv.eviction import DEFAULT_EVICTION
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 
@@ -24,7 +25,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     checkpoint_policy: str = DEFAULT_POLICY
     checkpoint_every_n: int = 4
-    checkpoint_eviction: str = "lru"
+    checkpoint_eviction: str = DEFAULT_EVICTION
     checkpoint_share: Optional[float] = None
     preemption_mode: str = "auto"
     max_model_len: Optional[int] = None

@@ -70,6 +70,9 @@ class FullAttentionMemory(LayerMemory):
     def is_cached(self, h: bytes) -> bool:
         return h in self.pool.cached
 
+    def num_children(self, h: bytes) -> int:
+        return len(self.pool.children.get(h, ()))
+
     def branches(self, hashes: Sequence[bytes], k: int) -> bool:
         return 0 < k < len(hashes) and self.pool.has_other_child(hashes[k - 1], hashes[k])
 

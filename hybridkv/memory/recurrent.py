@@ -49,7 +49,8 @@ class RecurrentMemory(LayerMemory):
     def __init__(self, layers: Mapping[int, RecurrentSpec], block_size: int, num_slots: int,
                  device: torch.device | str = "cpu", eviction: str = "lru",
                  saved_flops: Optional[Callable[[int], float]] = None,
-                 reachable: Callable[[bytes], bool] = lambda h: True, flop_weight: float = 1.0):
+                 reachable: Callable[[bytes], bool] = lambda h: True, flop_weight: float = 1.0,
+                 branches: Callable[[bytes], int] = lambda h: 0):
         super().__init__(layers, block_size)
         check_rule(eviction)
         self.states = StatePool(self.layers, num_slots, device)
@@ -57,6 +58,7 @@ class RecurrentMemory(LayerMemory):
         self.saved_flops = saved_flops or (lambda p: float(p))
         self.flop_weight = flop_weight
         self.reachable = reachable
+        self.branches = branches
         self.checkpoints: OrderedDict[bytes, Checkpoint] = OrderedDict()  # least recently used first
         self._slot: dict[Hashable, int] = {}
         self._rolling: dict[Hashable, bytes] = {}  # rid -> key of its output checkpoint
@@ -94,7 +96,7 @@ class RecurrentMemory(LayerMemory):
             keys = [h for h, c in self.checkpoints.items() if h != protect and (c.output or not only_output)]
             if keys:
                 i = choose_victim(self.eviction, [self.checkpoints[h].position for h in keys], self.saved_flops,
-                                  self.flop_weight)
+                                  self.flop_weight, branches=[self.branches(h) for h in keys])
                 self._drop(keys[i])
         return self.states.allocate(kind)
 
