@@ -192,7 +192,8 @@ class LLM:
         self.engine.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.engine.has_unfinished()
+        """True while a request runs or waits, or a finished one's output awaits step()."""
+        return bool(self._parked) or self.engine.has_unfinished()
 
     def export_request(self, request_id: str) -> RequestSnapshot:
         return self.engine.export_request(request_id)
