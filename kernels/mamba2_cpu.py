@@ -103,7 +103,7 @@ def mamba2_state_update_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, 
     dt = _discretize_dt(dt, dt_bias, dt_softplus, dt_limit)  # [nb, H] fp32
     dA = torch.exp(dt * A.float())
     xdt = x.float() * dt[..., None]  # [nb, H, P]
-    Bf, Cf = B.float(), C.float()
+    Bf, Cf = B.float(), C.float()  # may be strided slices of the mixer's projection: reshape
     h, order = slot_range(ssm_state, slots) if ssm_state.dtype == torch.float32 else (None, None)
     in_place = h is not None  # a half-precision pool is updated in fp32 on a copy
     if not in_place:
@@ -113,9 +113,10 @@ def mamba2_state_update_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, 
         dA, xdt, Bf, Cf = dA[order], xdt[order], Bf[order], Cf[order]
     h.mul_(dA[..., None, None])
     hg = h.view(nb, G, hpg * P, N)
-    hg.view(nb, G, hpg, P, N).addcmul_(xdt.view(nb, G, hpg, P, 1), Bf.view(nb, G, 1, 1, N))
+    hg.view(nb, G, hpg, P, N).addcmul_(xdt.view(nb, G, hpg, P, 1), Bf.reshape(nb, G, 1, 1, N))
     # C as a row times h^T: torch's one-column matmul is ~9x slower than this row form on CPU
-    y = torch.bmm(Cf.view(nb * G, 1, N), hg.view(nb * G, hpg * P, N).transpose(1, 2)).view(nb, H, P)
+    y = torch.bmm(Cf.reshape(nb * G, 1, N), hg.view(nb * G, hpg * P, N).transpose(1, 2))
+    y = y.view(nb, H, P)
     if not in_place:
         ssm_state.index_copy_(0, slots, h.to(ssm_state.dtype))
     elif order is not None:

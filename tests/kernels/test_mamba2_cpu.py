@@ -92,7 +92,8 @@ def test_state_update_matches_reference(pool_dtype, with_z, dt_limit, layout):
     nb = 5
     x, dt = torch.randn(nb, H, P, generator=g), torch.randn(nb, H, generator=g)
     A = -torch.exp(torch.randn(H, generator=g) * 0.5)
-    B, C = torch.randn(nb, G, N, generator=g), torch.randn(nb, G, N, generator=g)
+    # B and C as the mixer passes them: strided column slices of one projection
+    B, C = torch.randn(nb, 3 * G * N, generator=g)[:, G * N:].view(nb, 2, G, N).unbind(1)
     D, dt_bias = torch.randn(H, generator=g), torch.randn(H, generator=g) * 0.5
     z = torch.randn(nb, H, P, generator=g) if with_z else None
     slots = SLOT_LAYOUTS[layout](g, nb).to(torch.int32)
