@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import numbers
 import threading
 import time
 from typing import Hashable, Optional
@@ -32,6 +31,7 @@ from hybridkv.sampling_params import SamplingParams
 from hybridkv.snapshot import RequestSnapshot
 
 from . import migration
+from .door import Door
 from .sampler import SampleRow, Sampler
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import Sequence, SequenceGroup
@@ -52,6 +52,7 @@ class Engine:
         self.max_model_len = model.max_model_len
         self.caches = ModelCaches(kv=manager.kv_caches, conv=manager.conv_states,
                                   state=manager.ssm_states, block_size=manager.block_size)
+        self.door = Door(model.vocab_size, model.max_model_len, scheduler.max_seqs, manager.check_fits)
         self.groups: dict[Hashable, SequenceGroup] = {}  # by key: user ids (str) and owned keys (tuples)
         self.owned_done: dict[Hashable, RequestOutput] = {}  # finished requests of an owner (generate)
         self._inbox: list[tuple[str, object]] = []  # adds and aborts not applied yet, in call order
@@ -64,38 +65,12 @@ class Engine:
 
     # ---- requests --------------------------------------------------------------------------
     def validate(self, token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
-        """Raise ValueError (TypeError for a wrong type) naming the value and the limit; nothing in
-        the engine changes."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
-            raise TypeError(f"priority must be an integer (lower runs first), got {priority!r}")
-        if len(token_ids) == 0:
-            raise ValueError("the prompt is empty: give at least one token")
-        vocab = self.model.vocab_size
-        bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
-        if bad:
-            raise TypeError(f"prompt token id {bad[0]!r} is not an integer")
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; this model's max_model_len is "
-                             f"{self.max_model_len} (and one token must be left to generate)")
-        if params.n > self.scheduler.max_seqs:
-            raise ValueError(f"n={params.n} sequences exceed this engine's max_num_seqs="
-                             f"{self.scheduler.max_seqs}; lower n or raise max_num_seqs")
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab}")
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        self.mgr.check_fits(len(token_ids), self.max_new_tokens(len(token_ids), params))
+        """Raise ValueError (TypeError for a wrong type) naming the value and the limit (door.py);
+        nothing in the engine changes."""
+        self.door.validate(token_ids, params, priority)
 
     def max_new_tokens(self, num_tokens: int, params: SamplingParams) -> int:
-        """Output tokens a request of `num_tokens` may generate: max_tokens, capped by max_model_len
-        (the number both the door and admission check against the pools)."""
-        return min(params.max_tokens, self.max_model_len - num_tokens)
+        return self.door.max_new_tokens(num_tokens, params)
 
     def add_request(self, request_id: Optional[str], token_ids: list[int], params: SamplingParams,
                     prompt: Optional[str] = None, priority: int = 0,
@@ -181,41 +156,23 @@ class Engine:
         with self._stepping:
             self._sync()
             rid = str(snap.req_id)
-            self._check_snapshot(snap)
-            if rid in self.groups:
-                raise ValueError(f"request id {rid!r} is already in use on this engine")
-            holds = snap.num_computed_tokens > 0
-            if holds and len(self.scheduler.running) >= self.scheduler.max_seqs:
-                raise RuntimeError(f"cannot import request {rid!r} now: {len(self.scheduler.running)} "
-                                   f"sequences run, max_num_seqs={self.scheduler.max_seqs}; retry later")
-            g, holds_memory = migration.thaw(snap, self.mgr)
-            seq = g.seqs[0]
-            seq.max_tokens = self.max_new_tokens(seq.num_prompt_tokens, g.params)
-            if holds_memory:
-                self.scheduler.add_running(seq)
-            else:  # moved as tokens: recomputed here
-                self.scheduler.add(seq)
-            self.groups[rid] = g
+            self.door.check_snapshot(snap)
+            with self._lock:  # no add_request of the same id in between
+                if rid in self.groups:
+                    raise ValueError(f"request id {rid!r} is already in use on this engine")
+                holds = snap.num_computed_tokens > 0
+                if holds and len(self.scheduler.running) >= self.scheduler.max_seqs:
+                    raise RuntimeError(f"cannot import request {rid!r} now: {len(self.scheduler.running)} "
+                                       f"sequences run, max_num_seqs={self.scheduler.max_seqs}; retry later")
+                g, holds_memory = migration.thaw(snap, self.mgr)
+                seq = g.seqs[0]
+                seq.max_tokens = self.max_new_tokens(seq.num_prompt_tokens, g.params)
+                if holds_memory:
+                    self.scheduler.add_running(seq)
+                else:  # moved as tokens: recomputed here
+                    self.scheduler.add(seq)
+                self.groups[rid] = g
             self.counters["migrations_in"] += 1
-
-    def _check_snapshot(self, snap: RequestSnapshot) -> None:
-        """What the engine knows of a snapshot (the manager checks its tensors): sampling state,
-        tokens within the vocabulary and max_model_len, params valid for a new request here."""
-        st = snap.sampling_state
-        try:
-            params = SamplingParams(**st["params"])
-            priority = st["priority"]
-            num_prompt = snap.num_prompt_tokens
-            [int(k) for d in st["output_logprobs"] for k in d]
-        except (TypeError, KeyError, ValueError) as e:
-            raise ValueError(f"snapshot {snap.req_id!r} has a malformed sampling state: {e!r}") from None
-        if params.n != 1:
-            raise ValueError(f"snapshot {snap.req_id!r} has n={params.n}; only n == 1 requests migrate")
-        tokens = list(snap.token_ids)
-        if isinstance(num_prompt, bool) or not isinstance(num_prompt, int) or not 1 <= num_prompt <= len(tokens):
-            raise ValueError(f"snapshot {snap.req_id!r}: num_prompt_tokens={num_prompt!r} is not in "
-                             f"[1, {len(tokens)}] (its token count)")
-        self.validate(tokens, params, priority)
 
     def has_unfinished(self) -> bool:
         return bool(self._inbox) or self.scheduler.has_unfinished()
