@@ -12,4 +12,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+# One thread: on these small ops OpenMP workers spin, and two threads on a 2-core machine run
+# several times slower than one (and far slower still when another process shares the cores).
+torch.set_num_threads(1)
