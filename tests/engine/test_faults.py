@@ -210,3 +210,22 @@ def test_a_fault_at_import_changes_nothing(ckpt, monkeypatch):
     assert done["v"].outputs[0].token_ids == ref[5][0]  # a seeded n=2 request's first sequence
     assert_no_leaks(dst)
     assert_no_leaks(src)
+
+
+def test_nan_weights_fail_every_request_and_poison_no_cache(ckpt):
+    """NaN in the weights: each request ends with "error" (not token 0), none of its KV or state
+    is cached, and once the weights are whole again the same prompts give the oracle's tokens."""
+    _, ref, _ = ckpt
+    llm = tight(ckpt, blocks=40)
+    prompts, params = workload(llm.model.vocab_size)
+    weight = next(p for n, p in llm.model.named_parameters() if "embed" in n)
+    saved = weight.detach().clone()
+    with torch.no_grad():
+        weight.fill_(float("nan"))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(c.finish_reason == "error" and "non-finite logits" in c.error for o in outs for c in o.outputs)
+    assert_no_leaks(llm)
+    assert llm.stats()["kv_blocks_cached"] == 0 and llm.stats()["state_slots_checkpoint"] == 0
+    with torch.no_grad():
+        weight.copy_(saved)
+    assert_serves_on(llm, ref)
