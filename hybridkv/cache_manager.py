@@ -33,7 +33,8 @@ a request that can never fit raises RequestTooLargeError, a ValueError):
     mgr.checkpoint(req_id) -> bool                          live state -> checkpoint at num_computed
     mgr.fork(parent_id, child_id, token_ids=None) -> bool   share blocks, copy the state
     mgr.preempt(req_id, mode="recompute" | "swap");  mgr.resume(req_id, num_new_tokens=None)
-    mgr.finish(req_id);  mgr.export_snapshot(req_id) / mgr.import_snapshot(snapshot, ...)
+    mgr.finish(req_id);  mgr.discard(req_id)               (a failed step: keep nothing of it)
+    mgr.export_snapshot(req_id) / mgr.import_snapshot(snapshot, ...)
     mgr.block_table(req_ids, width=None) -> int32 [R, width];  mgr.live_slot(req_id) -> int
     mgr.request(req_id) -> RequestState;  mgr.stats() -> ManagerStats
 The semantics of each verb over each kind: docs/design.md.
@@ -431,6 +432,19 @@ class HybridCacheManager:
             for kind in self.kinds:
                 kind.release(req_id, donate)
         for kind in self.kinds:
+            kind.forget(req_id)
+        self.bursts.drop(req_id)
+        r.swapped = None
+        del self._reqs[req_id]
+
+    def discard(self, req_id: Hashable) -> None:
+        """Forget a request whose memory may have run past num_computed_tokens (its step failed):
+        every kind lets go without keeping anything — no state becomes a checkpoint, and only the
+        blocks hashed before (complete, committed) stay findable."""
+        r = self.request(req_id)
+        for kind in self.kinds:
+            if r.status is RUNNING:
+                kind.release(req_id, None)
             kind.forget(req_id)
         self.bursts.drop(req_id)
         r.swapped = None

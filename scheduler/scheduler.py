@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from hybridkv.cache_manager import HybridCacheManager
-from hybridkv.request_state import RUNNING
 
 from .preemption import PreemptionPolicy
 from .sequence import Sequence, SequenceStatus, run_order
@@ -93,9 +92,8 @@ class Scheduler:
         rid = seq.request_id
         log.warning("request %r failed: %s", rid, error)
         try:
-            if discard and rid in self.mgr.requests and self.mgr.request(rid).status == RUNNING:
-                # a swap-out frees without donating the (advanced) state or hashing new blocks
-                self.mgr.preempt(rid, "swap")
+            if discard and rid in self.mgr.requests:
+                self.mgr.discard(rid)  # frees without keeping the (advanced) state or new blocks
             self.finish(seq, "error")
         except Exception as e:  # the manager could not free it: say so, never raise from here
             log.error("request %r: freeing its memory failed too: %r", rid, e)

@@ -265,3 +265,18 @@ def test_corrupt_snapshots_are_refused_before_anything_is_allocated():
             m.import_snapshot(dataclasses.replace(snap, **change))
         assert m.stats() == before and "a" not in m.requests
     assert m.import_snapshot(snap)
+
+
+def test_discard_keeps_nothing_of_a_failed_step():
+    m = mgr()
+    m.admit("a", list(range(18)))
+    run(m, "a", 16)
+    slots = m.allocate("a", 2)  # the step that fails: KV written past num_computed, never committed
+    assert slots is not None
+    before = m.stats()
+    m.discard("a")
+    s = m.stats()
+    assert "a" not in m.requests and s.kv_blocks_used == 0 and s.slots_live == 0
+    assert s.slots_checkpoint == before.slots_checkpoint  # the advanced live state is not kept
+    assert s.preemptions == {"recompute": 0, "swap": 0}
+    assert m.admit("b", list(range(18))) == 0  # blocks 0-3 hashed before stay findable, no state at 16
