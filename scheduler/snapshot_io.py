@@ -1,19 +1,22 @@
-"""A RequestSnapshot as bytes (safetensors + a JSON header), and over torch.distributed.
+"""A RequestSnapshot as bytes (safetensors + a JSON header + a SHA-256 trailer), and over torch.distributed.
 
 Bytes let a snapshot cross processes or hosts by any transport; `send_snapshot` /
 `recv_snapshot` use point-to-point torch.distributed (gloo on CPU, NCCL on GPU).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from hybridkv.errors import SnapshotMismatchError
 from hybridkv.snapshot import RequestSnapshot
 
 _KINDS = ("kv", "conv", "ssm")
+_DIGEST = 32  # SHA-256 of the safetensors payload, appended to it
 
 
 def _tuples(x):
@@ -29,10 +32,17 @@ def snapshot_to_bytes(snap: RequestSnapshot) -> bytes:
             "sampling_state": snap.sampling_state,
             "layer_shapes": {str(k): list(v) for k, v in snap.layer_shapes.items()},
             "kv_start": {str(k): v for k, v in snap.kv_start.items()}}
-    return st_save(tensors, metadata={"snapshot": json.dumps(meta)})
+    payload = st_save(tensors, metadata={"snapshot": json.dumps(meta)})
+    return payload + hashlib.sha256(payload).digest()  # a flipped byte in transit is caught on load
 
 
 def snapshot_from_bytes(data: bytes) -> RequestSnapshot:
+    """Inverse of snapshot_to_bytes; SnapshotMismatchError if the bytes were changed on the way."""
+    data, digest = bytes(data[:-_DIGEST]), bytes(data[-_DIGEST:])
+    if len(data) < 8 or hashlib.sha256(data).digest() != digest:
+        raise SnapshotMismatchError(
+            f"snapshot bytes are corrupt: their SHA-256 does not match the one sent with them "
+            f"({len(data) + _DIGEST} bytes received); send the snapshot again")
     tensors = st_load(data)
     header_len = int.from_bytes(data[:8], "little")
     meta = json.loads(json.loads(data[8:8 + header_len])["__metadata__"]["snapshot"])

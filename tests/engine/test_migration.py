@@ -106,3 +106,16 @@ def test_migrate_between_processes_over_gloo(ckpt, tmp_path):
         assert p.returncode == 0, e[-3000:]
     line = [ln for ln in outs[1][0].splitlines() if ln.startswith("TOKENS")][0]
     assert json.loads(line.split(" ", 1)[1]) == expected
+
+
+def test_a_flipped_byte_in_transit_is_refused(ckpt):
+    src = _engine(ckpt)
+    rid = src.add_request(PROMPTS[0], greedy(8))
+    src.step()
+    data = bytearray(snapshot_to_bytes(src.export_request(rid)))
+    assert snapshot_from_bytes(bytes(data)).req_id == rid
+    data[len(data) // 2] ^= 0x10
+    dst = _engine(ckpt)
+    with pytest.raises(SnapshotMismatchError, match="corrupt"):
+        dst.import_request(snapshot_from_bytes(bytes(data)))
+    assert_no_leaks(dst)
