@@ -143,3 +143,10 @@ def test_sampling_params_list_of_another_length_is_refused(llm):
         llm.generate([[5], [6]], [greedy(2), {"max_tokens": 2}], use_tqdm=False)
     assert_untouched(llm)
     assert SamplingParams().max_tokens == 16
+
+
+@pytest.mark.parametrize("block_size", [0, -16, 1.5, True])
+def test_block_size_must_be_a_positive_int(block_size):
+    from hybridkv.scheduler.config import EngineConfig
+    with pytest.raises(ValueError, match="block_size"):
+        EngineConfig(block_size=block_size)
