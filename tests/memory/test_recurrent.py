@@ -41,7 +41,7 @@ def test_last_slot_hit_turns_the_checkpoint_into_the_live_slot():
 def test_take_slot_reclaims_unreachable_first_then_lru():
     gone = {b"c"}
     mem = make(n_slots=4, reachable=lambda h: h not in gone)  # 3 usable slots
-    a, b, c = checkpoint(mem, b"a", 4), checkpoint(mem, b"b", 8), checkpoint(mem, b"c", 12)
+    _, b, c = checkpoint(mem, b"a", 4), checkpoint(mem, b"b", 8), checkpoint(mem, b"c", 12)
     mem._touch(b"a")  # LRU order now b, c, a
     assert mem._take_slot("live") == c and set(mem.checkpoints) == {b"a", b"b"}
     assert mem._take_slot("live") == b  # LRU

@@ -3,7 +3,6 @@ zero-KV engine checks are in test_pure_recurrent.py."""
 import json
 import shutil
 
-import torch
 
 from hybridkv.models import load_model
 from model_harness import Harness
