@@ -172,7 +172,7 @@ class LLM:
             raise TypeError(f"request_id must be a string, got {request_id!r}")
         ids, text, salt = self._parse(prompt)
         rid = request_id if request_id is not None else self._new_id()
-        self.engine.add_request(rid, ids, params or SamplingParams(), text, priority,
+        self.engine.add_request(rid, ids, params or self.get_default_sampling_params(), text, priority,
                                 salt if salt is not None else cache_salt)
         return rid
 
@@ -204,6 +204,16 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request without SamplingParams gets, as vLLM: the checkpoint's
+        generation_config.json sampling fields (temperature, top_p, top_k, max_new_tokens) over
+        SamplingParams' defaults; fields SamplingParams does not have (min_p,
+        repetition_penalty) are not applied. Explicit SamplingParams are used as given."""
+        names = {f.name for f in dataclasses.fields(SamplingParams)}
+        defaults = getattr(self.model, "generation_defaults", None)
+        overrides = defaults.sampling_overrides() if defaults is not None else {}
+        return SamplingParams(**{k: v for k, v in overrides.items() if k in names})
+
     def get_tokenizer(self):
         return self.tokenizer
 
@@ -220,7 +230,7 @@ class LLM:
         if self._is_one_prompt(prompts):
             prompts = [prompts]
         prompts = list(prompts)
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts; give one or one each")
