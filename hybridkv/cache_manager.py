@@ -356,11 +356,12 @@ class HybridCacheManager:
         for kind in self.kinds:
             kind.commit(req_id, r.block_hashes, r.num_hashed_blocks, max(full, r.num_hashed_blocks), new)
         r.num_hashed_blocks = max(full, r.num_hashed_blocks)
+        if new >= r.num_prompt_tokens:  # its prompt is computed: no follower can wait for it now
+            self.bursts.drop(req_id)
 
     def block_table(self, req_ids: Sequence[Hashable], width: Optional[int] = None) -> torch.Tensor:
-        """int32 `[len(req_ids), width]` (CPU) of block ids; width defaults to the longest table."""
-        for i in req_ids:
-            self._running(i)
+        """int32 `[len(req_ids), width]` (CPU) of block ids of running requests; width defaults to
+        the longest table."""
         if self.attention is None:
             return torch.zeros(len(req_ids), max(1, width or 1), dtype=torch.int32)
         return self.attention.block_table(req_ids, width)

@@ -78,6 +78,8 @@ class BurstRule:
                    ) -> tuple[Optional[Hashable], int]:
         """(leader, boundary): the running request computing the blocks rid shares beyond its
         usable hit, and the deepest shared block boundary in tokens; (None, 0) if none."""
+        if not self._leader:  # nobody is computing a prompt: nothing to hash or match
+            return None, 0
         hashes = self._prompt_hashes(rid, tokens, salt)
         s = m = self.usable_hit(hashes, len(tokens))
         leader = None

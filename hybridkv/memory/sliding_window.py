@@ -33,7 +33,12 @@ class SlidingWindowMemory(FullAttentionMemory):
             raise ValueError(f"sliding_window={self.window} must be >= 1 token")
         self.name = f"sliding_window_{self.window}"
         self.max_chunk_tokens = max_chunk_tokens
+        self._let_go: dict[Hashable, int] = {}  # rid -> table positions before it are all let go
         super().__init__(layers, block_size, num_blocks, device)
+
+    def release(self, rid: Hashable, donate: Optional[tuple[bytes, int]] = None) -> None:
+        self._let_go.pop(rid, None)
+        super().release(rid, donate)
 
     def first_needed_token(self, position: int) -> int:
         return max(0, position - self.window + 1)
@@ -61,7 +66,9 @@ class SlidingWindowMemory(FullAttentionMemory):
         blocks = self._blocks[rid]
         # the block holding num_computed - 1 stays: a checkpoint at num_computed re-registers it
         gone = min(self.first_needed_block(num_computed), max(0, (num_computed - 1) // self.block_size))
-        out = [i for i in range(gone) if blocks[i] != NO_BLOCK]
+        start = self._let_go.get(rid, 0)  # positions before it were let go already: O(new) per step
+        self._let_go[rid] = max(start, gone)
+        out = [i for i in range(start, gone) if blocks[i] != NO_BLOCK]
         if out:
             self.pool.release([blocks[i] for i in out])
             for i in out:
