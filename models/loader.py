@@ -4,6 +4,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import re
 from pathlib import Path
 from typing import Optional, Union
 
@@ -20,6 +22,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
           "half": torch.float16, "bfloat16": torch.bfloat16}
 DType = Union[torch.dtype, str]  # a torch dtype, a name in DTYPES, or "auto"
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # "org/name" (or a legacy "name") on the hub
 
 
 def parse_dtype(d: DType) -> DType:
@@ -70,15 +73,63 @@ def load_config(path: str | Path):
 
 
 def fingerprint(config: dict, ckpt: CheckpointTensors, dtype: torch.dtype) -> str:
-    """sha256 of the canonical config.json, the weights' checksum and the compute dtype.
+    """sha256 of the canonical config.json, the weights' identity (safetensors headers, sizes and
+    sampled bytes: `CheckpointTensors.identity`, which says what it misses) and the compute dtype.
 
-    Anything that changes KV or state values changes it, so prefix caches keyed by it never mix.
+    Prefix caches and migration are keyed by it: two copies of one checkpoint match, a different
+    config, dtype, tensor layout or fine-tune does not. Reads ~0.5 MB per file, not the weights.
     """
     h = hashlib.sha256()
-    for part in (json.dumps(config, sort_keys=True), ckpt.checksum(), str(dtype)):
+    for part in (json.dumps(config, sort_keys=True), ckpt.identity(), str(dtype)):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()
+
+
+def resolve_device(device) -> torch.device:
+    """A device option -> torch.device: "auto" is cuda when torch sees a GPU, else cpu (logged)."""
+    if device == "auto":
+        chosen = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        log.info("device='auto': running on %s", chosen)
+        return chosen
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={device!r}; choose 'auto', 'cpu', 'cuda' or 'cuda:<index>'") from None
+
+
+def _hub_cache() -> Path:
+    """The Hugging Face hub cache, read from the environment now (not at import): HF_HUB_CACHE,
+    else HF_HOME/hub, else huggingface_hub's default."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def resolve_checkpoint(model: str | Path) -> Path:
+    """A checkpoint directory, or a model id ("org/name") already in the local Hugging Face cache
+    -> the directory to load. Never downloads (local_files_only). FileNotFoundError naming the id
+    and the cache folder it looked in when neither fits."""
+    path = Path(model)
+    if path.is_dir() or isinstance(model, Path) or not _REPO_ID.fullmatch(str(model)):
+        return path
+    from huggingface_hub import snapshot_download
+
+    cache = _hub_cache()
+    try:
+        found = Path(snapshot_download(repo_id=str(model), cache_dir=str(cache), local_files_only=True))
+    except Exception as e:  # not cached (LocalEntryNotFoundError), or a malformed cache entry
+        folder = cache / ("models--" + str(model).replace("/", "--"))
+        raise FileNotFoundError(
+            f"{str(model)!r} is neither a checkpoint directory nor a model id in the local Hugging Face "
+            f"cache (looked in {folder}: {type(e).__name__}); hybridkv never downloads: fetch it "
+            f"first (`hf download {model}`) or pass the folder that holds config.json") from None
+    log.info("model id %r: loading the cached snapshot %s", str(model), found)
+    return found
 
 
 def _eos_ids(defaults: GenerationDefaults, config, tokenizer) -> list[int]:
@@ -135,7 +186,8 @@ def _check_max_model_len(max_model_len) -> None:
 
 def load_model(path: str | Path, device="cpu", dtype: DType = torch.float32,
                max_model_len: Optional[int] = None) -> HybridModel:
-    """Checkpoint directory -> HybridModel in eval mode on `device` with parameters in `dtype`.
+    """Checkpoint directory (or a model id in the local Hugging Face cache: `resolve_checkpoint`)
+    -> HybridModel in eval mode on `device` ("auto": cuda if available) with parameters in `dtype`.
 
     dtype: a torch.dtype, a name in DTYPES, or "auto" (config.json's dtype, float32 when it names
     none). max_model_len: caps the checkpoint's own limit (None keeps it).
@@ -146,7 +198,8 @@ def load_model(path: str | Path, device="cpu", dtype: DType = torch.float32,
     weight_map or with a shard outside the directory, a corrupt safetensors file, a count in
     config.json that is not positive, a tensor missing or of the wrong shape).
     """
-    path = Path(path)
+    path = resolve_checkpoint(path)
+    device = resolve_device(device)
     dtype = parse_dtype(dtype)
     _check_max_model_len(max_model_len)
     config, raw = load_config(path)

@@ -177,3 +177,79 @@ def test_llm_dtype_auto_and_unknown_names(bf16_dir):
     assert len(out[0].outputs[0].token_ids) == 3
     with pytest.raises(ValueError, match=r"dtype='fp8'; choose 'auto' .* or one of \['bfloat16'"):
         LLM(str(bf16_dir), dtype="fp8")
+
+
+def test_fingerprint_reads_headers_and_samples_not_paths_or_times(llama_dir, tmp_path):
+    """Two copies of the same files match (migration between them works); a fine-tune of the same
+    shapes (every weight moved a little) and a changed tensor layout do not."""
+    import os
+
+    from hybridkv.models.checkpoint import SAMPLE_BYTES, SAMPLES_PER_FILE
+
+    a = load_model(llama_dir)
+    copy = _copy(llama_dir, tmp_path, "copy")
+    os.utime(copy / "model.safetensors", (1, 1))  # another mtime: still the same checkpoint
+    assert load_model(copy).fingerprint == a.fingerprint
+    w = load_file(llama_dir / "model.safetensors")
+    # big enough that identity() samples instead of hashing every byte
+    w["model.pad.weight"] = torch.randn(SAMPLES_PER_FILE * SAMPLE_BYTES // 4 + 1000)
+    big = _copy(llama_dir, tmp_path, "big")
+    save_file(w, big / "model.safetensors", metadata={"format": "pt"})
+    g = torch.Generator().manual_seed(0)
+    tuned = _copy(llama_dir, tmp_path, "tuned")
+    save_file({k: v + 1e-4 * torch.randn(v.shape, generator=g) for k, v in w.items()},
+              tuned / "model.safetensors", metadata={"format": "pt"})
+    relaid = _copy(llama_dir, tmp_path, "relaid")
+    save_file({**w, "model.pad.weight": w["model.pad.weight"][:-1]}, relaid / "model.safetensors",
+              metadata={"format": "pt"})
+    fps = {load_model(p).fingerprint for p in (big, tuned, relaid)}
+    assert len(fps) == 3 and a.fingerprint not in fps
+
+
+def _hub_layout(src, hub, repo_id, rev="0123456789abcdef0123456789abcdef01234567"):
+    """`src` as huggingface_hub caches a download: models--org--name/{blobs,snapshots/<rev>,refs/main}."""
+    root = hub / ("models--" + repo_id.replace("/", "--"))
+    snap = root / "snapshots" / rev
+    (root / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in src.iterdir():
+        shutil.copy(f, root / "blobs" / f.name)
+        (snap / f.name).symlink_to(f"../../blobs/{f.name}")
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text(rev)
+    return snap
+
+
+def test_model_id_from_the_local_hub_cache_offline(llama_dir, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def no_network(*a, **k):
+        raise AssertionError("a download was attempted")
+
+    monkeypatch.setattr(huggingface_hub.file_download, "get_session", no_network, raising=False)
+    _hub_layout(llama_dir, tmp_path / "hf" / "hub", "tiny-org/tiny-llama")
+    m = load_model("tiny-org/tiny-llama")
+    assert m.fingerprint == load_model(llama_dir).fingerprint
+    llm = LLM("tiny-org/tiny-llama", memory_budget_bytes=4 << 20, max_num_seqs=2)
+    ref = LLM(str(llama_dir), memory_budget_bytes=4 << 20, max_num_seqs=2)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    assert (llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].token_ids
+            == ref.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].token_ids)
+    where = str(tmp_path / "hf" / "hub" / "models--tiny-org--absent")
+    with pytest.raises(FileNotFoundError, match=rf"'tiny-org/absent' is neither .*looked in {where}.*never downloads"):
+        load_model("tiny-org/absent")
+    assert not (tmp_path / "hf" / "hub" / "models--tiny-org--absent").exists()
+
+
+def test_device_auto(llama_dir):
+    from hybridkv.models.loader import resolve_device
+
+    want = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto").type == want
+    assert load_model(llama_dir, device="auto").device.type == want
+    with pytest.raises(ValueError, match=r"device='gpu0'; choose 'auto'"):
+        resolve_device("gpu0")
