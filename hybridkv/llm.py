@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import itertools
+import logging
 import numbers
-from typing import Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 from tqdm.auto import tqdm
@@ -29,6 +30,9 @@ from hybridkv.snapshot import RequestSnapshot
 # A prompt: text, token ids, or a vLLM-style dict {"prompt": text} / {"prompt_token_ids": ids}
 # (optionally with "cache_salt", and "prompt" beside the ids as the text they came from).
 Prompt = Union[str, Sequence[int], Mapping[str, object]]
+# A chat: [{"role": ..., "content": ...}, ...]
+Conversation = Sequence[Mapping[str, Any]]
+log = logging.getLogger("hybridkv.llm")
 _CPU_DEFAULT_BUDGET = 1 << 30
 _PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 _MULTIMODAL_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids")
@@ -51,7 +55,7 @@ class LLM:
     checkpoints). docs/design.md and BENCHMARKS.md say what each does.
     """
 
-    def __init__(self, model: str, device: str = "cpu", dtype="float32", block_size: int = 16,
+    def __init__(self, model: str, device: str = "auto", dtype="float32", block_size: int = 16,
                  memory_budget_bytes: Optional[int] = None, gpu_memory_utilization: float = 0.9,
                  enable_prefix_caching: bool = True, preemption_mode: str = "auto",
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64,
@@ -72,8 +76,9 @@ class LLM:
         specs = self.model.cache_specs()
         c = self.config
         params = sum(p.numel() for p in self.model.parameters())
+        budget = self._budget(self.profile)
         self.manager = HybridCacheManager.from_budget(
-            specs, self._budget(self.profile), block_size, max_num_seqs, c.checkpoint_share,
+            specs, budget, block_size, max_num_seqs, c.checkpoint_share,
             device=self.model.device, enable_prefix_caching=enable_prefix_caching,
             checkpoint_policy=c.checkpoint_policy, checkpoint_every_n=c.checkpoint_every_n,
             checkpoint_eviction=c.checkpoint_eviction, fingerprint=self.model.fingerprint,
@@ -83,6 +88,11 @@ class LLM:
         self.engine = Engine(self.model, self.manager, scheduler, seed=seed)
         self._ids_counter = itertools.count()
         self._parked: list[RequestOutput] = []  # add_request outputs that finished inside generate()
+        s = self.engine.stats()
+        log.info("%s on %s in %s: %d KV blocks of %d tokens, %d state slots (%d MiB budget), "
+                 "max_num_seqs %d, max_num_batched_tokens %d", model, self.model.device,
+                 self.model.dtype, s["kv_blocks_total"], block_size, s["state_slots_total"],
+                 budget >> 20, max_num_seqs, max_num_batched_tokens)
 
     def _budget(self, profile: Profile) -> int:
         if self.config.memory_budget_bytes is not None:
@@ -216,6 +226,56 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    # ---- chat ------------------------------------------------------------------------------
+    def chat(self, messages: Union[Conversation, Sequence[Conversation]],
+             sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+             use_tqdm: bool = True, chat_template: Optional[str] = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
+        """Generate replies to one conversation ([{"role", "content"}, ...]) or a list of them, as
+        vLLM's LLM.chat: each is formatted by the tokenizer's chat template (or `chat_template`)
+        straight to token ids, so the template's BOS is the only one, then run by `generate`.
+        Returns one RequestOutput per conversation. ValueError when the checkpoint has no
+        tokenizer or no chat template, or the template refuses a conversation; nothing is queued."""
+        one = (isinstance(messages, Sequence) and len(messages) > 0
+               and isinstance(messages[0], Mapping))
+        conversations = [messages] if one else list(messages)
+        prompts = [{"prompt_token_ids": self.chat_prompt_ids(c, chat_template, add_generation_prompt,
+                                                             continue_final_message, chat_template_kwargs)}
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def chat_prompt_ids(self, conversation: Conversation, chat_template: Optional[str] = None,
+                        add_generation_prompt: bool = True, continue_final_message: bool = False,
+                        chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
+        """One conversation -> prompt token ids [L] through the chat template (see `chat`)."""
+        tok = self.tokenizer
+        if tok is None:
+            raise ValueError(f"{self.model_path} has no tokenizer, so it cannot format a chat: pass "
+                             "token ids to generate()")
+        if chat_template is None and not getattr(tok, "chat_template", None):
+            raise ValueError(f"{self.model_path}'s tokenizer has no chat template (no 'chat_template' in "
+                             "tokenizer_config.json, no chat_template.jinja): pass chat_template=..., "
+                             "or format the prompt yourself and call generate()")
+        if not isinstance(conversation, Sequence) or isinstance(conversation, (str, bytes)) or not all(
+                isinstance(m, Mapping) for m in conversation):
+            raise TypeError(f"a conversation must be a list of {{'role': ..., 'content': ...}} dicts, got "
+                            f"{conversation!r:.80}")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be True: "
+                             "the first starts a new assistant turn, the second continues the last one")
+        try:
+            out = tok.apply_chat_template([dict(m) for m in conversation], chat_template=chat_template,
+                                          add_generation_prompt=add_generation_prompt,
+                                          continue_final_message=continue_final_message, tokenize=True,
+                                          **(chat_template_kwargs or {}))
+        except Exception as e:  # the template refused these messages (roles out of order, ...)
+            raise ValueError(f"the chat template rejected the conversation {conversation!r:.120}: {e}") from None
+        ids = out["input_ids"] if isinstance(out, Mapping) or hasattr(out, "keys") else out
+        if ids and isinstance(ids[0], list):  # a batch of one
+            ids = ids[0]
+        return [int(t) for t in ids]
 
     # ---- batch generation ------------------------------------------------------------------
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
