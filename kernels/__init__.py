@@ -111,3 +111,20 @@ def gdn_chunk_scan(state, q, k, v, g, beta, query_start_loc, slot_idx, has_initi
     return gdn_chunk_scan_ref(state, q, k, v, g, beta, query_start_loc, slot_idx,
                               has_initial_state, scale, use_qk_l2norm, chunk_size,
                               return_states_at)
+
+
+def lightning_state_update(state, q, k, v, slope, slot_idx):
+    """Lightning-attention step. state [S, H, K, V]; q, k [B, H, K]; v [B, H, V]; slope [H]."""
+    from .lightning_ref import lightning_state_update_ref
+
+    fn = _pick(q, lightning_state_update_ref, "lightning_state_update_triton", "lightning")
+    return fn(state, q, k, v, slope, slot_idx)
+
+
+def lightning_chunk_scan(state, q, k, v, slope, query_start_loc, slot_idx, has_initial_state,
+                         chunk_size=64, return_states_at=None):
+    """Varlen chunked lightning attention from each slot's state; leaves the final state there."""
+    from .lightning_ref import lightning_chunk_scan_ref
+
+    return lightning_chunk_scan_ref(state, q, k, v, slope, query_start_loc, slot_idx,
+                                    has_initial_state, chunk_size, return_states_at)
