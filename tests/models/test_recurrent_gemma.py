@@ -1,0 +1,130 @@
+"""RecurrentGemma's own checks: its specs (window on the attention layers, a float32 RG-LRU state),
+transformers' details that the oracle comparison would miss if the tiny model hid them, and the
+engine under memory pressure, a prefix hit, migration mid-decode and the window held while
+decoding. The shared checks are its row in test_families.py."""
+import json
+
+import pytest
+import torch
+
+from engine_fixtures import assert_no_leaks, greedy, tight_budget
+from family_checks import BS, WINDOW, prompt
+from hybridkv import LLM
+from hybridkv.config_specs import specs_from_config
+from hybridkv.models.loader import build_model
+from hybridkv.models.registry import family_module
+from hybridkv.scheduler.snapshot_io import snapshot_from_bytes, snapshot_to_bytes
+from hybridkv.specs import AttentionSpec, RecurrentSpec
+from model_harness import Harness, assert_close_rel, assert_greedy_matches_hf, hf_logits
+
+NAME = "recurrent_gemma"
+
+
+def _run(llm, ids):
+    done = {}
+    while llm.has_unfinished_requests():
+        for o in llm.step():
+            if o.finished:
+                done[o.request_id] = list(o.outputs[0].token_ids)
+    return [done[i] for i in ids]
+
+
+def test_specs_window_on_attention_and_float32_lru_state(family_models):
+    path, ours, _ = family_models(NAME)
+    lru = RecurrentSpec((48, 3), (48,), torch.float32)
+    want = {0: lru, 1: lru, 2: AttentionSpec(2, 12, torch.float32, WINDOW), 3: lru}
+    assert ours.cache_specs() == want
+    cfg = json.loads((path / "config.json").read_text())
+    assert specs_from_config(cfg, torch.float32) == want
+    bf16 = specs_from_config(cfg, torch.bfloat16)  # the state stays float32, as in transformers
+    assert bf16[0] == RecurrentSpec((48, 3), (48,), torch.bfloat16, torch.float32)
+
+
+def test_embedding_scale_soft_cap_and_window_each_change_the_logits(family_models):
+    """Each of transformers' details moves the logits far beyond the family check's tolerance, so
+    that check does see them: the bf16-rounded sqrt(48) (6.9375, not 6.9282), the soft cap, the window."""
+    _, ours, hf = family_models(NAME)
+    tokens = prompt(3 * WINDOW + 5, 0)
+    ref = hf_logits(hf, tokens)
+    attn = ours.model.layers[2].self_attn
+
+    def logits():
+        h = Harness(ours)
+        return h.step([(h.add(tokens), len(tokens))], return_all_logits=True)
+
+    assert_close_rel(logits(), ref)
+    for obj, field, wrong in [(ours, "embed_scale", 48 ** 0.5), (ours, "soft_cap", 1e9),
+                              (attn, "sliding_window", None)]:
+        right = getattr(obj, field)
+        setattr(obj, field, wrong)
+        try:
+            got = logits()
+        finally:
+            setattr(obj, field, right)
+        assert (got - ref).abs().max() > 1e-3 * ref.abs().max(), field
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(block_types=["recurrent", "mlp"]), "block_types\\[1\\] is 'mlp'"),
+    (dict(hidden_activation="relu"), "hidden_activation='relu'"),
+    (dict(lru_width=50), "lru_width=50 is not a multiple of num_attention_heads=4"),
+])
+def test_configs_this_code_would_run_wrongly_are_refused(overrides, message):
+    config = family_module(NAME).tiny_config(**overrides)
+    with pytest.raises(ValueError, match=message):
+        build_model(config)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_engine_under_memory_pressure(mode, family_models):
+    path, ours, hf = family_models(NAME)
+    prompts = [prompt(n, 50 + n) for n in (1, BS - 1, WINDOW + 1, 3 * BS + 5, 3 * WINDOW + 5)]
+    llm = LLM(str(path), memory_budget_bytes=tight_budget(ours.cache_specs(), BS, blocks=5, slots=1 + 3),
+              max_num_seqs=3, max_num_batched_tokens=24, preemption_mode=mode, checkpoint_share=0.0)
+    outs = llm.generate(prompts, greedy(16), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert assert_greedy_matches_hf(hf, p, o.outputs[0].token_ids) == 0
+    assert llm.stats()["preemptions"][mode] > 0
+    assert_no_leaks(llm)
+
+
+def test_prefix_hit_and_long_decode_holds_only_the_window(family_models):
+    """A prompt sharing 70 tokens with an earlier one resumes at 64 from the RG-LRU checkpoint and
+    the window's KV blocks; while decoding, a request holds at most ceil(24 / 16) + 1 blocks."""
+    path, _, hf = family_models(NAME)
+    llm = LLM(str(path), memory_budget_bytes=4 << 20, checkpoint_policy="prompt_end",
+              max_num_batched_tokens=20)
+    shared = prompt(70, 61)
+    first, second = shared + prompt(3, 62), shared + prompt(6, 63)
+    a = llm.generate([first], greedy(40), use_tqdm=False)[0]
+    rid = llm.add_request(second, greedy(40))
+    peak, out = 0, None
+    while llm.has_unfinished_requests():
+        out = next((o for o in llm.step() if o.finished), out)
+        for r in llm.manager.requests:
+            held = len(llm.manager.attention.held_blocks(r))
+            if llm.manager.request(r).num_computed_tokens > len(second):
+                peak = max(peak, held)
+    assert out.request_id == rid and out.num_cached_tokens == 4 * BS
+    assert peak == -(-WINDOW // BS) + 1
+    for p, o in ((first, a), (second, out)):
+        assert assert_greedy_matches_hf(hf, p, o.outputs[0].token_ids) == 0
+    assert_no_leaks(llm)
+
+
+def test_migration_mid_decode(family_models):
+    path, _, hf = family_models(NAME)
+    src = LLM(str(path), memory_budget_bytes=4 << 20, max_num_batched_tokens=32)
+    dst = LLM(str(path), memory_budget_bytes=4 << 20, block_size=8)  # another block size
+    prompts = [prompt(n, 80 + n) for n in (BS + 1, 3 * WINDOW + 5)]
+    ids = [src.add_request(p, greedy(20)) for p in prompts]
+    for _ in range(8):  # prefill (the long prompt in chunks), then decodes past the window
+        src.step()
+    snap = snapshot_from_bytes(snapshot_to_bytes(src.export_request(ids[1])))
+    assert snap.num_computed_tokens > snap.num_prompt_tokens and min(snap.kv_start.values()) > 0
+    dst.import_request(snap)
+    got = _run(src, ids[:1]) + _run(dst, ids[1:])
+    for p, t in zip(prompts, got):
+        assert assert_greedy_matches_hf(hf, p, t) == 0
+    assert_no_leaks(src)
+    assert_no_leaks(dst)
