@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import statistics
@@ -38,6 +39,7 @@ from typing import Callable
 import torch
 
 from hybridkv import LLM, SamplingParams
+from hybridkv.cpu_threads import ENV_VAR
 from hybridkv.models.tiny import make_tiny_checkpoint
 
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
@@ -326,6 +328,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    os.environ[ENV_VAR] = str(args.threads)  # LLM sets its threads from it (hybridkv/cpu_threads.py)
     torch.set_num_threads(args.threads)
     print(f"machine: {platform.machine()} {platform.processor() or ''}, {torch.get_num_threads()} "
           f"torch threads, torch {torch.__version__}, python {platform.python_version()}, "

@@ -17,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hybridkv.cache_manager import HybridCacheManager
+from hybridkv.cpu_threads import configure_cpu_threads
 from hybridkv.outputs import RequestOutput
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.models import load_model
@@ -69,6 +70,7 @@ class LLM:
                                    seed=seed, **kwargs)
         self.model_path = model
         self.model = load_model(model, device=device, dtype=_dtype(dtype), max_model_len=max_model_len)
+        configure_cpu_threads(self.model.device)  # measured default; HYBRIDKV_CPU_THREADS overrides
         if max_model_len is not None:
             self.model.max_model_len = min(self.model.max_model_len or max_model_len, max_model_len)
         self.tokenizer = self.model.tokenizer
