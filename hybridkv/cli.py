@@ -32,7 +32,7 @@ def build_tiny(directory: str) -> str:
 # ---- LLM options, shared by serve (and anything else that builds an LLM from flags) ----------
 def add_llm_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("engine (the LLM(...) options)")
-    g.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
+    g.add_argument("--device", default="auto", help="auto (cuda if available, else cpu) | cpu | cuda[:i] (default auto)")
     g.add_argument("--dtype", default="auto", help="auto (the checkpoint's dtype from config.json, float32 if it names none) | float32 | float16 | bfloat16 (default auto, as vLLM)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     g.add_argument("--memory-budget-mb", type=int, default=None,
@@ -147,7 +147,10 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
+    from hybridkv import __version__
+
     ap = argparse.ArgumentParser(prog="hybridkv", description="Serve hybrid language models.")
+    ap.add_argument("--version", action="version", version=f"hybridkv {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="a few requests on a built-in tiny random model; prints outputs and stats")
     d.add_argument("--max-tokens", type=int, default=16)

@@ -17,13 +17,13 @@ import concurrent.futures
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Optional
 
 from hybridkv.sampling_params import SamplingParams
 
 from .detokenizer import IncrementalDetokenizer, StopHoldback
+from .stats_log import StatsLogger
 
 log = logging.getLogger("hybridkv.engine")
 
@@ -69,6 +69,7 @@ class _Stream:
     queue: asyncio.Queue
     sent: dict[int, int] = field(default_factory=dict)  # sequence index -> tokens already posted
     done: set[int] = field(default_factory=set)  # sequence indices whose finish was posted
+    prompt_logged: bool = False  # its computed prompt tokens went to the stats line
 
 
 class EngineDeadError(RuntimeError):
@@ -79,7 +80,7 @@ class AsyncLLM:
     """Owns `llm` on a background thread; `generate` streams deltas; `abort`, `stats`, `close`.
 
     Every `log_stats_interval` seconds in which the engine stepped, one stats line is logged
-    (logger `hybridkv.engine`); 0 turns it off.
+    (`StatsLogger`, logger `hybridkv.engine`); 0 turns it off.
     """
 
     def __init__(self, llm, log_stats_interval: float = 10.0):
@@ -90,6 +91,7 @@ class AsyncLLM:
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self.dead: Optional[BaseException] = None
         self._dead_lock = threading.Lock()  # no command slips in after the engine stopped
+        self._stats_log = StatsLogger(log_stats_interval)
         self._thread = threading.Thread(target=self._run, name="hybridkv-engine", daemon=True)
         self._thread.start()
 
@@ -159,7 +161,6 @@ class AsyncLLM:
             _post_to(stream.loop, [(stream.queue, StepNews([], 0, 0, True))])  # ends its iterator
 
     def _run(self) -> None:
-        last_log, last_steps = time.monotonic(), -1
         idle_wait = min(1.0, self.log_stats_interval or 1.0)  # so the line after a burst is on time
         while True:
             busy = self.llm.has_unfinished_requests()
@@ -188,12 +189,7 @@ class AsyncLLM:
                 except Exception as e:
                     log.exception("engine step failed; the engine stops")
                     return self._shutdown(e)
-            if self.log_stats_interval and time.monotonic() - last_log >= self.log_stats_interval:
-                last_log = time.monotonic()
-                s = self.llm.stats()
-                if s["steps"] != last_steps:
-                    last_steps = s["steps"]
-                    log.info(stats_line(s))
+            self._stats_log.maybe_log(self.llm.stats)
 
     def _post(self, outs) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
@@ -202,6 +198,9 @@ class AsyncLLM:
             if stream is None:
                 continue
             deltas = []
+            if not stream.prompt_logged and any(o.token_ids for o in out.outputs):  # prompt computed
+                stream.prompt_logged = True
+                self._stats_log.on_prompt(len(out.prompt_token_ids) - out.num_cached_tokens)
             for o in out.outputs:
                 sent = stream.sent.get(o.index, 0)
                 done = o.finish_reason is not None
@@ -290,13 +289,3 @@ def _post_to(loop: asyncio.AbstractEventLoop, items) -> bool:
         return True
     except RuntimeError:
         return False
-
-
-def stats_line(s: dict) -> str:
-    """One log line of engine stats (from `LLM.stats()`)."""
-    return (f"running {s['running']}, waiting {s['waiting']}, swapped {s['swapped']}; "
-            f"KV blocks {s['kv_blocks_used']}/{s['kv_blocks_total']} used, {s['kv_blocks_cached']} cached; "
-            f"state slots {s['state_slots_live']} live, {s['state_slots_checkpoint']} checkpoints, "
-            f"{s['state_slots_total']} total; prefix hit rate {s['prefix_hit_rate']:.1%}; "
-            f"preemptions {s['preemptions']}; {s['generated_tokens']} tokens generated, "
-            f"{s['tokens_per_second']:.0f} tokens/s")

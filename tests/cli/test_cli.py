@@ -28,6 +28,17 @@ def test_demo_runs_and_reports():
     assert re.search(r"preemptions \{.*\}", out) and re.search(r"[\d.]+ tokens/s", out), out
 
 
+def test_version():
+    from hybridkv import __version__
+
+    assert re.fullmatch(r"\d+\.\d+\.\d+\S*", __version__)
+    proc = subprocess.run([sys.executable, "-m", "hybridkv", "--version"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"hybridkv {__version__}"
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(rf'^version = "{re.escape(__version__)}"$', pyproject, re.M)
+
+
 def test_unknown_command_is_refused():
     proc = subprocess.run([sys.executable, "-m", "hybridkv", "nonsense"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
@@ -77,7 +88,10 @@ def test_serve_answers_the_openai_client_then_stops_on_ctrl_c():
     assert proc.returncode == 0, out
     assert "RANDOM weights" in out and f"http://127.0.0.1:{port}" in out
     assert re.search(r"request cmpl-\w+-0 finished: 5 prompt tokens \(0 cached\), 5 generated, finish length", out), out
-    assert re.search(r"hybridkv.engine: running 0, waiting 0, swapped 0; KV blocks 0/\d+ used", out), out
+    assert re.search(r"hybridkv.llm: .* on cpu in torch.float32: \d+ KV blocks of 16 tokens, \d+ state slots", out), out
+    assert re.search(r"hybridkv.engine: Avg prompt throughput: [\d.]+ tokens/s, Avg generation throughput: "
+                     r"[\d.]+ tokens/s, Running: 0 reqs, Waiting: 0 reqs, Swapped: 0 reqs, KV cache usage: "
+                     r"0.0% \(0/\d+ blocks", out), out
 
 
 def test_serve_refuses_a_missing_checkpoint_with_a_message(tmp_path):

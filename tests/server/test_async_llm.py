@@ -152,3 +152,30 @@ def test_an_engine_failure_reaches_every_caller(checkpoints):
     assert health.status_code == 503 and "injected" in health.json()["error"]["message"]
     assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
     engine.close()
+
+
+def test_periodic_stats_line_while_busy(checkpoints, caplog):
+    """One line per interval in which the engine stepped, with the interval's throughputs; none
+    while idle."""
+    import logging
+    import re
+    import time
+
+    caplog.set_level(logging.INFO, logger="hybridkv.engine")
+    e = AsyncLLM.create(str(checkpoints["plain"]), log_stats_interval=0.05, **KW)
+    try:
+        prompt = list(range(5, 45))
+        asyncio.run(_collect(e, prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), "s"))
+        time.sleep(0.3)  # a few idle intervals: at most one more line (the one after the last step)
+        lines = [r.getMessage() for r in caplog.records if r.name == "hybridkv.engine"]
+        time.sleep(0.3)
+        assert len([r for r in caplog.records if r.name == "hybridkv.engine"]) == len(lines), "logged while idle"
+    finally:
+        e.close()
+    pat = (r"Avg prompt throughput: ([\d.]+) tokens/s, Avg generation throughput: ([\d.]+) tokens/s, "
+           r"Running: (\d+) reqs, Waiting: 0 reqs, Swapped: 0 reqs, KV cache usage: [\d.]+% \((\d+)/\d+ blocks")
+    parsed = [re.fullmatch(pat + r".*", ln) for ln in lines]
+    assert lines and all(parsed), lines
+    assert sum(float(m.group(1)) for m in parsed) > 0 and sum(float(m.group(2)) for m in parsed) > 0, lines
+    last = parsed[-1]
+    assert (last.group(3), last.group(4)) == ("0", "0"), lines[-1]  # the line after the end: nothing held
