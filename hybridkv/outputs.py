@@ -2,7 +2,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional, Union
+
+
+class Logprob(NamedTuple):
+    """One token's log-probability, as vLLM's: `rank` 1 is the most likely token; `decoded_token`
+    is the token's text (None when the checkpoint has no tokenizer)."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+# Per position: {token id: Logprob} holding the chosen token and the top-k.
+PositionLogprobs = dict[int, Logprob]
 
 
 @dataclass
@@ -16,11 +29,13 @@ class CompletionOutput:
     index: int
     token_ids: list[int]
     finish_reason: Optional[str] = None  # "stop" (EOS, stop id or string), "length", "abort", "error"
-    logprobs: Optional[list[dict[int, float]]] = None
+    logprobs: Optional[list[PositionLogprobs]] = None
     tokenizer: Any = field(default=None, repr=False, compare=False)
     stop: tuple[str, ...] = field(default=(), repr=False, compare=False)
     error: Optional[str] = None  # with finish_reason "error": what failed (the request alone ended)
     _text: Optional[str] = field(default=None, repr=False, compare=False)
+    # the stop string or stop token id that ended it; None for EOS, length, abort (as vLLM)
+    stop_reason: Union[int, str, None] = None
 
     @property
     def text(self) -> str:
@@ -47,3 +62,6 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    # with SamplingParams.prompt_logprobs: one entry per prompt position, None for the first
+    # (nothing predicts it); None when not asked (or, while the prompt is still computing)
+    prompt_logprobs: Optional[list[Optional[PositionLogprobs]]] = None

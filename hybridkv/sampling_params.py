@@ -10,6 +10,9 @@ from typing import Optional
 GREEDY_BELOW = 1e-5
 # The most top log-probabilities one position may ask for (OpenAI's limit).
 MAX_LOGPROBS = 20
+# OpenAI's ranges for presence / frequency penalties and logit_bias values.
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
 
 
 def _int(name: str, value, lo: Optional[int] = None, hi: Optional[int] = None, optional: bool = False):
@@ -34,6 +37,31 @@ def _real(name: str, value) -> float:
     return value
 
 
+def _real_in(name: str, value, lo: float, hi: float) -> float:
+    value = _real(name, value)
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be in [{lo:g}, {hi:g}], got {value}")
+    return value
+
+
+def _logit_bias(value) -> dict[int, float]:
+    """{token id: bias}; keys may be ints or digit strings (OpenAI sends strings)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise TypeError(f"logit_bias must be a dict of token id -> bias, got {value!r:.80}")
+    out = {}
+    for key, bias in value.items():
+        tid = key
+        if isinstance(key, str):
+            if not key.strip().isdigit():
+                raise ValueError(f"logit_bias key {key!r} is not a token id (an integer >= 0)")
+            tid = int(key)
+        out[_int("logit_bias token id", tid, lo=0)] = _real_in(f"logit_bias[{tid}]", bias,
+                                                               -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+    return out
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling settings, checked for type and range when made.
@@ -43,10 +71,22 @@ class SamplingParams:
     (reproducible whatever else is batched with it, and carried across migration). `n` samples
     share the prompt's KV blocks and start from copies of its state. `stop` strings end a
     sequence when they appear in its decoded text (not included); `stop_token_ids` (a list of
-    ints) end it when sampled (included), as does EOS unless `ignore_eos`. `logprobs` = k (0 to
-    20, `MAX_LOGPROBS`) returns the top-k log-probabilities of each sampled position. Ints are
-    ints: bools and floats are refused with a TypeError. The engine adds the limits of its model
-    (`logprobs` and stop ids within the vocabulary, `n <= max_num_seqs`).
+    ints) end it when sampled (included), as does EOS unless `ignore_eos`; `stop_reason` on the
+    output says which string or id it was. `logprobs` = k (0 to 20, `MAX_LOGPROBS`) returns the
+    sampled token's and the top-k log-probabilities of each sampled position (of the model's
+    distribution, before any processor); `prompt_logprobs` = k the same for each prompt position
+    (such a request gets no prefix-cache hit: every position is computed).
+
+    Processors, in this order (as vLLM and transformers): `logit_bias` {token id: bias in
+    [-100, 100]} is added to the logits; while fewer than `min_tokens` tokens are out, EOS and
+    `stop_token_ids` are masked; `repetition_penalty` (> 0, 1 = off) divides positive / multiplies
+    negative logits of every token in the prompt or output (transformers' rule);
+    `frequency_penalty` and `presence_penalty` (in [-2, 2], OpenAI's) subtract count * f + (count
+    > 0) * p for tokens in the output; then temperature, top_k, top_p, `min_p` (in [0, 1]: drop
+    tokens whose probability is below min_p times the top one's). Penalties and bias apply to
+    greedy requests too. Ints are ints: bools and floats are refused with a TypeError. The engine
+    adds the limits of its model (`logprobs`, stop ids and logit_bias ids within the vocabulary,
+    `n <= max_num_seqs`).
     """
 
     n: int = 1
@@ -59,6 +99,13 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n, lo=1)
@@ -72,6 +119,19 @@ class SamplingParams:
         self.max_tokens = _int("max_tokens", self.max_tokens, lo=1)
         self.seed = _int("seed", self.seed, optional=True)
         self.logprobs = _int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS, optional=True)
+        self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS,
+                                    optional=True)
+        self.presence_penalty = _real_in("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
+        self.frequency_penalty = _real_in("frequency_penalty", self.frequency_penalty, -MAX_PENALTY,
+                                          MAX_PENALTY)
+        self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 is off), got {self.repetition_penalty}")
+        self.min_p = _real_in("min_p", self.min_p, 0.0, 1.0)
+        self.min_tokens = _int("min_tokens", self.min_tokens, lo=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        self.logit_bias = _logit_bias(self.logit_bias)
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -90,3 +150,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty needs the sequence's token counts."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)

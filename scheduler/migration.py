@@ -14,6 +14,7 @@ import dataclasses
 
 from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.errors import SnapshotMismatchError
+from hybridkv.outputs import Logprob
 from hybridkv.request_state import RUNNING
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.snapshot import RequestSnapshot
@@ -55,7 +56,8 @@ def thaw(snap: RequestSnapshot, mgr: HybridCacheManager) -> tuple[SequenceGroup,
     params = SamplingParams(**st["params"])
     seq = Sequence(rid, snap.token_ids, params, priority=st["priority"], cache_salt=snap.cache_salt,
                    num_prompt_tokens=st["num_prompt_tokens"])
-    seq.output_logprobs = [{int(k): v for k, v in d.items()} for d in st["output_logprobs"]]
+    seq.output_logprobs = [{int(k): Logprob(*v) if isinstance(v, (list, tuple)) else Logprob(v)
+                            for k, v in d.items()} for d in st["output_logprobs"]]  # JSON made them lists
     seq.num_cached_tokens = st["num_cached_tokens"]
     holds = snap.num_computed_tokens > 0
     if holds and not mgr.import_snapshot(snap, req_id=rid, num_new_tokens=1, token_ids=seq.token_ids):

@@ -1,17 +1,23 @@
-"""Turn a step's logits into tokens: greedy, temperature, top-k, top-p, per-request seeds.
+"""Turn a step's logits into tokens: one batched pass on the logits' device (scheduler/
+logits_processors.py in vLLM's order, then greedy argmax or a draw), and the log-probabilities.
 
-A seeded sequence draws step t from a generator seeded with (seed, sequence index, t), so its
-draws depend on nothing but its own history: not on what else is batched with it, not on
+Only the sampled ids and the asked-for top-k log-probabilities go to the host. Unseeded rows
+share one batched draw from the engine's generator. A seeded sequence draws step t from a
+generator seeded with (seed, sequence index, t) over its own [V] row, so its draws depend on
+nothing but its own history: not on what else is batched with it, not on chunking or
 preemption, and not on which engine it runs in after a migration.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional, Sequence
 
 import torch
 
+from hybridkv.outputs import Logprob, PositionLogprobs
 from hybridkv.sampling_params import SamplingParams
+
+from . import logits_processors as lp
 
 _MIX = 0x9E3779B97F4A7C15
 _MASK = (1 << 63) - 1
@@ -28,54 +34,60 @@ def step_seed(seed: int, seq_index: int, step: int) -> int:
 
 @dataclass
 class SampleRow:
-    """What the sampler needs of one sequence: its params, index (of n) and tokens so far."""
+    """What the sampler needs of one sequence: its params, index (of n), tokens so far (prompt
+    then output: the sequence's own list, read only) and how many of them are the prompt."""
 
     params: SamplingParams
     seq_index: int
     num_generated: int
+    token_ids: Sequence[int] = ()
+    num_prompt_tokens: int = 0
 
 
-def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask a [V] row to its top-k tokens and then its top-p nucleus (at least one kept)."""
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        drop = probs.cumsum(-1) - probs >= top_p  # tokens after the nucleus is full
-        drop[0] = False
-        logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
-    return logits
+def gather_logprobs(logits: torch.Tensor, chosen: torch.Tensor, ks: Sequence[int]) -> list[PositionLogprobs]:
+    """logits [W, V], chosen [W] token ids, ks [W] top counts -> per row {token: Logprob} with the
+    chosen token (its rank: 1 + how many tokens are more likely) and the top-k (ranks 1..k).
+    Only [W] and [W, max k] values leave the device."""
+    lps = torch.log_softmax(logits.float(), dim=-1)
+    chosen = chosen.to(lps.device).long()
+    chosen_lp = lps.gather(1, chosen.unsqueeze(1))
+    ranks = ((lps > chosen_lp).sum(dim=-1) + 1).tolist()
+    kmax = max(ks, default=0)
+    top_v, top_i = ([], []) if kmax == 0 else [t.tolist() for t in torch.topk(lps, kmax, dim=-1)]
+    out = []
+    for w, (tok, v, rank, k) in enumerate(zip(chosen.tolist(), chosen_lp.squeeze(1).tolist(), ranks, ks)):
+        entry = {t: Logprob(x, j + 1) for j, (t, x) in enumerate(zip(top_i[w][:k], top_v[w][:k]))} if k else {}
+        entry[tok] = Logprob(v, rank)
+        out.append(entry)
+    return out
 
 
 class Sampler:
-    """Samples one token per row of a [R, V] float32 logits tensor."""
+    """Samples one token per row of a [R, V] logits tensor. eos_ids: what min_tokens holds back
+    (with each row's stop_token_ids)."""
 
-    def __init__(self, seed: int = 0):
-        self._generator = torch.Generator().manual_seed(seed)
+    def __init__(self, seed: int = 0, eos_ids: Iterable[int] = (), device="cpu"):
+        self.eos_ids = sorted(set(eos_ids))
+        self._generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]
-                 ) -> tuple[list[int], list[Optional[dict[int, float]]]]:
-        """logits [R, V] -> (token ids [R], per row {token: logprob} when logprobs asked)."""
-        logits = logits.float()
-        tokens = logits.argmax(dim=-1).tolist()
-        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+                 ) -> tuple[list[int], list[Optional[PositionLogprobs]]]:
+        """logits [R, V] -> (token ids [R], per row {token: Logprob} when `logprobs` asked: of the
+        model's distribution, before the processors, as vLLM)."""
+        params = [r.params for r in rows]
+        work = self.process(logits, rows) if any(_processed(p) for p in params) else logits.float()
+        tokens = work.argmax(dim=-1)
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
-            host = logits[sampled].cpu()
-            for j, i in enumerate(sampled):
-                tokens[i] = self._draw(host[j], rows[i])
-        logprobs: list[Optional[dict[int, float]]] = [None] * len(rows)
-        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+            tokens[sampled] = self._draw(work[sampled], [rows[i] for i in sampled])
+        token_list = tokens.tolist()
+        logprobs: list[Optional[PositionLogprobs]] = [None] * len(rows)
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
         if want:
-            lp = torch.log_softmax(logits[want], dim=-1).cpu()
-            for j, i in enumerate(want):
-                k = rows[i].params.logprobs
-                top = torch.topk(lp[j], k) if k else None
-                entry = {} if top is None else dict(zip(top.indices.tolist(), top.values.tolist()))
-                entry[tokens[i]] = float(lp[j, tokens[i]])
+            got = gather_logprobs(logits[want], tokens[want], [params[i].logprobs for i in want])
+            for i, entry in zip(want, got):
                 logprobs[i] = entry
-        return tokens, logprobs
+        return token_list, logprobs
 
     def state(self) -> torch.Tensor:
         """The shared generator's state, to redo a batch's unseeded draws after a failure."""
@@ -84,12 +96,65 @@ class Sampler:
     def set_state(self, state: torch.Tensor) -> None:
         self._generator.set_state(state)
 
-    def _draw(self, row: torch.Tensor, r: SampleRow) -> int:
-        p = r.params
-        row = _filter(row / p.temperature, p.top_k, p.top_p)
-        probs = torch.softmax(row, dim=-1)
-        if p.seed is None:
-            gen = self._generator
-        else:
-            gen = torch.Generator().manual_seed(step_seed(p.seed, r.seq_index, r.num_generated))
-        return int(torch.multinomial(probs, 1, generator=gen).item())
+    def process(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """A processed float32 copy of logits [R, V]: bias, min_tokens, penalties, temperature
+        (sampled rows), top-k, top-p, min-p (rows that set them)."""
+        work = logits.float().clone()
+        dev, vocab = work.device, work.shape[-1]
+        params = [r.params for r in rows]
+        lp.add_logit_bias(work, [p.logit_bias for p in params])
+        lp.mask_tokens(work, [self._held_back(r) for r in rows])
+        pen = [i for i, p in enumerate(params) if p.penalized]
+        if pen:
+            sub = [rows[i] for i in pen]
+            # the prompt counts only for repetition (frequency / presence see the output alone)
+            prompt = lp.token_counts([r.token_ids[:r.num_prompt_tokens] if r.params.repetition_penalty != 1.0
+                                      else () for r in sub], vocab, dev)
+            output = lp.token_counts([r.token_ids[r.num_prompt_tokens:] for r in sub], vocab, dev)
+            f32 = dict(dtype=torch.float32, device=dev)
+            work[pen] = lp.apply_penalties(
+                work[pen], prompt, output, torch.tensor([r.params.repetition_penalty for r in sub], **f32),
+                torch.tensor([r.params.frequency_penalty for r in sub], **f32),
+                torch.tensor([r.params.presence_penalty for r in sub], **f32))
+        warm = [i for i, p in enumerate(params) if not p.greedy]
+        if warm:
+            temps = torch.tensor([params[i].temperature for i in warm], dtype=torch.float32, device=dev)
+            work[warm] = work[warm] / temps.unsqueeze(1)
+        cut = [i for i in warm if 0 < params[i].top_k < vocab or params[i].top_p < 1.0]
+        if cut:
+            k = torch.tensor([params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in cut],
+                             dtype=torch.long, device=dev)
+            p = torch.tensor([params[i].top_p for i in cut], dtype=torch.float32, device=dev)
+            work[cut] = lp.apply_top_k_top_p(work[cut], k, p)
+        floor = [i for i in warm if params[i].min_p > 0.0]
+        if floor:
+            m = torch.tensor([params[i].min_p for i in floor], dtype=torch.float32, device=dev)
+            work[floor] = lp.apply_min_p(work[floor], m)
+        return work
+
+    def _held_back(self, row: SampleRow) -> list[int]:
+        """Tokens min_tokens forbids now: stop ids, and EOS unless ignore_eos."""
+        p = row.params
+        if row.num_generated >= p.min_tokens:
+            return []
+        return list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_ids)
+
+    def _draw(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """One token per row of processed logits [S, V]: seeded rows from their own generator,
+        the rest in one draw from the shared one. Returns [S] long on the logits' device."""
+        probs = logits.softmax(dim=-1)
+        out = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        free = [j for j, r in enumerate(rows) if r.params.seed is None]
+        if free:
+            out[free] = torch.multinomial(probs[free], 1, generator=self._generator).squeeze(1)
+        for j, r in enumerate(rows):
+            if r.params.seed is not None:
+                gen = torch.Generator(device=logits.device)
+                gen.manual_seed(step_seed(r.params.seed, r.seq_index, r.num_generated))
+                out[j] = torch.multinomial(probs[j], 1, generator=gen)[0]
+        return out
+
+
+def _processed(p: SamplingParams) -> bool:
+    """Whether a row's logits change before its argmax or draw."""
+    return not p.greedy or bool(p.logit_bias) or p.min_tokens > 0 or p.penalized

@@ -7,6 +7,8 @@ import json
 import time
 from typing import Optional
 
+from hybridkv.outputs import Logprob, PositionLogprobs
+
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 503: "service_unavailable", 500: "internal_server_error"}
 
@@ -52,29 +54,36 @@ def token_str(tokenizer, token_id: int) -> str:
     return text or tokenizer.convert_ids_to_tokens(token_id) or f"token_id:{token_id}"
 
 
-def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
-    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+def _top(entry: PositionLogprobs, k: int) -> list[tuple[int, Logprob]]:
+    """The k most likely entries of a position, most likely first (by rank, as the engine gave)."""
+    return sorted(entry.items(), key=lambda kv: (kv[1].rank or 0, -kv[1].logprob))[:k]
 
 
-def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, float]], k: int,
+def _text(tokenizer, token_id: int, lp: Optional[Logprob]) -> str:
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return token_str(tokenizer, token_id)
+
+
+def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[PositionLogprobs], k: int,
                         offset: int = 0) -> dict:
     """The legacy completions `logprobs` object for these tokens; `offset` is the text already sent."""
     tokens, lps, tops, offsets = [], [], [], []
     for tid, entry in zip(token_ids, logprobs):
-        s = token_str(tokenizer, tid)
+        s = _text(tokenizer, tid, entry.get(tid))
         tokens.append(s)
-        lps.append(entry.get(tid))
-        tops.append({token_str(tokenizer, t): v for t, v in _top(entry, k)} if k else None)
+        lps.append(entry[tid].logprob if tid in entry else None)
+        tops.append({_text(tokenizer, t, v): v.logprob for t, v in _top(entry, k)} if k else None)
         offsets.append(offset)
         offset += len(s)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, float]], k: int) -> dict:
+def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[PositionLogprobs], k: int) -> dict:
     """The chat `logprobs` object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
-    def item(t: int, v: Optional[float]) -> dict:
-        s = token_str(tokenizer, t)
-        return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
+    def item(t: int, v: Optional[Logprob]) -> dict:
+        s = _text(tokenizer, t, v)
+        return {"token": s, "logprob": None if v is None else v.logprob, "bytes": list(s.encode("utf-8"))}
 
     content = []
     for tid, entry in zip(token_ids, logprobs):

@@ -114,7 +114,7 @@ def test_stop_ids_stop_strings_and_logprobs(llm):
     assert t.finish_reason == "stop" and stop_text not in t.text and base.text.startswith(t.text)
     lp = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=3, logprobs=2), use_tqdm=False)[0]
     for tok, d in zip(lp.outputs[0].token_ids, lp.outputs[0].logprobs):
-        assert tok in d and max(d.values()) == d[tok] <= 0.0
+        assert tok in d and max(v.logprob for v in d.values()) == d[tok].logprob <= 0.0 and d[tok].rank == 1
     assert base.finish_reason == "length"
 
 
