@@ -90,9 +90,9 @@ def mamba2_chunk_scan(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_loc,
     """Varlen chunked SSD from each slot's state; leaves the final state in the slot."""
     from .mamba2_cpu import mamba2_chunk_scan_cpu  # batched torch path; mamba2_ref is the spec
 
-    return mamba2_chunk_scan_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_loc,
-                                 slot_idx, has_initial_state, chunk_size, dt_softplus,
-                                 return_states_at, dt_limit=dt_limit)
+    fn = _pick(x, mamba2_chunk_scan_cpu, "mamba2_chunk_scan_triton", "ssd_prefill")
+    return fn(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_loc, slot_idx,
+              has_initial_state, chunk_size, dt_softplus, return_states_at, dt_limit=dt_limit)
 
 
 def gdn_state_update(state, q, k, v, g, beta, slot_idx, scale=None, use_qk_l2norm=True):
