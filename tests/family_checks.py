@@ -84,6 +84,9 @@ FAMILIES = {f.name: f for f in [
     Family("mamba", seed=7, engine=(ENGINE_LENGTHS, 40)),
     Family("mamba2", seed=7, engine=(ENGINE_LENGTHS, 40)),
     Family("falcon_mamba", seed=7, engine=(ENGINE_LENGTHS, 40)),
+    # lightning attention (a decayed matrix state, no conv window) beside softmax attention, MoE
+    Family("minimax", seed=9, engine=(ENGINE_LENGTHS, 40),
+           names=("model.layers.0.block_sparse_moe.experts.0.w1.weight", "mlp.experts.gate_up_proj")),
 ]}
 
 
