@@ -15,8 +15,10 @@ window only, or attention per `layer_types`), falcon_h1 (attention AND Mamba2 in
 attention block's KV of each hybrid layer i at key `num_hidden_layers + i`), qwen3_5 / qwen3_5_moe
 (Qwen3-Next's GDN and attention per `layer_types`; the `_text` model types, or the published
 multimodal config whose `text_config` holds them), mamba / falcon_mamba (Mamba1 state in every
-layer, no attention), mamba2 (Mamba2 state in every layer, no attention) and minimax (lightning
-attention: a `[heads, head_dim, head_dim]` state, no conv window; or attention, per `layer_types`).
+layer, no attention), mamba2 (Mamba2 state in every layer, no attention) and recurrent_gemma
+(RG-LRU conv window + float32 state, or attention with `attention_window_size`, per `block_types`
+repeated), minimax (lightning attention: a `[heads, head_dim, head_dim]` state, no conv window;
+or attention, per `layer_types`).
 For the families from granitemoehybrid on and the attention-only ones, fields a config.json omits take
 transformers' config-class defaults
 (`hf_config`), as they do when transformers loads it. Shapes follow the models in hybridkv.models,
@@ -217,6 +219,17 @@ def _mamba2_only(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
     return {i: spec for i in range(c.num_hidden_layers)}
 
 
+def _recurrent_gemma(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
+    c = hf_config(cfg)
+    n, pattern = c.num_hidden_layers, list(c.block_types)
+    kinds = _layer_kinds((pattern * n)[:n], {"recurrent": "r", "attention": "a"}, "recurrent_gemma")
+    attn = AttentionSpec(c.num_key_value_heads, c.head_dim, dtype, c.attention_window_size)
+    # conv window over the LRU width; the RG-LRU state stays float32 as in transformers
+    lru = RecurrentSpec((c.lru_width, c.conv1d_width - 1), (c.lru_width,), dtype,
+                        None if dtype == torch.float32 else torch.float32)
+    return {i: attn if k == "a" else lru for i, k in enumerate(kinds)}
+
+
 def _minimax(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
     c = hf_config(cfg)
     kinds = _layer_kinds(c.layer_types, {"linear_attention": "l", "full_attention": "a"}, "minimax")
@@ -231,7 +244,8 @@ _BUILDERS = {"bamba": _bamba, "jamba": _jamba, "qwen3_next": _qwen3_next,
              "granitemoehybrid": _granitemoehybrid, "nemotron_h": _nemotron_h, "lfm2": _lfm2,
              "falcon_h1": _falcon_h1, "zamba2": _zamba2,
              **dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), _qwen3_5),
-             "mamba": _mamba, "falcon_mamba": _mamba, "mamba2": _mamba2_only, "minimax": _minimax}
+             "mamba": _mamba, "falcon_mamba": _mamba, "mamba2": _mamba2_only,
+             "recurrent_gemma": _recurrent_gemma, "minimax": _minimax}
 
 
 def specs_from_config(cfg: Mapping, dtype: Optional[torch.dtype] = None) -> dict[int, LayerSpec]:

@@ -23,6 +23,7 @@ _ARCHITECTURES: dict[str, str] = {
     "MambaForCausalLM": "mamba",
     "Mamba2ForCausalLM": "mamba2",
     "FalconMambaForCausalLM": "falcon_mamba",
+    "RecurrentGemmaForCausalLM": "recurrent_gemma",
     "MiniMaxForCausalLM": "minimax",
 }
 

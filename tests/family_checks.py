@@ -84,6 +84,11 @@ FAMILIES = {f.name: f for f in [
     Family("mamba", seed=7, engine=(ENGINE_LENGTHS, 40)),
     Family("mamba2", seed=7, engine=(ENGINE_LENGTHS, 40)),
     Family("falcon_mamba", seed=7, engine=(ENGINE_LENGTHS, 40)),
+    # RG-LRU state beside local attention (window 24, as the tiny Mistral's): chunks cross the
+    # window edge and resume the conv window and the RG-LRU state
+    Family("recurrent_gemma", seed=8, logits_len=3 * WINDOW + 5, ragged=(*RAGGED_LENGTHS, 3 * WINDOW + 5),
+           chunks=(5, 16, 7, 1, WINDOW + 6, 3, 1, 16),
+           engine=((1, BS - 1, WINDOW + 1, 3 * BS + 5, 3 * WINDOW + 5), 60), hf_attn="eager"),
     # lightning attention (a decayed matrix state, no conv window) beside softmax attention, MoE
     Family("minimax", seed=9, engine=(ENGINE_LENGTHS, 40),
            names=("model.layers.0.block_sparse_moe.experts.0.w1.weight", "mlp.experts.gate_up_proj")),
@@ -202,7 +207,7 @@ def check_transformers_names_load_the_same(ours, hf, path: Path, tmp_path: Path,
     experts) loads into a model whose logits equal `ours` bit for bit."""
     assert published in load_file(str(path / "model.safetensors"))
     shutil.copytree(path, tmp_path / "ckpt")
-    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    state = {k: v.clone() for k, v in hf.state_dict().items()}  # clone: tied tensors share memory
     assert any(k.endswith(stacked_suffix) for k in state)
     save_file(state, str(tmp_path / "ckpt" / "model.safetensors"), metadata={"format": "pt"})
     again = load_model(tmp_path / "ckpt")

@@ -33,7 +33,8 @@ def test_llama_has_no_window():
     assert all(s.sliding_window is None for s in specs.values())
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "mamba", "mamba2", "falcon_mamba"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "mamba", "mamba2", "falcon_mamba",
+                                    "recurrent_gemma"])
 def test_config_only_specs_equal_the_models_own(family, family_models):
     import json
 
