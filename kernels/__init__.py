@@ -128,3 +128,11 @@ def lightning_chunk_scan(state, q, k, v, slope, query_start_loc, slot_idx, has_i
 
     return lightning_chunk_scan_ref(state, q, k, v, slope, query_start_loc, slot_idx,
                                     has_initial_state, chunk_size, return_states_at)
+
+
+def fused_moe(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation="silu"):
+    """MoE experts. hidden [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], topk [T, k] -> [T, H]."""
+    from .fused_moe_cpu import fused_moe_torch  # grouped-matmul torch path; fused_moe_ref is the spec
+
+    fn = _pick(hidden, fused_moe_torch, "fused_moe_triton", "fused_moe_kernel")
+    return fn(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation)

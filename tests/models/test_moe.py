@@ -1,22 +1,56 @@
-"""Our SparseMoE against transformers' Jamba and Qwen3-Next MoE blocks with the same weights."""
+"""Our MoE blocks against transformers' with the same weights, for every MoE family here: routing
+(softmax / sigmoid, renormalised or not, group-limited with a score bias) and block outputs
+(stacked experts through hybridkv.kernels.fused_moe, shared experts)."""
+import re
+from dataclasses import dataclass
+from typing import Callable
+
 import pytest
 import torch
-from transformers import JambaConfig, Qwen3NextConfig
+from transformers import (GraniteMoeHybridConfig, JambaConfig, NemotronHConfig, Qwen3NextConfig)
+from transformers.models.granitemoehybrid.modeling_granitemoehybrid import GraniteMoeHybridMoE
 from transformers.models.jamba.modeling_jamba import JambaSparseMoeBlock
+from transformers.models.nemotron_h import modeling_nemotron_h as hf_nemotron
+from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
 
 from hybridkv.models.moe import SparseMoE, route
+from hybridkv.models.nemotron_h import NemotronHMoE
 
 H, E, K = 16, 6, 2
 
 
-def _fill_from_fused(ours: SparseMoE, experts) -> None:
-    """Copy transformers' fused expert tensors ([E, 2I, H] gate|up, [E, H, I]) into per-expert MLPs."""
-    for e, mlp in enumerate(ours.experts):
-        gate, up = experts.gate_up_proj[e].chunk(2, dim=0)
-        mlp.gate_proj.weight.data.copy_(gate)
-        mlp.up_proj.weight.data.copy_(up)
-        mlp.down_proj.weight.data.copy_(experts.down_proj[e])
+@dataclass(frozen=True)
+class MoEFamily:
+    """A transformers MoE block, the config that builds it, and our SparseMoE as the family builds it."""
+    config: Callable
+    hf_block: type
+    router: str  # attribute of transformers' router in its block
+    intermediate: int
+    norm_topk_prob: bool
+    shared: int = 0
+
+
+FAMILIES = {
+    "jamba": MoEFamily(lambda: JambaConfig(hidden_size=H, intermediate_size=24, num_experts=E,
+                                           num_experts_per_tok=K),
+                       JambaSparseMoeBlock, "router", 24, norm_topk_prob=False),
+    "qwen3_next": MoEFamily(lambda: Qwen3NextConfig(
+        hidden_size=H, moe_intermediate_size=12, shared_expert_intermediate_size=20, num_experts=E,
+        num_experts_per_tok=K, norm_topk_prob=True), Qwen3NextSparseMoeBlock, "gate", 12, True, 20),
+    "qwen3_next_unnormalised": MoEFamily(lambda: Qwen3NextConfig(
+        hidden_size=H, moe_intermediate_size=12, shared_expert_intermediate_size=20, num_experts=E,
+        num_experts_per_tok=K, norm_topk_prob=False), Qwen3NextSparseMoeBlock, "gate", 12, False, 20),
+    # transformers: softmax over the top-k logits, which is top-k of the softmax renormalised
+    "granitemoehybrid": MoEFamily(lambda: GraniteMoeHybridConfig(
+        hidden_size=H, intermediate_size=20, num_local_experts=E, num_experts_per_tok=3,
+        mamba_n_heads=4, mamba_d_head=8),
+        GraniteMoeHybridMoE, "router", 20, True),
+    "qwen3_5_moe": MoEFamily(lambda: Qwen3_5MoeTextConfig(
+        hidden_size=H, moe_intermediate_size=12, shared_expert_intermediate_size=20, num_experts=8,
+        num_experts_per_tok=4), Qwen3_5MoeSparseMoeBlock, "gate", 12, True, 20),
+}
 
 
 def _randomize(module: torch.nn.Module, seed: int) -> None:
@@ -25,65 +59,76 @@ def _randomize(module: torch.nn.Module, seed: int) -> None:
         p.data.copy_(torch.randn(p.shape, generator=g) * 0.5)
 
 
-def _jamba_pair(seed=0):
-    cfg = JambaConfig(hidden_size=H, intermediate_size=24, num_experts=E, num_experts_per_tok=K)
-    hf = JambaSparseMoeBlock(cfg).eval()
+def _pair(name: str, seed: int = 0):
+    fam = FAMILIES[name]
+    cfg = fam.config()
+    hf = fam.hf_block(cfg).eval()
     _randomize(hf, seed)
-    ours = SparseMoE(H, 24, E, K, norm_topk_prob=False).eval()
-    ours.router.weight.data.copy_(hf.router.weight)
-    _fill_from_fused(ours, hf.experts)
-    return hf, ours
-
-
-def _qwen_pair(seed=0, norm_topk_prob=True):
-    cfg = Qwen3NextConfig(hidden_size=H, moe_intermediate_size=12, shared_expert_intermediate_size=20,
-                          num_experts=E, num_experts_per_tok=K, norm_topk_prob=norm_topk_prob)
-    hf = Qwen3NextSparseMoeBlock(cfg).eval()
-    _randomize(hf, seed)
-    ours = SparseMoE(H, 12, E, K, norm_topk_prob=norm_topk_prob, shared_intermediate_size=20).eval()
-    ours.router.weight.data.copy_(hf.gate.weight)
-    _fill_from_fused(ours, hf.experts)
-    ours.shared_expert.load_state_dict(hf.shared_expert.state_dict())
-    ours.shared_expert_gate.weight.data.copy_(hf.shared_expert_gate.weight)
-    return hf, ours
+    experts = hf.experts.gate_up_proj.shape[0]
+    top_k = cfg.num_experts_per_tok
+    ours = SparseMoE(H, fam.intermediate, experts, top_k, fam.norm_topk_prob,
+                     shared_intermediate_size=fam.shared).eval()
+    ours.router.weight.data.copy_(getattr(hf, fam.router).weight)
+    ours.experts.gate_up_proj.data.copy_(hf.experts.gate_up_proj)
+    ours.experts.down_proj.data.copy_(hf.experts.down_proj)
+    if fam.shared:
+        ours.shared_expert.load_state_dict(hf.shared_expert.state_dict())
+        ours.shared_expert_gate.weight.data.copy_(hf.shared_expert_gate.weight)
+    return hf, ours, fam
 
 
 @torch.no_grad()
-def test_jamba_routing_is_topk_of_softmax_without_renormalisation():
-    hf, ours = _jamba_pair()
-    x = torch.randn(40, H)
-    _, hf_w, hf_ids = hf.router(x)
-    w, ids = route(ours.router(x), K, norm_topk_prob=False)
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_routing_matches_transformers(name):
+    hf, ours, fam = _pair(name)
+    x = torch.randn(40, H, generator=torch.Generator().manual_seed(1))
+    _, hf_w, hf_ids = getattr(hf, fam.router)(x)
+    w, ids = route(ours.router(x), ours.top_k, ours.norm_topk_prob)
     assert torch.equal(ids, hf_ids)
-    torch.testing.assert_close(w, hf_w, rtol=1e-6, atol=1e-7)
-    assert (w.sum(-1) < 1 - 1e-3).any(), "Jamba keeps the raw softmax mass of the top-k"
-
-
-@torch.no_grad()
-@pytest.mark.parametrize("norm", [True, False])
-def test_qwen3_next_routing_renormalises_when_asked(norm):
-    hf, ours = _qwen_pair(norm_topk_prob=norm)
-    x = torch.randn(40, H)
-    _, hf_w, hf_ids = hf.gate(x)
-    w, ids = route(ours.router(x), K, norm_topk_prob=norm)
-    assert torch.equal(ids, hf_ids)
-    torch.testing.assert_close(w, hf_w, rtol=1e-6, atol=1e-7)
-    if norm:
+    torch.testing.assert_close(w, hf_w.float(), rtol=1e-6, atol=1e-6)
+    if fam.norm_topk_prob:
         torch.testing.assert_close(w.sum(-1), torch.ones(40))
+    else:
+        assert (w.sum(-1) < 1 - 1e-3).any(), "the raw softmax mass of the top-k is kept"
 
 
 @torch.no_grad()
-def test_jamba_moe_output_matches_transformers():
-    hf, ours = _jamba_pair(seed=1)
-    x = torch.randn(2, 17, H)
-    torch.testing.assert_close(ours(x.view(-1, H)), hf(x).view(-1, H), rtol=1e-5, atol=1e-6)
+@pytest.mark.parametrize("tokens", [1, 7, 45])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_moe_block_matches_transformers(name, tokens):
+    hf, ours, _ = _pair(name, seed=2)
+    x = torch.randn(1, tokens, H, generator=torch.Generator().manual_seed(tokens))
+    torch.testing.assert_close(ours(x.view(-1, H)), hf(x).view(-1, H), rtol=1e-5, atol=2e-5)
+
+
+def _nemotron_config():
+    return NemotronHConfig(hidden_size=H, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                           topk_group=2, moe_intermediate_size=12,
+                           moe_shared_expert_intermediate_size=20, norm_topk_prob=True,
+                           routed_scaling_factor=2.5, mlp_hidden_act="relu2",
+                           layers_block_type=["moe"], num_hidden_layers=1)
 
 
 @torch.no_grad()
-def test_qwen3_next_moe_with_shared_expert_matches_transformers():
-    hf, ours = _qwen_pair(seed=2)
-    x = torch.randn(3, 11, H)
-    torch.testing.assert_close(ours(x.view(-1, H)), hf(x).view(-1, H), rtol=1e-5, atol=1e-6)
+def test_nemotron_h_group_routing_and_block_match_transformers():
+    """Sigmoid scores, choice by score + bias inside the best groups, routed scaling, relu2 experts."""
+    cfg = _nemotron_config()
+    hf = hf_nemotron.NemotronHMoE(cfg, layer_idx=0).eval()
+    _randomize(hf, 3)
+    hf.gate.e_score_correction_bias.copy_(torch.randn(8, generator=torch.Generator().manual_seed(4)))
+    ours = NemotronHMoE(cfg).eval()
+    ours.gate.weight.data.copy_(hf.gate.weight)
+    ours.gate.e_score_correction_bias.copy_(hf.gate.e_score_correction_bias)
+    for e, mlp in enumerate(ours.experts):
+        mlp.up_proj.weight.data.copy_(hf.experts.up_proj[e])
+        mlp.down_proj.weight.data.copy_(hf.experts.down_proj[e])
+    ours.shared_experts.load_state_dict(hf.shared_experts.state_dict())
+    x = torch.randn(30, H, generator=torch.Generator().manual_seed(5))
+    _, hf_w, hf_ids = hf.gate(x)
+    w, ids = ours.gate(x)
+    assert torch.equal(ids.sort(-1).values, hf_ids.sort(-1).values)
+    torch.testing.assert_close(w.gather(1, ids.argsort(-1)), hf_w.gather(1, hf_ids.argsort(-1)))
+    torch.testing.assert_close(ours(x), hf(x[None]).view(-1, H), rtol=1e-5, atol=2e-5)
 
 
 def test_bad_top_k_is_rejected():
@@ -93,9 +138,7 @@ def test_bad_top_k_is_rejected():
 
 @pytest.mark.parametrize("family", ["jamba", "qwen3_next"])
 def test_fused_expert_checkpoint_loads_like_per_expert(tmp_path, family):
-    """transformers' in-memory layout (experts.gate_up_proj / experts.down_proj) loads the same."""
-    import re
-
+    """The published per-expert tensors and transformers' stacked ones load the same weights."""
     from safetensors.torch import load_file, save_file
 
     from hybridkv.models import load_model
@@ -125,5 +168,9 @@ def test_fused_expert_checkpoint_loads_like_per_expert(tmp_path, family):
 
     a, b = load_model(path).state_dict(), load_model(other).state_dict()
     assert a.keys() == b.keys()
+    assert any(k.endswith("experts.gate_up_proj") for k in a)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+    e0 = next(p for p in groups)
+    stacked = a[f"{e0}.gate_up_proj"]
+    assert torch.equal(stacked[1], torch.cat([groups[e0][(1, "gate_proj")], groups[e0][(1, "up_proj")]]))

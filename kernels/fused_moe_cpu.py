@@ -1,0 +1,46 @@
+"""Mixture of experts in torch: pairs sorted by expert, one grouped matmul per projection.
+
+No per-expert host sync: the sort, the per-expert offsets and `torch._grouped_mm` take their
+sizes from shapes. Where `_grouped_mm` is missing (torch < 2.8) or rejects the inputs, a loop over
+the experts' slices runs instead, after one read of the counts (the only host sync, per call).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .fused_moe_ref import activation_fn, check_expert_ids, check_fused_moe_inputs
+from .moe_sort import expert_counts
+
+
+def _grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """x [M, K] whose rows run by expert (counts [E]), w [E, N, K] -> [M, N]: rows @ w[e].T."""
+    grouped = getattr(torch, "_grouped_mm", None)
+    if grouped is not None:
+        try:
+            return grouped(x, w.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
+        except (RuntimeError, NotImplementedError):  # a dtype / device this build does not cover
+            pass
+    pieces = x.split(counts.tolist())
+    return torch.cat([F.linear(p, w[e]) for e, p in enumerate(pieces) if p.shape[0]])
+
+
+def fused_moe_torch(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation: str = "silu"):
+    """Same contract as `fused_moe_ref`: hidden [T, H], w_gate_up [E, 2I, H], w_down [E, H, I],
+    topk_weights / topk_ids [T, k] -> [T, H] in hidden's dtype."""
+    check_fused_moe_inputs(hidden, w_gate_up, w_down, topk_weights, topk_ids)
+    if not hidden.is_cuda:  # free on CPU; on a GPU it would be a host sync
+        check_expert_ids(topk_ids, w_gate_up.shape[0])
+    T, H = hidden.shape
+    k = topk_ids.shape[1]
+    act = activation_fn(activation)
+    flat = topk_ids.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = expert_counts(topk_ids, w_gate_up.shape[0])
+    x = hidden[order // k]
+    gate, up = _grouped_linear(x, w_gate_up, counts).chunk(2, dim=-1)
+    y = _grouped_linear(act(gate) * up, w_down, counts)
+    y = y * topk_weights.reshape(-1)[order].to(y.dtype)[:, None]
+    per_pair = torch.empty_like(y)
+    per_pair[order] = y
+    return per_pair.view(T, k, H).sum(dim=1) if k > 1 else per_pair

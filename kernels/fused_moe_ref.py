@@ -1,0 +1,62 @@
+"""Mixture-of-experts feed-forward from routed tokens: the torch reference (the specification).
+
+Expert weights are stacked as transformers keeps them in memory: `w_gate_up [E, 2I, H]` (the gate
+rows, then the up rows) and `w_down [E, H, I]`. Token t goes to experts `topk_ids[t, :]` with
+weights `topk_weights[t, :]`; its output is sum_j w[t, j] * down_e(act(gate_e x) * up_e x).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def activation_fn(name: str):
+    """transformers' activation `name` ("silu", "gelu", ...) as a callable."""
+    from transformers.activations import ACT2FN
+
+    if name not in ACT2FN:
+        raise ValueError(f"activation={name!r} is unknown; transformers knows {sorted(ACT2FN)}")
+    return ACT2FN[name]
+
+
+def check_fused_moe_inputs(hidden, w_gate_up, w_down, topk_weights, topk_ids) -> None:
+    """Shapes and dtypes only (no host sync); ValueError naming the value and what was expected."""
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden has shape {tuple(hidden.shape)}; expected [tokens, hidden_size]")
+    T, H = hidden.shape
+    if w_gate_up.dim() != 3 or w_gate_up.shape[2] != H or w_gate_up.shape[1] % 2:
+        raise ValueError(f"w_gate_up has shape {tuple(w_gate_up.shape)}; expected [experts, 2 * "
+                         f"intermediate, hidden_size={H}]")
+    E, I = w_gate_up.shape[0], w_gate_up.shape[1] // 2
+    if tuple(w_down.shape) != (E, H, I):
+        raise ValueError(f"w_down has shape {tuple(w_down.shape)}; expected (experts, hidden_size, "
+                         f"intermediate) = {(E, H, I)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_ids.dtype.is_floating_point:
+        raise ValueError(f"topk_ids has shape {tuple(topk_ids.shape)} and dtype {topk_ids.dtype}; "
+                         f"expected integer [tokens={T}, top_k]")
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"topk_weights has shape {tuple(topk_weights.shape)}; expected "
+                         f"{tuple(topk_ids.shape)} like topk_ids")
+    if not 0 < topk_ids.shape[1] <= E:
+        raise ValueError(f"top_k={topk_ids.shape[1]} must be in [1, experts={E}]")
+
+
+def check_expert_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
+    """ValueError when an id is outside [0, num_experts) (reads the ids: a host sync on a GPU)."""
+    if topk_ids.numel() and not 0 <= int(topk_ids.min()) <= int(topk_ids.max()) < num_experts:
+        raise ValueError(f"topk_ids hold values in [{int(topk_ids.min())}, {int(topk_ids.max())}]; "
+                         f"expert ids must be in [0, {num_experts})")
+
+
+def fused_moe_ref(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation: str = "silu"):
+    """hidden [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], topk_weights [T, k], topk_ids [T, k]
+    -> [T, H] in hidden's dtype. Every expert runs on every token in float32 (slow, obviously right)."""
+    check_fused_moe_inputs(hidden, w_gate_up, w_down, topk_weights, topk_ids)
+    check_expert_ids(topk_ids, w_gate_up.shape[0])
+    act = activation_fn(activation)
+    x = hidden.float()
+    gate, up = w_gate_up.float().chunk(2, dim=1)                                  # [E, I, H] each
+    inner = act(torch.einsum("th,eih->eti", x, gate)) * torch.einsum("th,eih->eti", x, up)
+    every = torch.einsum("eti,ehi->eth", inner, w_down.float())                    # [E, T, H]
+    rows = torch.arange(hidden.shape[0], device=hidden.device)[:, None]
+    picked = every[topk_ids.long(), rows]                                          # [T, k, H]
+    return (picked * topk_weights.float()[..., None]).sum(dim=1).to(hidden.dtype)
