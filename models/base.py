@@ -63,8 +63,10 @@ class HybridModel(nn.Module):
 
     # --- helpers for families ----------------------------------------------------------------
     def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch, lm_head: nn.Module) -> torch.Tensor:
-        """hidden [T, H] (after the final norm) -> float32 logits [R or T, vocab]."""
-        if not batch.return_all_logits:
+        """hidden [T, H] (after the final norm) -> float32 logits [R, T or N, vocab]."""
+        if batch.logits_indices is not None:
+            hidden = hidden[batch.logits_indices]
+        elif not batch.return_all_logits:
             hidden = hidden[batch.query_start_loc[1:].long() - 1]
         return lm_head(hidden).float()
 

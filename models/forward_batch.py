@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -19,6 +20,8 @@ class ForwardBatch:
     state_slots:      [R] int32, the request's live slot in every recurrent layer's pool
     has_initial_state:[R] bool, False when the request starts from position 0 (state is zero)
     return_all_logits: logits for every token instead of the last of each request
+    logits_indices:   [N] long, when set: the tokens whose logits come back, in this order
+                      (the engine's prompt logprobs; overrides both rules above)
     """
 
     input_ids: torch.Tensor
@@ -30,6 +33,7 @@ class ForwardBatch:
     state_slots: torch.Tensor
     has_initial_state: torch.Tensor
     return_all_logits: bool = False
+    logits_indices: Optional[torch.Tensor] = None
     # Host-side copies so layers can split/loop without a device sync.
     query_lens_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)

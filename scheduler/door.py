@@ -52,6 +52,11 @@ class Door:
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        bad = [t for t in params.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
+            raise ValueError(f"prompt_logprobs={params.prompt_logprobs} exceeds the vocabulary size {vocab}")
         self.check_fits(len(token_ids), self.max_new_tokens(len(token_ids), params))
 
     def max_new_tokens(self, num_tokens: int, params: SamplingParams) -> int:

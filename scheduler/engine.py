@@ -20,22 +20,23 @@ import itertools
 import logging
 import threading
 import time
+import uuid
 from typing import Hashable, Optional
 
 import torch
 
 from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.models.forward_batch import ForwardBatch, ModelCaches
-from hybridkv.outputs import CompletionOutput, RequestOutput
+from hybridkv.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.snapshot import RequestSnapshot
 
 from . import migration
 from .door import Door
-from .sampler import SampleRow, Sampler
+from .sampler import SampleRow, Sampler, gather_logprobs
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import Sequence, SequenceGroup
-from .stopping import check_stop
+from .stopping import check_stop, token_text
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +46,8 @@ class Engine:
         self.model = model
         self.mgr = manager
         self.scheduler = scheduler
-        self.sampler = Sampler(seed)
         self.device = model.device
+        self.sampler = Sampler(seed, eos_ids=model.eos_token_ids, device=self.device)
         self.tokenizer = getattr(model, "tokenizer", None)
         self.eos_ids = set(model.eos_token_ids)
         self.max_model_len = model.max_model_len
@@ -86,6 +87,10 @@ class Engine:
         token_ids = list(token_ids)
         self.validate(token_ids, params, priority)
         token_ids = [int(t) for t in token_ids]
+        if params.prompt_logprobs is not None:
+            # no prefix hit from other requests: every prompt position's logits get computed (a
+            # recompute after preemption may hit its own blocks, whose logprobs are already kept)
+            cache_salt = f"{cache_salt or ''}\x1fprompt_logprobs:{uuid.uuid4().hex}"
         with self._lock:
             key = ("owned", next(self._serials)) if owned else request_id
             if key in self.groups:
@@ -94,6 +99,8 @@ class Engine:
                            max_tokens=self.max_new_tokens(len(token_ids), params))
             g = SequenceGroup(str(request_id), prompt, params, [seq], key=key)
             g.owned = owned
+            if params.prompt_logprobs is not None:
+                g.prompt_logprobs = [None] * len(token_ids)
             self.groups[key] = g
             self._inbox.append(("add", seq))
             self._apply_if_idle()
@@ -220,10 +227,16 @@ class Engine:
 
     def _run(self, chunks: list[ScheduledChunk], touched: dict) -> None:
         t0 = time.perf_counter()
+        indices, last_rows, spans = self._logit_rows(chunks)
         try:
             with torch.inference_mode():  # no autograd graph (it would also chain the pools across steps)
-                logits = self.model(self._batch(chunks), self.caches)
-                finite = torch.isfinite(logits).all(dim=-1).tolist()
+                batch = self._batch(chunks)
+                if indices is not None:
+                    batch.logits_indices = torch.tensor(indices, dtype=torch.long, device=self.device)
+                logits = self.model(batch, self.caches)
+                finite_rows = torch.isfinite(logits).all(dim=-1).tolist()
+                finite = [finite_rows[last] and all(finite_rows[r0:r0 + n]) if n else finite_rows[last]
+                          for last, (r0, _, n) in zip(last_rows, spans)]
         except Exception as e:  # the batch cannot be told apart: each of its requests fails
             log.exception("the forward pass failed; its %d requests end with an error", len(chunks))
             for c in chunks:
@@ -250,13 +263,15 @@ class Engine:
             try:
                 if c.checkpoint:
                     self.mgr.checkpoint(seq.request_id)
+                if spans[i][2]:
+                    self._prompt_logprobs(seq, logits, *spans[i])
                 if c.start + c.num_tokens < seq.num_tokens:
                     continue  # a prefill chunk short of the end: nothing to sample yet
                 children = self._fork_children(seq)
             except Exception as e:
                 self._fail_group(seq, e, touched)
                 continue
-            rows.extend([i] * len(children))
+            rows.extend([last_rows[i]] * len(children))
             row_seqs.extend(children)
         if rows:
             self._sample(logits[rows], row_seqs, touched)
@@ -264,7 +279,8 @@ class Engine:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], touched: dict) -> None:
         """Sample a token for each row and append it; a row whose sampling or stop check raises
         fails its request alone (rows are redone one by one, so the others keep their draws)."""
-        rows = [SampleRow(s.params, s.seq_index, s.num_output_tokens) for s in seqs]
+        rows = [SampleRow(s.params, s.seq_index, s.num_output_tokens, s.token_ids, s.num_prompt_tokens)
+                for s in seqs]
         state = self.sampler.state()
         try:
             results = list(zip(*self.sampler(logits, rows)))
@@ -335,6 +351,36 @@ class Engine:
             has_initial_state=torch.tensor([c.start > 0 for c in chunks], device=dev),
             query_lens_cpu=[c.num_tokens for c in chunks], seq_lens_cpu=seq_lens)
 
+    def _logit_rows(self, chunks: list[ScheduledChunk]):
+        """Which tokens' logits the model returns: (indices into the batch's tokens, None for the
+        last of each chunk; per chunk the row of its last token; per chunk (first row, first
+        position, count) of the prompt positions whose logprobs its request asks for)."""
+        indices, last_rows, spans, start = [], [], [], 0
+        for c in chunks:
+            g = self.groups.get(c.seq.group_id)
+            end = min(c.start + c.num_tokens, c.seq.num_prompt_tokens - 1)
+            n = end - c.start if (g is not None and g.prompt_logprobs is not None
+                                  and c.seq.seq_index == 0 and end > c.start) else 0
+            spans.append((len(indices), c.start, n))
+            indices.extend(range(start, start + n))
+            start += c.num_tokens
+            last_rows.append(len(indices))
+            indices.append(start - 1)
+        if not any(n for _, _, n in spans):
+            return None, list(range(len(chunks))), spans
+        return indices, last_rows, spans
+
+    def _prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, row0: int, pos0: int, n: int) -> None:
+        """Log-probabilities of prompt tokens pos0+1 .. pos0+n from logits rows row0 .. row0+n-1."""
+        g = self.groups[seq.group_id]
+        targets = torch.tensor(seq.token_ids[pos0 + 1:pos0 + 1 + n], dtype=torch.long)
+        entries = gather_logprobs(logits[row0:row0 + n], targets, [g.params.prompt_logprobs] * n)
+        for j, entry in enumerate(entries):
+            g.prompt_logprobs[pos0 + 1 + j] = self._decoded(entry)
+
+    def _decoded(self, entry: PositionLogprobs) -> PositionLogprobs:
+        return {t: v._replace(decoded_token=token_text(self.tokenizer, t)) for t, v in entry.items()}
+
     def _fork_children(self, parent: Sequence) -> list[Sequence]:
         """The sequences that sample from this row: the parent, plus its n-1 forks when its
         prompt just finished (they share its blocks and start from copies of its state; a fork
@@ -356,12 +402,13 @@ class Engine:
                 self.scheduler.add(child)
         return out
 
-    def _append(self, seq: Sequence, token: int, logprobs) -> None:
-        seq.append_token(token, logprobs)
+    def _append(self, seq: Sequence, token: int, logprobs: Optional[PositionLogprobs]) -> None:
+        seq.append_token(token, None if logprobs is None else self._decoded(logprobs))
         self.counters["generated_tokens"] += 1
-        reason = check_stop(seq, self.eos_ids, self.max_model_len, self.tokenizer)
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
+        stop = check_stop(seq, self.eos_ids, self.max_model_len, self.tokenizer)
+        if stop is not None:
+            seq.stop_reason = stop.stop_reason
+            self.scheduler.finish(seq, stop.finish_reason)
 
     def _outputs(self, touched: dict, finished_only: bool) -> list[RequestOutput]:
         outs = []
@@ -385,11 +432,15 @@ class Engine:
     def _output(self, g: SequenceGroup) -> RequestOutput:
         outs = [CompletionOutput(s.seq_index, s.output_token_ids, s.finish_reason,
                                  list(s.output_logprobs) if s.params.logprobs is not None else None,
-                                 self.tokenizer, tuple(s.params.stop), error=s.error)
+                                 self.tokenizer, tuple(s.params.stop), error=s.error,
+                                 stop_reason=s.stop_reason)
                 for s in g.seqs]
         done = g.finished
+        first = g.seqs[0]
+        prompt_done = done or first.num_output_tokens > 0
+        prompt_logprobs = list(g.prompt_logprobs) if g.prompt_logprobs is not None and prompt_done else None
         if done:
             with self._lock:
                 self.groups.pop(g.key, None)
         return RequestOutput(g.request_id, g.prompt, g.prompt_token_ids, outs, done,
-                             g.seqs[0].num_cached_tokens)
+                             first.num_cached_tokens, prompt_logprobs)

@@ -58,7 +58,8 @@ class Sequence:
         self.finish_reason: Optional[str] = None
         self.error: Optional[str] = None
         self.num_cached_tokens = 0   # prefix-hit tokens at first admission
-        self.output_logprobs: list[dict[int, float]] = []
+        self.output_logprobs: list[dict] = []  # {token id: Logprob} per output token, when asked
+        self.stop_reason = None      # the stop string or stop id that ended it (None: EOS, length)
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.num_prompt_tokens} prompt + "
@@ -84,7 +85,7 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def append_token(self, token: int, logprobs: Optional[dict[int, float]] = None) -> None:
+    def append_token(self, token: int, logprobs: Optional[dict] = None) -> None:
         """Add a sampled token (the manager sees it through the shared list)."""
         self.token_ids.append(token)
         if logprobs is not None:
@@ -112,6 +113,8 @@ class SequenceGroup:
         self.owned = False            # an owner inside the engine (generate) takes its output
         self.failed = False           # ended with "error": its pending forks will never be made
         self.prompt = prompt          # the text, when the prompt came as text
+        # with params.prompt_logprobs: per prompt position {token id: Logprob}, None for position 0
+        self.prompt_logprobs: Optional[list] = None
         self.params = params
         self.seqs: list[Sequence] = seqs or []
 

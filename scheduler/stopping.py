@@ -1,9 +1,23 @@
-"""When a sequence ends, and the text a user sees: EOS, stop ids, stop strings, max_tokens, length."""
+"""When a sequence ends, and the text a user sees: EOS, stop ids, stop strings, max_tokens, length.
+
+Before `min_tokens` output tokens nothing but length ends a sequence (the sampler also masks EOS
+and stop ids until then), as vLLM.
+"""
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Union
 
 from .sequence import Sequence
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Why a sequence ended: finish_reason "stop" or "length"; `stop_reason` the stop string or
+    stop token id that did it (None for EOS and length, as vLLM)."""
+
+    finish_reason: str
+    stop_reason: Union[int, str, None] = None
 
 
 def decode(tokenizer, token_ids: list[int]) -> str:
@@ -12,18 +26,31 @@ def decode(tokenizer, token_ids: list[int]) -> str:
     return tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
-def check_stop(seq: Sequence, eos_ids: set[int], max_model_len: int, tokenizer) -> Optional[str]:
-    """The finish reason after the last appended token, or None to go on."""
+def token_text(tokenizer, token_id: int) -> str:
+    """One token as text (logprobs' decoded_token); `token_id:N` without a tokenizer (vLLM's form)."""
+    if tokenizer is None:
+        return f"token_id:{token_id}"
+    text = tokenizer.decode([token_id])
+    # a special token decodes to nothing: its name keeps it apart from the others in a top-k dict
+    return text or tokenizer.convert_ids_to_tokens(token_id) or f"token_id:{token_id}"
+
+
+def check_stop(seq: Sequence, eos_ids: set[int], max_model_len: int, tokenizer) -> Optional[Stop]:
+    """Why the sequence ends after its last appended token, or None to go on."""
     p, last = seq.params, seq.token_ids[-1]
-    if last in p.stop_token_ids or (not p.ignore_eos and last in eos_ids):
-        return "stop"
-    if p.stop and tokenizer is not None:
-        # Only the tail can hold a stop string the last token completed (earlier ones ended the
-        # sequence at their own step); tokens decode to >= 1 character, plus a margin.
-        keep = min(max(map(len, p.stop)) + 8, seq.num_output_tokens)
-        tail = decode(tokenizer, seq.token_ids[-keep:])
-        if any(s in tail for s in p.stop):
-            return "stop"
+    if seq.num_output_tokens >= p.min_tokens:
+        if last in p.stop_token_ids:
+            return Stop("stop", last)
+        if not p.ignore_eos and last in eos_ids:
+            return Stop("stop")
+        if p.stop and tokenizer is not None:
+            # Only the tail can hold a stop string the last token completed (earlier ones ended the
+            # sequence at their own step); tokens decode to >= 1 character, plus a margin.
+            keep = min(max(map(len, p.stop)) + 8, seq.num_output_tokens)
+            tail = decode(tokenizer, seq.token_ids[-keep:])
+            found = [(tail.find(s), i) for i, s in enumerate(p.stop) if s in tail]
+            if found:  # the one the text is cut at: the earliest in the text
+                return Stop("stop", p.stop[min(found)[1]])
     if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= max_model_len:
-        return "length"
+        return Stop("length")
     return None

@@ -8,6 +8,7 @@ import time
 from typing import Optional
 
 from hybridkv.outputs import Logprob, PositionLogprobs
+from hybridkv.scheduler.stopping import token_text
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 503: "service_unavailable", 500: "internal_server_error"}
@@ -47,11 +48,7 @@ def envelope(kind: str, rid: str, model: str, choices: list, created: Optional[i
 
 def token_str(tokenizer, token_id: int) -> str:
     """A token as text for logprobs; `token_id:N` when the checkpoint has no tokenizer (vLLM's form)."""
-    if tokenizer is None:
-        return f"token_id:{token_id}"
-    text = tokenizer.decode([token_id])
-    # a special token decodes to nothing: its name keeps it apart from the others in a top-k dict
-    return text or tokenizer.convert_ids_to_tokens(token_id) or f"token_id:{token_id}"
+    return token_text(tokenizer, token_id)
 
 
 def _top(entry: PositionLogprobs, k: int) -> list[tuple[int, Logprob]]:

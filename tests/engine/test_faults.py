@@ -108,11 +108,12 @@ def install(stage, llm, monkeypatch, hits):
     if stage == "sampler":  # raises inside the batched call: the engine redoes the rows one by one
         real = Sampler._draw
 
-        def draw(self, row, r):
-            if r.params.seed == VICTIM_SEED and r.num_generated == 3:
-                hits.append(r)
-                raise Injected("injected fault in the sampler")
-            return real(self, row, r)
+        def draw(self, logits, rows):
+            for r in rows:
+                if r.params.seed == VICTIM_SEED and r.num_generated == 3:
+                    hits.append(r)
+                    raise Injected("injected fault in the sampler")
+            return real(self, logits, rows)
         monkeypatch.setattr(Sampler, "_draw", draw)
     elif stage == "fork":
         monkeypatch.setattr(mgr, "fork", fail_on(mgr, "fork", lambda p, c, **k: victim(mgr, p), hits))

@@ -7,8 +7,8 @@ import torch
 from transformers.generation import logits_process as hf
 
 from hybridkv.sampling_params import SamplingParams
-from scheduler import logits_processors as lp
-from scheduler.sampler import SampleRow, Sampler, gather_logprobs
+from hybridkv.scheduler import logits_processors as lp
+from hybridkv.scheduler.sampler import SampleRow, Sampler, gather_logprobs
 
 V = 1000
 EOS = [3]
