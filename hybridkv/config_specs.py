@@ -9,7 +9,7 @@ beside attention at `attn_layer_indices`), jamba (Mamba1; attention where `i % a
 attn_layer_offset`), qwen3_next (gated delta net; attention at `layer_types == "full_attention"`,
 by default every `full_attention_interval`-th layer), granitemoehybrid (Mamba2 or attention per
 `layer_types`), nemotron_h (Mamba2 / attention / MLP / MoE per `hybrid_override_pattern`; MLP and
-MoE blocks keep nothing and get no key; the SSM state in `mamba_ssm_cache_dtype`), lfm2 (short conv,
+MoE blocks keep nothing and get no key; the SSM state in `mamba_ssm_cache_dtype`), lfm2 / lfm2_moe (short conv,
 window only, or attention per `layer_types`), falcon_h1 (attention AND Mamba2 in every layer: key
 `i` and key `num_hidden_layers + i`), zamba2 (Mamba2 state at key `i` for every layer; the shared
 attention block's KV of each hybrid layer i at key `num_hidden_layers + i`), qwen3_5 / qwen3_5_moe
@@ -241,7 +241,7 @@ def _minimax(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
 
 
 _BUILDERS = {"bamba": _bamba, "jamba": _jamba, "qwen3_next": _qwen3_next,
-             "granitemoehybrid": _granitemoehybrid, "nemotron_h": _nemotron_h, "lfm2": _lfm2,
+             "granitemoehybrid": _granitemoehybrid, "nemotron_h": _nemotron_h, "lfm2": _lfm2, "lfm2_moe": _lfm2,
              "falcon_h1": _falcon_h1, "zamba2": _zamba2,
              **dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), _qwen3_5),
              "mamba": _mamba, "falcon_mamba": _mamba, "mamba2": _mamba2_only,

@@ -24,6 +24,7 @@ _ARCHITECTURES: dict[str, str] = {
     "Mamba2ForCausalLM": "mamba2",
     "FalconMambaForCausalLM": "falcon_mamba",
     "RecurrentGemmaForCausalLM": "recurrent_gemma",
+    "Lfm2MoeForCausalLM": "lfm2_moe",
     "MiniMaxForCausalLM": "minimax",
 }
 

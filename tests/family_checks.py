@@ -38,6 +38,19 @@ def tiny_nemotron_h(family: str, path, seed: int = 0, **overrides) -> Path:
     return path
 
 
+def tiny_lfm2_moe(family: str, path, seed: int = 0, **overrides) -> Path:
+    """A tiny LFM2-MoE checkpoint whose routing `expert_bias` buffers are not all zero (transformers'
+    init leaves them zero, and 1-D noise in make_tiny_checkpoint reaches parameters only)."""
+    path = make_tiny_checkpoint(family, path, seed=seed, **overrides)
+    tensors = load_file(str(path / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    for name, t in tensors.items():
+        if name.endswith("expert_bias"):
+            tensors[name] = torch.randn(t.shape, generator=g) * 0.3
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
 @dataclass
 class Family:
     """One row of the table: a tiny checkpoint and the numbers where the family's checks differ."""
@@ -89,6 +102,9 @@ FAMILIES = {f.name: f for f in [
     Family("recurrent_gemma", seed=8, logits_len=3 * WINDOW + 5, ragged=(*RAGGED_LENGTHS, 3 * WINDOW + 5),
            chunks=(5, 16, 7, 1, WINDOW + 6, 3, 1, 16),
            engine=((1, BS - 1, WINDOW + 1, 3 * BS + 5, 3 * WINDOW + 5), 60), hf_attn="eager"),
+    # LFM2's layers with a dense feed-forward, then a sigmoid-routed MoE with an expert bias
+    Family("lfm2_moe", seed=9, make=tiny_lfm2_moe, chunks=(5, 16, 7, 1, 2, 14), engine=(ENGINE_LENGTHS, 40),
+           names=("model.layers.1.feed_forward.experts.0.w1.weight", "feed_forward.experts.gate_up_proj")),
     # lightning attention (a decayed matrix state, no conv window) beside softmax attention, MoE
     Family("minimax", seed=9, engine=(ENGINE_LENGTHS, 40),
            names=("model.layers.0.block_sparse_moe.experts.0.w1.weight", "mlp.experts.gate_up_proj")),
