@@ -136,3 +136,20 @@ def fused_moe(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation="sil
 
     fn = _pick(hidden, fused_moe_torch, "fused_moe_triton", "fused_moe_kernel")
     return fn(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation)
+
+
+def kda_state_update(state, q, k, v, g, beta, slot_idx, scale=None, use_qk_l2norm=True):
+    """Kimi delta attention step. state [S, H, K, V]; q, k, g [B, H, K]; v [B, H, V]; beta [B, H]."""
+    from .kda_ref import kda_state_update_ref
+
+    fn = _pick(q, kda_state_update_ref, "kda_state_update_triton", "kda")
+    return fn(state, q, k, v, g, beta, slot_idx, scale, use_qk_l2norm)
+
+
+def kda_chunk_scan(state, q, k, v, g, beta, query_start_loc, slot_idx, has_initial_state,
+                   scale=None, use_qk_l2norm=True, chunk_size=16, return_states_at=None):
+    """Varlen chunked Kimi delta attention from each slot's state; leaves the final state there."""
+    from .kda_ref import kda_chunk_scan_ref
+
+    return kda_chunk_scan_ref(state, q, k, v, g, beta, query_start_loc, slot_idx,
+                              has_initial_state, scale, use_qk_l2norm, chunk_size, return_states_at)
