@@ -23,13 +23,20 @@ def count(pattern: str, text: str) -> list[int]:
 
 
 def test_serve_hybrid_tiny():
-    out = run_example("serve_hybrid.py", "--tiny", "--max-tokens", "8")
+    out = run_example("serve_hybrid.py", "--tiny", "--max-tokens", "8", timeout=300)
     assert "== generate (greedy) ==" in out and "== stats ==" in out
     assert len(re.findall(r"^\[\d\] '.*' -> .*\(8 tokens, length\)$", out, re.M)) == 4, out
     # the third wave shares the system prompt's 4 blocks (64 character tokens) with the cache
     assert len(re.findall(r"cached 64 prompt tokens", out)) == 3, out
     assert count(r'"prefix_hit_tokens": (\d+)', out)[0] > 0
     assert "leak check: ok" in out
+    # the HTTP part: `hybridkv serve` in a subprocess answers the openai client with the Python
+    # API's greedy text, plain and streamed, then stops
+    greedy = re.search(r"^\[0\] 'The capital of France is' -> (.*) \(8 tokens, length\)$", out, re.M).group(1)
+    assert re.search(rf"^completions: 'The capital of France is' -> {re.escape(greedy)} \(8 tokens, length\)$",
+                     out, re.M), out
+    assert re.search(rf"^streamed:    'The capital of France is' -> {re.escape(greedy)}$", out, re.M), out
+    assert "server == Python API: yes" in out and out.rstrip().endswith("server stopped"), out
 
 
 def test_preemption_stress_small():
