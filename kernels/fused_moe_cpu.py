@@ -34,6 +34,8 @@ def fused_moe_torch(hidden, w_gate_up, w_down, topk_weights, topk_ids, activatio
     T, H = hidden.shape
     k = topk_ids.shape[1]
     act = activation_fn(activation)
+    if T == 0:
+        return hidden.new_zeros(0, H)
     flat = topk_ids.reshape(-1)
     order = flat.argsort(stable=True)
     counts = expert_counts(topk_ids, w_gate_up.shape[0])

@@ -6,11 +6,15 @@ weights `topk_weights[t, :]`; its output is sum_j w[t, j] * down_e(act(gate_e x)
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
+@functools.lru_cache(maxsize=None)
 def activation_fn(name: str):
-    """transformers' activation `name` ("silu", "gelu", ...) as a callable."""
+    """transformers' activation `name` ("silu", "gelu", ...) as a callable (ACT2FN builds a new
+    module per lookup; cached)."""
     from transformers.activations import ACT2FN
 
     if name not in ACT2FN:
@@ -42,9 +46,12 @@ def check_fused_moe_inputs(hidden, w_gate_up, w_down, topk_weights, topk_ids) ->
 
 def check_expert_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
     """ValueError when an id is outside [0, num_experts) (reads the ids: a host sync on a GPU)."""
-    if topk_ids.numel() and not 0 <= int(topk_ids.min()) <= int(topk_ids.max()) < num_experts:
-        raise ValueError(f"topk_ids hold values in [{int(topk_ids.min())}, {int(topk_ids.max())}]; "
-                         f"expert ids must be in [0, {num_experts})")
+    if not topk_ids.numel():
+        return
+    low, high = (int(v) for v in torch.aminmax(topk_ids))
+    if low < 0 or high >= num_experts:
+        raise ValueError(f"topk_ids hold values in [{low}, {high}]; expert ids must be in "
+                         f"[0, {num_experts})")
 
 
 def fused_moe_ref(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation: str = "silu"):

@@ -50,6 +50,14 @@ def test_triton_kernel_matches_reference(T, E, k, dtype):
     assert _rel(got, fused_moe_ref(*inp)) < TOL[dtype]
 
 
+def test_no_tokens_gives_an_empty_output():
+    from hybridkv.kernels.fused_moe_kernel import fused_moe_triton
+
+    x, w1, w2, w, ids = _inputs(torch.Generator().manual_seed(2), 0, 4, 2)
+    for fn in (fused_moe_ref, fused_moe_torch, fused_moe_triton):
+        assert fn(x, w1, w2, w, ids).shape == (0, 24)
+
+
 def test_triton_kernel_odd_sizes_and_strided_hidden():
     """Sizes that are no multiple of any tile (H=20, I=36) and a hidden view with a row stride."""
     from hybridkv.kernels.fused_moe_kernel import fused_moe_triton
