@@ -33,6 +33,18 @@ class GenerationDefaults:
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if f.name != "eos_token_ids" and getattr(self, f.name) is not None}
 
+    def fill(self, values: dict, given: set[str]) -> dict:
+        """`values` (SamplingParams field -> value) with every field the file sets and the user did
+        not (`given` names the ones the user did) taken from the file; max_tokens is the smaller
+        of the value there (what the context leaves, or the API's default) and the file's, as
+        vLLM's server. A new dict; the fields the file does not set are left as they are."""
+        out = dict(values)
+        for name, value in self.sampling_overrides().items():
+            if name in given or name not in out:
+                continue
+            out[name] = min(out[name], value) if name == "max_tokens" and out[name] is not None else value
+        return out
+
 
 # generation_config.json key -> (SamplingParams field, its type, accepts the value, the range in words)
 _FIELDS = {

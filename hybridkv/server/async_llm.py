@@ -37,6 +37,7 @@ class TokenDelta:
     logprobs: Optional[list[dict[int, float]]]
     finish_reason: Optional[str]
     final_text: Optional[str]  # the engine's whole text (stop string cut) once finished
+    stop_reason: Optional[int | str] = None  # the stop string or id that ended it
 
 
 @dataclass
@@ -47,6 +48,7 @@ class StepNews:
     num_prompt_tokens: int
     num_cached_tokens: int
     finished: bool
+    prompt_logprobs: Optional[list] = None  # once, when the prompt is computed (if asked)
 
 
 @dataclass
@@ -61,6 +63,8 @@ class DeltaOutput:
     finish_reason: Optional[str]
     num_prompt_tokens: int
     num_cached_tokens: int
+    stop_reason: Optional[int | str] = None
+    prompt_logprobs: Optional[list] = None  # on the request's first delta, when asked
 
 
 @dataclass
@@ -197,9 +201,10 @@ class AsyncLLM:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            deltas = []
+            deltas, prompt_lps = [], None
             if not stream.prompt_logged and any(o.token_ids for o in out.outputs):  # prompt computed
                 stream.prompt_logged = True
+                prompt_lps = out.prompt_logprobs
                 self._stats_log.on_prompt(len(out.prompt_token_ids) - out.num_cached_tokens)
             for o in out.outputs:
                 sent = stream.sent.get(o.index, 0)
@@ -210,12 +215,13 @@ class AsyncLLM:
                     stream.done.add(o.index)
                 new_lp = o.logprobs[sent:] if o.logprobs is not None else None
                 deltas.append(TokenDelta(o.index, list(o.token_ids[sent:]), new_lp, o.finish_reason,
-                                         o.text if o.finish_reason is not None else None))
+                                         o.text if o.finish_reason is not None else None, o.stop_reason))
                 stream.sent[o.index] = len(o.token_ids)
             if out.finished:
                 del self._streams[out.request_id]
             if deltas or out.finished:
-                news = StepNews(deltas, len(out.prompt_token_ids), out.num_cached_tokens, out.finished)
+                news = StepNews(deltas, len(out.prompt_token_ids), out.num_cached_tokens, out.finished,
+                                prompt_lps)
                 by_loop.setdefault(stream.loop, []).append((stream.queue, news, out.request_id))
         for loop, items in by_loop.items():
             if not _post_to(loop, [(q, news) for q, news, _ in items]):
@@ -263,7 +269,7 @@ class RequestStream:
                 if isinstance(news, BaseException):
                     self.finished = True
                     raise news
-                for d in news.deltas:
+                for j, d in enumerate(news.deltas):
                     if d.index not in detok:
                         detok[d.index] = IncrementalDetokenizer(self.engine.tokenizer)
                         hold[d.index] = StopHoldback(self.params.stop)
@@ -271,7 +277,8 @@ class RequestStream:
                     text = (hold[d.index].push(new) if d.finish_reason is None
                             else hold[d.index].finish(new, d.final_text))
                     yield DeltaOutput(self.request_id, d.index, d.token_ids, text, d.logprobs,
-                                      d.finish_reason, news.num_prompt_tokens, news.num_cached_tokens)
+                                      d.finish_reason, news.num_prompt_tokens, news.num_cached_tokens,
+                                      d.stop_reason, news.prompt_logprobs if j == 0 else None)
                 self.finished = self.finished or news.finished
         finally:
             self.abort()

@@ -86,3 +86,13 @@ def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[PositionLogpro
     for tid, entry in zip(token_ids, logprobs):
         content.append({**item(tid, entry.get(tid)), "top_logprobs": [item(t, v) for t, v in _top(entry, k)]})
     return {"content": content}
+
+
+def prompt_logprobs_json(entries: Optional[list[Optional[PositionLogprobs]]]) -> Optional[list]:
+    """vLLM's `prompt_logprobs`: per prompt position None (the first) or {"token id": {logprob,
+    rank, decoded_token}}."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": v.logprob, "rank": v.rank,
+                                             "decoded_token": v.decoded_token} for t, v in e.items()}
+            for e in entries]

@@ -1,7 +1,10 @@
 """Request bodies of the OpenAI-compatible endpoints, and what they become: SamplingParams.
 
-Fields beyond OpenAI's (as vLLM names them): `top_k`, `ignore_eos`, `stop_token_ids`,
-`priority`, `cache_salt`, `return_token_ids` (each choice then carries its `token_ids`).
+Fields beyond OpenAI's (as vLLM names them): `top_k`, `min_p`, `repetition_penalty`,
+`min_tokens`, `prompt_logprobs`, `ignore_eos`, `stop_token_ids`, `priority`, `cache_salt`,
+`return_token_ids` (each choice then carries its `token_ids`). `logit_bias` is OpenAI's
+{"token id": bias}. A sampling field the request leaves out takes the checkpoint's
+generation_config.json value when it has one (per field, as vLLM), else SamplingParams' default.
 A field OpenAI has that the engine cannot honour yet is refused with a 400, never ignored.
 """
 from __future__ import annotations
@@ -10,6 +13,7 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from hybridkv.models.generation_defaults import GenerationDefaults
 from hybridkv.sampling_params import SamplingParams
 
 from .openai_format import APIError
@@ -36,6 +40,10 @@ class _Common(BaseModel):
     user: Optional[str] = None
     # extensions (vLLM's names)
     top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    prompt_logprobs: Optional[int] = None
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list)
     priority: int = 0
@@ -43,24 +51,34 @@ class _Common(BaseModel):
     return_token_ids: bool = False
 
     def refuse_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise APIError(f"{name}={getattr(self, name)} is not supported by this server yet; "
-                               f"leave it at 0", param=name)
-        if self.logit_bias:
-            raise APIError("logit_bias is not supported by this server yet; leave it out", param="logit_bias")
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError("prompt_logprobs is not supported with stream=true; ask without streaming",
+                           param="prompt_logprobs")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed with stream=true", param="stream_options")
 
-    def sampling_params(self, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
-        """SamplingParams for this body; a bad value is a 400 that names it and its limit."""
+    def max_tokens_given(self) -> bool:
+        return "max_tokens" in self.model_fields_set
+
+    def sampling_params(self, max_tokens: int, logprobs: Optional[int],
+                        defaults: Optional[GenerationDefaults] = None) -> SamplingParams:
+        """SamplingParams for this body, each field it leaves out taken from `defaults` (the
+        checkpoint's generation_config.json) when set there; a bad value is a 400 that names it
+        and its limit."""
+        fields = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                      repetition_penalty=self.repetition_penalty, max_tokens=max_tokens)
+        if defaults is not None:
+            given = set(self.model_fields_set) - {"max_tokens"}
+            fields = defaults.fill(fields, given | ({"max_tokens"} if self.max_tokens_given() else set()))
         try:
-            return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                                  max_tokens=max_tokens, seed=self.seed, stop=self.stop or [],
+            return SamplingParams(n=self.n, **fields, seed=self.seed, stop=self.stop or [],
                                   stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-                                  logprobs=logprobs)
-        except ValueError as e:  # SamplingParams' messages start with the field's name
-            name = str(e).split(" ", 1)[0]
+                                  logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
+                                  presence_penalty=self.presence_penalty,
+                                  frequency_penalty=self.frequency_penalty, min_tokens=self.min_tokens,
+                                  logit_bias=self.logit_bias)
+        except (ValueError, TypeError) as e:  # SamplingParams' messages start with the field's name
+            name = str(e).split(" ", 1)[0].split("[", 1)[0]
             raise APIError(str(e), param=name if name in type(self).model_fields else None) from None
 
 
@@ -139,6 +157,9 @@ class ChatRequest(_Common):
             if not 0 <= self.top_logprobs <= 20:
                 raise APIError(f"top_logprobs must be between 0 and 20, got {self.top_logprobs}",
                                param="top_logprobs")
+
+    def max_tokens_given(self) -> bool:
+        return bool({"max_tokens", "max_completion_tokens"} & self.model_fields_set)
 
     @property
     def requested_max_tokens(self) -> Optional[int]:

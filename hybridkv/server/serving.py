@@ -15,8 +15,8 @@ from typing import AsyncIterator, Optional, Union
 from .async_llm import AsyncLLM, DeltaOutput, RequestStream
 from .chat import chat_prompt_ids
 from .metrics import RequestTimer, ServerMetrics
-from .openai_format import (SSE_DONE, APIError, chat_logprobs, completion_logprobs, envelope, sse,
-                            usage)
+from .openai_format import (SSE_DONE, APIError, chat_logprobs, completion_logprobs, envelope,
+                            prompt_logprobs_json, sse, usage)
 from .protocol import ChatRequest, CompletionRequest, resolve_max_tokens
 
 log = logging.getLogger("hybridkv.server")
@@ -30,6 +30,7 @@ class _Choice:
         self.text = ""
         self.logprobs: list[dict[int, float]] = []
         self.finish_reason: Optional[str] = None
+        self.stop_reason = None  # the stop string or id that ended it (vLLM's field)
         self.text_offset = 0
 
 
@@ -41,6 +42,7 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         model = getattr(engine.llm, "model", None)
         self.max_model_len: Optional[int] = getattr(model, "max_model_len", None)
+        self.generation_defaults = getattr(model, "generation_defaults", None)  # per field, as vLLM
         self.max_num_seqs: Optional[int] = getattr(getattr(engine.llm, "config", None), "max_num_seqs", None)
 
     def check_model(self, name: str) -> None:
@@ -74,7 +76,8 @@ class OpenAIServing:
             for i, ids in enumerate(prompts):
                 if not ids:
                     raise APIError("the prompt is empty: give at least one token", param="prompt")
-                params = body.sampling_params(self._max_tokens(requested_max, len(ids)), num_logprobs)
+                params = body.sampling_params(self._max_tokens(requested_max, len(ids)), num_logprobs,
+                                              self.generation_defaults)
                 try:
                     streams.append(await self.engine.add_request(ids, params, f"{rid}-{i}", body.priority,
                                                                  body.cache_salt))
@@ -122,6 +125,7 @@ class Flow:
         self.timers = [RequestTimer(serving.metrics) for _ in streams]
         self.prompt_tokens = [0] * len(streams)
         self.cached_tokens = [0] * len(streams)
+        self.prompt_logprobs: list[Optional[list]] = [None] * len(streams)
 
     def abort(self) -> None:
         """Abort every request of this flow that has not finished (idempotent)."""
@@ -165,10 +169,12 @@ class Flow:
         if d.logprobs:
             c.logprobs += d.logprobs
         self.prompt_tokens[i], self.cached_tokens[i] = d.num_prompt_tokens, d.num_cached_tokens
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs[i] = d.prompt_logprobs
         timer = self.timers[i]
         timer.on_tokens(d.index, len(d.token_ids))
         if d.finish_reason is not None:
-            c.finish_reason = d.finish_reason
+            c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
             timer.on_finish(d.finish_reason)
             own = self.choices[i * self.n:(i + 1) * self.n]
             if all(x.finish_reason is not None for x in own):
@@ -198,16 +204,21 @@ class Flow:
             pass
         out = []
         for idx, c in enumerate(self.choices):
-            choice = {"index": idx, "finish_reason": c.finish_reason,
+            choice = {"index": idx, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                       "logprobs": self._logprobs(c, c.token_ids, c.logprobs)}
             if self.kind == "text_completion":
                 choice["text"] = c.text
+                if self.body.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(self.prompt_logprobs[idx // self.n])
             else:
                 choice["message"] = {"role": "assistant", "content": c.text}
             if self.body.return_token_ids:
                 choice["token_ids"] = c.token_ids
             out.append(choice)
-        return {**envelope(self.kind, self.rid, self.s.model_name, out), "usage": self._usage()}
+        answer = {**envelope(self.kind, self.rid, self.s.model_name, out), "usage": self._usage()}
+        if self.kind != "text_completion" and self.body.prompt_logprobs is not None:
+            answer["prompt_logprobs"] = prompt_logprobs_json(self.prompt_logprobs[0])
+        return answer
 
     async def sse(self) -> AsyncIterator[str]:
         """The SSE body: one chunk per delta, then a usage chunk if asked, then [DONE]."""
@@ -226,7 +237,7 @@ class Flow:
                     continue  # text held back (a split character or a possible stop string)
                 idx = i * self.n + d.index
                 choice = {"index": idx, "logprobs": self._logprobs(self.choices[idx], d.token_ids, d.logprobs),
-                          "finish_reason": d.finish_reason}
+                          "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
                 if chat:
                     choice["delta"] = {"content": d.text} if d.text else {}
                 else:

@@ -4,12 +4,13 @@ doubled BOS, bad input is a 400 naming the value, and a missing key a 401."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import httpx
 import openai
 import pytest
 
-from hybridkv import SamplingParams
+from hybridkv import LLM, SamplingParams
 from hybridkv.server.chat import chat_prompt_ids
 
 API_KEY = "sk-test"
@@ -157,7 +158,16 @@ BAD = [  # (body changes, words the message must contain)
     ({"prompt": [5, 100000]}, ["100000", "vocabulary"]),
     ({"prompt": []}, ["empty"]),
     ({"logprobs": 50}, ["logprobs", "50"]),
-    ({"presence_penalty": 0.5}, ["presence_penalty", "not supported"]),
+    ({"presence_penalty": 2.5}, ["presence_penalty", "[-2, 2]", "2.5"]),
+    ({"frequency_penalty": -3}, ["frequency_penalty", "[-2, 2]", "-3"]),
+    ({"logit_bias": {"500": 1.0}}, ["logit_bias token id 500", "vocabulary [0, 128)"]),
+    ({"logit_bias": {"5": 101}}, ["logit_bias[5]", "[-100, 100]", "101"]),
+    ({"logit_bias": {"x": 1}}, ["logit_bias key 'x'", "token id"]),
+    ({"min_p": 1.5}, ["min_p", "[0, 1]", "1.5"]),
+    ({"repetition_penalty": 0}, ["repetition_penalty", "> 0", "0"]),
+    ({"min_tokens": 9}, ["min_tokens", "max_tokens (4)", "9"]),
+    ({"prompt_logprobs": 21}, ["prompt_logprobs", "[0, 20]", "21"]),
+    ({"prompt_logprobs": 1, "stream": True}, ["prompt_logprobs", "stream"]),
     ({"prompt": None}, ["prompt"]),
 ]
 
@@ -196,3 +206,85 @@ def test_api_key(chat_server):
     r = httpx.post(chat_server.url + "/v1/completions", json={"model": "tiny-chat", "prompt": [5]})
     assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
     assert httpx.get(chat_server.url + "/metrics").status_code == 200  # scrapers need no key
+
+
+EXTRAS = dict(presence_penalty=0.6, frequency_penalty=0.4, logit_bias={"20": 2.5, "21": -100},
+              seed=11, temperature=0.8)
+EXTRA_BODY = dict(min_p=0.02, top_k=40, repetition_penalty=1.2, min_tokens=6, ignore_eos=False)
+
+
+def test_sampling_extras_equal_offline(client, oracle):
+    prompt = [9, 10, 11, 9, 10, 11]
+    r = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=10, **EXTRAS,
+                                  extra_body={**EXTRA_BODY, "return_token_ids": True})
+    ref = alone(oracle, prompt, SamplingParams(max_tokens=10, **EXTRAS, **EXTRA_BODY)).outputs[0]
+    assert r.choices[0].token_ids == ref.token_ids and len(ref.token_ids) >= 6 and 21 not in ref.token_ids
+    plain = alone(oracle, prompt, SamplingParams(max_tokens=10, seed=11, temperature=0.8)).outputs[0]
+    assert plain.token_ids != ref.token_ids  # the extras changed the draw
+
+
+def test_stop_reason_in_choices_and_the_last_chunk(client, oracle):
+    kw = dict(model="tiny-chat", prompt=[5, 6, 7], max_tokens=8, temperature=0)
+    ref = alone(oracle, [5, 6, 7], SamplingParams(max_tokens=8, temperature=0)).outputs[0]
+    stop_id = ref.token_ids[2]
+    r = client.completions.create(**kw, extra_body={"stop_token_ids": [stop_id]})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].stop_reason == stop_id
+    chunks = list(client.completions.create(**kw, stream=True, extra_body={"stop_token_ids": [stop_id]}))
+    assert chunks[-1].choices[0].stop_reason == stop_id
+    length = client.completions.create(**kw, extra_body={"ignore_eos": True})
+    assert length.choices[0].finish_reason == "length" and length.choices[0].stop_reason is None
+    text = client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=12, temperature=0).choices[0].message.content
+    stop = next(text[i:i + 2] for i in range(2, len(text) - 1) if text[i:i + 2].strip())
+    c = client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=12, temperature=0, stop=["never there", stop])
+    assert c.choices[0].finish_reason == "stop" and c.choices[0].stop_reason == stop
+
+
+def test_prompt_logprobs_and_ranks_equal_offline(client, oracle):
+    prompt = [5, 6, 7, 8, 9, 30, 31]
+    r = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+    got = r.choices[0].prompt_logprobs
+    ref = alone(oracle, prompt, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2)).prompt_logprobs
+    assert got[0] is None and len(got) == len(prompt)
+    for pos in range(1, len(prompt)):
+        assert {int(t) for t in got[pos]} == set(ref[pos])
+        mine = got[pos][str(prompt[pos])]
+        assert mine["logprob"] == pytest.approx(ref[pos][prompt[pos]].logprob, abs=1e-5)
+        assert mine["rank"] == ref[pos][prompt[pos]].rank and mine["decoded_token"]
+    c = client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 0})
+    assert c.prompt_logprobs[0] is None and all(len(e) == 1 for e in c.prompt_logprobs[1:])
+
+
+@pytest.fixture(scope="module")
+def defaults_client(checkpoints, chat_server, tmp_path_factory):
+    """A server whose checkpoint's generation_config.json sets top_k=1 (greedy whatever the
+    temperature), temperature 0.7 and max_new_tokens 5."""
+    path = tmp_path_factory.mktemp("gen-defaults") / "ckpt"
+    shutil.copytree(checkpoints["chat"], path)
+    cfg = path / "generation_config.json"
+    g = json.loads(cfg.read_text()) if cfg.exists() else {}
+    cfg.write_text(json.dumps({**g, "top_k": 1, "temperature": 0.7, "max_new_tokens": 5}))
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=16, memory_budget_bytes=16 << 20)
+    server = type(chat_server)(llm, "tiny-defaults")
+    yield openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60), llm
+    server.stop()
+
+
+def test_generation_config_defaults_apply_per_field(defaults_client):
+    client, llm = defaults_client
+    prompt = [9, 10, 11, 12]
+    greedy = alone(llm, prompt, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)).outputs[0].token_ids
+    kw = dict(model="tiny-defaults", prompt=prompt, extra_body={"ignore_eos": True, "return_token_ids": True})
+    for seed in (1, 2, 3):  # temperature set, top_k not: the file's top_k=1 still holds; max_tokens from the file
+        r = client.completions.create(temperature=1.5, seed=seed, **kw)
+        assert r.choices[0].token_ids == greedy
+    assert len(client.completions.create(max_tokens=8, temperature=1.5, **kw).choices[0].token_ids) == 8
+    drawn = [client.completions.create(temperature=1.5, seed=s, **{**kw, "extra_body": {**kw["extra_body"], "top_k": 0}})
+             .choices[0].token_ids for s in (1, 2, 3)]
+    assert any(d != greedy for d in drawn)  # the user's top_k wins over the file's
+    chat = client.chat.completions.create(model="tiny-defaults", messages=[{"role": "user", "content": "hi"}],
+                                          extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == 5
