@@ -108,9 +108,9 @@ def gdn_chunk_scan(state, q, k, v, g, beta, query_start_loc, slot_idx, has_initi
     """Varlen chunked gated delta rule from each slot's state; leaves the final state in the slot."""
     from .gdn_ref import gdn_chunk_scan_ref
 
-    return gdn_chunk_scan_ref(state, q, k, v, g, beta, query_start_loc, slot_idx,
-                              has_initial_state, scale, use_qk_l2norm, chunk_size,
-                              return_states_at)
+    fn = _pick(v, gdn_chunk_scan_ref, "gdn_chunk_scan_triton", "gdn_prefill")
+    return fn(state, q, k, v, g, beta, query_start_loc, slot_idx, has_initial_state, scale,
+              use_qk_l2norm, chunk_size, return_states_at)
 
 
 def lightning_state_update(state, q, k, v, slope, slot_idx):

@@ -11,8 +11,9 @@ three launches:
                  entering state, u, the requested checkpoints and the final state into the slot;
   3. output      per (chunk, value head, V block): o = (e^G q) S_start + (q k^T . e^(G_i - G_j),
                  j <= i) u.
-q and k are L2-normalised (eps 1e-6 inside the rsqrt) in every kernel that reads them; the H q/k
-heads serve HV // H consecutive value heads. Matmuls take fp16/bf16 operands with fp32
+q and k are L2-normalised (eps 1e-6 inside the rsqrt) and q scaled by torch before the launches;
+the H q/k heads serve HV // H consecutive value heads. The inverse is a product of log2(L)
+matmuls (I + A is unit lower triangular, so A is nilpotent), not an L-step substitution. Matmuls take fp16/bf16 operands with fp32
 accumulation for half inputs, exact fp32 products for fp32 inputs.
 """
 from __future__ import annotations
@@ -22,27 +23,14 @@ import triton
 import triton.language as tl
 
 from .scan_plan import build_scan_plan, gather_checkpoints
-from .ssd_prefill import _mm
 from .triton_math import device_guard
-
-
-@triton.jit
-def _load_keys(ptr, rows, tmask, head, s_t, s_h, key_dim, L2NORM: tl.constexpr,
-               BLOCK_K: tl.constexpr):
-    """[L, K] fp32 rows of one q/k head, L2-normalised as the reference does."""
-    ks = tl.arange(0, BLOCK_K)
-    t = tl.load(ptr + rows[:, None] * s_t + head * s_h + ks[None, :],
-                mask=tmask[:, None] & (ks[None, :] < key_dim), other=0.0).to(tl.float32)
-    if L2NORM:
-        t = t * tl.rsqrt(tl.sum(t * t, axis=1) + 1e-6)[:, None]
-    return t
 
 
 @triton.jit
 def _gdn_chunk_prep(k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_len_ptr, w_ptr, u_ptr,
                     gcum_ptr, n_vheads, rep, key_dim, value_dim, s_kt, s_kh, s_vt, s_vh, s_gt,
                     s_gh, s_bt, s_bh,
-                    L2NORM: tl.constexpr, IEEE: tl.constexpr, BLOCK_T: tl.constexpr,
+                    PREC: tl.constexpr, LOG2_T: tl.constexpr, BLOCK_T: tl.constexpr,
                     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     c = tl.program_id(0)
     hv = tl.program_id(1)
@@ -54,7 +42,8 @@ def _gdn_chunk_prep(k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_len_pt
     tmask = ts < length
     rows = start + ts
     in_ty = v_ptr.dtype.element_ty
-    kk = _load_keys(k_ptr, rows, tmask, hv // rep, s_kt, s_kh, key_dim, L2NORM, BLOCK_K)
+    kk = tl.load(k_ptr + rows[:, None] * s_kt + (hv // rep) * s_kh + ks[None, :],
+                 mask=tmask[:, None] & (ks[None, :] < key_dim), other=0.0).to(tl.float32)
     vv = tl.load(v_ptr + rows[:, None] * s_vt + hv * s_vh + vs[None, :],
                  mask=tmask[:, None] & (vs[None, :] < value_dim), other=0.0).to(tl.float32)
     gg = tl.load(g_ptr + rows * s_gt + hv * s_gh, mask=tmask, other=0.0).to(tl.float32)
@@ -62,18 +51,18 @@ def _gdn_chunk_prep(k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_len_pt
     G = tl.cumsum(gg, axis=0)
     tl.store(gcum_ptr + rows * n_vheads + hv, G, mask=tmask)
     strict = ts[:, None] > ts[None, :]
-    kkt = _mm(kk.to(in_ty), tl.trans(kk).to(in_ty), IEEE)
-    A = tl.where(strict, bb[:, None] * tl.exp(tl.where(strict, G[:, None] - G[None, :], 0.0)) * kkt,
-                 0.0)
-    # forward substitution: row i of (I + A)^-1 is e_i - A[i, :] (rows < i, already solved)
-    inv = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
-    for i in range(0, BLOCK_T):
-        a_i = tl.sum(tl.where(ts[:, None] == i, A, 0.0), axis=0)  # [L] over columns j
-        row = tl.where(ts == i, 1.0, 0.0) - tl.sum(a_i[:, None] * inv, axis=0)
-        inv = tl.where(ts[:, None] == i, row[None, :], inv)
+    kkt = tl.dot(kk.to(in_ty), tl.trans(kk).to(in_ty), input_precision=PREC)
+    # M = -A (strictly lower, so nilpotent): (I + A)^-1 = (I + M)(I + M^2)(I + M^4)...
+    M = tl.where(strict, -bb[:, None] * tl.exp(tl.where(strict, G[:, None] - G[None, :], 0.0))
+                 * kkt, 0.0)
+    eye = tl.where(ts[:, None] == ts[None, :], 1.0, 0.0)
+    inv = eye + M
+    for _ in tl.static_range(1, LOG2_T):
+        M = tl.dot(M, M, input_precision="ieee")
+        inv = inv + tl.dot(inv, M, input_precision="ieee")
     kw = kk * (bb * tl.exp(G))[:, None]
-    w = _mm(inv.to(in_ty), kw.to(in_ty), IEEE)
-    u = _mm(inv.to(in_ty), (vv * bb[:, None]).to(in_ty), IEEE)
+    w = tl.dot(inv.to(in_ty), kw.to(in_ty), input_precision=PREC)
+    u = tl.dot(inv.to(in_ty), (vv * bb[:, None]).to(in_ty), input_precision=PREC)
     tl.store(w_ptr + (rows[:, None] * n_vheads + hv) * key_dim + ks[None, :], w,
              mask=tmask[:, None] & (ks[None, :] < key_dim))
     tl.store(u_ptr + (rows[:, None] * n_vheads + hv) * value_dim + vs[None, :], u,
@@ -85,8 +74,8 @@ def _gdn_recurrence(state_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, hstart_ptr, ckpt_p
                     chunk_start_ptr, chunk_len_ptr, chunk_ckpt_ptr, first_ptr, nchunks_ptr,
                     slot_ptr, init_ptr, write_ptr, max_chunks, n_vheads, rep, key_dim, value_dim,
                     s_ss, s_sh, s_sk, s_sv, s_kt, s_kh,
-                    L2NORM: tl.constexpr, IEEE: tl.constexpr, BLOCK_T: tl.constexpr,
-                    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                    PREC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_V: tl.constexpr):
     r = tl.program_id(0)
     hv = tl.program_id(1)
     vs = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -113,17 +102,20 @@ def _gdn_recurrence(state_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, hstart_ptr, ckpt_p
         live = smask & (zero + i < nch)
         s_offs = (c * n_vheads + hv) * size + ks[:, None] * value_dim + vs[None, :]
         tl.store(hstart_ptr + s_offs, S, mask=live)
-        kk = _load_keys(k_ptr, rows, tmask, hv // rep, s_kt, s_kh, key_dim, L2NORM, BLOCK_K)
+        kk = tl.load(k_ptr + rows[:, None] * s_kt + (hv // rep) * s_kh + ks[None, :],
+                     mask=tmask[:, None] & (ks[None, :] < key_dim), other=0.0).to(tl.float32)
         w = tl.load(w_ptr + (rows[:, None] * n_vheads + hv) * key_dim + ks[None, :],
                     mask=tmask[:, None] & (ks[None, :] < key_dim), other=0.0)
         u_ptrs = u_ptr + (rows[:, None] * n_vheads + hv) * value_dim + vs[None, :]
         umask = tmask[:, None] & vmask[None, :]
         G = tl.load(gcum_ptr + rows * n_vheads + hv, mask=tmask, other=0.0)
-        u = tl.load(u_ptrs, mask=umask, other=0.0) - _mm(w.to(in_ty), S.to(in_ty), IEEE)
+        u = tl.load(u_ptrs, mask=umask, other=0.0) - tl.dot(w.to(in_ty), S.to(in_ty),
+                                                            input_precision=PREC)
         tl.store(u_ptrs, u, mask=umask)  # u0 becomes the corrected u the output kernel reads
         g_last = tl.sum(tl.where(ts == length - 1, G, 0.0), axis=0)
         k_end = kk * tl.where(tmask, tl.exp(g_last - G), 0.0)[:, None]
-        S = tl.exp(g_last) * S + _mm(tl.trans(k_end).to(in_ty), u.to(in_ty), IEEE)
+        S = tl.exp(g_last) * S + tl.dot(tl.trans(k_end).to(in_ty), u.to(in_ty),
+                                        input_precision=PREC)
         row = tl.where(active, tl.load(chunk_ckpt_ptr + c), -1).to(tl.int64)
         tl.store(ckpt_ptr + (row * n_vheads + hv) * size + ks[:, None] * value_dim + vs[None, :],
                  S.to(ckpt_ptr.dtype.element_ty), mask=live & (zero + row >= 0))
@@ -133,10 +125,10 @@ def _gdn_recurrence(state_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, hstart_ptr, ckpt_p
 
 @triton.jit
 def _gdn_chunk_output(q_ptr, k_ptr, u_ptr, gcum_ptr, hstart_ptr, o_ptr, chunk_start_ptr,
-                      chunk_len_ptr, n_vheads, rep, key_dim, value_dim, scale, s_qt, s_qh, s_kt,
+                      chunk_len_ptr, n_vheads, rep, key_dim, value_dim, s_qt, s_qh, s_kt,
                       s_kh, s_ot, s_oh,
-                      L2NORM: tl.constexpr, IEEE: tl.constexpr, BLOCK_T: tl.constexpr,
-                      BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                      PREC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCK_V: tl.constexpr):
     c = tl.program_id(0)
     hv = tl.program_id(1)
     vs = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -148,8 +140,11 @@ def _gdn_chunk_output(q_ptr, k_ptr, u_ptr, gcum_ptr, hstart_ptr, o_ptr, chunk_st
     vmask = vs < value_dim
     rows = start + ts
     in_ty = k_ptr.dtype.element_ty
-    qq = _load_keys(q_ptr, rows, tmask, hv // rep, s_qt, s_qh, key_dim, L2NORM, BLOCK_K) * scale
-    kk = _load_keys(k_ptr, rows, tmask, hv // rep, s_kt, s_kh, key_dim, L2NORM, BLOCK_K)
+    kmask = tmask[:, None] & (ks[None, :] < key_dim)
+    qq = tl.load(q_ptr + rows[:, None] * s_qt + (hv // rep) * s_qh + ks[None, :], mask=kmask,
+                 other=0.0).to(tl.float32)
+    kk = tl.load(k_ptr + rows[:, None] * s_kt + (hv // rep) * s_kh + ks[None, :], mask=kmask,
+                 other=0.0).to(tl.float32)
     G = tl.load(gcum_ptr + rows * n_vheads + hv, mask=tmask, other=0.0)
     u = tl.load(u_ptr + (rows[:, None] * n_vheads + hv) * value_dim + vs[None, :],
                 mask=tmask[:, None] & vmask[None, :], other=0.0)
@@ -158,15 +153,25 @@ def _gdn_chunk_output(q_ptr, k_ptr, u_ptr, gcum_ptr, hstart_ptr, o_ptr, chunk_st
                 mask=(ks[:, None] < key_dim) & vmask[None, :], other=0.0)
     causal = ts[:, None] >= ts[None, :]
     pair = tl.where(causal, tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0)), 0.0)
-    attn = _mm(qq.to(in_ty), tl.trans(kk).to(in_ty), IEEE) * pair
-    o = _mm((qq * tl.exp(G)[:, None]).to(in_ty), S.to(in_ty), IEEE)
-    o += _mm(attn.to(in_ty), u.to(in_ty), IEEE)
+    attn = tl.dot(qq.to(in_ty), tl.trans(kk).to(in_ty), input_precision=PREC) * pair
+    o = tl.dot((qq * tl.exp(G)[:, None]).to(in_ty), S.to(in_ty), input_precision=PREC)
+    o += tl.dot(attn.to(in_ty), u.to(in_ty), input_precision=PREC)
     tl.store(o_ptr + rows[:, None] * s_ot + hv * s_oh + vs[None, :], o.to(o_ptr.dtype.element_ty),
              mask=tmask[:, None] & vmask[None, :])
 
 
 def _unit_last(t):
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _normalized(q, k, scale, use_qk_l2norm, dtype):
+    """q, k [T, H, K] -> L2-normalised (eps 1e-6 inside the rsqrt) in fp32, q scaled, as `dtype`:
+    the matmul operand dtype of every kernel here."""
+    q, k = q.float(), k.float()
+    if use_qk_l2norm:
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    return (q * scale).to(dtype), k.to(dtype)
 
 
 def gdn_chunk_scan_triton(state, q, k, v, g, beta, query_start_loc, slot_idx, has_initial_state,
@@ -183,9 +188,8 @@ def gdn_chunk_scan_triton(state, q, k, v, g, beta, query_start_loc, slot_idx, ha
                          f"a multiple of {H} q/k heads")
     plan = build_scan_plan(query_start_loc, slot_idx, has_initial_state, state.shape[0], T,
                            chunk_size, return_states_at, v.device)
-    q, k, v = (_unit_last(t) for t in (q, k, v))
-    if q.dtype != v.dtype or k.dtype != v.dtype:  # one operand dtype for every matmul
-        q, k = q.to(v.dtype), k.to(v.dtype)
+    v = _unit_last(v)
+    q, k = _normalized(q, k, K ** -0.5 if scale is None else float(scale), use_qk_l2norm, v.dtype)
     dev, f32 = v.device, torch.float32
     o = torch.empty((T, HV, V), dtype=v.dtype, device=dev)
     w = torch.empty((T, HV, K), dtype=f32, device=dev)
@@ -194,32 +198,31 @@ def gdn_chunk_scan_triton(state, q, k, v, g, beta, query_start_loc, slot_idx, ha
     nc = plan.num_chunks
     hstart = torch.empty((max(nc, 1), HV, K, V), dtype=f32, device=dev)
     ckpt = torch.empty((max(plan.num_ckpt, 1), HV, K, V), dtype=state.dtype, device=dev)
-    ieee = v.dtype == torch.float32
+    prec = "ieee" if v.dtype == torch.float32 else "tf32"  # tf32: ignored for fp16/bf16
     block_t = max(16, triton.next_power_of_2(chunk_size))
     block_k = max(16, triton.next_power_of_2(K))
     block_v_full = max(16, triton.next_power_of_2(V))
     block_v = min(block_v_full, 64)
-    rep, l2 = HV // H, bool(use_qk_l2norm)
-    scale = K ** -0.5 if scale is None else float(scale)
+    rep = HV // H
     with device_guard(v):
         if nc:
             _gdn_chunk_prep[(nc, HV)](
                 k, v, g, beta, plan.chunk_start, plan.chunk_len, w, u, gcum, HV, rep, K, V,
                 k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
-                beta.stride(0), beta.stride(1), L2NORM=l2, IEEE=ieee, BLOCK_T=block_t,
-                BLOCK_K=block_k, BLOCK_V=block_v_full)
+                beta.stride(0), beta.stride(1), PREC=prec, LOG2_T=block_t.bit_length() - 1,
+                BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_V=block_v_full)
         if slot_idx.shape[0]:
             _gdn_recurrence[(slot_idx.shape[0], HV, triton.cdiv(V, block_v))](
                 state, k, w, u, gcum, hstart, ckpt, plan.chunk_start, plan.chunk_len,
                 plan.chunk_ckpt, plan.req_first_chunk, plan.req_num_chunks, plan.req_slot,
                 plan.req_init, plan.req_write, plan.max_chunks, HV, rep, K, V, *state.stride(),
-                k.stride(0), k.stride(1), L2NORM=l2, IEEE=ieee, BLOCK_T=block_t,
-                BLOCK_K=block_k, BLOCK_V=block_v)
+                k.stride(0), k.stride(1), PREC=prec, BLOCK_T=block_t, BLOCK_K=block_k,
+                BLOCK_V=block_v)
         if nc:
             _gdn_chunk_output[(nc, HV, triton.cdiv(V, block_v))](
-                q, k, u, gcum, hstart, o, plan.chunk_start, plan.chunk_len, HV, rep, K, V, scale,
+                q, k, u, gcum, hstart, o, plan.chunk_start, plan.chunk_len, HV, rep, K, V,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1),
-                L2NORM=l2, IEEE=ieee, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_V=block_v)
+                PREC=prec, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_V=block_v)
     if return_states_at is None:
         return o
     return o, gather_checkpoints(ckpt, plan)

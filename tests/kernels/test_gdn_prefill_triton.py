@@ -8,7 +8,7 @@ from hybridkv.kernels.gdn_prefill import gdn_chunk_scan_triton
 from hybridkv.kernels.gdn_ref import gdn_chunk_scan_ref
 from state_kernel_helpers import qsl, rel_err, shuffled_slots, untouched
 
-H, HV, K, V, SLOTS, CS = 2, 4, 6, 5, 9, 8
+H, HV, K, V, SLOTS, CS = 1, 2, 6, 5, 9, 8
 TOL = {torch.float32: 2e-5, torch.float16: 5e-3}
 
 
@@ -99,11 +99,11 @@ def test_bad_input_raises_and_changes_nothing(bad):
     gen = torch.Generator().manual_seed(4)
     q, k, v, g, beta = _case(gen, [4], torch.float32)
     if bad == "heads":
-        v, g, beta = v[:, :3], g[:, :3], beta[:, :3]
+        v, g, beta = v[:, :1], g[:, :1], beta[:, :1]
     pool = torch.randn(SLOTS, HV, K, V, generator=gen)
     before = pool.clone()
     slots = torch.tensor([SLOTS if bad == "slot" else 2], dtype=torch.int32)
-    match = {"heads": "must be \\[S, 3, 6, 5\\]", "slot": f"slot index {SLOTS}"}[bad]
+    match = {"heads": "must be \\[S, 1, 6, 5\\]", "slot": f"slot index {SLOTS}"}[bad]
     with pytest.raises(ValueError, match=match):
         gdn_chunk_scan_triton(pool, q, k, v, g, beta, qsl([4]), slots, torch.tensor([True]),
                               chunk_size=CS)
