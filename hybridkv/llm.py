@@ -218,9 +218,9 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What a request without SamplingParams gets, as vLLM: the checkpoint's
-        generation_config.json sampling fields (temperature, top_p, top_k, max_new_tokens) over
-        SamplingParams' defaults; fields SamplingParams does not have (min_p,
-        repetition_penalty) are not applied. Explicit SamplingParams are used as given."""
+        generation_config.json sampling fields (temperature, top_p, top_k, min_p,
+        repetition_penalty, max_new_tokens) over SamplingParams' defaults. Explicit
+        SamplingParams are used as given (the server fills the fields a request leaves out)."""
         names = {f.name for f in dataclasses.fields(SamplingParams)}
         defaults = getattr(self.model, "generation_defaults", None)
         overrides = defaults.sampling_overrides() if defaults is not None else {}

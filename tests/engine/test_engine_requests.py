@@ -200,14 +200,14 @@ def test_generation_config_defaults_apply_when_no_params_are_given(tmp_path):
 
     path = make_tiny_checkpoint("llama", tmp_path / "gen")
     cfg = json.loads((path / "generation_config.json").read_text())
-    cfg.update(temperature=0.0, max_new_tokens=5)
+    cfg.update(temperature=0.0, max_new_tokens=5, min_p=0.1, repetition_penalty=1.3)
     (path / "generation_config.json").write_text(json.dumps(cfg))
     llm = LLM(str(path), memory_budget_bytes=8 << 20)
     d = llm.get_default_sampling_params()
-    assert d.temperature == 0.0 and d.max_tokens == 5
+    assert d.temperature == 0.0 and d.max_tokens == 5 and d.min_p == 0.1 and d.repetition_penalty == 1.3
     out = llm.generate([[5, 6, 7, 8]], use_tqdm=False)[0].outputs[0]
-    greedy5 = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
-                           use_tqdm=False)[0].outputs[0]
+    greedy5 = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True,
+                                                          repetition_penalty=1.3), use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) <= 5 and out.token_ids == greedy5.token_ids[: len(out.token_ids)]
     explicit = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
     assert len(explicit[0].outputs[0].token_ids) <= 3  # explicit params are used as given
