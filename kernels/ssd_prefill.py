@@ -11,7 +11,8 @@ Four launches over the chunk list of `scan_plan.py` (chunks never cross a reques
                     requested checkpoints and the final state back into the slot;
   4. chunk scan     per (chunk, L tile, head, P block): y = exp(acum_l) C_l h_start
                     + sum_{s<=l} (C_l.B_s) exp(acum_l - acum_s) dt'_s x_s, then D x and the z gate.
-Matmuls take the inputs' dtype (fp16/bf16) with fp32 accumulation, or exact fp32 for fp32 inputs.
+Matmuls take the inputs' dtype (fp16/bf16) with fp32 accumulation, or exact fp32 (input_precision
+"ieee", not tf32) for fp32 inputs.
 """
 from __future__ import annotations
 
@@ -21,14 +22,6 @@ import triton.language as tl
 
 from .scan_plan import build_scan_plan, gather_checkpoints
 from .triton_math import device_guard, silu, softplus
-
-
-@triton.jit
-def _mm(a, b, IEEE: tl.constexpr):
-    """a @ b with fp32 accumulation; exact fp32 products when IEEE, else a and b as given."""
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
 
 
 @triton.jit
@@ -65,7 +58,7 @@ def _ssd_chunk_cumsum(dt_ptr, a_ptr, dtb_ptr, chunk_start_ptr, chunk_len_ptr, dt
 def _ssd_chunk_state(x_ptr, b_ptr, dtp_ptr, acum_ptr, chunk_start_ptr, chunk_len_ptr, cstate_ptr,
                      chunk_size, n_heads, head_dim, n_state, heads_per_group,
                      s_xt, s_xh, s_bt, s_bg,
-                     IEEE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr,
+                     PREC: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr,
                      BLOCK_N: tl.constexpr):
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -88,7 +81,7 @@ def _ssd_chunk_state(x_ptr, b_ptr, dtp_ptr, acum_ptr, chunk_start_ptr, chunk_len
         bt = tl.load(b_ptr + rows[:, None] * s_bt + g * s_bg + ns[None, :],
                      mask=lmask[:, None] & (ns[None, :] < n_state), other=0.0)
         xw = (xt.to(tl.float32) * w[:, None]).to(x_ptr.dtype.element_ty)
-        acc += _mm(tl.trans(xw), bt.to(x_ptr.dtype.element_ty), IEEE)
+        acc += tl.dot(tl.trans(xw), bt.to(x_ptr.dtype.element_ty), input_precision=PREC)
     offs = ((c * n_heads + h) * head_dim + ps[:, None]) * n_state + ns[None, :]
     tl.store(cstate_ptr + offs, acc, mask=(ps[:, None] < head_dim) & (ns[None, :] < n_state))
 
@@ -133,7 +126,7 @@ def _ssd_chunk_scan(x_ptr, b_ptr, c_ptr, d_ptr, z_ptr, y_ptr, dtp_ptr, acum_ptr,
                     chunk_start_ptr, chunk_len_ptr, chunk_size, l_blocks, n_heads, head_dim,
                     n_state, heads_per_group, s_xt, s_xh, s_bt, s_bg, s_ct, s_cg, s_zt, s_zh,
                     s_yt, s_yh,
-                    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, IEEE: tl.constexpr,
+                    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, PREC: tl.constexpr,
                     BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     c = tl.program_id(0) // l_blocks
     l0 = (tl.program_id(0) % l_blocks) * BLOCK_L
@@ -154,7 +147,7 @@ def _ssd_chunk_scan(x_ptr, b_ptr, c_ptr, d_ptr, z_ptr, y_ptr, dtp_ptr, acum_ptr,
                   mask=lmask[:, None] & nmask[None, :], other=0.0).to(in_ty)
     h_offs = ((c.to(tl.int64) * n_heads + h) * head_dim + ps[None, :]) * n_state + ns[:, None]
     h_t = tl.load(hstart_ptr + h_offs, mask=pmask[None, :] & nmask[:, None], other=0.0)  # [N, P]
-    y = _mm(c_l, h_t.to(in_ty), IEEE) * tl.exp(acum_l)[:, None]
+    y = tl.dot(c_l, h_t.to(in_ty), input_precision=PREC) * tl.exp(acum_l)[:, None]
     for s0 in range(0, chunk_size, BLOCK_L):
         if s0 < l0 + BLOCK_L:  # tiles wholly after this one are masked by causality
             ss = s0 + tl.arange(0, BLOCK_L)
@@ -169,8 +162,8 @@ def _ssd_chunk_scan(x_ptr, b_ptr, c_ptr, d_ptr, z_ptr, y_ptr, dtp_ptr, acum_ptr,
             causal = (ls[:, None] >= ss[None, :]) & smask[None, :]
             seg = tl.where(causal, acum_l[:, None] - acum_s[None, :], 0.0)
             weight = tl.where(causal, tl.exp(seg) * dt_s[None, :], 0.0)
-            scores = _mm(c_l, b_s, IEEE) * weight
-            y += _mm(scores.to(in_ty), x_s, IEEE)
+            scores = tl.dot(c_l, b_s, input_precision=PREC) * weight
+            y += tl.dot(scores.to(in_ty), x_s, input_precision=PREC)
     x_l = tl.load(x_ptr + rows[:, None] * s_xt + h * s_xh + ps[None, :],
                   mask=lmask[:, None] & pmask[None, :], other=0.0).to(tl.float32)
     if HAS_D:
@@ -211,7 +204,7 @@ def mamba2_chunk_scan_triton(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_sta
     decay = torch.empty((max(nc, 1), H), dtype=f32, device=dev)
     cstate = torch.empty((max(nc, 1), H, P, N), dtype=f32, device=dev)
     hstart = torch.empty_like(cstate)
-    ieee = x.dtype == torch.float32
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32: ignored for fp16/bf16
     block_c = max(16, triton.next_power_of_2(chunk_size))
     block_h = max(1, min(triton.next_power_of_2(H), 4096 // block_c))
     block_l = min(64, block_c)
@@ -229,7 +222,7 @@ def mamba2_chunk_scan_triton(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_sta
             _ssd_chunk_state[(nc, H, triton.cdiv(P, block_p))](
                 x, B, dtp, acum, plan.chunk_start, plan.chunk_len, cstate, chunk_size, H, P, N,
                 H // G, x.stride(0), x.stride(1), B.stride(0), B.stride(1),
-                IEEE=ieee, BLOCK_L=block_l, BLOCK_P=block_p, BLOCK_N=block_n)
+                PREC=prec, BLOCK_L=block_l, BLOCK_P=block_p, BLOCK_N=block_n)
         if slot_idx.shape[0]:
             _ssd_state_passing[(slot_idx.shape[0], H, triton.cdiv(P * N, block_e))](
                 ssm_state, cstate, decay, hstart, ckpt, plan.chunk_ckpt, plan.req_first_chunk,
@@ -242,7 +235,7 @@ def mamba2_chunk_scan_triton(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_sta
                 hstart, plan.chunk_start, plan.chunk_len, chunk_size, l_blocks, H, P, N, H // G,
                 x.stride(0), x.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
                 z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0,
-                y.stride(0), y.stride(1), HAS_D=D is not None, HAS_Z=z is not None, IEEE=ieee,
+                y.stride(0), y.stride(1), HAS_D=D is not None, HAS_Z=z is not None, PREC=prec,
                 BLOCK_L=block_l, BLOCK_P=block_p, BLOCK_N=block_n)
     if return_states_at is None:
         return y
