@@ -13,16 +13,18 @@ from .fused_moe_ref import activation_fn, check_expert_ids, check_fused_moe_inpu
 from .moe_sort import expert_counts
 
 
-def _grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """x [M, K] whose rows run by expert (counts [E]), w [E, N, K] -> [M, N]: rows @ w[e].T."""
+def _grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """x [M, K] whose rows run by expert (expert e's end row: ends [E] int32, a cumsum of the
+    counts), w [E, N, K] -> [M, N]: each run @ w[e].T."""
     grouped = getattr(torch, "_grouped_mm", None)
     if grouped is not None:
         try:
-            return grouped(x, w.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
+            return grouped(x, w.transpose(1, 2), offs=ends)
         except (RuntimeError, NotImplementedError):  # a dtype / device this build does not cover
             pass
-    pieces = x.split(counts.tolist())
-    return torch.cat([F.linear(p, w[e]) for e, p in enumerate(pieces) if p.shape[0]])
+    stops = ends.tolist()
+    return torch.cat([F.linear(x[start:stop], w[e])
+                      for e, (start, stop) in enumerate(zip([0] + stops[:-1], stops)) if stop > start])
 
 
 def fused_moe_torch(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation: str = "silu"):
@@ -38,11 +40,11 @@ def fused_moe_torch(hidden, w_gate_up, w_down, topk_weights, topk_ids, activatio
         return hidden.new_zeros(0, H)
     flat = topk_ids.reshape(-1)
     order = flat.argsort(stable=True)
-    counts = expert_counts(topk_ids, w_gate_up.shape[0])
+    ends = expert_counts(topk_ids, w_gate_up.shape[0]).cumsum(0).to(torch.int32)
     x = hidden[order // k]
-    gate, up = _grouped_linear(x, w_gate_up, counts).chunk(2, dim=-1)
-    y = _grouped_linear(act(gate) * up, w_down, counts)
+    gate, up = _grouped_linear(x, w_gate_up, ends).chunk(2, dim=-1)
+    y = _grouped_linear(act(gate) * up, w_down, ends)
     y = y * topk_weights.reshape(-1)[order].to(y.dtype)[:, None]
     per_pair = torch.empty_like(y)
-    per_pair[order] = y
+    per_pair.index_copy_(0, order, y)
     return per_pair.view(T, k, H).sum(dim=1) if k > 1 else per_pair

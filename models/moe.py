@@ -59,8 +59,13 @@ class SparseMoE(nn.Module):
             self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, act=act)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, H] -> (weights [T, k] float32, expert ids [T, k]); families with another
+        router (sigmoid, expert bias) override this alone."""
+        return route(self.router(hidden), self.top_k, self.norm_topk_prob)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.router(hidden), self.top_k, self.norm_topk_prob)
+        weights, ids = self.route(hidden)
         out = fused_moe(hidden, self.experts.gate_up_proj, self.experts.down_proj,
                         weights.to(hidden.dtype), ids, self.act)
         if self.shared_expert is not None:
