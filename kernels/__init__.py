@@ -71,8 +71,9 @@ def mamba1_scan(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_loc, slot_
     """Varlen selective scan from each slot's state; leaves the final state in the slot."""
     from .mamba1_ref import mamba1_scan_ref
 
-    return mamba1_scan_ref(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_loc, slot_idx,
-                           has_initial_state, dt_softplus, return_states_at)
+    fn = _pick(x, mamba1_scan_ref, "mamba1_scan_triton", "mamba1_prefill")
+    return fn(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_loc, slot_idx,
+              has_initial_state, dt_softplus, return_states_at)
 
 
 def mamba2_state_update(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, dt_softplus=True,
