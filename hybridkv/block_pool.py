@@ -15,14 +15,16 @@ from hybridkv.specs import AttentionSpec
 
 
 class BlockPool:
-    """KV tensors `kv[layer] : [num_blocks, 2, block_size, kv_heads, head_dim]` plus block bookkeeping."""
+    """KV tensors `kv[layer] : [num_blocks, parts, block_size, kv_heads, head_dim]` plus block
+    bookkeeping; parts = `AttentionSpec.kv_parts` (2: key and value, 1: a latent)."""
 
     def __init__(self, specs: Mapping[int, AttentionSpec], num_blocks: int, block_size: int,
                  device: torch.device | str = "cpu"):
         self.block_size = block_size
         self.num_blocks = num_blocks if specs else 0
         self.kv: dict[int, torch.Tensor] = {
-            i: torch.zeros(self.num_blocks, 2, block_size, s.num_kv_heads, s.head_dim, dtype=s.dtype, device=device)
+            i: torch.zeros(self.num_blocks, s.kv_parts, block_size, s.num_kv_heads, s.head_dim, dtype=s.dtype,
+                           device=device)
             for i, s in specs.items()
         }
         self.refcount: list[int] = [0] * self.num_blocks

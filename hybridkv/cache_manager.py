@@ -149,7 +149,7 @@ class HybridCacheManager:
     # ---- pools -----------------------------------------------------------------------------
     @property
     def kv_caches(self) -> dict[int, torch.Tensor]:
-        """{attention layer: [num_blocks, 2, block_size, kv_heads, head_dim]}"""
+        """{attention layer: [num_blocks, parts, block_size, kv_heads, head_dim]} (parts: AttentionSpec.kv_parts)"""
         return self.attention.pool.kv if self.attention else {}
 
     @property

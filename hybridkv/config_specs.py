@@ -18,7 +18,9 @@ multimodal config whose `text_config` holds them), mamba / falcon_mamba (Mamba1 
 layer, no attention), mamba2 (Mamba2 state in every layer, no attention) and recurrent_gemma
 (RG-LRU conv window + float32 state, or attention with `attention_window_size`, per `block_types`
 repeated), minimax (lightning attention: a `[heads, head_dim, head_dim]` state, no conv window;
-or attention, per `layer_types`).
+or attention, per `layer_types`), kimi_linear (KDA: a conv window and a float32
+`[heads, K, K]` state; or latent attention: ONE `kv_lora_rank + qk_rope_head_dim` vector per
+token, `AttentionSpec(latent=True)`; per `layer_types`).
 For the families from granitemoehybrid on and the attention-only ones, fields a config.json omits take
 transformers' config-class defaults
 (`hf_config`), as they do when transformers loads it. Shapes follow the models in hybridkv.models,
@@ -240,12 +242,25 @@ def _minimax(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
     return {i: attn if k == "a" else lightning for i, k in enumerate(kinds)}
 
 
+def _kimi_linear(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
+    c = hf_config(cfg)
+    kinds = _layer_kinds(c.layer_types, {"linear_attention": "k", "full_attention": "a"}, "kimi_linear")
+    h, d = c.linear_num_heads, c.linear_head_dim
+    # KDA: conv window over q, k and v; the state stays float32 as in transformers
+    kda = RecurrentSpec((3 * h * d, c.linear_conv_kernel_dim - 1), (h, d, d), dtype,
+                        None if dtype == torch.float32 else torch.float32)
+    # MLA: one latent (kv_lora_rank + rope dims) per token, not per-head keys and values
+    mla = AttentionSpec(1, c.kv_lora_rank + c.qk_rope_head_dim, dtype, latent=True)
+    return {i: mla if k == "a" else kda for i, k in enumerate(kinds)}
+
+
 _BUILDERS = {"bamba": _bamba, "jamba": _jamba, "qwen3_next": _qwen3_next,
              "granitemoehybrid": _granitemoehybrid, "nemotron_h": _nemotron_h, "lfm2": _lfm2, "lfm2_moe": _lfm2,
              "falcon_h1": _falcon_h1, "zamba2": _zamba2,
              **dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), _qwen3_5),
              "mamba": _mamba, "falcon_mamba": _mamba, "mamba2": _mamba2_only,
-             "recurrent_gemma": _recurrent_gemma, "minimax": _minimax}
+             "recurrent_gemma": _recurrent_gemma, "minimax": _minimax,
+             "kimi_linear": _kimi_linear}
 
 
 def specs_from_config(cfg: Mapping, dtype: Optional[torch.dtype] = None) -> dict[int, LayerSpec]:

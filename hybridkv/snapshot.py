@@ -12,7 +12,7 @@ class RequestSnapshot:
     """One running request, exported by `HybridCacheManager.export_snapshot`.
 
     token_ids: prompt + generated tokens; num_computed_tokens: tokens whose KV/state are included.
-    kv[layer]: `[2, num_computed_tokens - kv_start[layer], kv_heads, head_dim]` per attention layer
+    kv[layer]: `[parts, num_computed_tokens - kv_start[layer], kv_heads, head_dim]` per attention layer
         (token-major, so it imports into a manager with any block size); a sliding-window layer
         exports only the blocks it still holds, from token kv_start[layer] (absent: 0).
     conv[layer] / ssm[layer]: the live slot's tensors per recurrent layer (`conv_shape`, `state_shape`).

@@ -16,15 +16,26 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """An attention layer's KV: per token `2 x num_kv_heads x head_dim` elements of `dtype`."""
+    """An attention layer's KV: per token `kv_parts x num_kv_heads x head_dim` elements of `dtype`.
+
+    latent: the layer keeps ONE vector per token that it expands into every head's key and value
+    (multi-head latent attention: `head_dim` = kv_lora_rank + rope dims, `num_kv_heads` 1), so a
+    page holds `[1, block_size, 1, head_dim]`; otherwise a key and a value per head, `[2, ...]`.
+    """
 
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
     sliding_window: Optional[int] = None
+    latent: bool = False
+
+    @property
+    def kv_parts(self) -> int:
+        """Vectors per token and head in a page: 2 (key and value) or 1 (the latent)."""
+        return 1 if self.latent else 2
 
     def bytes_per_token(self) -> int:
-        return 2 * _nbytes((self.num_kv_heads, self.head_dim), self.dtype)
+        return self.kv_parts * _nbytes((self.num_kv_heads, self.head_dim), self.dtype)
 
 
 @dataclass(frozen=True)

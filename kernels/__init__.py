@@ -154,3 +154,19 @@ def kda_chunk_scan(state, q, k, v, g, beta, query_start_loc, slot_idx, has_initi
 
     return kda_chunk_scan_ref(state, q, k, v, g, beta, query_start_loc, slot_idx,
                               has_initial_state, scale, use_qk_l2norm, chunk_size, return_states_at)
+
+
+def write_latent(latent, kv_cache, slot_mapping):
+    """latent [T, D] into latent pages kv_cache [N, 1, bs, 1, D] at flat slots (-1 skipped)."""
+    from .latent_attention_ref import write_latent_ref
+
+    return write_latent_ref(latent, kv_cache, slot_mapping)
+
+
+def latent_paged_attention(q, kv_cache, kv_b_weight, query_start_loc, seq_lens, block_table, scale,
+                           nope_dim, v_dim):
+    """MLA over latent pages: q [T, H, nope + rope] -> o [T, H, v_dim]; see latent_attention_ref."""
+    from .latent_attention_ref import latent_paged_attention_ref
+
+    return latent_paged_attention_ref(q, kv_cache, kv_b_weight, query_start_loc, seq_lens,
+                                      block_table, scale, nope_dim, v_dim)

@@ -18,6 +18,7 @@ from .base import HybridModel
 from .decoder import HybridDecoderLayer, layer_cache_specs, rotary_for, run_layers
 from .forward_batch import ForwardBatch, ModelCaches
 from .lightning_mixer import LightningAttentionMixer
+from .mixtral_names import MixtralExpertNames
 from .moe import PerExpertView, SparseMoE
 from .norms import RMSNorm
 from .slot_split import SlotSplit
@@ -97,33 +98,6 @@ class _MiniMaxBody(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
-class _PublishedExpertNames:
-    """A checkpoint seen with transformers' names (`mlp.gate`, per-expert `mlp.experts.E.
-    {gate,up,down}_proj`, which PerExpertView stacks) when it holds the published Mixtral-style
-    ones (`block_sparse_moe.gate`, `block_sparse_moe.experts.E.{w1,w3,w2}`), as transformers'
-    conversion maps them."""
-
-    _PARTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-
-    def __init__(self, ckpt):
-        self.ckpt = ckpt
-
-    def _published(self, name: str) -> str:
-        head, sep, tail = name.partition(".mlp.")
-        if not sep:
-            return name
-        pieces = tail.split(".")
-        if len(pieces) == 4 and pieces[0] == "experts" and pieces[2] in self._PARTS:
-            pieces[2] = self._PARTS[pieces[2]]
-        return f"{head}.block_sparse_moe.{'.'.join(pieces)}"
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.ckpt or self._published(name) in self.ckpt
-
-    def get(self, name: str) -> torch.Tensor:
-        return self.ckpt.get(name if name in self.ckpt else self._published(name))
-
-
 class MiniMaxModel(HybridModel):
     """Parameter names equal transformers' in-memory ones except the router (ours `mlp.router`,
     theirs `mlp.gate`); published checkpoints (`block_sparse_moe.*`, per-expert w1/w2/w3) and
@@ -143,7 +117,7 @@ class MiniMaxModel(HybridModel):
         return name
 
     def load_weights(self, ckpt) -> None:
-        super().load_weights(PerExpertView(_PublishedExpertNames(ckpt)))
+        super().load_weights(PerExpertView(MixtralExpertNames(ckpt)))
 
     def cache_specs(self) -> dict[int, LayerSpec]:
         return layer_cache_specs(self.model.layers, self.dtype)

@@ -27,7 +27,7 @@ def _scratch_caches(specs: dict[int, LayerSpec], num_tokens: int, block_size: in
     kv, conv, state = {}, {}, {}
     for i, s in specs.items():
         if isinstance(s, AttentionSpec):
-            kv[i] = torch.zeros(blocks, 2, block_size, s.num_kv_heads, s.head_dim,
+            kv[i] = torch.zeros(blocks, s.kv_parts, block_size, s.num_kv_heads, s.head_dim,
                                 dtype=s.dtype, device=device)
         elif isinstance(s, RecurrentSpec):
             conv[i] = torch.zeros(2, *s.conv_shape, dtype=s.dtype, device=device)

@@ -108,6 +108,10 @@ FAMILIES = {f.name: f for f in [
     # lightning attention (a decayed matrix state, no conv window) beside softmax attention, MoE
     Family("minimax", seed=9, engine=(ENGINE_LENGTHS, 40),
            names=("model.layers.0.block_sparse_moe.experts.0.w1.weight", "mlp.experts.gate_up_proj")),
+    # Kimi delta attention (per-channel gates) beside latent attention (pages hold one latent per
+    # token); DeepSeek-V3 routing, its correction biases randomised as Nemotron-H's
+    Family("kimi_linear", seed=11, make=tiny_nemotron_h, engine=(ENGINE_LENGTHS, 40),
+           names=("model.layers.0.self_attn.q_conv1d.weight", "mlp.experts.gate_up_proj")),
 ]}
 
 

@@ -34,7 +34,7 @@ class Harness:
         kv, conv, state = {}, {}, {}
         for i, spec in model.cache_specs().items():
             if isinstance(spec, AttentionSpec):
-                kv[i] = torch.zeros(num_blocks, 2, block_size, spec.num_kv_heads, spec.head_dim,
+                kv[i] = torch.zeros(num_blocks, spec.kv_parts, block_size, spec.num_kv_heads, spec.head_dim,
                                     dtype=spec.dtype, device=dev)
             elif isinstance(spec, RecurrentSpec):
                 conv[i] = torch.zeros(num_slots, *spec.conv_shape, dtype=spec.dtype, device=dev)

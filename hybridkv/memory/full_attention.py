@@ -25,7 +25,8 @@ NO_BLOCK = -1  # a table position whose block was let go (it left the sliding wi
 
 
 class FullAttentionMemory(LayerMemory):
-    """Paged KV `kv[layer] : [num_blocks, 2, block_size, kv_heads, head_dim]` for full attention."""
+    """Paged KV `kv[layer] : [num_blocks, parts, block_size, kv_heads, head_dim]` for full attention
+    (parts 2: key and value; 1: a latent per token, same block bookkeeping, see AttentionSpec)."""
 
     name = "full_attention"
 
@@ -225,7 +226,7 @@ class FullAttentionMemory(LayerMemory):
         needed = self.first_needed_token(num_computed)
         for i, s in self.layers.items():
             start = starts.get(i, 0)
-            want = (2, num_computed - start, s.num_kv_heads, s.head_dim)
+            want = (s.kv_parts, num_computed - start, s.num_kv_heads, s.head_dim)
             t = kv.get(i)
             if t is None:
                 raise SnapshotMismatchError(f"snapshot has no KV for attention layer {i}")
@@ -247,17 +248,18 @@ class FullAttentionMemory(LayerMemory):
         new = self.pool.allocate(n) if n else []
         if new:
             tokens = {}
-            for i, t in part["kv"].items():  # t: [2, T, h, d] starting at the exporter's kv_start
+            for i, t in part["kv"].items():  # t: [parts, T, h, d] starting at the exporter's kv_start
                 lo = start - part.get("kv_start", {}).get(i, 0)
                 t = t[:, lo:]
-                pad = t.new_zeros((2, start - first * self.block_size, *t.shape[2:]))
+                pad = t.new_zeros((t.shape[0], start - first * self.block_size, *t.shape[2:]))
                 tokens[i] = torch.cat([pad, t], dim=1)
             self.pool.scatter(new, blocks_from_tokens(tokens, self.block_size))
         self._place(rid, [NO_BLOCK] * first + new)
         self.commit(rid, hashes, 0, min(len(hashes), num_computed // self.block_size), num_computed)
 
     def layer_shapes(self) -> dict[int, tuple]:
-        return {i: ("attn", s.num_kv_heads, s.head_dim, str(s.dtype)) for i, s in self.layers.items()}
+        return {i: ("attn", s.num_kv_heads, s.head_dim, str(s.dtype)) + (("latent",) if s.latent else ())
+                for i, s in self.layers.items()}
 
     def stats(self) -> dict:
         p = self.pool
