@@ -221,16 +221,17 @@ def _hub_layout(src, hub, repo_id, rev="0123456789abcdef0123456789abcdef01234567
 
 
 def test_model_id_from_the_local_hub_cache_offline(llama_dir, tmp_path, monkeypatch):
-    import huggingface_hub
-
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
-    def no_network(*a, **k):
-        raise AssertionError("a download was attempted")
+    import socket
 
-    monkeypatch.setattr(huggingface_hub.file_download, "get_session", no_network, raising=False)
+    def no_network(*a, **k):
+        raise AssertionError("a connection was attempted")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket.socket, "connect_ex", no_network)
     _hub_layout(llama_dir, tmp_path / "hf" / "hub", "tiny-org/tiny-llama")
     m = load_model("tiny-org/tiny-llama")
     assert m.fingerprint == load_model(llama_dir).fingerprint
