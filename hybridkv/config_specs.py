@@ -9,10 +9,11 @@ beside attention at `attn_layer_indices`), jamba (Mamba1; attention where `i % a
 attn_layer_offset`), qwen3_next (gated delta net; attention at `layer_types == "full_attention"`,
 by default every `full_attention_interval`-th layer), granitemoehybrid (Mamba2 or attention per
 `layer_types`), nemotron_h (Mamba2 / attention / MLP / MoE per `hybrid_override_pattern`; MLP and
-MoE blocks keep nothing and get no key; the SSM state in `mamba_ssm_cache_dtype`), lfm2 / lfm2_moe (short conv,
-window only, or attention per `layer_types`), falcon_h1 (attention AND Mamba2 in every layer: key
-`i` and key `num_hidden_layers + i`), zamba2 (Mamba2 state at key `i` for every layer; the shared
-attention block's KV of each hybrid layer i at key `num_hidden_layers + i`), qwen3_5 / qwen3_5_moe
+MoE blocks keep nothing and get no key; the SSM state in `mamba_ssm_cache_dtype`), lfm2 /
+lfm2_moe (short conv, window only, or attention per `layer_types`), falcon_h1 (attention AND
+Mamba2 in every layer: key `i` and key `num_hidden_layers + i`), zamba2 / zamba (Mamba2 /
+multi-head Mamba1 state at key `i` for every layer; the shared attention block's KV of each
+hybrid layer i at key `num_hidden_layers + i`), qwen3_5 / qwen3_5_moe
 (Qwen3-Next's GDN and attention per `layer_types`; the `_text` model types, or the published
 multimodal config whose `text_config` holds them), mamba / falcon_mamba (Mamba1 state in every
 layer, no attention), mamba2 (Mamba2 state in every layer, no attention) and recurrent_gemma
@@ -197,6 +198,21 @@ def _zamba2(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
     return specs
 
 
+def _zamba(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
+    c = hf_config(cfg)
+    n, types = c.num_hidden_layers, list(c.layers_block_type)
+    kinds = _layer_kinds(types, {"linear_attention": "m", "hybrid": "h"}, "zamba")
+    if len(kinds) != n:
+        raise ValueError(f"zamba layers_block_type has {len(kinds)} entries but num_hidden_layers "
+                         f"is {n}; give one type per layer")
+    d_inner, heads = c.mamba_expand * c.hidden_size, c.n_mamba_heads
+    mamba = RecurrentSpec((d_inner, c.mamba_d_conv - 1), (heads, d_inner // heads, c.mamba_d_state), dtype)
+    attn = AttentionSpec(c.num_key_value_heads, c.attention_head_dim, dtype)
+    specs: dict[int, LayerSpec] = {i: mamba for i in range(n)}
+    specs.update({n + i: attn for i, k in enumerate(kinds) if k == "h"})
+    return specs
+
+
 def _qwen3_5(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
     c = hf_config(cfg)
     c = getattr(c, "text_config", None) or c  # a published multimodal config nests the text model
@@ -256,7 +272,7 @@ def _kimi_linear(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
 
 _BUILDERS = {"bamba": _bamba, "jamba": _jamba, "qwen3_next": _qwen3_next,
              "granitemoehybrid": _granitemoehybrid, "nemotron_h": _nemotron_h, "lfm2": _lfm2, "lfm2_moe": _lfm2,
-             "falcon_h1": _falcon_h1, "zamba2": _zamba2,
+             "falcon_h1": _falcon_h1, "zamba2": _zamba2, "zamba": _zamba,
              **dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), _qwen3_5),
              "mamba": _mamba, "falcon_mamba": _mamba, "mamba2": _mamba2_only,
              "recurrent_gemma": _recurrent_gemma, "minimax": _minimax,

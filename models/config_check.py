@@ -18,12 +18,19 @@ POSITIVE_KEYS = (
     # gated delta net (Qwen3-Next, Qwen3.5)
     "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
     "linear_value_head_dim", "linear_conv_kernel_dim",
+    # RecurrentGemma (RG-LRU width, conv taps, attention window), LFM2 / LFM2-MoE, Zamba v1;
+    # expert counts are left out: 0 means a dense model in some families (GraniteMoeHybrid)
+    "lru_width", "conv1d_width", "attention_window_size", "conv_L_cache", "n_mamba_heads",
+    "mamba_dt_rank",
 )
+# Keys that divide something (logits / cap): a positive number; 0 or less is no model either.
+POSITIVE_NUMBER_KEYS = ("logits_soft_cap",)
 
 
 def check_config(config: dict, file: Path) -> None:
     """Refuse a config.json dict (and its nested `text_config`) with a count that is not a
-    positive integer: CheckpointError naming the file, the key and the value."""
+    positive integer, or a divisor (`logits_soft_cap`) that is not a positive number:
+    CheckpointError naming the file, the key and the value."""
     sections = [("", config)]
     if isinstance(config.get("text_config"), dict):
         sections.append(("text_config.", config["text_config"]))
@@ -35,3 +42,10 @@ def check_config(config: dict, file: Path) -> None:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise CheckpointError(f"{file} has {prefix}{key}={value!r}; it must be a positive "
                                       f"integer: fix config.json or re-download the checkpoint")
+        for key in POSITIVE_NUMBER_KEYS:
+            value = section.get(key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise CheckpointError(f"{file} has {prefix}{key}={value!r}; it must be a positive "
+                                      f"number: fix config.json or re-download the checkpoint")

@@ -25,6 +25,7 @@ _ARCHITECTURES: dict[str, str] = {
     "FalconMambaForCausalLM": "falcon_mamba",
     "RecurrentGemmaForCausalLM": "recurrent_gemma",
     "Lfm2MoeForCausalLM": "lfm2_moe",
+    "ZambaForCausalLM": "zamba",
     "MiniMaxForCausalLM": "minimax",
     "KimiLinearForCausalLM": "kimi_linear",
 }

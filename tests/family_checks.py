@@ -51,6 +51,19 @@ def tiny_lfm2_moe(family: str, path, seed: int = 0, **overrides) -> Path:
     return path
 
 
+def tiny_zamba(family: str, path, seed: int = 0, **overrides) -> Path:
+    """A tiny Zamba checkpoint whose Mamba scans matter: x_proj (-> dt, B, C) times 10. With
+    transformers' init the scan's share of the logits is ~1e-3 (D x skips dominate), so a wrong
+    state would hide inside the checks' tolerances; here removing the scans moves them ~10%."""
+    path = make_tiny_checkpoint(family, path, seed=seed, **overrides)
+    tensors = load_file(str(path / "model.safetensors"))
+    for name, t in tensors.items():
+        if name.endswith("x_proj_weight"):
+            tensors[name] = t * 10
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
 @dataclass
 class Family:
     """One row of the table: a tiny checkpoint and the numbers where the family's checks differ."""
@@ -105,6 +118,8 @@ FAMILIES = {f.name: f for f in [
     # LFM2's layers with a dense feed-forward, then a sigmoid-routed MoE with an expert bias
     Family("lfm2_moe", seed=9, make=tiny_lfm2_moe, chunks=(5, 16, 7, 1, 2, 14), engine=(ENGINE_LENGTHS, 40),
            names=("model.layers.1.feed_forward.experts.0.w1.weight", "feed_forward.experts.gate_up_proj")),
+    # multi-head Mamba1 + ONE shared attention block (its own KV cache per hybrid layer)
+    Family("zamba", seed=10, make=tiny_zamba, engine=(ENGINE_LENGTHS, 40)),
     # lightning attention (a decayed matrix state, no conv window) beside softmax attention, MoE
     Family("minimax", seed=9, engine=(ENGINE_LENGTHS, 40),
            names=("model.layers.0.block_sparse_moe.experts.0.w1.weight", "mlp.experts.gate_up_proj")),

@@ -128,3 +128,24 @@ def test_migration_mid_decode(family_models):
         assert assert_greedy_matches_hf(hf, p, t) == 0
     assert_no_leaks(src)
     assert_no_leaks(dst)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(logits_soft_cap=0.0), "logits_soft_cap=0.0; it must be a positive number"),
+    (dict(attention_window_size=0), "attention_window_size=0; it must be a positive integer"),
+    (dict(lru_width=-48), "lru_width=-48; it must be a positive integer"),
+    (dict(block_types=["recurrent", "local"]), "block_types\\[1\\] is 'local'"),
+])
+def test_loading_refuses_a_config_it_would_run_wrongly(changes, message, family_models, tmp_path):
+    """At load, before any weight is read: a CheckpointError naming config.json and the option."""
+    import shutil
+
+    from hybridkv.models import CheckpointError, load_model
+
+    path, _, _ = family_models(NAME)
+    shutil.copytree(path, tmp_path / "ckpt")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=f"config.json.*{message}"):
+        load_model(tmp_path / "ckpt")
