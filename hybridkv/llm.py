@@ -56,7 +56,7 @@ class LLM:
     checkpoints). docs/design.md and BENCHMARKS.md say what each does.
     """
 
-    def __init__(self, model: str, device: str = "auto", dtype="float32", block_size: int = 16,
+    def __init__(self, model: str, device: str = "cpu", dtype="float32", block_size: int = 16,
                  memory_budget_bytes: Optional[int] = None, gpu_memory_utilization: float = 0.9,
                  enable_prefix_caching: bool = True, preemption_mode: str = "auto",
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64,

@@ -88,7 +88,7 @@ def test_serve_answers_the_openai_client_then_stops_on_ctrl_c():
     assert proc.returncode == 0, out
     assert "RANDOM weights" in out and f"http://127.0.0.1:{port}" in out
     assert re.search(r"request cmpl-\w+-0 finished: 5 prompt tokens \(0 cached\), 5 generated, finish length", out), out
-    assert re.search(r"hybridkv.llm: .* on cpu in torch.float32: \d+ KV blocks of 16 tokens, \d+ state slots", out), out
+    assert re.search(r"hybridkv.llm: .* on (cpu|cuda:?\d*) in torch.float32: \d+ KV blocks of 16 tokens, \d+ state slots", out), out
     assert re.search(r"hybridkv.engine: Avg prompt throughput: [\d.]+ tokens/s, Avg generation throughput: "
                      r"[\d.]+ tokens/s, Running: 0 reqs, Waiting: 0 reqs, Swapped: 0 reqs, KV cache usage: "
                      r"0.0% \(0/\d+ blocks", out), out
