@@ -4,12 +4,14 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hybridkv import kernels
 from hybridkv.specs import AttentionSpec
 
 from .forward_batch import ForwardBatch
+from .fused_linear import FusedLinear
 from .rotary import apply_rotary
 
 
@@ -46,6 +48,7 @@ class PagedAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
         self.q_norm = qk_norm(head_dim) if qk_norm else None
         self.k_norm = qk_norm(head_dim) if qk_norm else None
+        self.qkv = FusedLinear((self.q_proj, self.k_proj, self.v_proj))  # one matmul per step
 
     def spec(self, dtype: torch.dtype) -> AttentionSpec:
         return AttentionSpec(self.num_kv_heads, self.head_dim, dtype, self.sliding_window)
@@ -57,19 +60,24 @@ class PagedAttention(nn.Module):
         Writes this step's K/V at batch.slot_mapping, then attends over each request's
         seq_lens[r] tokens through its block table.
         """
-        T = hidden.shape[0]
-        q = self.q_proj(hidden)
+        T, Hq, Hkv, D = hidden.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = F.linear(hidden, *self.qkv.weight_bias())
+        q, k, v = qkv.split(self.qkv.sizes, -1)
+        v = v.view(T, Hkv, D)
         gate = None
         if self.output_gate:
-            q, gate = q.view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.reshape(T, Hq, 2 * D).chunk(2, dim=-1)
             gate = gate.reshape(T, -1)
-        q = q.reshape(T, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if self.q_norm is None and gate is None and rope is not None:
+            # q and k are neighbouring columns of the fused output: rotate them in one pass
+            qk = apply_rotary(qkv[:, :(Hq + Hkv) * D].unflatten(-1, (Hq + Hkv, D)), *rope)
+            q, k = qk[:, :Hq], qk[:, Hq:]
+        else:
+            q, k = q.reshape(T, Hq, D), k.reshape(T, Hkv, D)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if rope is not None:
+                q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         kernels.write_kv(k, v, kv_cache, batch.slot_mapping)
         out = kernels.paged_attention(
             q.contiguous(), kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_table,

@@ -1,8 +1,11 @@
-"""The gated feed-forward block: down(act(gate(x)) * up(x))."""
+"""The gated feed-forward block: down(act(gate(x)) * up(x)), gate and up as one matmul."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from .fused_linear import FusedLinear
 
 
 class GatedMLP(nn.Module):
@@ -16,6 +19,8 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = ACT2FN[act]
+        self.gate_up = FusedLinear((self.gate_proj, self.up_proj))  # one matmul per step
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, *self.gate_up.weight_bias()).split(self.gate_up.sizes, -1)
+        return self.down_proj(self.act_fn(gate) * up)

@@ -60,11 +60,14 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated on its first rotary_dim = cos.shape[-1] dims; the rest pass through."""
+    """x [T, H, D] (any strides) rotated on its first rotary_dim = cos.shape[-1] dims; the rest
+    pass through. Returns a new [T, H, D] tensor: x1 * cos - x2 * sin | x2 * cos + x1 * sin."""
     cos = cos.to(x.dtype)[:, None, :]
     sin = sin.to(x.dtype)[:, None, :]
     rot = cos.shape[-1]
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
     half = rot // 2
-    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
-    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+    x_rot = x[..., :rot]
+    y = x_rot * cos
+    y[..., :half].addcmul_(x_rot[..., half:], sin[..., :half], value=-1.0)
+    y[..., half:].addcmul_(x_rot[..., :half], sin[..., half:])
+    return y if rot == x.shape[-1] else torch.cat((y, x[..., rot:]), dim=-1)
