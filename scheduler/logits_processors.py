@@ -58,24 +58,49 @@ def apply_penalties(logits: torch.Tensor, prompt_counts: torch.Tensor, output_co
     return logits - output_counts * frequency.unsqueeze(1) - (output_counts > 0) * presence.unsqueeze(1)
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+# top-p looks for its nucleus among this many most likely tokens first (a partial top-k, far
+# cheaper than sorting a 128k vocabulary); rows whose nucleus is wider fall back to a full sort.
+TOP_P_CANDIDATES = 1024
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                      candidates: int = TOP_P_CANDIDATES) -> torch.Tensor:
     """Keep each row's top_k [R] (long, V = off) largest logits, then the smallest set whose
     probability reaches top_p [R] (1 = off; the most likely token always stays); -inf elsewhere.
-    transformers' rule: a token is dropped when the cumulative probability of the tokens up to
-    and including it, in ascending order, is <= 1 - top_p."""
+    transformers' rule: a token is dropped when the probability of it and every less likely
+    token (after top-k) is <= 1 - top_p. Exact whichever path a row takes."""
     vocab = logits.shape[-1]
-    if bool((top_p >= 1.0).all()):  # top-k alone: a partial top-k is cheaper than a full sort
-        kmax = int(top_k.max())
-        kth = torch.topk(logits, kmax, dim=-1).values.gather(1, (top_k.clamp(max=kmax) - 1).unsqueeze(1))
+    kmax = int(top_k.max())
+    if bool((top_p >= 1.0).all()):  # top-k alone
+        kth = torch.topk(logits, kmax, dim=-1).values.gather(1, (top_k - 1).unsqueeze(1))
         return logits.masked_fill(logits < kth, NEG_INF)
+    limited = top_k < vocab
+    width = min(vocab, max(candidates, int(top_k[limited].max()) if bool(limited.any()) else 0))
+    vals, idx = torch.topk(logits, width, dim=-1)  # descending
+    kth = vals.gather(1, (top_k.clamp(max=width) - 1).unsqueeze(1))
+    vals = vals.masked_fill(limited.unsqueeze(1) & (vals < kth), NEG_INF)
+    # probabilities over the whole vocabulary, or over the top-k survivors (all among the candidates)
+    norm = torch.where(limited, vals.logsumexp(dim=-1), logits.logsumexp(dim=-1))
+    probs = (vals - norm.unsqueeze(1)).exp()
+    inside = probs.sum(dim=-1)
+    # mass of a candidate and every less likely token: the tokens outside, plus the tail from it on
+    at_or_below = (1.0 - inside).clamp(min=0).unsqueeze(1) + probs.flip(-1).cumsum(-1).flip(-1)
+    drop = at_or_below <= (1.0 - top_p).unsqueeze(1)
+    drop[:, 0] = False
+    out = torch.full_like(logits, NEG_INF).scatter_(1, idx, vals.masked_fill(drop, NEG_INF))
+    wide = (~limited & (inside < top_p)).nonzero().squeeze(1)  # the nucleus passes the candidates
+    if wide.numel():
+        out[wide] = _sorted_top_p(logits[wide], top_p[wide])
+    return out
+
+
+def _sorted_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """top-p over a full ascending sort of each row (transformers' own procedure)."""
     ascending, order = logits.sort(dim=-1)
-    kth = ascending.gather(1, (vocab - top_k).unsqueeze(1))
-    ascending = ascending.masked_fill(ascending < kth, NEG_INF)
     cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
     drop = cumulative <= (1.0 - top_p).unsqueeze(1)
     drop[:, -1] = False
-    ascending = ascending.masked_fill(drop, NEG_INF)
-    return torch.empty_like(logits).scatter_(1, order, ascending)
+    return torch.empty_like(logits).scatter_(1, order, ascending.masked_fill(drop, NEG_INF))
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

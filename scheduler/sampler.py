@@ -112,24 +112,23 @@ class Sampler:
                                       else () for r in sub], vocab, dev)
             output = lp.token_counts([r.token_ids[r.num_prompt_tokens:] for r in sub], vocab, dev)
             f32 = dict(dtype=torch.float32, device=dev)
-            work[pen] = lp.apply_penalties(
-                work[pen], prompt, output, torch.tensor([r.params.repetition_penalty for r in sub], **f32),
-                torch.tensor([r.params.frequency_penalty for r in sub], **f32),
-                torch.tensor([r.params.presence_penalty for r in sub], **f32))
+            rep, freq, pres = (torch.tensor([getattr(r.params, f) for r in sub], **f32) for f in
+                               ("repetition_penalty", "frequency_penalty", "presence_penalty"))
+            work = _on_rows(work, pen, lambda x: lp.apply_penalties(x, prompt, output, rep, freq, pres))
         warm = [i for i, p in enumerate(params) if not p.greedy]
         if warm:
             temps = torch.tensor([params[i].temperature for i in warm], dtype=torch.float32, device=dev)
-            work[warm] = work[warm] / temps.unsqueeze(1)
+            work = _on_rows(work, warm, lambda x: x.div_(temps.unsqueeze(1)))
         cut = [i for i in warm if 0 < params[i].top_k < vocab or params[i].top_p < 1.0]
         if cut:
             k = torch.tensor([params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in cut],
                              dtype=torch.long, device=dev)
             p = torch.tensor([params[i].top_p for i in cut], dtype=torch.float32, device=dev)
-            work[cut] = lp.apply_top_k_top_p(work[cut], k, p)
+            work = _on_rows(work, cut, lambda x: lp.apply_top_k_top_p(x, k, p))
         floor = [i for i in warm if params[i].min_p > 0.0]
         if floor:
             m = torch.tensor([params[i].min_p for i in floor], dtype=torch.float32, device=dev)
-            work[floor] = lp.apply_min_p(work[floor], m)
+            work = _on_rows(work, floor, lambda x: lp.apply_min_p(x, m))
         return work
 
     def _held_back(self, row: SampleRow) -> list[int]:
@@ -140,19 +139,32 @@ class Sampler:
         return list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_ids)
 
     def _draw(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """One token per row of processed logits [S, V]: seeded rows from their own generator,
-        the rest in one draw from the shared one. Returns [S] long on the logits' device."""
-        probs = logits.softmax(dim=-1)
-        out = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        """One token per row of processed logits [S, V] by inverting each row's CDF at a uniform
+        draw (one number per row, not V as an exponential race would need): seeded rows draw it
+        from their own generator, the rest in one call to the shared one. Returns [S] long on the
+        logits' device."""
+        dev = logits.device
+        cdf = logits.softmax(dim=-1).cumsum_(dim=-1)
+        u = torch.empty(len(rows), dtype=cdf.dtype, device=dev)
         free = [j for j, r in enumerate(rows) if r.params.seed is None]
         if free:
-            out[free] = torch.multinomial(probs[free], 1, generator=self._generator).squeeze(1)
+            u[free] = torch.rand(len(free), generator=self._generator, device=dev, dtype=cdf.dtype)
         for j, r in enumerate(rows):
             if r.params.seed is not None:
-                gen = torch.Generator(device=logits.device)
+                gen = torch.Generator(device=dev)
                 gen.manual_seed(step_seed(r.params.seed, r.seq_index, r.num_generated))
-                out[j] = torch.multinomial(probs[j], 1, generator=gen)[0]
-        return out
+                u[j] = torch.rand(1, generator=gen, device=dev, dtype=cdf.dtype)[0]
+        # right=True: the first token whose cumulative probability passes u (never a 0-probability one)
+        picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+        return picked.clamp_(max=logits.shape[-1] - 1)
+
+
+def _on_rows(work: torch.Tensor, rows: list[int], fn) -> torch.Tensor:
+    """work with fn applied to the given rows (to the whole tensor, without a gather, when all)."""
+    if len(rows) == work.shape[0]:
+        return fn(work)
+    work[rows] = fn(work[rows])
+    return work
 
 
 def _processed(p: SamplingParams) -> bool:

@@ -74,14 +74,21 @@ def test_each_row_matches_transformers_chain_in_one_batch():
     assert torch.equal(logits, random_case(len(CASES), seed=1)[0])
 
 
-def test_top_p_matches_transformers_over_many_rows_and_values():
+@pytest.mark.parametrize("candidates", [V, 64])  # 64: some nuclei pass the candidates (full-sort rows)
+def test_top_k_top_p_match_transformers_over_many_rows_and_values(candidates):
     logits, ids, _ = random_case(64, seed=2)
-    top_p = torch.rand(64, generator=torch.Generator().manual_seed(3)) * 0.98 + 0.01
-    top_k = torch.full((64,), V)
-    got = lp.apply_top_k_top_p(logits, top_k, top_p)
+    logits[::3] *= 0.3  # flatter rows: wider nuclei
+    g = torch.Generator().manual_seed(3)
+    top_p = torch.rand(64, generator=g) * 0.98 + 0.01
+    top_k = torch.where(torch.rand(64, generator=g) < 0.3, torch.randint(1, 200, (64,), generator=g), V)
+    got = lp.apply_top_k_top_p(logits, top_k, top_p, candidates=candidates)
     for i in range(64):
-        want = hf.TopPLogitsWarper(float(top_p[i]))(ids[i:i + 1], logits[i:i + 1].clone())[0]
+        want = logits[i:i + 1].clone()
+        if top_k[i] < V:
+            want = hf.TopKLogitsWarper(int(top_k[i]))(ids[i:i + 1], want)
+        want = hf.TopPLogitsWarper(float(top_p[i]))(ids[i:i + 1], want)[0]
         assert torch.equal(torch.isinf(got[i]), torch.isinf(want)), i
+        assert torch.equal(got[i][torch.isfinite(want)], want[torch.isfinite(want)])
 
 
 def test_min_tokens_masks_eos_and_stop_ids_until_reached():
