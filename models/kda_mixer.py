@@ -36,6 +36,20 @@ class KimiForgetGate(nn.Module):
         return -self.A_log.float().exp().view(1, self.num_heads, 1) * g
 
 
+class SigmoidGatedRMSNorm(nn.Module):
+    """o, gate [..., dim] -> rms_norm(o) * w * sigmoid(gate), all in float32, cast back to o's dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = o.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * h * torch.sigmoid(gate.float())).to(o.dtype)
+
+
 class KimiDeltaAttentionMixer(nn.Module):
     """Token mixer with transformers' in-memory names (q_proj, k_proj, v_proj, conv1d,
     forget_gate.*, b_proj, g_a_proj, g_b_proj, o_norm, o_proj)."""
@@ -45,7 +59,7 @@ class KimiDeltaAttentionMixer(nn.Module):
         super().__init__()
         if activation != "silu":
             raise ValueError(f"KDA conv activation {activation!r}; only 'silu' is supported")
-        self.num_heads, self.head_dim, self.conv_kernel, self.eps = num_heads, head_dim, conv_kernel, eps
+        self.num_heads, self.head_dim, self.conv_kernel = num_heads, head_dim, conv_kernel
         inner = num_heads * head_dim
         self.q_proj = nn.Linear(hidden_size, inner, bias=False)
         self.k_proj = nn.Linear(hidden_size, inner, bias=False)
@@ -57,8 +71,7 @@ class KimiDeltaAttentionMixer(nn.Module):
         self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
         self.g_a_proj = nn.Linear(hidden_size, head_dim, bias=False)
         self.g_b_proj = nn.Linear(head_dim, inner, bias=False)
-        self.o_norm = nn.Module()
-        self.o_norm.weight = nn.Parameter(torch.ones(head_dim))
+        self.o_norm = SigmoidGatedRMSNorm(head_dim, eps)
         self.o_proj = nn.Linear(inner, hidden_size, bias=False)
 
     def cache_spec(self, dtype: torch.dtype) -> RecurrentSpec:
@@ -66,12 +79,6 @@ class KimiDeltaAttentionMixer(nn.Module):
         return RecurrentSpec(conv_shape=(self.conv_dim, self.conv_kernel - 1),
                              state_shape=(self.num_heads, self.head_dim, self.head_dim), dtype=dtype,
                              state_dtype=None if dtype == torch.float32 else torch.float32)
-
-    def _gated_norm(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """o, gate [T, H, K] -> RMS-normed per head, times the fp32 weight and sigmoid(gate)."""
-        h = o.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.o_norm.weight.float() * h * torch.sigmoid(gate.float())).to(o.dtype)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor,
                 state: torch.Tensor, split: SlotSplit | None = None) -> torch.Tensor:
@@ -108,5 +115,5 @@ class KimiDeltaAttentionMixer(nn.Module):
 
         core = split.run(packed, decode=decode, prefill=prefill)  # [T, H, K]
         gate = self.g_b_proj(self.g_a_proj(hidden)).view(T, H, K)
-        out = self._gated_norm(core.to(hidden.dtype), gate)
+        out = self.o_norm(core.to(hidden.dtype), gate)
         return self.o_proj(out.reshape(T, H * K))
