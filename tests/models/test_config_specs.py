@@ -62,3 +62,31 @@ def test_pure_recurrent_defaults_hand_computed():
     assert len(m2) == 64
     assert set(m2.values()) == {RecurrentSpec((8192 + 2 * 8 * 128, 3), (128, 64, 128), torch.bfloat16)}
     assert state_bytes_per_slot(m2) == 64 * (10240 * 3 + 128 * 64 * 128) * 2  # 131.75 MiB per request
+
+
+def test_new_published_configs_hand_computed():
+    """examples/configs for RecurrentGemma-2B, LFM2-8B-A1B and Zamba-7B-v1 (bf16), sizes by hand."""
+    from pathlib import Path
+
+    from hybridkv.config_specs import load_specs
+    from hybridkv.contiguous import bytes_per_request
+    from hybridkv.plan import kv_bytes_per_token
+
+    configs = Path(__file__).resolve().parents[2] / "examples" / "configs"
+    rg = load_specs(configs / "recurrentgemma-2b.json")
+    windowed = [i for i, s in rg.items() if isinstance(s, AttentionSpec)]
+    assert windowed == list(range(2, 26, 3)) and {rg[i].sliding_window for i in windowed} == {2048}
+    assert kv_bytes_per_token(rg) == 8 * 2 * 1 * 256 * 2  # MQA, head_dim 2560 / 10
+    lru = RecurrentSpec((2560, 3), (2560,), torch.bfloat16, torch.float32)
+    assert state_bytes_per_slot(rg) == 18 * (2560 * 3 * 2 + 2560 * 4) == 18 * lru.bytes_per_slot()
+    assert bytes_per_request(rg, 4096) == bytes_per_request(rg, 32768)  # only the window is held
+
+    lfm = load_specs(configs / "lfm2-8b-a1b.json")
+    assert sorted(i for i, s in lfm.items() if isinstance(s, AttentionSpec)) == [2, 6, 10, 14, 18, 21]
+    assert kv_bytes_per_token(lfm) == 6 * 2 * 8 * 64 * 2 and state_bytes_per_slot(lfm) == 18 * 2048 * 2 * 2
+
+    zamba = load_specs(configs / "zamba-7b-v1.json")
+    hybrid = sorted(k - 76 for k in zamba if k >= 76)  # attention use sites, keyed 76 + layer
+    assert hybrid == [2] + [i for i in range(3, 76) if (i - 3) % 6 == 4] and len(hybrid) == 13
+    assert kv_bytes_per_token(zamba) == 13 * 2 * 16 * 464 * 2  # heads of 2H / 16 = 464
+    assert state_bytes_per_slot(zamba) == 76 * (7424 * 3 * 2 + 2 * 3712 * 16 * 2)
