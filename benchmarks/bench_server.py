@@ -39,9 +39,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(path: str, port: int) -> subprocess.Popen:
+def start_server(path: str, port: int, device: str = "cpu") -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "hybridkv", "serve", path, "--port", str(port),
-                             "--served-model-name", "m", "--memory-budget-mb", "128", "--max-num-seqs", "64",
+                             "--device", device, "--served-model-name", "m", "--memory-budget-mb", "128", "--max-num-seqs", "64",
                              "--log-level", "warning"], cwd=ROOT, stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -98,14 +98,14 @@ async def level(url: str, c: int, num: int, vocab: int, rng: random.Random) -> d
             "itl_p50_ms": 1e3 * statistics.median(itl), "itl_p99_ms": 1e3 * q(itl, 0.99)}
 
 
-def bench(family: str, levels: list[int], min_requests: int) -> list[dict]:
+def bench(family: str, levels: list[int], min_requests: int, device: str = "cpu") -> list[dict]:
     from hybridkv.models.tiny import make_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as d:
         path = make_tiny_checkpoint(family, d)
         vocab = json.loads((path / "config.json").read_text())["vocab_size"]
         port = _free_port()
-        proc = start_server(str(path), port)
+        proc = start_server(str(path), port, device)
         try:
             rng = random.Random(0)
             out = []
@@ -144,11 +144,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="concurrency 1 and 4, 8 requests each (a smoke run)")
     ap.add_argument("--models", default="bamba,llama")
+    ap.add_argument("--device", default="cpu", help="the server's --device (the BENCHMARKS.md table: cpu)")
     ap.add_argument("--plot", default=str(ROOT / "benchmarks" / "figures" / "server_latency.png"))
     args = ap.parse_args(argv)
     levels, min_req = ([1, 4], 8) if args.quick else ([1, 8, 32, 64], 16)
-    print(f"machine: {platform.machine()}, {platform.processor() or '?'}; python {platform.python_version()}")
-    rows = [r for family in args.models.split(",") for r in bench(family, levels, min_req)]
+    print(f"machine: {platform.machine()}, {platform.processor() or '?'}; python {platform.python_version()}; "
+          f"server device {args.device}")
+    rows = [r for family in args.models.split(",") for r in bench(family, levels, min_req, args.device)]
     if args.plot:
         plot(rows, Path(args.plot))
         print(f"plot: {args.plot}")
