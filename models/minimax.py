@@ -45,6 +45,24 @@ def tiny_config(**overrides):
     return MiniMaxConfig(**kw)
 
 
+def _check_options(config) -> None:
+    """Refuse options transformers' MiniMax ignores, where a checkpoint trained with them would run
+    wrongly here too: partial rotary (`rotary_dim` < head_dim, or a partial_rotary_factor; the
+    model rotates every head dim) and pre-norm residuals (`postnorm: false`; the residual here is
+    always taken after the norm)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rotary_dim = getattr(config, "rotary_dim", None)
+    partial = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+    if rotary_dim not in (None, head_dim) or partial != 1.0:
+        raise ValueError(f"config sets rotary_dim={rotary_dim} / partial_rotary_factor={partial} with "
+                         f"head_dim={head_dim}: partial rotary is not supported (transformers' MiniMax "
+                         f"rotates all {head_dim} dims, so a checkpoint trained otherwise would run "
+                         f"wrongly); use a config whose rotary covers the whole head")
+    if getattr(config, "postnorm", True) is not True:
+        raise ValueError(f"config sets postnorm={config.postnorm!r}: only the post-norm residual "
+                         f"(postnorm: true, transformers' MiniMax) is supported")
+
+
 class MiniMaxDecoderLayer(HybridDecoderLayer):
     """`self_attn` is a PagedAttention or, on linear-attention layers, a LightningAttentionMixer
     (the checkpoint names both `self_attn`); `mlp` is the MoE (`block_sparse_moe` as published)."""
@@ -106,6 +124,7 @@ class MiniMaxModel(HybridModel):
     architecture = ARCHITECTURE
 
     def __init__(self, config):
+        _check_options(config)
         super().__init__(config)
         self.model = _MiniMaxBody(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

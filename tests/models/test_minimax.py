@@ -51,6 +51,17 @@ def test_unknown_layer_type_is_refused():
         specs_from_config(cfg, torch.float32)
 
 
+@pytest.mark.parametrize("option", [dict(rotary_dim=8), dict(postnorm=False),
+                                    dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                          "partial_rotary_factor": 0.5})])
+def test_options_transformers_ignores_are_refused(option):
+    """Partial rotary and pre-norm residuals: transformers' MiniMax ignores them, so a checkpoint
+    trained with them would run wrongly; loading refuses it, naming the option."""
+    name = "postnorm" if "postnorm" in option else "rotary_dim"
+    with pytest.raises(ValueError, match=name):
+        MiniMaxModel(tiny_config(**option))
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_engine_under_memory_pressure(mode, family_models):
     """6 KV blocks and 3 live slots for 6 ragged prompts: requests are preempted (KV blocks and
