@@ -138,3 +138,43 @@ def test_seeded_penalized_request_ignores_its_batch(bamba):
     outs = crowd.generate(others + [prompt], [SamplingParams(temperature=1.0, max_tokens=8)] * 5 + [p],
                           use_tqdm=False)
     assert outs[-1].outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def test_penalized_seeded_request_migrates_through_bytes_unchanged(bamba):
+    from hybridkv.scheduler.snapshot_io import snapshot_from_bytes, snapshot_to_bytes
+
+    p = SamplingParams(temperature=0.8, seed=9, max_tokens=10, ignore_eos=True, logit_bias={40: 2.0},
+                       repetition_penalty=1.4, frequency_penalty=0.5, min_tokens=3, logprobs=1)
+    prompt = list(range(4, 30))
+    want = LLM(bamba[0], memory_budget_bytes=16 << 20).generate([prompt], p, use_tqdm=False)[0].outputs[0]
+    src, dst = (LLM(bamba[0], memory_budget_bytes=16 << 20, max_num_batched_tokens=16) for _ in range(2))
+    rid = src.add_request(prompt, p)
+    for _ in range(4):  # two prefill chunks, then decodes
+        src.step()
+    dst.import_request(snapshot_from_bytes(snapshot_to_bytes(src.export_request(rid))))
+    got = {}
+    while dst.has_unfinished_requests():
+        got.update({o.request_id: o for o in dst.step() if o.finished})
+    out = got[rid].outputs[0]
+    assert out.token_ids == want.token_ids
+    assert [sorted(d) for d in out.logprobs] == [sorted(d) for d in want.logprobs]
+    for d, w in zip(out.logprobs, want.logprobs):
+        assert all(d[t].logprob == pytest.approx(w[t].logprob, abs=1e-5) and d[t].rank == w[t].rank for t in w)
+    assert all(v.rank >= 1 for d in out.logprobs for v in d.values())
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(presence_penalty=2.5), ValueError, r"presence_penalty must be in \[-2, 2\], got 2.5"),
+    (dict(frequency_penalty=float("nan")), ValueError, "frequency_penalty must be finite"),
+    (dict(repetition_penalty=0), ValueError, r"repetition_penalty must be > 0 \(1 is off\), got 0.0"),
+    (dict(min_p=-0.1), ValueError, r"min_p must be in \[0, 1\], got -0.1"),
+    (dict(min_tokens=20, max_tokens=10), ValueError, r"min_tokens must be <= max_tokens \(10\), got 20"),
+    (dict(min_tokens=1.0), TypeError, "min_tokens must be an integer, got 1.0"),
+    (dict(logit_bias=[1, 2]), TypeError, "logit_bias must be a dict"),
+    (dict(logit_bias={-1: 1.0}), ValueError, "logit_bias token id must be an integer >= 0, got -1"),
+    (dict(logit_bias={3: 150}), ValueError, r"logit_bias\[3\] must be in \[-100, 100\], got 150.0"),
+    (dict(prompt_logprobs=21), ValueError, r"prompt_logprobs must be an integer in \[0, 20\], got 21"),
+])
+def test_new_sampling_params_refuse_junk_naming_the_value(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        SamplingParams(**kwargs)
