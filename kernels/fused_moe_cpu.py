@@ -27,10 +27,11 @@ def _grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> tor
                       for e, (start, stop) in enumerate(zip([0] + stops[:-1], stops)) if stop > start])
 
 
-def fused_moe_torch(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation: str = "silu"):
-    """Same contract as `fused_moe_ref`: hidden [T, H], w_gate_up [E, 2I, H], w_down [E, H, I],
-    topk_weights / topk_ids [T, k] -> [T, H] in hidden's dtype."""
-    check_fused_moe_inputs(hidden, w_gate_up, w_down, topk_weights, topk_ids)
+def fused_moe_torch(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation: str = "silu",
+                    gated: bool = True):
+    """Same contract as `fused_moe_ref`: hidden [T, H], w_gate_up [E, 2I, H] ([E, I, H] when not
+    gated), w_down [E, H, I], topk_weights / topk_ids [T, k] -> [T, H] in hidden's dtype."""
+    check_fused_moe_inputs(hidden, w_gate_up, w_down, topk_weights, topk_ids, gated)
     if not hidden.is_cuda:  # free on CPU; on a GPU it would be a host sync
         check_expert_ids(topk_ids, w_gate_up.shape[0])
     T, H = hidden.shape
@@ -42,8 +43,13 @@ def fused_moe_torch(hidden, w_gate_up, w_down, topk_weights, topk_ids, activatio
     order = flat.argsort(stable=True)
     ends = expert_counts(topk_ids, w_gate_up.shape[0]).cumsum(0).to(torch.int32)
     x = hidden[order // k]
-    gate, up = _grouped_linear(x, w_gate_up, ends).chunk(2, dim=-1)
-    y = _grouped_linear(act(gate) * up, w_down, ends)
+    inner = _grouped_linear(x, w_gate_up, ends)
+    if gated:
+        gate, up = inner.chunk(2, dim=-1)
+        inner = act(gate) * up
+    else:
+        inner = act(inner)
+    y = _grouped_linear(inner, w_down, ends)
     y = y * topk_weights.reshape(-1)[order].to(y.dtype)[:, None]
     per_pair = torch.empty_like(y)
     per_pair.index_copy_(0, order, y)

@@ -3,7 +3,8 @@
 The layout of vLLM's / SGLang's fused_moe: pairs sorted by expert and padded to BLOCK_M per expert
 (moe_sort.sort_by_expert), one program per (block of pairs, N tile), the block's expert read from
 `block_expert`. Two launches: gate_up with silu-and-mul fused (two accumulators, the gate and the
-up rows of the same N tile), then down with the routing weight applied. Each pair's row is written
+up rows of the same N tile; or up alone with relu2 for ungated experts), then down with the
+routing weight applied. Each pair's row is written
 once, so the k rows of a token are summed afterwards without atomics (deterministic).
 No host sync: grid sizes follow from shapes; programs past `num_padded` return at once.
 """
@@ -18,7 +19,7 @@ import triton.language as tl
 from .fused_moe_ref import check_fused_moe_inputs
 from .moe_sort import sort_by_expert
 
-ACTIVATIONS = ("silu",)
+ACTIVATIONS = {"silu": 0, "relu2": 1}  # name -> the kernel's ACT
 
 
 @triton.jit
@@ -26,11 +27,12 @@ def _grouped_gemm_kernel(
     a_ptr, b_ptr, c_ptr, weight_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
     N, K, num_pairs,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
-    PAIRS_PER_A_ROW: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    PAIRS_PER_A_ROW: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """c[pair, n] = sum_k a[pair // PAIRS_PER_A_ROW, k] * b[expert, n, k] (GATED: silu(gate) * up,
-    the up row at n + N), times weight[pair] when MUL_WEIGHT."""
+    """c[pair, n] = sum_k a[pair // PAIRS_PER_A_ROW, k] * b[expert, n, k], then by ACT (-1: none,
+    0: silu, 1: relu2) act(c), times the up row's (at n + N) sum when GATED, times weight[pair]
+    when MUL_WEIGHT."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -58,8 +60,13 @@ def _grouped_gemm_kernel(
             b_up = tl.load(b_base + (offs_n[None, :] + N) * stride_bn + offs_k[:, None] * stride_bk,
                            mask=b_mask, other=0.0)
             acc_up += tl.dot(a, b_up, input_precision="ieee")
+    if ACT == 0:
+        acc = acc / (1.0 + tl.exp(-acc))
+    elif ACT == 1:
+        acc = tl.maximum(acc, 0.0)
+        acc = acc * acc
     if GATED:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        acc = acc * acc_up
     if MUL_WEIGHT:
         w = tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
         acc = acc * w[:, None]
@@ -72,7 +79,7 @@ def block_m_for(num_pairs: int, num_experts: int) -> int:
     return 16 if num_pairs <= 4 * num_experts else 64
 
 
-def _launch(a, b, c, weight, blocks, n, k, pairs_per_a_row, gated, mul_weight):
+def _launch(a, b, c, weight, blocks, n, k, pairs_per_a_row, act, gated, mul_weight):
     block_n = min(64, max(16, triton.next_power_of_2(n)))
     block_k = min(64 if a.element_size() <= 2 else 32, max(16, triton.next_power_of_2(k)))
     grid = (blocks.block_expert.numel(), triton.cdiv(n, block_n))
@@ -80,24 +87,26 @@ def _launch(a, b, c, weight, blocks, n, k, pairs_per_a_row, gated, mul_weight):
         a, b, c, weight, blocks.sorted_pairs, blocks.block_expert, blocks.num_padded,
         n, k, blocks.num_pairs,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
-        PAIRS_PER_A_ROW=pairs_per_a_row, GATED=gated, MUL_WEIGHT=mul_weight,
+        PAIRS_PER_A_ROW=pairs_per_a_row, ACT=act, GATED=gated, MUL_WEIGHT=mul_weight,
         BLOCK_M=blocks.block, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
     )
 
 
-def fused_moe_triton(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation: str = "silu"):
-    """Triton version of `fused_moe_ref` (fp16 / bf16 / fp32): hidden [T, H], w_gate_up [E, 2I, H],
-    w_down [E, H, I], topk_weights / topk_ids [T, k] -> [T, H] in hidden's dtype. Expert ids are
-    trusted (they come from a top-k; checking them would be a host sync)."""
-    check_fused_moe_inputs(hidden, w_gate_up, w_down, topk_weights, topk_ids)
+def fused_moe_triton(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation: str = "silu",
+                     gated: bool = True):
+    """Triton version of `fused_moe_ref` (fp16 / bf16 / fp32): hidden [T, H], w_gate_up [E, 2I, H]
+    ([E, I, H] when not gated), w_down [E, H, I], topk_weights / topk_ids [T, k] -> [T, H] in
+    hidden's dtype. Expert ids are trusted (they come from a top-k; checking them would be a host
+    sync)."""
+    check_fused_moe_inputs(hidden, w_gate_up, w_down, topk_weights, topk_ids, gated)
     if activation not in ACTIVATIONS:
-        raise ValueError(f"activation={activation!r}; the Triton fused MoE supports {ACTIVATIONS} "
-                         f"(HYBRIDKV_BACKEND=torch runs any)")
+        raise ValueError(f"activation={activation!r}; the Triton fused MoE supports "
+                         f"{sorted(ACTIVATIONS)} (HYBRIDKV_BACKEND=torch runs any)")
     if not (hidden.dtype == w_gate_up.dtype == w_down.dtype):
         raise ValueError(f"hidden, w_gate_up and w_down must share a dtype; got {hidden.dtype}, "
                          f"{w_gate_up.dtype}, {w_down.dtype}")
     T, H = hidden.shape
-    E, I, k = w_gate_up.shape[0], w_gate_up.shape[1] // 2, topk_ids.shape[1]
+    E, I, k = w_gate_up.shape[0], w_down.shape[2], topk_ids.shape[1]
     if T == 0:
         return hidden.new_zeros(0, H)
     blocks = sort_by_expert(topk_ids, E, block_m_for(T * k, E))
@@ -106,8 +115,9 @@ def fused_moe_triton(hidden, w_gate_up, w_down, topk_weights, topk_ids, activati
     out = torch.empty(T * k, H, dtype=hidden.dtype, device=hidden.device)
     guard = torch.cuda.device(hidden.device) if hidden.is_cuda else contextlib.nullcontext()
     with guard:
-        _launch(hidden, w_gate_up, inner, weights, blocks, I, H, k, gated=True, mul_weight=False)
-        _launch(inner, w_down, out, weights, blocks, H, I, 1, gated=False, mul_weight=True)
+        _launch(hidden, w_gate_up, inner, weights, blocks, I, H, k, ACTIVATIONS[activation],
+                gated=gated, mul_weight=False)
+        _launch(inner, w_down, out, weights, blocks, H, I, 1, -1, gated=False, mul_weight=True)
     if k == 1:
         return out
     return out.view(T, k, H).sum(dim=1, dtype=torch.float32).to(hidden.dtype)

@@ -3,6 +3,8 @@
 Expert weights are stacked as transformers keeps them in memory: `w_gate_up [E, 2I, H]` (the gate
 rows, then the up rows) and `w_down [E, H, I]`. Token t goes to experts `topk_ids[t, :]` with
 weights `topk_weights[t, :]`; its output is sum_j w[t, j] * down_e(act(gate_e x) * up_e x).
+With `gated=False` (Nemotron-H's relu2 experts) `w_gate_up` is the up rows alone, [E, I, H], and an
+expert computes down_e(act(up_e x)).
 """
 from __future__ import annotations
 
@@ -22,15 +24,16 @@ def activation_fn(name: str):
     return ACT2FN[name]
 
 
-def check_fused_moe_inputs(hidden, w_gate_up, w_down, topk_weights, topk_ids) -> None:
+def check_fused_moe_inputs(hidden, w_gate_up, w_down, topk_weights, topk_ids, gated=True) -> None:
     """Shapes and dtypes only (no host sync); ValueError naming the value and what was expected."""
     if hidden.dim() != 2:
         raise ValueError(f"hidden has shape {tuple(hidden.shape)}; expected [tokens, hidden_size]")
     T, H = hidden.shape
-    if w_gate_up.dim() != 3 or w_gate_up.shape[2] != H or w_gate_up.shape[1] % 2:
-        raise ValueError(f"w_gate_up has shape {tuple(w_gate_up.shape)}; expected [experts, 2 * "
-                         f"intermediate, hidden_size={H}]")
-    E, I = w_gate_up.shape[0], w_gate_up.shape[1] // 2
+    rows = 2 if gated else 1
+    if w_gate_up.dim() != 3 or w_gate_up.shape[2] != H or w_gate_up.shape[1] % rows:
+        raise ValueError(f"w_gate_up has shape {tuple(w_gate_up.shape)}; expected [experts, "
+                         f"{'2 * ' if gated else ''}intermediate, hidden_size={H}]")
+    E, I = w_gate_up.shape[0], w_gate_up.shape[1] // rows
     if tuple(w_down.shape) != (E, H, I):
         raise ValueError(f"w_down has shape {tuple(w_down.shape)}; expected (experts, hidden_size, "
                          f"intermediate) = {(E, H, I)}")
@@ -54,15 +57,20 @@ def check_expert_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
                          f"[0, {num_experts})")
 
 
-def fused_moe_ref(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation: str = "silu"):
-    """hidden [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], topk_weights [T, k], topk_ids [T, k]
-    -> [T, H] in hidden's dtype. Every expert runs on every token in float32 (slow, obviously right)."""
-    check_fused_moe_inputs(hidden, w_gate_up, w_down, topk_weights, topk_ids)
+def fused_moe_ref(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation: str = "silu",
+                  gated: bool = True):
+    """hidden [T, H], w_gate_up [E, 2I, H] ([E, I, H] when not gated), w_down [E, H, I],
+    topk_weights [T, k], topk_ids [T, k] -> [T, H] in hidden's dtype. Every expert runs on every
+    token in float32 (slow, obviously right)."""
+    check_fused_moe_inputs(hidden, w_gate_up, w_down, topk_weights, topk_ids, gated)
     check_expert_ids(topk_ids, w_gate_up.shape[0])
     act = activation_fn(activation)
     x = hidden.float()
-    gate, up = w_gate_up.float().chunk(2, dim=1)                                  # [E, I, H] each
-    inner = act(torch.einsum("th,eih->eti", x, gate)) * torch.einsum("th,eih->eti", x, up)
+    if gated:
+        gate, up = w_gate_up.float().chunk(2, dim=1)                              # [E, I, H] each
+        inner = act(torch.einsum("th,eih->eti", x, gate)) * torch.einsum("th,eih->eti", x, up)
+    else:
+        inner = act(torch.einsum("th,eih->eti", x, w_gate_up.float()))
     every = torch.einsum("eti,ehi->eth", inner, w_down.float())                    # [E, T, H]
     rows = torch.arange(hidden.shape[0], device=hidden.device)[:, None]
     picked = every[topk_ids.long(), rows]                                          # [T, k, H]

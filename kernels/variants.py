@@ -175,8 +175,10 @@ def fused_moe_inputs(dims, dtype, device, gen):
     t, e, k, i, h = dims["tokens"], dims["experts"], dims["top_k"], dims["inter"], 256
     logits = torch.randn(t, e, generator=gen, device=device)
     weights, ids = torch.topk(logits.softmax(-1), k)
-    return (_randn(gen, device, dtype, t, h), _randn(gen, device, dtype, e, 2 * i, h),
-            _randn(gen, device, dtype, e, h, i), weights.to(dtype), ids), {}
+    rows = 2 * i if dims["gated"] else i  # gated: silu(gate) * up; not: relu2(up) (Nemotron-H)
+    kwargs = {} if dims["gated"] else {"activation": "relu2", "gated": False}
+    return (_randn(gen, device, dtype, t, h), _randn(gen, device, dtype, e, rows, h),
+            _randn(gen, device, dtype, e, h, i), weights.to(dtype), ids), kwargs
 
 
 INPUTS: dict[str, Callable] = {  # public op -> (dims, dtype, device, gen) -> (args, kwargs)
@@ -246,7 +248,8 @@ ENGINE_KERNELS = [
            "chunk_size": (64,), "state_dtype": ("float32", "same")},
           edges=({"k_dim": 256, "v_dim": 256},)),
     Entry("fused_moe", "fused_moe_kernel", "fused_moe_triton",  # tokens 1: BLOCK_M 16; 64: BLOCK_M 64
-          {"tokens": (64, 1), "experts": (8, 64), "top_k": (2, 8), "inter": (128, 96)}),
+          {"tokens": (64, 1), "experts": (8, 64), "top_k": (2, 8), "inter": (128, 96),
+           "gated": (True, False)}),
 ]
 
 

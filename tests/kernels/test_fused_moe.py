@@ -10,9 +10,9 @@ from hybridkv.kernels.moe_sort import expert_counts, sort_by_expert
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
 
 
-def _inputs(gen, T, E, k, H=24, I=40, dtype=torch.float32):
+def _inputs(gen, T, E, k, H=24, I=40, dtype=torch.float32, gated=True):
     x = torch.randn(T, H, generator=gen)
-    w_gate_up = torch.randn(E, 2 * I, H, generator=gen) * 0.3
+    w_gate_up = torch.randn(E, (2 if gated else 1) * I, H, generator=gen) * 0.3
     w_down = torch.randn(E, H, I, generator=gen) * 0.3
     weights, ids = torch.topk(torch.randn(T, E, generator=gen).softmax(-1), k)
     return x.to(dtype), w_gate_up.to(dtype), w_down.to(dtype), weights.to(dtype), ids
@@ -56,6 +56,24 @@ def test_no_tokens_gives_an_empty_output():
     x, w1, w2, w, ids = _inputs(torch.Generator().manual_seed(2), 0, 4, 2)
     for fn in (fused_moe_ref, fused_moe_torch, fused_moe_triton):
         assert fn(x, w1, w2, w, ids).shape == (0, 24)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T,E,k", [(1, 8, 2), (29, 8, 2)])
+def test_ungated_relu2_experts_match_reference(T, E, k, dtype):
+    """Nemotron-H's experts: down(relu(up x)^2), no gate rows."""
+    from hybridkv.kernels.fused_moe_kernel import fused_moe_triton
+
+    inp = _inputs(torch.Generator().manual_seed(T + 5), T, E, k, dtype=dtype, gated=False)
+    want = fused_moe_ref(*inp, activation="relu2", gated=False)
+    x, w_up = inp[0].float(), inp[1].float()
+    ids = inp[4]
+    by_hand = sum(inp[3][:, j, None].float() * torch.einsum(
+        "ti,thi->th", torch.relu(torch.einsum("th,tih->ti", x, w_up[ids[:, j]])) ** 2,
+        inp[2].float()[ids[:, j]]) for j in range(k))
+    assert _rel(want, by_hand) < TOL[dtype]
+    assert _rel(fused_moe_torch(*inp, activation="relu2", gated=False), want) < TOL[dtype]
+    assert _rel(fused_moe_triton(*inp, activation="relu2", gated=False), want) < TOL[dtype]
 
 
 def test_triton_kernel_odd_sizes_and_strided_hidden():
