@@ -98,3 +98,16 @@ def test_serve_refuses_a_missing_checkpoint_with_a_message(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "hybridkv", "serve", str(tmp_path / "nope"), "--port", "1"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_serve_names_a_model_id_missing_from_the_offline_cache(tmp_path):
+    import os
+
+    env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
+    env.pop("HF_HUB_CACHE", None)
+    proc = subprocess.run([sys.executable, "-m", "hybridkv", "serve", "some-org/absent-model", "--port", "1"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    where = str(tmp_path / "hf" / "hub" / "models--some-org--absent-model")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "'some-org/absent-model' is neither a checkpoint directory nor a model id" in proc.stderr
+    assert where in proc.stderr and "never downloads" in proc.stderr
