@@ -101,6 +101,16 @@ def test_moe_block_matches_transformers(name, tokens):
     torch.testing.assert_close(ours(x.view(-1, H)), hf(x).view(-1, H), rtol=1e-5, atol=2e-5)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["qwen3_next", "granitemoehybrid"])
+def test_moe_block_on_the_triton_path_matches_transformers(name, monkeypatch):
+    """The block as the GPU runs it: the Triton fused MoE (interpreted on CPU)."""
+    monkeypatch.setenv("HYBRIDKV_BACKEND", "triton")
+    hf, ours, _ = _pair(name, seed=6)
+    x = torch.randn(1, 13, H, generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(ours(x.view(-1, H)), hf(x).view(-1, H), rtol=1e-5, atol=2e-5)
+
+
 def _nemotron_config():
     return NemotronHConfig(hidden_size=H, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
                            topk_group=2, moe_intermediate_size=12,
