@@ -17,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hybridkv.cache_manager import HybridCacheManager
+from hybridkv.chat_template import Conversation, chat_prompt_ids
 from hybridkv.cpu_threads import configure_cpu_threads
 from hybridkv.outputs import RequestOutput
 from hybridkv.sampling_params import SamplingParams
@@ -32,7 +33,6 @@ from hybridkv.snapshot import RequestSnapshot
 # (optionally with "cache_salt", and "prompt" beside the ids as the text they came from).
 Prompt = Union[str, Sequence[int], Mapping[str, object]]
 # A chat: [{"role": ..., "content": ...}, ...]
-Conversation = Sequence[Mapping[str, Any]]
 log = logging.getLogger("hybridkv.llm")
 _CPU_DEFAULT_BUDGET = 1 << 30
 _PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
@@ -252,32 +252,12 @@ class LLM:
                         add_generation_prompt: bool = True, continue_final_message: bool = False,
                         chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
         """One conversation -> prompt token ids [L] through the chat template (see `chat`)."""
-        tok = self.tokenizer
-        if tok is None:
-            raise ValueError(f"{self.model_path} has no tokenizer, so it cannot format a chat: pass "
-                             "token ids to generate()")
-        if chat_template is None and not getattr(tok, "chat_template", None):
-            raise ValueError(f"{self.model_path}'s tokenizer has no chat template (no 'chat_template' in "
-                             "tokenizer_config.json, no chat_template.jinja): pass chat_template=..., "
-                             "or format the prompt yourself and call generate()")
-        if not isinstance(conversation, Sequence) or isinstance(conversation, (str, bytes)) or not all(
-                isinstance(m, Mapping) for m in conversation):
-            raise TypeError(f"a conversation must be a list of {{'role': ..., 'content': ...}} dicts, got "
-                            f"{conversation!r:.80}")
-        if add_generation_prompt and continue_final_message:
-            raise ValueError("add_generation_prompt and continue_final_message cannot both be True: "
-                             "the first starts a new assistant turn, the second continues the last one")
-        try:
-            out = tok.apply_chat_template([dict(m) for m in conversation], chat_template=chat_template,
-                                          add_generation_prompt=add_generation_prompt,
-                                          continue_final_message=continue_final_message, tokenize=True,
-                                          **(chat_template_kwargs or {}))
-        except Exception as e:  # the template refused these messages (roles out of order, ...)
-            raise ValueError(f"the chat template rejected the conversation {conversation!r:.120}: {e}") from None
-        ids = out["input_ids"] if isinstance(out, Mapping) or hasattr(out, "keys") else out
-        if ids and isinstance(ids[0], list):  # a batch of one
-            ids = ids[0]
-        return [int(t) for t in ids]
+        return chat_prompt_ids(self.tokenizer, conversation, where=str(self.model_path),
+                               instead="pass chat_template=..., or format the prompt yourself and "
+                                       "pass token ids to generate()",
+                               chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message,
+                               chat_template_kwargs=chat_template_kwargs)
 
     # ---- batch generation ------------------------------------------------------------------
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
