@@ -53,4 +53,6 @@ def fused_moe_torch(hidden, w_gate_up, w_down, topk_weights, topk_ids, activatio
     y = y * topk_weights.reshape(-1)[order].to(y.dtype)[:, None]
     per_pair = torch.empty_like(y)
     per_pair.index_copy_(0, order, y)
-    return per_pair.view(T, k, H).sum(dim=1) if k > 1 else per_pair
+    if k == 1:
+        return per_pair
+    return per_pair.view(T, k, H).sum(dim=1, dtype=torch.float32).to(hidden.dtype)  # as the kernel
