@@ -179,8 +179,8 @@ def test_bad_completion_requests_are_400_then_service_goes_on(chat_server, chang
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and all(w in err["message"] for w in words), err
-    ok = httpx.post(chat_server.url + "/v1/completions", headers=AUTH,
-                    json={"model": "tiny-chat", "prompt": [5, 6, 7], "max_tokens": 2})
+    ok = httpx.post(chat_server.url + "/v1/completions", headers=AUTH,  # no EOS: exactly 2 tokens
+                    json={"model": "tiny-chat", "prompt": [5, 6, 7], "max_tokens": 2, "ignore_eos": True})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
