@@ -23,22 +23,26 @@ def _pick(t, ref, triton_name, module):
 
 
 def paged_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale, causal=True,
-                    sliding_window=None, soft_cap=None, max_query_len=None, max_seq_len=None):
-    """q [T, Hq, D], kv_cache [num_blocks, 2, bs, Hkv, D] -> out [T, Hq, D]; see attention_ref."""
+                    sliding_window=None, soft_cap=None, max_query_len=None, max_seq_len=None,
+                    plan_cache=None):
+    """q [T, Hq, D], kv_cache [num_blocks, 2, bs, Hkv, D] -> out [T, Hq, D]; see attention_ref.
+    plan_cache: a per-step dict (ForwardBatch.kernel_plans) the CPU path keeps its step plan in."""
     from .attention_cpu import paged_attention_cpu  # batched torch path; attention_ref is the spec
 
     fn = _pick(q, paged_attention_cpu, "paged_attention_triton", "paged_attention_kernel")
+    kw = {"plan_cache": plan_cache} if fn is paged_attention_cpu else {}
     return fn(q, kv_cache, query_start_loc, seq_lens, block_table, scale, causal=causal,
               sliding_window=sliding_window, soft_cap=soft_cap, max_query_len=max_query_len,
-              max_seq_len=max_seq_len)
+              max_seq_len=max_seq_len, **kw)
 
 
-def write_kv(k, v, kv_cache, slot_mapping):
+def write_kv(k, v, kv_cache, slot_mapping, plan_cache=None):
     """k, v [T, Hkv, D] into kv_cache at flat slots `slot_mapping [T]` (-1 skipped)."""
-    from .attention_ref import write_kv_ref
+    from .write_kv_cpu import write_kv_cpu  # one indexed write; attention_ref.write_kv_ref is the spec
 
-    fn = _pick(k, write_kv_ref, "write_kv_triton", "write_kv_kernel")
-    return fn(k, v, kv_cache, slot_mapping)
+    fn = _pick(k, write_kv_cpu, "write_kv_triton", "write_kv_kernel")
+    return fn(k, v, kv_cache, slot_mapping, plan_cache) if fn is write_kv_cpu else \
+        fn(k, v, kv_cache, slot_mapping)
 
 
 def causal_conv1d(x, conv_state, weight, bias, query_start_loc, slot_idx, has_initial_state,

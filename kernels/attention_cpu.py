@@ -13,6 +13,9 @@ Checked against the reference in tests/kernels/test_attention_cpu.py.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -43,21 +46,6 @@ def decode_buckets(nblocks: list[int], waste: float = 2.0) -> list[list[int]]:
     return buckets + [cur] if cur else buckets
 
 
-def _gather_kv(kv_cache, block_table, rows, first, nblk):
-    """K, V [Hkv, R, nblk * bs, D] fp32: blocks first[r] .. first[r] + nblk - 1 of each row,
-    gathered with one index_select of whole blocks from the pool viewed as
-    [2, Hkv, blocks, bs, D]."""
-    cols = first.view(-1, 1) + torch.arange(nblk, device=first.device)
-    cols = cols.clamp_(max=block_table.shape[1] - 1)  # past a short row's end: masked keys
-    # unused entries may hold any id (even -1): clamp into the pool, their keys are masked
-    blocks = block_table[rows.view(-1, 1), cols].long().clamp_(0, kv_cache.shape[0] - 1)
-    _, _, bs, hkv, d = kv_cache.shape
-    kv = kv_cache.permute(1, 3, 0, 2, 4).index_select(2, blocks.view(-1))  # [2, Hkv, R*nblk, bs, D]
-    kv = kv.view(2, hkv, rows.shape[0], nblk * bs, d)
-    kv = kv if kv.dtype == torch.float32 else kv.float()
-    return kv[0], kv[1]
-
-
 def _visible(pos, key, seq_len, causal, sliding_window):
     """bool mask [.., L, S]: key j visible to the query at absolute position p."""
     vis = key < seq_len
@@ -68,77 +56,75 @@ def _visible(pos, key, seq_len, causal, sliding_window):
     return vis
 
 
-def _batched(q, kv_cache, block_table, reqs, starts, qlens, lens, scale, causal, window, soft_cap):
-    """Requests `reqs` (queries padded to the longest, Lmax) at once: [R, Lmax, Hq, D] fp32."""
-    bs, hkv = kv_cache.shape[2], kv_cache.shape[3]
-    _, hq, d = q.shape
-    g, r_n, lmax = hq // hkv, len(reqs), max(qlens)
+@dataclass
+class _Group:
+    """What a batched attention call over requests `reqs` needs besides q and the pool, built once
+    per step (see `attention_plan`) and shared by every layer with the same pool geometry.
+
+    rows: [R*Lmax] query rows (padding points at row 0); out_rows: [n] rows written back and
+    keep: [n] their positions in the flat (request, query) output, or None when all are kept;
+    blocks: [R*nblk] pool blocks to gather; hidden: [R, Lmax, S] masked keys or None; tail:
+    flat (request, key) indices whose V rows are zeroed, or None; sdpa: run through SDPA over
+    the first n_keys gathered keys only (an additive mask cannot hide a non-finite key).
+    """
+
+    n_reqs: int
+    lmax: int
+    nblk: int
+    rows: torch.Tensor
+    out_rows: torch.Tensor
+    keep: Optional[torch.Tensor]
+    blocks: torch.Tensor
+    hidden: Optional[torch.Tensor]
+    tail: Optional[torch.Tensor]
+    sdpa: bool = False
+    n_keys: int = 0
+
+
+def _group(block_table, n_pool_blocks, bs, reqs, starts, qlens, lens, causal, window, sdpa):
+    dev = block_table.device
+    r_n, lmax = len(reqs), max(qlens)
     firsts = [_first_block(s, n, bs, window) for s, n in zip(lens, qlens)]
     nblk = max(-(-s // bs) - f for s, f in zip(lens, firsts))
-    dev = q.device
     first = torch.tensor(firsts, device=dev)
-    k, v = _gather_kv(kv_cache, block_table, torch.tensor(reqs, device=dev), first, nblk)
-    s_n = nblk * bs
-    # queries padded to lmax per request; padding rows point at row 0 and are dropped later
+    cols = (first.view(-1, 1) + torch.arange(nblk, device=dev)).clamp_(max=block_table.shape[1] - 1)
+    # unused entries may hold any id (even -1): clamp into the pool, their keys are masked
+    blocks = block_table[torch.tensor(reqs, device=dev).view(-1, 1), cols].long()
+    blocks = blocks.clamp_(0, n_pool_blocks - 1).view(-1)
     if lmax == 1:
-        idx = torch.tensor(starts, device=dev)
+        rows = torch.tensor(starts, device=dev)
+        keep = None
     else:
-        idx = torch.tensor([[s + i if i < n else 0 for i in range(lmax)]
-                            for s, n in zip(starts, qlens)], device=dev).view(-1)
-    qr = q.index_select(0, idx).float().mul_(scale).view(r_n, lmax, hkv, g, d)
-    qr = qr.permute(2, 0, 3, 1, 4).reshape(hkv * r_n, g * lmax, d)  # rows are (group, query)
-    logits = torch.bmm(qr, k.view(hkv * r_n, s_n, d).transpose(1, 2))  # [Hkv*R, G*L, S]
-    if soft_cap is not None:
-        logits.div_(soft_cap).tanh_().mul_(soft_cap)
+        rows = torch.tensor([[s + i if i < n else 0 for i in range(lmax)]
+                             for s, n in zip(starts, qlens)], device=dev).view(-1)
+        flat = [r * lmax + i for r, n in enumerate(qlens) for i in range(n)]
+        keep = None if len(flat) == r_n * lmax else torch.tensor(flat, device=dev)
+    out_rows = rows if keep is None else rows[keep]
+    s_n = nblk * bs
     seq = torch.tensor(lens, device=dev).view(-1, 1, 1)
     ql = torch.tensor(qlens, device=dev).view(-1, 1, 1)
     pos = seq - ql + torch.arange(lmax, device=dev).view(1, -1, 1)  # [R, L, 1]
     key = (first * bs).view(-1, 1, 1) + torch.arange(s_n, device=dev).view(1, 1, -1)  # [R, 1, S]
-    hidden = ~_visible(pos, key, seq, causal, window)  # [R, L, S]
-    if bool(hidden.any()):
-        logits.view(hkv, r_n, g, lmax, s_n).masked_fill_(hidden[None, :, None], float("-inf"))
-    probs = torch.softmax(logits, dim=-1)  # every real query sees its own key: no empty row
+    hidden = ~_visible(pos, key, seq, causal, window).expand(r_n, lmax, s_n)  # [R, L, S]
+    if sdpa:  # one request: keep only its real keys
+        n_keys = lens[0] - firsts[0] * bs
+        hidden = hidden[:, :, :n_keys]
+        return _Group(r_n, lmax, nblk, rows, out_rows, keep, blocks,
+                      hidden if bool(hidden.any()) else None, None, True, n_keys)
+    hidden = hidden if bool(hidden.any()) else None
     # keys past seq_len (a block's unwritten tail, padding columns) hold another owner's data: a
-    # zero weight times a non-finite value there would still be NaN, so zero them (only those rows:
-    # a broadcast mask over all of V costs more than the attention)
-    tail = (key[:, 0] >= seq[:, 0]).view(-1).nonzero().squeeze(1)  # flat (request, key) rows
-    if tail.numel():
-        v.view(hkv, r_n * s_n, d).index_fill_(1, tail, 0.0)
-    o = torch.bmm(probs, v.view(hkv * r_n, s_n, d))  # [Hkv*R, G*L, D]
-    return o.view(hkv, r_n, g, lmax, d).permute(1, 3, 0, 2, 4).reshape(r_n, lmax, hq, d)
+    # zero weight times a non-finite value there would still be NaN, so zero those V rows (only
+    # those: a broadcast mask over all of V costs more than the attention)
+    tail = (key[:, 0] >= seq[:, 0]).view(-1).nonzero().squeeze(1)
+    return _Group(r_n, lmax, nblk, rows, out_rows, keep, blocks, hidden,
+                  tail if tail.numel() else None)
 
 
-def _prefill_sdpa(q, kv_cache, block_table, r, q0, qlen, seq_len, scale, causal, window):
-    """One request through SDPA, group folded into rows: returns [qlen, Hq, D] fp32."""
-    bs, hkv = kv_cache.shape[2], kv_cache.shape[3]
-    hq, d = q.shape[1], q.shape[2]
-    g = hq // hkv
-    first = _first_block(seq_len, qlen, bs, window)
-    k, v = _gather_kv(kv_cache, block_table, torch.tensor([r], device=q.device),
-                      torch.tensor([first], device=q.device), -(-seq_len // bs) - first)
-    k0 = first * bs  # position of the first key read
-    k, v = k[:, 0, :seq_len - k0], v[:, 0, :seq_len - k0]  # [Hkv, S, D]
-    qr = q[q0:q0 + qlen].float().view(qlen, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * qlen, d)
-    pos = torch.arange(seq_len - qlen, seq_len, device=q.device).view(-1, 1)
-    key = torch.arange(k0, seq_len, device=q.device).view(1, -1)
-    vis = _visible(pos, key, seq_len, causal, window)  # [L, S]
-    mask = None if not causal and window is None else vis.repeat(g, 1)  # rows are (group, query)
-    o = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, scale=scale)  # [Hkv, G*L, D]
-    return o.view(hkv, g, qlen, d).permute(2, 0, 1, 3).reshape(qlen, hq, d)
-
-
-def paged_attention_cpu(q, kv_cache, query_start_loc, seq_lens, block_table, scale, causal=True,
-                        sliding_window=None, soft_cap=None, max_query_len=None, max_seq_len=None):
-    """Packed queries over paged KV; inputs, outputs and semantics as `paged_attention_ref`.
-
-    q [T, Hq, D]; kv_cache [num_blocks, 2, bs, Hkv, D]; query_start_loc [R+1]; seq_lens [R];
-    block_table [R, max_blocks]. Returns out [T, Hq, D] in q's dtype (rows past qsl[-1] zero).
-    """
-    check_attention_inputs(q, kv_cache, query_start_loc, seq_lens, block_table, sliding_window,
-                           soft_cap)
-    bs = kv_cache.shape[2]
+def attention_plan(query_start_loc, seq_lens, block_table, bs, n_pool_blocks, causal=True,
+                   sliding_window=None, soft_cap=None) -> list[_Group]:
+    """The step's groups: decodes in length buckets (see decode_buckets), each prefill chunk alone
+    (through SDPA unless soft-capped). Checks every request; ValueError names the bad one."""
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
-    out = torch.zeros_like(q)
     decodes, prefills = [], []
     for r, seq_len in enumerate(lens):
         qlen = qsl[r + 1] - qsl[r]
@@ -152,19 +138,66 @@ def paged_attention_cpu(q, kv_cache, query_start_loc, seq_lens, block_table, sca
                              f"{bs}; block_table has {block_table.shape[1]} columns")
         (decodes if qlen == 1 else prefills).append(r)
     nblocks = [-(-lens[r] // bs) - _first_block(lens[r], 1, bs, sliding_window) for r in decodes]
+    groups = []
     for bucket in decode_buckets(nblocks):
         reqs = [decodes[i] for i in bucket]
-        rows = [qsl[r] for r in reqs]
-        o = _batched(q, kv_cache, block_table, reqs, rows, [1] * len(reqs), [lens[r] for r in reqs],
-                     scale, causal, sliding_window, soft_cap)
-        out[torch.tensor(rows, device=q.device)] = o[:, 0].to(q.dtype)
+        groups.append(_group(block_table, n_pool_blocks, bs, reqs, [qsl[r] for r in reqs],
+                             [1] * len(reqs), [lens[r] for r in reqs], causal, sliding_window,
+                             False))
     for r in prefills:
-        q0, qlen = qsl[r], qsl[r + 1] - qsl[r]
-        if soft_cap is None:
-            o = _prefill_sdpa(q, kv_cache, block_table, r, q0, qlen, lens[r], scale, causal,
-                              sliding_window)
-        else:
-            o = _batched(q, kv_cache, block_table, [r], [q0], [qlen], [lens[r]], scale, causal,
-                         sliding_window, soft_cap)[0]
-        out[q0:q0 + qlen] = o.to(q.dtype)
+        groups.append(_group(block_table, n_pool_blocks, bs, [r], [qsl[r]], [qsl[r + 1] - qsl[r]],
+                             [lens[r]], causal, sliding_window, soft_cap is None))
+    return groups
+
+
+def _attend(q, kv_cache, grp: _Group, scale, soft_cap):
+    """One group: [n, Hq, D] fp32 outputs for grp.out_rows."""
+    _, _, bs, hkv, d = kv_cache.shape
+    hq = q.shape[1]
+    g, r_n, lmax, s_n = hq // hkv, grp.n_reqs, grp.lmax, grp.nblk * bs
+    # one index_select of whole blocks from the pool viewed as [2, Hkv, blocks, bs, D]
+    kv = kv_cache.permute(1, 3, 0, 2, 4).index_select(2, grp.blocks).view(2, hkv * r_n, s_n, d)
+    k, v = (kv[0], kv[1]) if kv.dtype == torch.float32 else (kv[0].float(), kv[1].float())
+    qr = q.index_select(0, grp.rows).float().view(r_n, lmax, hkv, g, d)
+    qr = qr.permute(2, 0, 3, 1, 4).reshape(hkv * r_n, g * lmax, d)  # rows are (group, query)
+    if grp.tail is not None:
+        v.view(hkv, r_n * s_n, d).index_fill_(1, grp.tail, 0.0)
+    if grp.sdpa:  # one request: SDPA with a boolean mask (True = visible)
+        mask = None if grp.hidden is None else ~grp.hidden[0].repeat(g, 1)
+        k, v = k[:, :grp.n_keys], v[:, :grp.n_keys]
+        o = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, scale=scale)
+    else:
+        logits = torch.bmm(qr.mul_(scale), k.transpose(1, 2))  # [Hkv*R, G*L, S]
+        if soft_cap is not None:
+            logits.div_(soft_cap).tanh_().mul_(soft_cap)
+        if grp.hidden is not None:
+            logits.view(hkv, r_n, g, lmax, s_n).masked_fill_(grp.hidden[None, :, None], float("-inf"))
+        o = torch.bmm(torch.softmax(logits, dim=-1), v)  # every real query sees its own key
+    o = o.view(hkv, r_n, g, lmax, d).permute(1, 3, 0, 2, 4).reshape(r_n * lmax, hq, d)
+    return o if grp.keep is None else o.index_select(0, grp.keep)
+
+
+def paged_attention_cpu(q, kv_cache, query_start_loc, seq_lens, block_table, scale, causal=True,
+                        sliding_window=None, soft_cap=None, max_query_len=None, max_seq_len=None,
+                        plan_cache: Optional[dict] = None):
+    """Packed queries over paged KV; inputs, outputs and semantics as `paged_attention_ref`.
+
+    q [T, Hq, D]; kv_cache [num_blocks, 2, bs, Hkv, D]; query_start_loc [R+1]; seq_lens [R];
+    block_table [R, max_blocks]. Returns out [T, Hq, D] in q's dtype (rows past qsl[-1] zero).
+    plan_cache: a dict that lives for one step (ForwardBatch.kernel_plans); the step's plan is
+    built by the first layer and reused by the others with the same pool geometry and options.
+    """
+    check_attention_inputs(q, kv_cache, query_start_loc, seq_lens, block_table, sliding_window,
+                           soft_cap)
+    key = ("paged_attention", kv_cache.shape[2], kv_cache.shape[0], causal, sliding_window,
+           soft_cap is None)
+    plan = None if plan_cache is None else plan_cache.get(key)
+    if plan is None:
+        plan = attention_plan(query_start_loc, seq_lens, block_table, kv_cache.shape[2],
+                              kv_cache.shape[0], causal, sliding_window, soft_cap)
+        if plan_cache is not None:
+            plan_cache[key] = plan
+    out = torch.zeros_like(q)
+    for grp in plan:
+        out.index_copy_(0, grp.out_rows, _attend(q, kv_cache, grp, scale, soft_cap).to(q.dtype))
     return out

@@ -78,12 +78,13 @@ class PagedAttention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             if rope is not None:
                 q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        kernels.write_kv(k, v, kv_cache, batch.slot_mapping)
+        kernels.write_kv(k, v, kv_cache, batch.slot_mapping, plan_cache=batch.kernel_plans)
         out = kernels.paged_attention(
             q.contiguous(), kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_table,
             self.scale, causal=True, sliding_window=self.sliding_window, soft_cap=self.soft_cap,
             max_query_len=max(batch.query_lens_cpu) if batch.query_lens_cpu else None,
-            max_seq_len=max(batch.seq_lens_cpu) if batch.seq_lens_cpu else None)
+            max_seq_len=max(batch.seq_lens_cpu) if batch.seq_lens_cpu else None,
+            plan_cache=batch.kernel_plans)
         out = out.reshape(T, self.num_heads * self.head_dim)
         if gate is not None:
             out = out * torch.sigmoid(gate)

@@ -37,6 +37,7 @@ class ForwardBatch:
     # Host-side copies so layers can split/loop without a device sync.
     query_lens_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)
+    kernel_plans: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:

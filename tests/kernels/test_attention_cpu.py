@@ -103,3 +103,53 @@ def test_dispatch_routes_cpu_torch_backend_here(monkeypatch):
     q, kv, qsl, seq_lens, table = paged_batch(MIXED, 16, 2, 2, 32)
     out = K.paged_attention(q, kv, qsl, seq_lens, table, 0.2)
     assert calls == [1] and rel_err(out, paged_attention_ref(q, kv, qsl, seq_lens, table, 0.2)) < 1e-5
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(sliding_window=9), dict(soft_cap=4.0)])
+def test_one_step_plan_serves_every_layer(opts):
+    """Layers of one step share a plan_cache: the second layer (other q, other pool, same block
+    table) reuses the first one's plan and still matches the reference."""
+    plans = {}
+    for layer in range(2):
+        q, kv, qsl, seq_lens, table = paged_batch(MIXED, 16, 2, 2, 32, seed=5)
+        g = torch.Generator().manual_seed(100 + layer)
+        q, kv = torch.randn(q.shape, generator=g), torch.randn(kv.shape, generator=g)
+        want = paged_attention_ref(q, kv, qsl, seq_lens, table, 0.2, **opts)
+        got = paged_attention_cpu(q, kv, qsl, seq_lens, table, 0.2, plan_cache=plans, **opts)
+        assert rel_err(got, want) < 1e-5
+    assert len(plans) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_write_kv_cpu_matches_reference(dtype):
+    from hybridkv.kernels.attention_ref import write_kv_ref
+    from hybridkv.kernels.write_kv_cpu import write_kv_cpu
+
+    g = torch.Generator().manual_seed(7)
+    pool = torch.randn(9, 2, 8, 2, 16, generator=g).to(dtype)
+    slots = torch.randperm(9 * 8, generator=g)[:20]
+    slots[[3, 11]] = -1  # padding rows are skipped
+    plans = {}
+    for layer in range(2):  # the second write reuses the step's indices
+        k, v = torch.randn(2, 20, 2, 16, generator=g)
+        want = write_kv_ref(k, v, pool.clone(), slots)
+        got = write_kv_cpu(k, v, pool.clone(), slots, plan_cache=plans)
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="k has shape"):
+        write_kv_cpu(k[:3], v, pool, slots)
+
+
+def test_blocks_no_request_owns_may_hold_nan():
+    """Pool blocks outside every request's real keys (freed, another owner's) are NaN: no output
+    row may see them, on the decode and on the prefill path."""
+    reqs = [(1, 21), (7, 7), (12, 29), (1, 70)]
+    q, kv, qsl, seq_lens, table = paged_batch(reqs, 16, 2, 2, 32, seed=9)
+    used = {int(table[r, i]) for r, (_, s) in enumerate(reqs) for i in range(-(-s // 16))}
+    for b in range(kv.shape[0]):
+        if b not in used:
+            kv[b] = float("nan")
+    for r, (_, s) in enumerate(reqs):  # the unwritten tail of each request's last block too
+        kv[int(table[r, (s - 1) // 16]), :, s % 16 or 16:] = float("nan")
+    want = paged_attention_ref(q, kv, qsl, seq_lens, table, 0.2)
+    got = paged_attention_cpu(q, kv, qsl, seq_lens, table, 0.2, plan_cache={})
+    assert torch.isfinite(got).all() and rel_err(got, want) < 1e-5
