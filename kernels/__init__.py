@@ -135,12 +135,13 @@ def lightning_chunk_scan(state, q, k, v, slope, query_start_loc, slot_idx, has_i
                                     has_initial_state, chunk_size, return_states_at)
 
 
-def fused_moe(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation="silu"):
-    """MoE experts. hidden [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], topk [T, k] -> [T, H]."""
+def fused_moe(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation="silu", gated=True):
+    """MoE experts. hidden [T, H], w_gate_up [E, 2I, H] (gated) or [E, I, H], w_down [E, H, I],
+    topk_weights / topk_ids [T, k] -> [T, H]; see fused_moe_ref."""
     from .fused_moe_cpu import fused_moe_torch  # grouped-matmul torch path; fused_moe_ref is the spec
 
     fn = _pick(hidden, fused_moe_torch, "fused_moe_triton", "fused_moe_kernel")
-    return fn(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation)
+    return fn(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation, gated)
 
 
 def kda_state_update(state, q, k, v, g, beta, slot_idx, scale=None, use_qk_l2norm=True):
