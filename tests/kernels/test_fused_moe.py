@@ -91,10 +91,14 @@ def test_public_api_runs_both_backends(monkeypatch):
     import hybridkv.kernels as hk
 
     inp = _inputs(torch.Generator().manual_seed(11), 12, 8, 2)
+    ungated = _inputs(torch.Generator().manual_seed(12), 12, 8, 2, gated=False)
     want = fused_moe_ref(*inp)
+    want_ungated = fused_moe_ref(*ungated, activation="relu2", gated=False)
     for backend in ("torch", "triton"):
         monkeypatch.setenv("HYBRIDKV_BACKEND", backend)
         assert _rel(hk.fused_moe(*inp), want) < 1e-5, backend
+        got = hk.fused_moe(*ungated, activation="relu2", gated=False)
+        assert _rel(got, want_ungated) < 1e-5, backend
 
 
 @pytest.mark.parametrize("T,E,k,block", [(1, 4, 2, 16), (70, 64, 8, 16), (33, 6, 3, 64)])
