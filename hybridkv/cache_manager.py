@@ -309,6 +309,14 @@ class HybridCacheManager:
         self.bursts.waits += 1
         return True
 
+    def usable_prefix_tokens(self, token_ids: Sequence[int], cache_salt: Optional[str] = None) -> int:
+        """Tokens of a prompt admitted now would take from cache under the hybrid hit rule (KV of
+        every kind and a state checkpoint at the same position); block-aligned. Changes nothing
+        (no stats, no LRU touch): the data-parallel router asks every replica this."""
+        if not self.enable_prefix_caching or len(token_ids) <= self.block_size:
+            return 0
+        return self._match(self._prompt_hashes(token_ids, cache_salt), len(token_ids))[0] * self.block_size
+
     def _prompt_hashes(self, token_ids: Sequence[int], cache_salt: Optional[str]) -> list[bytes]:
         hashes: list[bytes] = []
         extend_hashes(hashes, token_ids, (len(token_ids) - 1) // self.block_size,

@@ -1,0 +1,197 @@
+"""One data-parallel replica: a process that owns an `LLM` and its engine loop, driven over a pipe.
+
+    process = ctx.Process(target=replica_main, args=(index, child_conn, model, llm_kwargs, interval))
+
+The process builds its own `LLM` (which sets torch's threads as hybridkv/cpu_threads.py says)
+and runs `AsyncLLM`'s engine thread unchanged; what differs is where a request's news goes: to
+the pipe, tagged with the request id, instead of an asyncio queue. The main thread of the
+process reads commands from the pipe; each runs on the engine thread between two steps and
+answers `("reply", call_id, ok, value)`. Messages in (parent -> replica):
+
+    ("add", cid, token_ids, params, request_id, priority, cache_salt)
+    ("abort", request_id)                         no answer
+    ("probe", cid, token_ids, cache_salt)      -> ReplicaProbe (hit tokens, load); changes nothing
+    ("stats", cid)                              -> LLM.stats()
+    ("export", cid, k)                          -> [MovedRequest]: up to k running requests leave
+    ("import", cid, MovedRequest)               -> None: the request continues here
+    ("close",)
+and out: ("ready", ReplicaFacts) | ("failed", message) once, then ("news", request_id, StepNews
+| EngineDeadError) and replies. The process exits when its engine dies or the parent goes away,
+so the parent's reader sees the pipe close in every failure.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .async_llm import AsyncLLM, _Stream
+
+log = logging.getLogger("hybridkv.replica")
+_DEAD_POLL_S = 0.5  # how often an idle replica checks that its engine thread still runs
+
+
+@dataclass
+class ReplicaFacts:
+    """What the serving layer reads of an LLM, sent once by a replica that started."""
+
+    tokenizer: Any
+    max_model_len: Optional[int]
+    generation_defaults: Any
+    max_num_seqs: int
+    kv_blocks_total: int
+    state_slots_total: int
+    pid: int
+
+
+@dataclass
+class ReplicaProbe:
+    """A replica's answer to "where would this prompt go": its usable cached prefix (hybrid hit
+    rule) and its load, in tokens of running + waiting requests."""
+
+    hit_tokens: int
+    load_tokens: int
+    running: int
+    waiting: int
+    max_num_seqs: int
+
+
+@dataclass
+class MovedRequest:
+    """A running request in transit between replicas: its snapshot bytes (snapshot_io) and how
+    many tokens per sequence its client has been sent, so the new replica posts only new ones."""
+
+    request_id: str
+    snapshot: bytes
+    sent: dict[int, int]
+    prompt_logged: bool
+
+
+class _PipeSink:
+    """Stands where AsyncLLM puts a request's event loop and asyncio queue: it sends the news
+    to the parent over the pipe, on the engine thread that posts it."""
+
+    def __init__(self, request_id: str, send):
+        self.request_id, self._send = request_id, send
+
+    def call_soon_threadsafe(self, fn, *args) -> None:
+        fn(*args)
+
+    def put_nowait(self, news) -> None:
+        self._send(("news", self.request_id, news))
+
+
+class ReplicaEngine(AsyncLLM):
+    """AsyncLLM whose streams are pipe sinks, plus the verbs a replica answers (engine thread)."""
+
+    def __init__(self, llm, send, log_stats_interval: float):
+        self._send = send
+        super().__init__(llm, log_stats_interval)
+
+    def add(self, llm, rid, ids, params, priority, cache_salt) -> None:
+        sink = _PipeSink(rid, self._send)
+        self._add(llm, rid, ids, params, priority, cache_salt, _Stream(sink, sink))
+
+    @staticmethod
+    def probe(llm, ids, cache_salt) -> ReplicaProbe:
+        sched = llm.engine.scheduler
+        queued = list(sched.running) + list(sched.waiting) + list(sched.swapped)
+        return ReplicaProbe(llm.manager.usable_prefix_tokens(ids, cache_salt),
+                            sum(len(s.token_ids) for s in queued), len(sched.running),
+                            len(sched.waiting) + len(sched.swapped), sched.max_seqs)
+
+    def export_running(self, llm, k: int) -> list[MovedRequest]:
+        """Up to k running single-sequence requests (most tokens left first) leave this engine."""
+        from hybridkv.scheduler.snapshot_io import snapshot_to_bytes
+
+        groups = llm.engine.groups
+        movable = [s for s in llm.engine.scheduler.running
+                   if isinstance(s.request_id, str) and s.request_id in self._streams
+                   and len(groups[s.request_id].seqs) == 1 and not s.finished]
+        movable.sort(key=lambda s: len(s.token_ids) - s.num_prompt_tokens - s.max_tokens)
+        moved = []
+        for seq in movable[:k]:
+            rid = seq.request_id
+            snap = llm.export_request(rid)
+            stream = self._streams.pop(rid)
+            moved.append(MovedRequest(rid, snapshot_to_bytes(snap), dict(stream.sent), stream.prompt_logged))
+        return moved
+
+    def import_moved(self, llm, moved: MovedRequest) -> None:
+        """Continue `moved` here; if the pools cannot take its KV and state now, it comes as tokens
+        and is recomputed (never refused for lack of room)."""
+        from hybridkv.scheduler.snapshot_io import snapshot_from_bytes
+
+        snap = snapshot_from_bytes(moved.snapshot)
+        try:
+            llm.import_request(snap)
+        except RuntimeError:
+            llm.import_request(dataclasses.replace(snap, num_computed_tokens=0, kv={}, conv={}, ssm={}))
+        sink = _PipeSink(moved.request_id, self._send)
+        self._streams[moved.request_id] = _Stream(sink, sink, dict(moved.sent), set(), moved.prompt_logged)
+
+
+def replica_main(index: int, conn, model: str, llm_kwargs: dict, log_stats_interval: float) -> None:
+    """The body of replica process `index` (multiprocessing spawn target)."""
+    import os
+
+    from hybridkv.llm import LLM
+
+    lock = threading.Lock()  # the engine thread and this one both send
+
+    def send(msg) -> None:
+        with lock:
+            try:
+                conn.send(msg)
+            except (BrokenPipeError, OSError):  # the parent went away; the loop below ends
+                pass
+
+    try:
+        llm = LLM(model, **llm_kwargs)
+    except BaseException as e:
+        send(("failed", f"replica {index} could not build its LLM: {e}\n{traceback.format_exc()}"))
+        return
+    s = llm.stats()
+    engine = ReplicaEngine(llm, send, log_stats_interval)
+    send(("ready", ReplicaFacts(llm.get_tokenizer(), getattr(llm.model, "max_model_len", None),
+                                getattr(llm.model, "generation_defaults", None), llm.config.max_num_seqs,
+                                s["kv_blocks_total"], s["state_slots_total"], os.getpid())))
+    try:
+        _serve(engine, conn, send)
+    finally:
+        engine.close()
+
+
+def _serve(engine: ReplicaEngine, conn, send) -> None:
+    def reply(cid, fut) -> None:
+        err = fut.exception()
+        try:
+            send(("reply", cid, err is None, fut.result() if err is None else err))
+        except Exception as e:  # an answer that does not pickle still ends the caller's wait
+            send(("reply", cid, False, RuntimeError(f"{err or e!r}")))
+
+    verbs = {"add": lambda a: lambda llm: engine.add(llm, a[2], a[0], a[1], a[3], a[4]),
+             "probe": lambda a: lambda llm: engine.probe(llm, a[0], a[1]),
+             "stats": lambda a: lambda llm: llm.stats(),
+             "export": lambda a: lambda llm: engine.export_running(llm, a[0]),
+             "import": lambda a: lambda llm: engine.import_moved(llm, a[0])}
+    while engine.dead is None:
+        try:
+            if not conn.poll(_DEAD_POLL_S):
+                continue
+            msg = conn.recv()
+        except (EOFError, OSError):  # the parent is gone
+            return
+        verb = msg[0]
+        if verb == "close":
+            return
+        if verb == "abort":
+            engine.abort(msg[1])
+            continue
+        cid = msg[1]
+        fut = engine.submit(verbs[verb](msg[2:]))
+        fut.add_done_callback(lambda f, cid=cid: reply(cid, f))
+    log.error("replica engine stopped: %s", engine.dead)

@@ -1,0 +1,355 @@
+"""`DataParallelLLM`: N engine processes behind one server, with AsyncLLM's interface.
+
+    engine = DataParallelLLM(path, data_parallel_size=2, **llm_kwargs)   # or AsyncLLM.create(..., data_parallel_size=2)
+    stream = await engine.add_request(ids, params, "req-1"); async for d in stream: ...
+    await engine.stats()   # summed over replicas, plus "replicas": [per-replica stats]
+
+Each replica is a spawned process running its own LLM and engine loop (engine_process.py); a
+pipe carries commands one way and request news the other, read by one thread per replica that
+hands news to the caller's event loop. A new request goes where `PrefixRouter` says (the longest
+usable cached prefix, asked of every replica, else the least loaded). A balancer thread moves
+running requests, KV and state, from a replica with requests waiting to an idle one (snapshot
+bytes over the pipes); the client's stream goes on from the next token. A replica whose pipe
+closes (its process died) fails its requests with EngineDeadError naming it; the rest serve on.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import multiprocessing as mp
+import threading
+from types import SimpleNamespace
+from typing import Optional
+
+from hybridkv.sampling_params import SamplingParams
+
+from .async_llm import EngineDeadError, RequestStream, _Stream
+from .engine_process import ReplicaFacts, replica_main
+from .router import PrefixRouter
+
+log = logging.getLogger("hybridkv.replicas")
+_SUMMED = ("kv_blocks_used", "kv_blocks_cached", "kv_blocks_total", "state_slots_live", "state_slots_checkpoint",
+           "state_slots_total", "prefix_hit_tokens", "prefix_query_tokens", "burst_waits", "swaps", "forks",
+           "aborted", "failed", "running", "waiting", "swapped", "steps", "generated_tokens", "tokens_per_second",
+           "generated_tokens_per_second")
+_SUMMED_BY_KEY = ("prefix_misses", "preemptions", "migrations")
+
+
+class DataParallelLLM:
+    """`data_parallel_size` replicas of `LLM(model, **llm_kwargs)`, one process each.
+
+    `balance_interval` seconds between two looks for an overloaded and an idle replica (0 turns
+    migration off); `call_timeout` bounds every wait on a replica; `startup_timeout` the build.
+    """
+
+    def __init__(self, model: str, data_parallel_size: int, log_stats_interval: float = 10.0,
+                 balance_interval: float = 0.05, call_timeout: float = 60.0, startup_timeout: float = 600.0,
+                 **llm_kwargs):
+        if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size={data_parallel_size!r}: give an integer >= 1")
+        self.size, self.call_timeout = data_parallel_size, call_timeout
+        ctx = mp.get_context("spawn")  # a forked child would inherit torch's threads and locks
+        self._conns, self._procs = [], []
+        for i in range(data_parallel_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=replica_main, args=(i, child, model, llm_kwargs, log_stats_interval),
+                            name=f"hybridkv-replica-{i}", daemon=True)
+            p.start()
+            child.close()  # only the child holds its end: its death closes the pipe here
+            self._conns.append(parent)
+            self._procs.append(p)
+        self.facts: list[ReplicaFacts] = [self._wait_ready(i, startup_timeout) for i in range(data_parallel_size)]
+        f = self.facts[0]
+        self.tokenizer = f.tokenizer
+        # what the serving layer reads of an LLM (serving.py): limits and defaults, same on every replica
+        self.llm = SimpleNamespace(model=SimpleNamespace(max_model_len=f.max_model_len,
+                                                         generation_defaults=f.generation_defaults),
+                                   config=SimpleNamespace(max_num_seqs=f.max_num_seqs))
+        self.router = PrefixRouter(data_parallel_size, int(llm_kwargs.get("block_size", 16)))
+        self._lock = threading.Lock()  # streams, router, pending calls, dead replicas
+        self._send_locks = [threading.Lock() for _ in range(data_parallel_size)]
+        self._streams: dict[str, _Stream] = {}
+        self._pending: list[dict[int, concurrent.futures.Future]] = [{} for _ in range(data_parallel_size)]
+        self._dead: dict[int, str] = {}
+        self._moving: set[str] = set()      # exported, not yet imported
+        self._aborted: set[str] = set()     # aborted while moving
+        self._ids = itertools.count()
+        self._closing = threading.Event()
+        self._waited: set[int] = set()      # replicas with requests waiting at the last balancer look
+        self._readers = [threading.Thread(target=self._read, args=(i,), name=f"hybridkv-replica-{i}-reader",
+                                          daemon=True) for i in range(data_parallel_size)]
+        for t in self._readers:
+            t.start()
+        self._balancer = None
+        if balance_interval > 0 and data_parallel_size > 1:
+            self._balancer = threading.Thread(target=self._balance_loop, args=(balance_interval,),
+                                              name="hybridkv-balancer", daemon=True)
+            self._balancer.start()
+
+    def _wait_ready(self, i: int, timeout: float) -> ReplicaFacts:
+        conn = self._conns[i]
+        try:
+            msg = conn.recv() if conn.poll(timeout) else ("failed", f"no answer within {timeout:.0f} s")
+        except (EOFError, OSError):
+            msg = ("failed", f"the process exited (code {self._procs[i].exitcode})")
+        if msg[0] != "ready":
+            self.close()
+            raise RuntimeError(f"data-parallel replica {i} did not start: {msg[1]}")
+        return msg[1]
+
+    # ---- the caller's side ---------------------------------------------------------------------
+    @property
+    def dead(self) -> Optional[str]:
+        """None while every replica runs; else which stopped and why (the others still serve)."""
+        with self._lock:
+            if not self._dead:
+                return None
+            return "; ".join(self._dead[i] for i in sorted(self._dead))
+
+    def _call(self, i: int, verb: str, *args) -> concurrent.futures.Future:
+        """Send a command to replica i; a Future of its answer (EngineDeadError if it is gone)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if i in self._dead:
+                fut.set_exception(EngineDeadError(self._dead[i]))
+                return fut
+            cid = next(self._ids)
+            self._pending[i][cid] = fut
+        try:
+            self._send(i, (verb, cid, *args))
+        except Exception as e:  # it does not pickle (a callable in the params, say): nothing was sent
+            with self._lock:
+                self._pending[i].pop(cid, None)
+            fut.set_exception(ValueError(f"cannot send {verb!r} to data-parallel replica {i}: {e}"))
+        return fut
+
+    def _send(self, i: int, msg) -> None:
+        with self._send_locks[i]:
+            try:
+                self._conns[i].send(msg)
+            except (BrokenPipeError, OSError):  # the reader sees the pipe close and fails the calls
+                pass
+
+    async def _ask(self, i: int, verb: str, *args):
+        return await asyncio.wait_for(asyncio.wrap_future(self._call(i, verb, *args)), self.call_timeout)
+
+    async def stats(self) -> dict:
+        """Every live replica's LLM.stats() summed (hit rate recomputed), and "replicas": a list of
+        {"replica", "alive", "pid", **that replica's stats}."""
+        alive = [i for i in range(self.size) if i not in self._dead]
+        got = await asyncio.gather(*(self._ask(i, "stats") for i in alive), return_exceptions=True)
+        per = {i: s for i, s in zip(alive, got) if isinstance(s, dict)}
+        total: dict = {k: 0 for k in _SUMMED}
+        for k in _SUMMED_BY_KEY:
+            total[k] = {}
+        for s in per.values():
+            for k in _SUMMED:
+                total[k] += s[k]
+            for k in _SUMMED_BY_KEY:
+                for key, v in s[k].items():
+                    total[k][key] = total[k].get(key, 0) + v
+        q = total["prefix_query_tokens"]
+        total["prefix_hit_rate"] = total["prefix_hit_tokens"] / q if q else 0.0
+        total["fragmentation"] = max((s["fragmentation"] for s in per.values()), default=0.0)
+        total["replicas"] = [{"replica": i, "alive": i in per, "pid": self.facts[i].pid, **per.get(i, {})}
+                             for i in range(self.size)]
+        return total
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request wherever it runs (does not wait)."""
+        with self._lock:
+            self._streams.pop(request_id, None)
+            replica = self.router.replica_of(request_id)
+            if request_id in self._moving:  # sent where it lands (_settle)
+                self._aborted.add(request_id)
+                return
+            self.router.finished(request_id)
+        if replica is not None:
+            self._send(replica, ("abort", request_id))
+
+    async def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                          priority: int = 0, cache_salt: Optional[str] = None) -> RequestStream:
+        """Route and queue a request (AsyncLLM.add_request's contract): bad input raises
+        ValueError / TypeError from the replica and nothing stays queued."""
+        ids = list(prompt_token_ids)
+        alive = [i for i in range(self.size) if i not in self._dead]
+        probes = await asyncio.gather(*(self._ask(i, "probe", ids, cache_salt) for i in alive),
+                                      return_exceptions=True)
+        hits: list[Optional[int]] = [None] * self.size
+        for i, p in zip(alive, probes):
+            hits[i] = None if isinstance(p, BaseException) else p.hit_tokens
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use; give another id")
+            try:
+                replica = self.router.choose(request_id, ids, params.max_tokens or 0, cache_salt, hits)
+            except ValueError:
+                raise EngineDeadError(f"no data-parallel replica is running: {self.dead}") from None
+            self._streams[request_id] = stream
+        try:
+            await self._ask(replica, "add", ids, params, request_id, priority, cache_salt)
+        except BaseException:
+            with self._lock:
+                self._streams.pop(request_id, None)
+                self.router.finished(request_id)
+            raise
+        return RequestStream(self, request_id, params, stream)
+
+    async def generate(self, prompt_token_ids, params: SamplingParams, request_id: str, priority: int = 0,
+                       cache_salt: Optional[str] = None):
+        """Yield the request's deltas until it finishes; leaving early aborts it."""
+        stream = await self.add_request(prompt_token_ids, params, request_id, priority, cache_salt)
+        try:
+            async for d in stream:
+                yield d
+        finally:
+            stream.abort()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop every replica (requests still running are aborted); waits at most `timeout` each."""
+        self._closing.set()
+        for i, p in enumerate(self._procs):
+            if p.is_alive():
+                self._send(i, ("close",))
+        for p in self._procs:
+            p.join(timeout)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout)
+
+    # ---- reader threads: news and answers from one replica ----------------------------------------
+    def _read(self, i: int) -> None:
+        conn = self._conns[i]
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                break
+            if msg[0] == "news":
+                self._deliver(msg[1], msg[2])
+            elif msg[0] == "reply":
+                with self._lock:
+                    fut = self._pending[i].pop(msg[1], None)
+                if fut is not None:
+                    (fut.set_result if msg[2] else fut.set_exception)(msg[3])
+        self._replica_died(i)
+
+    def _deliver(self, rid: str, news) -> None:
+        with self._lock:
+            stream = self._streams.get(rid)
+            if stream is None:
+                return
+            if isinstance(news, BaseException) or news.finished:
+                del self._streams[rid]
+                self.router.finished(rid)
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, news)
+        except RuntimeError:  # the caller's event loop is gone: nobody reads this request
+            self.abort(rid)
+
+    def _replica_died(self, i: int) -> None:
+        p = self._procs[i]
+        p.join(2.0)
+        why = "was closed" if self._closing.is_set() else f"died (exit code {p.exitcode})"
+        msg = f"data-parallel replica {i} (pid {p.pid}) {why}; its requests failed"
+        if not self._closing.is_set():
+            log.error(msg)
+        with self._lock:
+            self._dead[i] = msg
+            pending, self._pending[i] = self._pending[i], {}
+            lost = [rid for rid in self._streams if self.router.replica_of(rid) == i and rid not in self._moving]
+            streams = [(rid, self._streams.pop(rid)) for rid in lost]
+            for rid in lost:
+                self.router.finished(rid)
+        for fut in pending.values():
+            fut.set_exception(EngineDeadError(msg))
+        for rid, stream in streams:
+            _post(stream, EngineDeadError(f"request {rid}: {msg}"))
+
+    # ---- the balancer: running requests move from a replica with a queue to an idle one ---------
+    def _balance_loop(self, interval: float) -> None:
+        while not self._closing.wait(interval):
+            with self._lock:
+                busy = bool(self._streams)
+            if not busy:
+                continue
+            try:
+                self.balance_once()
+            except Exception:  # a replica died mid-look: its reader reports it
+                log.debug("balancing skipped", exc_info=True)
+
+    def balance_once(self) -> int:
+        """Move running requests from each replica with requests waiting to a replica with none
+        running or waiting; returns how many moved."""
+        alive = [i for i in range(self.size) if i not in self._dead]
+        futs = {i: self._call(i, "probe", [], None) for i in alive}
+        probes = {i: f.result(self.call_timeout) for i, f in futs.items()}
+        idle = [i for i in alive if probes[i].running == 0 and probes[i].waiting == 0]
+        # overloaded: a queue that a full batch blocks, or one that outlived a look (not a one-step
+        # burst wait for a shared prefix, which moving the leader would spoil)
+        waited, self._waited = self._waited, {i for i in alive if probes[i].waiting}
+        moved = 0
+        for a in alive:
+            pa = probes[a]
+            if not pa.waiting or not idle or (pa.running < pa.max_num_seqs and a not in waited):
+                continue
+            b = idle.pop(0)
+            k = min(pa.waiting, pa.running, probes[b].max_num_seqs)
+            if k > 0:
+                moved += self._migrate(a, b, k)
+        return moved
+
+    def _migrate(self, a: int, b: int, k: int) -> int:
+        """Export up to k running requests of replica a and continue them on b (back on a if b
+        refuses; failed with a clear error if neither can). An abort that comes meanwhile is
+        held and sent where the request lands."""
+        with self._lock:  # any of a's requests may leave: aborts wait until we know where it is
+            candidates = {rid for rid in self._streams if self.router.replica_of(rid) == a}
+            self._moving |= candidates
+        try:
+            out = self._call(a, "export", k).result(self.call_timeout)
+        except Exception as e:
+            log.warning("replica %d could not export requests: %s", a, e)
+            out = []
+        for rid in candidates - {m.request_id for m in out}:
+            self._settle(rid, a)
+        for m in out:
+            landed = None
+            for dst in (b, a):
+                try:
+                    self._call(dst, "import", m).result(self.call_timeout)
+                    landed = dst
+                    break
+                except Exception as e:
+                    log.warning("request %s could not move to replica %d: %s", m.request_id, dst, e)
+            self._settle(m.request_id, landed)
+        return len(out)
+
+    def _settle(self, rid: str, replica: Optional[int]) -> None:
+        """Request `rid` is no longer in transit: it runs on `replica` (None: lost). Sends a held
+        abort there, or fails its stream when it was lost or its replica died meanwhile."""
+        with self._lock:
+            self._moving.discard(rid)
+            aborted = rid in self._aborted
+            self._aborted.discard(rid)
+            why = (f"request {rid} was lost in migration: no replica could take it" if replica is None
+                   else self._dead.get(replica))
+            if replica is not None and not aborted and why is None:
+                self.router.moved(rid, replica)
+                return
+            self.router.finished(rid)
+            stream = self._streams.pop(rid, None)
+        if aborted and replica is not None:
+            self._send(replica, ("abort", rid))
+        elif stream is not None:
+            _post(stream, EngineDeadError(f"request {rid}: {why}"))
+
+
+def _post(stream: _Stream, news) -> None:
+    try:
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, news)
+    except RuntimeError:  # the caller's event loop is gone
+        pass
