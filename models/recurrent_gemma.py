@@ -26,6 +26,9 @@ from .rg_lru_mixer import RGLRUBlock
 
 ARCHITECTURE = "RecurrentGemmaForCausalLM"
 _BLOCK_TYPES = ("recurrent", "attention")
+# Nothing bounds the length (local attention, rope, a recurrence; configs carry no
+# max_position_embeddings); a cap keeps the engine's length checks meaningful, as for Mamba.
+MAX_MODEL_LEN = 1 << 20
 
 
 def tiny_config(**overrides):
@@ -36,7 +39,7 @@ def tiny_config(**overrides):
 
     kw = dict(vocab_size=128, hidden_size=48, intermediate_size=192, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, lru_width=48, attention_window_size=24,
-              conv1d_width=4, logits_soft_cap=2.0, rms_norm_eps=1e-6, max_position_embeddings=512,
+              conv1d_width=4, logits_soft_cap=2.0, rms_norm_eps=1e-6,
               pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
               architectures=[ARCHITECTURE])
     kw.update(overrides)
@@ -105,6 +108,7 @@ class RecurrentGemmaModel(HybridModel):
     def __init__(self, config):
         super().__init__(config)
         _check_options(config)
+        self.max_model_len = self.max_model_len or MAX_MODEL_LEN
         self.model = _Body(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = rotary_for(config, self.model.layers)

@@ -40,6 +40,15 @@ def test_specs_window_on_attention_and_float32_lru_state(family_models):
     assert bf16[0] == RecurrentSpec((48, 3), (48,), torch.bfloat16, torch.float32)
 
 
+def test_max_model_len_without_max_position_embeddings(family_models):
+    """Published configs have no max_position_embeddings (nothing bounds the length); the engine
+    still gets a positive length, and LLM(max_model_len=...) lowers it."""
+    path, ours, _ = family_models(NAME)
+    assert "max_position_embeddings" not in json.loads((path / "config.json").read_text())
+    assert ours.max_model_len >= 1 << 20
+    assert LLM(str(path), memory_budget_bytes=4 << 20, max_model_len=100).model.max_model_len == 100
+
+
 def test_embedding_scale_soft_cap_and_window_each_change_the_logits(family_models):
     """Each of transformers' details moves the logits far beyond the family check's tolerance, so
     that check does see them: the bf16-rounded sqrt(48) (6.9375, not 6.9282), the soft cap, the window."""
