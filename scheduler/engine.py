@@ -33,7 +33,8 @@ from hybridkv.snapshot import RequestSnapshot
 
 from . import migration
 from .door import Door
-from .sampler import SampleRow, Sampler, gather_logprobs
+from .logit_rows import PromptSpan, plan_logit_rows, prompt_logprobs
+from .sampler import SampleRow, Sampler
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import Sequence, SequenceGroup
 from .stopping import check_stop, token_text
@@ -227,16 +228,14 @@ class Engine:
 
     def _run(self, chunks: list[ScheduledChunk], touched: dict) -> None:
         t0 = time.perf_counter()
-        indices, last_rows, spans = self._logit_rows(chunks)
+        logit_rows = plan_logit_rows(chunks, self._collects_prompt_logprobs)
         try:
             with torch.inference_mode():  # no autograd graph (it would also chain the pools across steps)
                 batch = self._batch(chunks)
-                if indices is not None:
-                    batch.logits_indices = torch.tensor(indices, dtype=torch.long, device=self.device)
+                if logit_rows.indices is not None:
+                    batch.logits_indices = torch.tensor(logit_rows.indices, dtype=torch.long, device=self.device)
                 logits = self.model(batch, self.caches)
-                finite_rows = torch.isfinite(logits).all(dim=-1).tolist()
-                finite = [finite_rows[last] and all(finite_rows[r0:r0 + n]) if n else finite_rows[last]
-                          for last, (r0, _, n) in zip(last_rows, spans)]
+                finite = logit_rows.finite(logits)
         except Exception as e:  # the batch cannot be told apart: each of its requests fails
             log.exception("the forward pass failed; its %d requests end with an error", len(chunks))
             for c in chunks:
@@ -263,15 +262,15 @@ class Engine:
             try:
                 if c.checkpoint:
                     self.mgr.checkpoint(seq.request_id)
-                if spans[i][2]:
-                    self._prompt_logprobs(seq, logits, *spans[i])
+                if logit_rows.spans[i].count:
+                    self._record_prompt_logprobs(seq, logits, logit_rows.spans[i])
                 if c.start + c.num_tokens < seq.num_tokens:
                     continue  # a prefill chunk short of the end: nothing to sample yet
                 children = self._fork_children(seq)
             except Exception as e:
                 self._fail_group(seq, e, touched)
                 continue
-            rows.extend([last_rows[i]] * len(children))
+            rows.extend([logit_rows.last[i]] * len(children))
             row_seqs.extend(children)
         if rows:
             self._sample(logits[rows], row_seqs, touched)
@@ -351,32 +350,14 @@ class Engine:
             has_initial_state=torch.tensor([c.start > 0 for c in chunks], device=dev),
             query_lens_cpu=[c.num_tokens for c in chunks], seq_lens_cpu=seq_lens)
 
-    def _logit_rows(self, chunks: list[ScheduledChunk]):
-        """Which tokens' logits the model returns: (indices into the batch's tokens, None for the
-        last of each chunk; per chunk the row of its last token; per chunk (first row, first
-        position, count) of the prompt positions whose logprobs its request asks for)."""
-        indices, last_rows, spans, start = [], [], [], 0
-        for c in chunks:
-            g = self.groups.get(c.seq.group_id)
-            end = min(c.start + c.num_tokens, c.seq.num_prompt_tokens - 1)
-            n = end - c.start if (g is not None and g.prompt_logprobs is not None
-                                  and c.seq.seq_index == 0 and end > c.start) else 0
-            spans.append((len(indices), c.start, n))
-            indices.extend(range(start, start + n))
-            start += c.num_tokens
-            last_rows.append(len(indices))
-            indices.append(start - 1)
-        if not any(n for _, _, n in spans):
-            return None, list(range(len(chunks))), spans
-        return indices, last_rows, spans
+    def _collects_prompt_logprobs(self, seq: Sequence) -> bool:
+        g = self.groups.get(seq.group_id)
+        return g is not None and g.prompt_logprobs is not None and seq.seq_index == 0
 
-    def _prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, row0: int, pos0: int, n: int) -> None:
-        """Log-probabilities of prompt tokens pos0+1 .. pos0+n from logits rows row0 .. row0+n-1."""
+    def _record_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, span: PromptSpan) -> None:
         g = self.groups[seq.group_id]
-        targets = torch.tensor(seq.token_ids[pos0 + 1:pos0 + 1 + n], dtype=torch.long)
-        entries = gather_logprobs(logits[row0:row0 + n], targets, [g.params.prompt_logprobs] * n)
-        for j, entry in enumerate(entries):
-            g.prompt_logprobs[pos0 + 1 + j] = self._decoded(entry)
+        for j, entry in enumerate(prompt_logprobs(logits, seq.token_ids, span, g.params.prompt_logprobs)):
+            g.prompt_logprobs[span.pos0 + 1 + j] = self._decoded(entry)
 
     def _decoded(self, entry: PositionLogprobs) -> PositionLogprobs:
         return {t: v._replace(decoded_token=token_text(self.tokenizer, t)) for t, v in entry.items()}

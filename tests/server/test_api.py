@@ -282,8 +282,8 @@ def test_generation_config_defaults_apply_per_field(defaults_client):
         r = client.completions.create(temperature=1.5, seed=seed, **kw)
         assert r.choices[0].token_ids == greedy
     assert len(client.completions.create(max_tokens=8, temperature=1.5, **kw).choices[0].token_ids) == 8
-    drawn = [client.completions.create(temperature=1.5, seed=s, **{**kw, "extra_body": {**kw["extra_body"], "top_k": 0}})
-             .choices[0].token_ids for s in (1, 2, 3)]
+    own_top_k = {**kw, "extra_body": {**kw["extra_body"], "top_k": 0}}
+    drawn = [client.completions.create(temperature=1.5, seed=s, **own_top_k).choices[0].token_ids for s in (1, 2, 3)]
     assert any(d != greedy for d in drawn)  # the user's top_k wins over the file's
     chat = client.chat.completions.create(model="tiny-defaults", messages=[{"role": "user", "content": "hi"}],
                                           extra_body={"ignore_eos": True})

@@ -1,0 +1,68 @@
+"""Which tokens' logits a step asks the model for: the last token of each chunk (to sample), plus
+the prompt positions of requests that asked for `prompt_logprobs` (only those rows: a [T, V]
+logits tensor for a whole prefill batch would cost T x V floats).
+
+A chunk covering prompt positions [start, end) returns the logits of positions start .. min(end,
+P - 1) - 1, each predicting the prompt token after it; position P - 1 predicts the first output
+token and is the chunk's sampling row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from hybridkv.outputs import PositionLogprobs
+
+from .sampler import gather_logprobs
+
+
+@dataclass
+class PromptSpan:
+    """Rows row0 .. row0+count-1 of the logits hold prompt positions pos0 .. pos0+count-1."""
+
+    row0: int
+    pos0: int
+    count: int
+
+
+@dataclass
+class LogitRows:
+    """indices: the batch's token indices whose logits come back (None: the last of each chunk,
+    the model's default); last: per chunk, the logits row of its last token; spans: per chunk,
+    its prompt-logprob rows (count 0 when none)."""
+
+    indices: Optional[list[int]]
+    last: list[int]
+    spans: list[PromptSpan]
+
+    def finite(self, logits: torch.Tensor) -> list[bool]:
+        """Per chunk: are all its rows finite (one host copy of [N] bools)."""
+        rows = torch.isfinite(logits).all(dim=-1).tolist()
+        return [rows[last] and all(rows[s.row0:s.row0 + s.count]) for last, s in zip(self.last, self.spans)]
+
+
+def plan_logit_rows(chunks, wants_prompt_logprobs: Callable[[object], bool]) -> LogitRows:
+    """chunks: the step's ScheduledChunks in batch order (seq, start, num_tokens);
+    wants_prompt_logprobs(seq): whether that sequence's prompt logprobs are being collected."""
+    indices, last, spans, offset = [], [], [], 0
+    for c in chunks:
+        end = min(c.start + c.num_tokens, c.seq.num_prompt_tokens - 1)
+        count = end - c.start if end > c.start and wants_prompt_logprobs(c.seq) else 0
+        spans.append(PromptSpan(len(indices), c.start, count))
+        indices.extend(range(offset, offset + count))
+        offset += c.num_tokens
+        last.append(len(indices))
+        indices.append(offset - 1)
+    if not any(s.count for s in spans):
+        return LogitRows(None, list(range(len(chunks))), spans)
+    return LogitRows(indices, last, spans)
+
+
+def prompt_logprobs(logits: torch.Tensor, token_ids: Sequence[int], span: PromptSpan, k: int
+                    ) -> list[PositionLogprobs]:
+    """The logprobs (chosen prompt token with its rank, plus the top k) of prompt tokens
+    pos0+1 .. pos0+count, from logits [N, V] rows of `span`."""
+    targets = torch.tensor(token_ids[span.pos0 + 1:span.pos0 + 1 + span.count], dtype=torch.long)
+    return gather_logprobs(logits[span.row0:span.row0 + span.count], targets, [k] * span.count)
