@@ -64,9 +64,9 @@ def conv1d_update(x, conv_state, weight, bias, slot_idx, activation="silu"):
 
 def mamba1_state_update(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, dt_softplus=True):
     """Selective-scan step. ssm_state [S, d_inner, N]; x, dt, z [B, d_inner]; B, C [B, N]."""
-    from .mamba1_ref import mamba1_state_update_ref
+    from .mamba1_cpu import mamba1_state_update_cpu  # in-place torch path; mamba1_ref is the spec
 
-    fn = _pick(x, mamba1_state_update_ref, "mamba1_state_update_triton", "mamba1")
+    fn = _pick(x, mamba1_state_update_cpu, "mamba1_state_update_triton", "mamba1")
     return fn(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, dt_softplus)
 
 
@@ -102,9 +102,9 @@ def mamba2_chunk_scan(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_loc,
 
 def gdn_state_update(state, q, k, v, g, beta, slot_idx, scale=None, use_qk_l2norm=True):
     """Gated delta rule step. state [S, HV, K, V]; q, k [B, H, K]; v [B, HV, V]; g, beta [B, HV]."""
-    from .gdn_ref import gdn_state_update_ref
+    from .gdn_cpu import gdn_state_update_cpu  # in-place torch path; gdn_ref is the spec
 
-    fn = _pick(q, gdn_state_update_ref, "gdn_state_update_triton", "gdn")
+    fn = _pick(q, gdn_state_update_cpu, "gdn_state_update_triton", "gdn")
     return fn(state, q, k, v, g, beta, slot_idx, scale, use_qk_l2norm)
 
 
