@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridkv.kernels import fused_moe
 from hybridkv.specs import LayerSpec
 
 from .attention import PagedAttention
@@ -122,18 +123,31 @@ class NemotronHRouter(nn.Module):
         return weights * self.routed_scaling_factor, ids
 
 
+class NemotronHExperts(nn.Module):
+    """The routed relu2 experts stacked: `up_proj [E, I, H]`, `down_proj [E, H, I]` (no gate
+    rows), the layout hybridkv.kernels.fused_moe reads with gated=False."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        nn.init.normal_(self.up_proj, std=0.02)
+        nn.init.normal_(self.down_proj, std=0.02)
+
+
 class NemotronHMoE(nn.Module):
     """hidden [T, H] -> [T, H]: routed relu2 experts (optionally in a latent width) + shared expert.
-    Names as the published checkpoints: gate, experts.E.{up,down}_proj, shared_experts,
-    fc1_latent_proj / fc2_latent_proj when `moe_latent_size` is set."""
+    Names: gate, experts.{up,down}_proj stacked over experts (transformers' in-memory layout;
+    published per-expert `experts.E.{up,down}_proj.weight` load through _NemotronNames),
+    shared_experts, fc1_latent_proj / fc2_latent_proj when `moe_latent_size` is set."""
 
     def __init__(self, config):
         super().__init__()
         h, act, bias = config.hidden_size, config.mlp_hidden_act, config.mlp_bias
         latent = config.moe_latent_size
         self.gate = NemotronHRouter(config)
-        self.experts = nn.ModuleList(NemotronHMLP(latent or h, config.moe_intermediate_size, act)
-                                     for _ in range(config.n_routed_experts))
+        self.experts = NemotronHExperts(config.n_routed_experts, latent or h, config.moe_intermediate_size)
+        self.act = act
         self.shared_experts = NemotronHMLP(h, config.moe_shared_expert_intermediate_size, act, bias)
         self.fc1_latent_proj = nn.Linear(h, latent, bias=bias) if latent else None
         self.fc2_latent_proj = nn.Linear(latent, h, bias=bias) if latent else None
@@ -141,13 +155,9 @@ class NemotronHMoE(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(hidden)
         x = self.fc1_latent_proj(hidden) if self.fc1_latent_proj is not None else hidden
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # float32 sum, as transformers
-        # A loop over the experts that received tokens: fine on CPU and for small batches.
-        for e in torch.unique(ids).tolist():
-            tok, slot = torch.where(ids == e)
-            y = self.experts[e](x[tok]) * weights[tok, slot, None]
-            out.index_put_((tok,), y.float(), accumulate=True)  # index_add_ is slow on CPU
-        out = out.to(hidden.dtype)
+        # the routed experts as one fused op over the stacked weights (no per-expert host sync)
+        out = fused_moe(x, self.experts.up_proj, self.experts.down_proj, weights.to(x.dtype), ids,
+                        self.act, gated=False)
         if self.fc2_latent_proj is not None:
             out = self.fc2_latent_proj(out)
         return out + self.shared_experts(hidden)
@@ -185,33 +195,38 @@ class _NemotronHBody(nn.Module):
 
 
 class _NemotronNames:
-    """The checkpoint seen with the published names (`backbone.*`, per-expert `experts.E.*`) also
-    when it holds transformers' in-memory ones (`model.*`, stacked `experts.up_proj` [E, I, H])."""
+    """The checkpoint seen with this model's names (`backbone.*`, stacked `experts.up_proj`
+    [E, I, H]) whether it holds transformers' in-memory ones (`model.*`, stacked) or the published
+    per-expert tensors (`experts.E.{up,down}_proj.weight`)."""
 
     def __init__(self, ckpt):
         self.ckpt = ckpt
 
-    def _source(self, name: str) -> tuple[str, int | None]:
+    def _source(self, name: str) -> tuple[str, list[str] | None]:
+        """(the stored name, None) or (the stacked name, the per-expert names to stack)."""
         for candidate in (name, "model." + name[len("backbone."):] if name.startswith("backbone.") else None):
             if candidate is None:
                 continue
             if candidate in self.ckpt:
                 return candidate, None
             head, sep, tail = candidate.rpartition(".experts.")
-            parts = tail.split(".")
-            if sep and len(parts) == 3 and parts[1] in ("up_proj", "down_proj") and parts[2] == "weight":
-                stacked = f"{head}.experts.{parts[1]}"
-                if stacked in self.ckpt:
-                    return stacked, int(parts[0])
+            if sep and tail in ("up_proj", "down_proj") and f"{head}.experts.0.{tail}.weight" in self.ckpt:
+                per_expert, e = [], 0
+                while f"{head}.experts.{e}.{tail}.weight" in self.ckpt:
+                    per_expert.append(f"{head}.experts.{e}.{tail}.weight")
+                    e += 1
+                return candidate, per_expert
         return name, None
 
     def __contains__(self, name: str) -> bool:
-        return self._source(name)[0] in self.ckpt
+        source, per_expert = self._source(name)
+        return per_expert is not None or source in self.ckpt
 
     def get(self, name: str) -> torch.Tensor:
-        source, expert = self._source(name)
-        tensor = self.ckpt.get(source)  # raises the checkpoint's "missing tensor" error
-        return tensor if expert is None else tensor[expert]
+        source, per_expert = self._source(name)
+        if per_expert is None:
+            return self.ckpt.get(source)  # raises the checkpoint's "missing tensor" error
+        return torch.stack([self.ckpt.get(n) for n in per_expert])
 
 
 class NemotronHModel(HybridModel):

@@ -129,9 +129,8 @@ def test_nemotron_h_group_routing_and_block_match_transformers():
     ours = NemotronHMoE(cfg).eval()
     ours.gate.weight.data.copy_(hf.gate.weight)
     ours.gate.e_score_correction_bias.copy_(hf.gate.e_score_correction_bias)
-    for e, mlp in enumerate(ours.experts):
-        mlp.up_proj.weight.data.copy_(hf.experts.up_proj[e])
-        mlp.down_proj.weight.data.copy_(hf.experts.down_proj[e])
+    ours.experts.up_proj.data.copy_(hf.experts.up_proj)
+    ours.experts.down_proj.data.copy_(hf.experts.down_proj)
     ours.shared_experts.load_state_dict(hf.shared_experts.state_dict())
     x = torch.randn(30, H, generator=torch.Generator().manual_seed(5))
     _, hf_w, hf_ids = hf.gate(x)
