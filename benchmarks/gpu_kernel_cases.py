@@ -8,7 +8,8 @@ import math
 
 import torch
 
-from hybridkv.kernels import attention_ref, conv1d_ref, gdn_ref, mamba1_ref, mamba2_ref
+from hybridkv.kernels import (attention_ref, conv1d_ref, gdn_ref, kda_ref, lightning_ref, mamba1_ref,
+                              mamba2_ref)
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -142,10 +143,29 @@ def gdn_inputs(dtype, dev, gen, batch, h, hv, k, v):
     return state, args
 
 
-STATE_SIZES = {  # (small, full): full sizes are Jamba / Mamba2-2.7B / Qwen3-Next shaped
+def lightning_inputs(dtype, dev, gen, batch, h, k, v):
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev).to(dtype)  # noqa: E731
+    state = r(batch + 1, h, k, v)
+    slope = torch.rand(h, generator=gen, device=dev) * 0.5 + 0.01  # per-head decay rates, fp32
+    args = (r(batch, h, k), r(batch, h, k), r(batch, h, v), slope, _slot_setup(batch + 1, batch, dev, gen))
+    return state, args
+
+
+def kda_inputs(dtype, dev, gen, batch, h, k, v):
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev).to(dtype)  # noqa: E731
+    state = r(batch + 1, h, k, v)
+    g = -torch.rand(batch, h, k, generator=gen, device=dev).to(dtype)  # per-channel log-decay
+    beta = torch.rand(batch, h, generator=gen, device=dev).to(dtype)
+    args = (r(batch, h, k), r(batch, h, k), r(batch, h, v), g, beta, _slot_setup(batch + 1, batch, dev, gen))
+    return state, args
+
+
+STATE_SIZES = {  # (small, full): full sizes are Jamba / Mamba2-2.7B / Qwen3-Next / MiniMax-01 / Kimi-Linear shaped
     "mamba1": ((3, 32, 16), (64, 8192, 16)),
     "mamba2": ((3, 4, 16, 16, 1), (64, 64, 64, 128, 1)),
     "gdn": ((3, 2, 4, 32, 32), (64, 16, 32, 128, 128)),
+    "lightning": ((3, 2, 32, 32), (64, 64, 128, 128)),
+    "kda": ((3, 2, 32, 32), (64, 32, 128, 128)),
 }
 
 
@@ -159,6 +179,14 @@ def _state(kind, dtype, dev, gen, small):
         fn = triton_fn("mamba2", "mamba2_state_update_triton")
         state, args = mamba2_inputs(dtype, dev, gen, *sizes)
         ref = mamba2_ref.mamba2_state_update_ref
+    elif kind == "lightning":
+        fn = triton_fn("lightning", "lightning_state_update_triton")
+        state, args = lightning_inputs(dtype, dev, gen, *sizes)
+        ref = lightning_ref.lightning_state_update_ref
+    elif kind == "kda":
+        fn = triton_fn("kda", "kda_state_update_triton")
+        state, args = kda_inputs(dtype, dev, gen, *sizes)
+        ref = kda_ref.kda_state_update_ref
     else:
         fn = triton_fn("gdn", "gdn_state_update_triton")
         state, args = gdn_inputs(dtype, dev, gen, *sizes)
@@ -175,6 +203,8 @@ CHECKS = {
     "mamba1_state_update": lambda dt, dev, g, small: _state("mamba1", dt, dev, g, small),
     "mamba2_state_update": lambda dt, dev, g, small: _state("mamba2", dt, dev, g, small),
     "gdn_state_update": lambda dt, dev, g, small: _state("gdn", dt, dev, g, small),
+    "lightning_state_update": lambda dt, dev, g, small: _state("lightning", dt, dev, g, small),
+    "kda_state_update": lambda dt, dev, g, small: _state("kda", dt, dev, g, small),
 }
 
 

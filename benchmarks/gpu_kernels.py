@@ -160,6 +160,10 @@ def state_rows(dev, dtype, ms_of, dry, copy_bw):
          cases.mamba2_inputs),
         ("gdn_state_update", "gdn", "gdn_state_update_triton", "gdn_state_update_ref",
          cases.gdn_inputs),
+        ("lightning_state_update", "lightning", "lightning_state_update_triton",
+         "lightning_state_update_ref", cases.lightning_inputs),
+        ("kda_state_update", "kda", "kda_state_update_triton", "kda_state_update_ref",
+         cases.kda_inputs),
     ]
     rows = []
     for name, module, tname, rname, make in specs:
