@@ -7,9 +7,16 @@ from memory serves all of them. Programs walk the request's KV through its block
 TILE_N-key tiles (each key looks up its own block, so TILE_N need not equal the block size),
 skipping tiles wholly outside the causal / sliding window, with an online softmax in float32.
 
-Grid: (num_tokens // BLOCK_Q + num_reqs, kv_heads). Request r's tiles start at program
+Grid: (num_tokens // BLOCK_Q + num_reqs, kv_heads, splits). Request r's tiles start at program
 `query_start_loc[r] // BLOCK_Q + r`, an upper bound that needs no host sync; a program finds its
 request by binary search over query_start_loc and exits when its tile is past the request's end.
+With splits > 1 (flash-decoding, chosen by split_kv.kv_splits) program z walks only its share of
+the key tiles and writes a normalised partial result and its log-sum-exp; split_kv.merge_splits
+combines them.
+
+The key loop is a counted `for` when compiled (software-pipelined) and a `while` under
+TRITON_INTERPRET: Triton 3.6's interpreter cannot take a tensor, nor even a scalar kernel argument,
+as a range() bound ("only 0-dimensional arrays can be converted"); a while loop runs on both.
 """
 from __future__ import annotations
 
@@ -20,6 +27,8 @@ import triton
 import triton.language as tl
 
 from .attention_ref import check_attention_inputs
+from .split_kv import DEFAULT_NUM_SMS, MAX_SPLITS, kv_splits, merge_splits
+from .triton_math import interpreted
 
 @triton.jit
 def _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr):
@@ -46,14 +55,14 @@ def _tanh(x):
 
 @triton.jit
 def _paged_attention_kernel(
-    out_ptr, q_ptr, kv_ptr, qsl_ptr, seq_lens_ptr, block_table_ptr,
-    scale, soft_cap, sliding_window, num_reqs,
-    stride_qt, stride_qh, stride_ot, stride_oh,
+    out_ptr, lse_ptr, q_ptr, kv_ptr, qsl_ptr, seq_lens_ptr, block_table_ptr,
+    scale, soft_cap, sliding_window, num_reqs, tiles_per_split,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
     stride_kv_blk, stride_kv_kv, stride_kv_off, stride_kv_h, stride_bt,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    DOT_IEEE: tl.constexpr,
+    DOT_IEEE: tl.constexpr, SPLIT: tl.constexpr, WHILE_LOOP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -91,47 +100,77 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    offs_n = tl.arange(0, TILE_N)
     bt_row = block_table_ptr + r.to(tl.int64) * stride_bt
-    for tile in range(kv_start // TILE_N, tl.cdiv(kv_end, TILE_N)):
-        key = tile * TILE_N + offs_n
-        # keys before kv_start are never loaded: their blocks may have been let go (any table entry)
-        key_ok = (key >= kv_start) & (key < kv_end)
-        blk = tl.load(bt_row + key // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-        base = blk * stride_kv_blk + (key % BLOCK_SIZE) * stride_kv_off + kv_head * stride_kv_h
-        k = tl.load(kv_ptr + base[None, :] + offs_d[:, None],
-                    mask=key_ok[None, :] & d_ok[:, None], other=0.0)  # [D_PAD, TILE_N]
-        if DOT_IEEE:  # fp32 inputs: full precision, not TF32
-            s = tl.dot(q, k, input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, k) * scale
-        if USE_SOFTCAP:
-            s = soft_cap * _tanh(s / soft_cap)
-        s = s * 1.4426950408889634  # log2(e): the softmax runs on exp2
-        visible = key_ok[None, :] & row_ok[:, None]
-        if CAUSAL:
-            visible = visible & (key[None, :] <= q_pos[:, None])
-        if USE_WINDOW:
-            visible = visible & (q_pos[:, None] - key[None, :] < sliding_window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # a row that has seen no key yet keeps m = -inf; subtract 0 instead to avoid inf - inf
-        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(kv_ptr + stride_kv_kv + base[:, None] + offs_d[None, :],
-                    mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [TILE_N, D_PAD]
-        if DOT_IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    split = tl.program_id(2)
+    tile_lo = kv_start // TILE_N + split * tiles_per_split
+    tile_hi = tl.minimum(tl.cdiv(kv_end, TILE_N), tile_lo + tiles_per_split)
+    if WHILE_LOOP:  # the interpreter (see the module docstring)
+        tile = tile_lo
+        while tile < tile_hi:
+            m_i, l_i, acc = _attend_tile(
+                tile, m_i, l_i, acc, q, q_pos, row_ok, d_ok, offs_d, kv_ptr, bt_row, kv_head,
+                kv_start, kv_end, scale, soft_cap, sliding_window, stride_kv_kv, stride_kv_blk,
+                stride_kv_off, stride_kv_h, BLOCK_SIZE, TILE_N, CAUSAL, USE_WINDOW, USE_SOFTCAP,
+                DOT_IEEE)
+            tile += 1
+    else:
+        for tile in range(tile_lo, tile_hi):
+            m_i, l_i, acc = _attend_tile(
+                tile, m_i, l_i, acc, q, q_pos, row_ok, d_ok, offs_d, kv_ptr, bt_row, kv_head,
+                kv_start, kv_end, scale, soft_cap, sliding_window, stride_kv_kv, stride_kv_blk,
+                stride_kv_off, stride_kv_h, BLOCK_SIZE, TILE_N, CAUSAL, USE_WINDOW, USE_SOFTCAP,
+                DOT_IEEE)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_off = tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & d_ok[None, :])
+    o_mask = row_ok[:, None] & d_ok[None, :]
+    if SPLIT:  # partial result of this split; lse in log2 units, -inf where no key was visible
+        tl.store(out_ptr + o_off + split * stride_os, out, mask=o_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + tok * stride_lt + head * stride_lh + split, lse, mask=row_ok)
+    else:
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _attend_tile(tile, m_i, l_i, acc, q, q_pos, row_ok, d_ok, offs_d, kv_ptr, bt_row, kv_head,
+                 kv_start, kv_end, scale, soft_cap, sliding_window, stride_kv_kv, stride_kv_blk,
+                 stride_kv_off, stride_kv_h, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+                 CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+                 DOT_IEEE: tl.constexpr):
+    """One TILE_N-key tile of the online softmax: returns the updated (m_i, l_i, acc)."""
+    key = tile * TILE_N + tl.arange(0, TILE_N)
+    # keys before kv_start are never loaded: their blocks may have been let go (any table entry)
+    key_ok = (key >= kv_start) & (key < kv_end)
+    blk = tl.load(bt_row + key // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+    base = blk * stride_kv_blk + (key % BLOCK_SIZE) * stride_kv_off + kv_head * stride_kv_h
+    k = tl.load(kv_ptr + base[None, :] + offs_d[:, None],
+                mask=key_ok[None, :] & d_ok[:, None], other=0.0)  # [D_PAD, TILE_N]
+    if DOT_IEEE:  # fp32 inputs: full precision, not TF32
+        s = tl.dot(q, k, input_precision="ieee") * scale
+    else:
+        s = tl.dot(q, k) * scale
+    if USE_SOFTCAP:
+        s = soft_cap * _tanh(s / soft_cap)
+    s = s * 1.4426950408889634  # log2(e): the softmax runs on exp2
+    visible = key_ok[None, :] & row_ok[:, None]
+    if CAUSAL:
+        visible = visible & (key[None, :] <= q_pos[:, None])
+    if USE_WINDOW:
+        visible = visible & (q_pos[:, None] - key[None, :] < sliding_window)
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # a row that has seen no key yet keeps m = -inf; subtract 0 instead to avoid inf - inf
+    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(kv_ptr + stride_kv_kv + base[:, None] + offs_d[None, :],
+                mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [TILE_N, D_PAD]
+    if DOT_IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
 
 
 def _config(group, head_dim, query_len_hint):
@@ -145,15 +184,23 @@ def _config(group, head_dim, query_len_hint):
     return block_m, tile_n, num_warps
 
 
+def _num_sms(t: torch.Tensor) -> int:
+    if not t.is_cuda:
+        return DEFAULT_NUM_SMS
+    return torch.cuda.get_device_properties(t.device).multi_processor_count
+
+
 def paged_attention_triton(q, kv_cache, query_start_loc, seq_lens, block_table, scale, causal=True,
                            sliding_window=None, soft_cap=None, max_query_len=None,
-                           max_seq_len=None):
+                           max_seq_len=None, num_kv_splits=None):
     """Triton paged attention; same inputs, outputs and semantics as `paged_attention_ref`.
 
     q [T, Hq, D]; kv_cache [num_blocks, 2, bs, Hkv, D] (bs a multiple of 16, last dim
     contiguous); query_start_loc [R+1], seq_lens [R], block_table [R, max_blocks] (int32).
     Returns out [T, Hq, D] in q's dtype; rows past query_start_loc[-1] are left unwritten.
-    max_query_len only picks the tile shape (no device sync); max_seq_len is unused.
+    max_query_len picks the tile shape; max_query_len and max_seq_len (host ints, no device sync)
+    pick the split-KV count by split_kv.kv_splits. num_kv_splits forces a count (1..MAX_SPLITS;
+    without max_seq_len it is read from seq_lens, a sync on the GPU).
     """
     check_attention_inputs(q, kv_cache, query_start_loc, seq_lens, block_table, sliding_window,
                            soft_cap)
@@ -167,6 +214,9 @@ def paged_attention_triton(q, kv_cache, query_start_loc, seq_lens, block_table, 
         raise ValueError("kv_cache's head_dim axis must be contiguous (stride 1)")
     if q.dtype != kv_cache.dtype:
         raise ValueError(f"q dtype {q.dtype} != kv_cache dtype {kv_cache.dtype}")
+    if num_kv_splits is not None and not (isinstance(num_kv_splits, int)
+                                          and 1 <= num_kv_splits <= MAX_SPLITS):
+        raise ValueError(f"num_kv_splits {num_kv_splits!r} must be an int in 1..{MAX_SPLITS}")
     q = q if q.stride(-1) == 1 else q.contiguous()
     block_table = block_table.to(torch.int32).contiguous()
     query_start_loc = query_start_loc.to(torch.int32)
@@ -179,20 +229,38 @@ def paged_attention_triton(q, kv_cache, query_start_loc, seq_lens, block_table, 
     hint = max_query_len if max_query_len is not None else -(-t // num_reqs)
     block_m, tile_n, num_warps = _config(group, d, hint)
     block_q = block_m // group
-    grid = (t // block_q + num_reqs, hkv)
+    # the most keys one program walks: the context, or the window (plus its tile of queries)
+    span = max_seq_len
+    if span is None and num_kv_splits not in (None, 1):
+        span = int(seq_lens.max())
+    if span is not None and sliding_window is not None:
+        span = min(span, int(sliding_window) + block_q + tile_n)
+    splits = num_kv_splits or kv_splits(num_reqs, hkv, max_query_len, span, _num_sms(q))
+    # 2**30 tiles: one share holds every tile (the bound never binds)
+    tiles_per_split = -(-(-(-span // tile_n) + 1) // splits) if splits > 1 else 1 << 30
+    if splits > 1:
+        dst = torch.empty((t, hq, splits, d), dtype=torch.float32, device=q.device)
+        lse = torch.empty((t, hq, splits), dtype=torch.float32, device=q.device)
+    else:
+        dst, lse = out, out  # lse unused
+    grid = (t // block_q + num_reqs, hkv, splits)
     guard = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
     with guard:
         _paged_attention_kernel[grid](
-            out, q, kv_cache, query_start_loc, seq_lens, block_table,
+            dst, lse, q, kv_cache, query_start_loc, seq_lens, block_table,
             float(scale), float(soft_cap or 0.0), int(sliding_window or 0), num_reqs,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            tiles_per_split, q.stride(0), q.stride(1), dst.stride(0), dst.stride(1),
+            dst.stride(2) if splits > 1 else 0, lse.stride(0) if splits > 1 else 0,
+            lse.stride(1) if splits > 1 else 0,
             kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
             block_table.stride(0),
             GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=d,
             D_PAD=triton.next_power_of_2(d), BLOCK_SIZE=bs, TILE_N=tile_n,
             CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None,
             USE_SOFTCAP=soft_cap is not None,
-            DOT_IEEE=q.dtype == torch.float32,
+            DOT_IEEE=q.dtype == torch.float32, SPLIT=splits > 1, WHILE_LOOP=interpreted(),
             num_warps=num_warps, num_stages=2,
         )
+    if splits > 1:
+        merge_splits(out, dst, lse)
     return out

@@ -1,8 +1,8 @@
 """Compile the engine's Triton launches for an H100/H200 (sm_90) on a machine without a GPU.
 
 A fake Triton driver reports GPUTarget("cuda", 90, 32); while it is active every `kernel[grid](...)`
-made by a launcher compiles through Triton's own pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin with
-the bundled ptxas) and returns without launching. Each compiled kernel is then measured against
+made by a launcher compiles through Triton's own pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin
+with the bundled ptxas) and returns without launching. Each compiled kernel is then measured against
 sm_90's limits: shared memory per block (227 KB usable of 228 KB) and register spills, read from
 `ptxas -v` on the kernel's PTX (the spill counts Triton itself only learns when loading the cubin).
 

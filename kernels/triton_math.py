@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import triton
@@ -25,3 +26,11 @@ def silu(x):
 def device_guard(t: torch.Tensor):
     """The CUDA device context of `t` for a launch, or nothing on CPU (TRITON_INTERPRET)."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def interpreted() -> bool:
+    """True when kernels run in Triton's interpreter (TRITON_INTERPRET=1). Loops then run as
+    `while` loops: Triton 3.6's interpreter takes no tensor, not even a scalar kernel argument, as
+    a range() bound. Decided by the mode, not by the tensors' device, so a compile-only run on CPU
+    tensors (sm90_compile) still compiles the `for` loops a GPU runs."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -5,7 +5,7 @@ compiled specialization (dtype, head dim, GQA group, decode / prefill, window, s
 size, state dtype, ...). The launcher itself picks tile sizes and warps, so compiling a variant
 compiles exactly what the engine would. Two users:
 - tests/kernels/test_compile_sm90.py compiles each variant for sm_90 (kernels/sm90_compile.py);
-- benchmarks/gpu_kernels.py launches each on the GPU as its warm-up, so no timing sees a JIT compile.
+- benchmarks/gpu_kernels.py launches each on the GPU as its warm-up: no timing sees a JIT compile.
 
 Adding a kernel is one `Entry` in ENGINE_KERNELS: its public op (the name of its input builder in
 INPUTS; a new op also adds one builder there), the module and function of the Triton launcher,
@@ -50,7 +50,7 @@ def paged_attention_inputs(dims, dtype, device, gen):
     """Decode: one token per request over ragged contexts; prefill: whole prompts."""
     hkv, d, bs = 2, dims["head_dim"], dims["block_size"]
     hq = hkv * dims["group"]
-    reqs = [(1, 40), (1, 17)] if dims["mode"] == "decode" else [(20, 40), (33, 33)]
+    reqs = [(20, 40), (33, 33)] if dims["mode"] == "prefill" else [(1, 40), (1, 17)]
     need = [math.ceil(s / bs) for _, s in reqs]
     kv = _randn(gen, device, dtype, sum(need) + 1, 2, bs, hkv, d)
     table = torch.zeros(len(reqs), max(need), dtype=torch.int32, device=device)
@@ -65,6 +65,8 @@ def paged_attention_inputs(dims, dtype, device, gen):
     kwargs = {"sliding_window": 24 if feature == "window" else None,
               "soft_cap": 30.0 if feature == "softcap" else None,
               "max_query_len": max(n for n, _ in reqs), "max_seq_len": max(s for _, s in reqs)}
+    if dims["mode"] == "split_decode":  # split-KV decode and its merge pass (split_kv.py)
+        kwargs["num_kv_splits"] = 4
     return (q, kv, qsl, lens, table, d ** -0.5), kwargs
 
 
@@ -214,11 +216,12 @@ _CONV_AXES = {"dim": (256, 40), "width": (4, 3, 2), "bias": (True, False),
 ENGINE_KERNELS = [
     Entry("paged_attention", "paged_attention_kernel", "paged_attention_triton",
           {"head_dim": (128, 64, 80, 96, 256), "group": (4, 1, 2, 8, 16),
-           "mode": ("decode", "prefill"), "feature": ("plain", "window", "softcap"),
+           "mode": ("decode", "prefill", "split_decode"), "feature": ("plain", "window", "softcap"),
            "block_size": (16, 32)},
           # round-robin order: the largest tiles land on bf16 and fp16 (spills count there)
           edges=({"head_dim": 256, "group": 1, "mode": "prefill", "feature": "softcap"},
                  {"head_dim": 64, "group": 16, "mode": "prefill"},
+                 {"head_dim": 256, "group": 8, "mode": "split_decode", "feature": "softcap"},
                  {"head_dim": 256, "group": 8, "mode": "prefill", "feature": "window",
                   "block_size": 32})),
     Entry("write_kv", "write_kv_kernel", "write_kv_triton",

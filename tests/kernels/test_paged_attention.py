@@ -122,7 +122,8 @@ def check_triton(reqs, bs, hkv, group, d, dtype, seed=0, pad_rows=0, **kw):
     q, kv, qsl, seq_lens, table, _ = make_batch(reqs, bs, hkv, group, d, dtype, seed, pad_rows)
     scale = d ** -0.5
     got = paged_attention_triton(q, kv, qsl, seq_lens, table, scale, **kw)
-    kw.pop("max_query_len", None)
+    for launch_only in ("max_query_len", "max_seq_len", "num_kv_splits"):
+        kw.pop(launch_only, None)
     want = paged_attention_ref(q, kv, qsl, seq_lens, table, scale, **kw)
     n = int(qsl[-1])
     assert got.dtype == dtype and got.shape == q.shape
@@ -180,6 +181,46 @@ def test_triton_non_causal():
     check_triton([(3, 20), (1, 1), (16, 16)], 16, 1, 4, 64, torch.float32, seed=12, causal=False)
 
 
+# Split-KV decode: ragged contexts of 1, block +-1 and several tiles, so some shares are empty.
+SPLIT_DECODE = [(1, 1), (1, 15), (1, 16), (1, 17), (1, 33), (1, 129), (1, 200)]
+
+
+@pytest.mark.parametrize("dtype,group,window,cap,splits", [
+    (torch.float32, 1, None, None, 2), (torch.float16, 4, None, None, 5),
+    (torch.float16, 8, 7, None, 3), (torch.float32, 4, 50, 1.5, 4),
+    (torch.float16, 2, None, 2.0, 9),
+])
+def test_triton_split_kv_decode(dtype, group, window, cap, splits):
+    check_triton(SPLIT_DECODE, 16, 2, group, 64, dtype, seed=30 + splits, max_query_len=1,
+                 max_seq_len=200, num_kv_splits=splits, sliding_window=window, soft_cap=cap)
+
+
+def test_triton_split_kv_mixed_batch_block_32():
+    # forced splits also hold for prefill rows (a share may see no key for some rows)
+    check_triton(MIXED, 32, 1, 4, 128, torch.float32, seed=31, num_kv_splits=3, sliding_window=20)
+
+
+def test_kv_splits_rule():
+    from hybridkv.kernels.split_kv import MAX_SPLITS, kv_splits
+    assert kv_splits(1, 8, 1, 32768, 132) == MAX_SPLITS == 32  # batch 1 x 32k: 8 programs alone
+    assert kv_splits(4, 8, 1, 4096, 132) == 8  # 32 programs, 4k keys: 8 shares of 512
+    assert kv_splits(64, 8, 1, 4096, 132) == 1  # 512 programs fill 132 SMs
+    assert kv_splits(1, 8, 16, 32768, 132) == 1  # prefill in the batch
+    assert kv_splits(1, 8, 1, 1000, 132) == 1  # short context
+    assert kv_splits(1, 8, 1, None, 132) == 1  # unknown length: no host sync to find it
+
+
+def test_auto_split_kv_on_long_decode(monkeypatch):
+    """The launcher applies the rule by itself: batch 1 x 1100 keys splits (here 2 shares)."""
+    import hybridkv.kernels.paged_attention_kernel as pak
+    chosen = []
+    real = pak.kv_splits
+    monkeypatch.setattr(pak, "kv_splits", lambda *a: chosen.append(real(*a)) or chosen[-1])
+    check_triton([(1, 1100)], 16, 2, 4, 64, torch.float16, seed=32, max_query_len=1,
+                 max_seq_len=1100)
+    assert chosen == [2]
+
+
 def test_public_api_dispatches(monkeypatch):
     reqs = [(2, 18), (1, 5)]
     q, kv, qsl, seq_lens, table, full = make_batch(reqs, 16, 1, 4, 64, torch.float32, seed=13)
@@ -199,6 +240,9 @@ def test_errors_name_the_problem():
         paged_attention_ref(q, kv, qsl, torch.tensor([99], dtype=torch.int32), table, 1.0)
     with pytest.raises(ValueError, match="multiple of 16"):
         paged_attention_triton(q, kv[:, :, :8], qsl, seq_lens, table, 1.0)
+    for bad in (0, 33, 2.0):
+        with pytest.raises(ValueError, match=f"num_kv_splits {bad!r} must be an int in 1..32"):
+            paged_attention_triton(q, kv, qsl, seq_lens, table, 1.0, num_kv_splits=bad)
 
 
 # Sliding window, window 24 over blocks of 16: the window edge falls inside a block. Prefill chunks
