@@ -136,6 +136,12 @@ def serve(args: argparse.Namespace) -> int:
             log.warning("no checkpoint given: serving the %s", TINY_NOTICE)
             path = build_tiny(d)
         name = args.served_model_name or (args.checkpoint or f"tiny-{TINY_FAMILY}-random")
+        if args.data_parallel_size != 1:  # N engine processes behind this server (server/replicas.py)
+            from hybridkv.server.replicas import run_replicas_server
+
+            return run_replicas_server(path, name, args.data_parallel_size, llm_kwargs(args), host=args.host,
+                                       port=args.port, api_key=args.api_key,
+                                       log_stats_interval=args.log_stats_interval)
         try:
             llm = LLM(path, **llm_kwargs(args))
         except (ValueError, OSError) as e:  # a bad option or checkpoint: say what, not a traceback
@@ -163,6 +169,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None, help="the model name clients send (default: the path)")
     s.add_argument("--log-level", default="info")
     s.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between engine stats lines")
+    s.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine processes (replicas) behind this server, with prefix-aware routing (default 1)")
     add_llm_args(s)
     return ap
 

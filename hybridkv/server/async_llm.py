@@ -100,9 +100,15 @@ class AsyncLLM:
         self._thread.start()
 
     @classmethod
-    def create(cls, model: str, log_stats_interval: float = 10.0, **llm_kwargs) -> "AsyncLLM":
-        """Build the `LLM(model, **llm_kwargs)` (the same options) and own it."""
+    def create(cls, model: str, log_stats_interval: float = 10.0, data_parallel_size: int = 1, **llm_kwargs):
+        """Build the `LLM(model, **llm_kwargs)` (the same options) and own it; data_parallel_size
+        != 1: a DataParallelLLM of that many engine processes (same interface, server/replicas.py)."""
         from hybridkv.llm import LLM
+
+        if data_parallel_size != 1:
+            from .replicas import DataParallelLLM
+
+            return DataParallelLLM(model, data_parallel_size, log_stats_interval, **llm_kwargs)
 
         return cls(LLM(model, **llm_kwargs), log_stats_interval)
 

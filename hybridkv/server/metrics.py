@@ -68,6 +68,24 @@ class _EngineCollector:
         yield self._counter("num_forks", "Sequences forked from a shared prompt (n > 1).", {"": s["forks"]})
         yield self._counter("num_aborted_requests", "Requests aborted (client gone or cancelled).",
                             {"": s["aborted"]})
+        if "replicas" in s:  # data-parallel replicas (server/replicas.py): the sums above, and each one
+            yield from self._per_replica(s["replicas"])
+
+    def _per_replica(self, replicas: list[dict]):
+        lab = ["model_name", "replica"]
+        for name, doc, value in (
+                ("replica_up", "1 while the data-parallel replica runs, 0 once it died.", lambda r: float(r["alive"])),
+                ("replica_num_requests_running", "Requests being computed, per replica.", lambda r: r["running"]),
+                ("replica_num_requests_waiting", "Requests waiting, per replica.", lambda r: r["waiting"]),
+                ("replica_kv_cache_usage_perc", "Fraction of KV blocks held, per replica.",
+                 lambda r: r["kv_blocks_used"] / (r["kv_blocks_total"] or 1)),
+                ("replica_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / looked up, "
+                 "per replica.", lambda r: r["prefix_hit_rate"])):
+            g = GaugeMetricFamily(_P + name, doc, labels=lab)
+            for r in replicas:
+                if r["alive"] or name == "replica_up":
+                    g.add_metric([self.model_name, str(r["replica"])], value(r))
+            yield g
 
 
 class ServerMetrics:

@@ -191,10 +191,12 @@ class DataParallelLLM:
             self._streams[request_id] = stream
         try:
             await self._ask(replica, "add", ids, params, request_id, priority, cache_salt)
-        except BaseException:
+        except BaseException as e:
             with self._lock:
                 self._streams.pop(request_id, None)
                 self.router.finished(request_id)
+            if not isinstance(e, (ValueError, TypeError)):  # cancelled or timed out: it may have been added
+                self._send(replica, ("abort", request_id))
             raise
         return RequestStream(self, request_id, params, stream)
 
@@ -233,7 +235,7 @@ class DataParallelLLM:
             elif msg[0] == "reply":
                 with self._lock:
                     fut = self._pending[i].pop(msg[1], None)
-                if fut is not None:
+                if fut is not None and not fut.cancelled():  # a caller that gave up cancels it
                     (fut.set_result if msg[2] else fut.set_exception)(msg[3])
         self._replica_died(i)
 
@@ -353,3 +355,28 @@ def _post(stream: _Stream, news) -> None:
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, news)
     except RuntimeError:  # the caller's event loop is gone
         pass
+
+
+def run_replicas_server(model: str, model_name: str, data_parallel_size: int, llm_kwargs: dict,
+                        host: str = "127.0.0.1", port: int = 8000, api_key: Optional[str] = None,
+                        log_stats_interval: float = 10.0) -> int:
+    """`hybridkv serve --data-parallel-size N`: serve N replicas of `model` over HTTP until
+    interrupted; 2 (after logging why) when the replicas cannot start."""
+    import uvicorn
+
+    from .app import create_app
+
+    try:
+        engine = DataParallelLLM(model, data_parallel_size, log_stats_interval, **llm_kwargs)
+    except (ValueError, TypeError, RuntimeError) as e:
+        log.error("cannot serve %s: %s", model, e)
+        return 2
+    f = engine.facts[0]
+    log.info("serving %r on http://%s:%d with %d data-parallel replicas (pids %s): %d KV blocks, %d state "
+             "slots each%s", model_name, host, port, data_parallel_size, ", ".join(str(x.pid) for x in engine.facts),
+             f.kv_blocks_total, f.state_slots_total, ", API key required" if api_key else "")
+    try:
+        uvicorn.run(create_app(engine, model_name, api_key), host=host, port=port, log_level="warning")
+    finally:
+        engine.close()
+    return 0

@@ -1,0 +1,240 @@
+"""Data-parallel replicas (server/replicas.py): two engine processes answer as one engine does, a
+shared prefix is routed to the replica that caches it, an imbalance migrates running requests
+without losing a token, and a killed replica fails its requests (no hang) while the other serves.
+
+The oracle is one offline `LLM` of the same checkpoint (greedy and seeded sampling are the same
+on any engine); the server test drives a real `hybridkv serve --data-parallel-size 2` process
+with the official openai client. Every wait is bounded.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from hybridkv import LLM, SamplingParams
+from hybridkv.server.replicas import DataParallelLLM
+
+ROOT = Path(__file__).resolve().parents[2]
+KW = dict(device="cpu", dtype="float32", block_size=16, memory_budget_bytes=8 << 20, max_num_seqs=2)
+WAIT_S = 60  # the most any one step of a test waits
+
+
+@pytest.fixture(scope="module")
+def one_engine(checkpoints):
+    return LLM(str(checkpoints["plain"]), **KW)
+
+
+@pytest.fixture(scope="module")
+def dp(checkpoints):
+    engine = DataParallelLLM(str(checkpoints["plain"]), 2, log_stats_interval=0, startup_timeout=240, **KW)
+    yield engine
+    engine.close()
+
+
+def _prompts(seed: int, n: int, prefix_len: int = 0, suffix_len: int = 12) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 120) for _ in range(prefix_len)]
+    return [prefix + [rng.randrange(3, 120) for _ in range(suffix_len)] for _ in range(n)]
+
+
+async def _stream(engine, ids, params, rid) -> tuple[list[int], list[list[int]]]:
+    """(all token ids, the token ids of each delta) of one request."""
+    deltas = []
+    async for d in engine.generate(ids, params, rid):
+        deltas.append(list(d.token_ids))
+    return [t for d in deltas for t in d], deltas
+
+
+def _run(engine, prompts, params, tag):
+    async def all_of_them():
+        return await asyncio.wait_for(asyncio.gather(
+            *(_stream(engine, ids, p, f"{tag}-{i}") for i, (ids, p) in enumerate(zip(prompts, params)))), WAIT_S)
+    return asyncio.run(all_of_them())
+
+
+def _offline(llm, prompts, params) -> list[list[int]]:
+    return [list(llm.generate([ids], p, use_tqdm=False)[0].outputs[0].token_ids) for ids, p in zip(prompts, params)]
+
+
+def _stats(engine) -> dict:
+    return asyncio.run(asyncio.wait_for(engine.stats(), WAIT_S))
+
+
+def test_two_replicas_answer_as_one_engine(dp, one_engine):
+    prompts = _prompts(1, 6)
+    params = [SamplingParams(max_tokens=12, temperature=0.0) if i % 2 else
+              SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=100 + i) for i in range(6)]
+    before = _stats(dp)["replicas"]
+    got = _run(dp, prompts, params, "same")
+    assert [g[0] for g in got] == _offline(one_engine, prompts, params)
+    after = _stats(dp)["replicas"]
+    served = [a["generated_tokens"] - b["generated_tokens"] for a, b in zip(after, before)]
+    assert all(s > 0 for s in served), f"the least-loaded rule should use both replicas: {served}"
+
+
+def test_shared_prefix_lands_on_one_replica_with_one_engines_hit_rate(dp, checkpoints):
+    prompts = _prompts(2, 5, prefix_len=80)
+    waves = [prompts[:1], prompts[1:3], prompts[3:]]
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    single = LLM(str(checkpoints["plain"]), **KW)
+    for wave in waves:
+        single.generate(wave, params, use_tqdm=False)
+    s1 = single.stats()
+    one_rate = s1["prefix_hit_tokens"] / s1["prefix_query_tokens"]
+    assert one_rate > 0.5, f"the workload must be one that caching helps: {s1}"
+
+    before = _stats(dp)
+    for k, wave in enumerate(waves):
+        _run(dp, wave, [params] * len(wave), f"prefix{k}")
+    after = _stats(dp)
+    queried = [a["prefix_query_tokens"] - b["prefix_query_tokens"] for a, b in zip(after["replicas"], before["replicas"])]
+    assert sorted(queried) == [0, sum(len(p) for p in prompts)], f"all on one replica: {queried}"
+    hits = after["prefix_hit_tokens"] - before["prefix_hit_tokens"]
+    assert hits / sum(queried) >= one_rate, (hits, sum(queried), one_rate)
+
+
+def test_imbalance_migrates_running_requests_without_losing_a_token(dp, one_engine):
+    """A cached prefix sends 4 requests to one replica that runs 2 at a time while the other idles:
+    running requests move (KV and state) and every stream equals the offline output, once each."""
+    prompts = _prompts(3, 5, prefix_len=64)
+    warm = SamplingParams(max_tokens=2, temperature=0.0)
+    _run(dp, prompts[:1], [warm], "warm")
+    params = [SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=48, temperature=0.8, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)]
+    before = _stats(dp)["migrations"]
+    got = _run(dp, prompts[1:], params, "move")
+    after = _stats(dp)["migrations"]
+    assert after["out"] > before["out"] and after["in"] - before["in"] == after["out"] - before["out"], (before, after)
+    ref = _offline(one_engine, prompts[1:], params)
+    for (tokens, deltas), want, p in zip(got, ref, params):
+        assert tokens == want and len(tokens) == p.max_tokens
+
+
+def test_bad_input_is_refused_and_nothing_stays(dp):
+    async def bad():
+        async for _ in dp.generate([5, 10 ** 6], SamplingParams(max_tokens=3), "bad"):
+            pass
+
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        asyncio.run(asyncio.wait_for(bad(), WAIT_S))
+    with pytest.raises(ValueError, match="data_parallel_size=0"):
+        DataParallelLLM("unused", 0)
+    s = _stats(dp)
+    assert s["running"] == 0 and s["waiting"] == 0 and not dp._streams
+
+
+# ---- a real `hybridkv serve --data-parallel-size 2` ---------------------------------------------
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _replica_pids(server_pid: int) -> list[int]:
+    """The server's spawned engine processes, oldest (replica 0) first."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = Path(f"/proc/{d}/cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == server_pid and b"spawn_main" in cmd:
+            pids.append(int(d))
+    return sorted(pids)
+
+
+def test_serve_data_parallel_answers_the_openai_client_and_survives_a_killed_replica(checkpoints, one_engine,
+                                                                                       tmp_path):
+    import openai
+
+    port = _free_port()
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "hybridkv", "serve", str(checkpoints["plain"]), "--port",
+                             str(port), "--data-parallel-size", "2", "--device", "cpu", "--dtype", "float32",
+                             "--memory-budget-mb", "8", "--max-num-seqs", "2", "--log-stats-interval", "0",
+                             "--served-model-name", "tiny"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up in 240 s"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=WAIT_S)
+        prompts = _prompts(4, 3)
+        greedy = SamplingParams(max_tokens=10, temperature=0.0)
+        for ids, want in zip(prompts, _offline(one_engine, prompts, [greedy] * 3)):
+            r = client.completions.create(model="tiny", prompt=ids, max_tokens=10, temperature=0,
+                                          extra_body={"return_token_ids": True})
+            assert r.choices[0].token_ids == want
+        assert 'hybridkv:replica_up{model_name="tiny",replica="1"} 1.0' in httpx.get(f"{base}/metrics").text
+
+        # two long streams, one per replica (least loaded); kill replica 1 while both run
+        results: dict[int, object] = {}
+        started = [threading.Event(), threading.Event()]
+
+        def stream(k: int, ids: list[int]) -> None:
+            got = 0
+            try:
+                for chunk in client.completions.create(model="tiny", prompt=ids, max_tokens=400, temperature=0,
+                                                       stream=True, extra_body={"ignore_eos": True}):
+                    got += 1
+                    started[k].set()
+                results[k] = got
+            except Exception as e:
+                results[k] = e
+            finally:
+                started[k].set()
+
+        threads = [threading.Thread(target=stream, args=(k, ids), daemon=True)
+                   for k, ids in enumerate(_prompts(5, 2))]
+        for t in threads:
+            t.start()
+        assert all(e.wait(WAIT_S) for e in started)
+        pids = _replica_pids(proc.pid)
+        assert len(pids) == 2, pids
+        os.kill(pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        for t in threads:
+            t.join(WAIT_S)
+        assert not any(t.is_alive() for t in threads), "a stream hung after its replica died"
+        errors = [r for r in results.values() if isinstance(r, Exception)]
+        assert len(errors) == 1 and "replica 1" in str(errors[0]), results
+        assert time.monotonic() - t0 < WAIT_S
+        health = httpx.get(f"{base}/health", timeout=5)
+        assert health.status_code == 503 and "replica 1" in health.text and "died" in health.text
+        r = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=10, temperature=0,
+                                      extra_body={"return_token_ids": True})  # the survivor serves on
+        assert r.choices[0].token_ids == _offline(one_engine, prompts[:1], [greedy])[0]
+        assert 'hybridkv:replica_up{model_name="tiny",replica="1"} 0.0' in httpx.get(f"{base}/metrics").text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+    assert not _replica_pids(proc.pid)
