@@ -54,6 +54,10 @@ def _check_types(config) -> None:
         for i, t in enumerate(values):
             if t not in allowed:
                 raise ValueError(f"{name}[{i}] is {t!r}; Kimi-Linear layers are one of {allowed}")
+    if getattr(config, "mla_use_nope", True) is not True:
+        # transformers' Kimi-Linear applies no rotary to its latent attention whatever this says
+        raise ValueError(f"config sets mla_use_nope={config.mla_use_nope!r}: only Kimi-Linear's "
+                         f"rotary-free latent attention (mla_use_nope: true) is supported")
     if config.num_key_value_heads != config.num_attention_heads:
         raise ValueError(f"num_key_value_heads={config.num_key_value_heads} differs from "
                          f"num_attention_heads={config.num_attention_heads}; latent attention expands "

@@ -50,6 +50,8 @@ def test_unknown_layer_types_are_refused():
     config.layer_types = ["linear_attention", "sliding_attention"] * 2
     with pytest.raises(ValueError, match=r"layer_types\[1\] is 'sliding_attention'"):
         KimiLinearModel(config)
+    with pytest.raises(ValueError, match="mla_use_nope=False"):
+        KimiLinearModel(tiny_config(mla_use_nope=False))
     cfg = dict(config.to_dict(), model_type="kimi_linear")
     with pytest.raises(ValueError, match="kimi_linear layer 1 has type 'sliding_attention'"):
         specs_from_config(cfg, torch.float32)
