@@ -115,7 +115,8 @@ def mamba1_scan_triton(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_loc
     ckpt = torch.empty((max(plan.num_ckpt, 1), d_inner, N), dtype=ssm_state.dtype,
                        device=x.device)
     block_n = max(2, triton.next_power_of_2(N))
-    block_d = max(2, min(triton.next_power_of_2(d_inner), max(16, 2048 // block_n)))
+    # 64 channels x 16 states per program: Jamba (d_inner 8192) gets 128 programs per request
+    block_d = max(2, min(triton.next_power_of_2(d_inner), max(16, 1024 // block_n)))
     R = slot_idx.shape[0]
     if R:
         with device_guard(x):
