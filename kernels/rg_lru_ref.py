@@ -29,7 +29,8 @@ def _decay_and_input(x, input_gate, recurrent_gate, recurrent_param, reset=None)
     return a, x.float() * input_gate.float() * multiplier
 
 
-def _check_widths(state, x, input_gate, recurrent_gate, recurrent_param):
+def check_widths(state, x, input_gate, recurrent_gate, recurrent_param):
+    """ValueError naming the input whose width differs from the pool's [S, W] (nothing changed)."""
     W = state.shape[-1]
     for name, t in (("x", x), ("input_gate", input_gate), ("recurrent_gate", recurrent_gate)):
         if t.shape[-1] != W:
@@ -44,7 +45,7 @@ def rg_lru_state_update_ref(state, x, input_gate, recurrent_gate, recurrent_para
     state [S, W] pool, float32, updated in place at `slot_idx [B]`; x, input_gate, recurrent_gate
     [B, W]; recurrent_param [W]. Returns y [B, W] in x.dtype (y is the new state).
     """
-    _check_widths(state, x, input_gate, recurrent_gate, recurrent_param)
+    check_widths(state, x, input_gate, recurrent_gate, recurrent_param)
     slots = slot_idx.long()
     a, xn = _decay_and_input(x, input_gate, recurrent_gate, recurrent_param)
     h = a * state[slots].float() + xn
@@ -63,7 +64,7 @@ def rg_lru_scan_ref(state, x, input_gate, recurrent_gate, recurrent_param, query
     request's start in this call). Returns y [T, W] in x.dtype, or (y, states) with states a list
     per request of [n_pos, W] tensors in state.dtype.
     """
-    _check_widths(state, x, input_gate, recurrent_gate, recurrent_param)
+    check_widths(state, x, input_gate, recurrent_gate, recurrent_param)
     spans = request_spans(query_start_loc, state.shape[0], slot_idx, has_initial_state)
     check_positions_arg(return_states_at, len(spans))
     reset = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)

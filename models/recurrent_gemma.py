@@ -32,13 +32,14 @@ MAX_MODEL_LEN = 1 << 20
 
 
 def tiny_config(**overrides):
-    """A 4-layer RecurrentGemmaConfig (recurrent, recurrent, attention, recurrent): width 48 (so
-    sqrt(48) is not a bfloat16 number and the embedding scale's rounding shows), window 24 (one and
-    a half blocks of 16), logits soft cap 2 (below the tiny model's logits, so the cap bites)."""
+    """A 4-layer RecurrentGemmaConfig (recurrent, recurrent, attention, recurrent): width 80 (so
+    sqrt(80) is not a bfloat16 number and the embedding scale's rounding shows), 5 heads of 16
+    sharing one KV head (MQA, as published), window 24 (one and a half blocks of 16), logits soft
+    cap 2 (below the tiny model's logits, so the cap bites)."""
     from transformers import RecurrentGemmaConfig
 
-    kw = dict(vocab_size=128, hidden_size=48, intermediate_size=192, num_hidden_layers=4,
-              num_attention_heads=4, num_key_value_heads=2, lru_width=48, attention_window_size=24,
+    kw = dict(vocab_size=128, hidden_size=80, intermediate_size=192, num_hidden_layers=4,
+              num_attention_heads=5, num_key_value_heads=1, lru_width=80, attention_window_size=24,
               conv1d_width=4, logits_soft_cap=2.0, rms_norm_eps=1e-6,
               pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
               architectures=[ARCHITECTURE])

@@ -5,7 +5,8 @@
 Per request it keeps the conv window (the last k-1 inputs of the conv, `[lru_width, k-1]`) and
 the RG-LRU state (`[lru_width]`, float32 as in transformers). Prefill chunks go through
 `causal_conv1d` and the varlen RG-LRU scan, decodes through `conv1d_update` and the one-token
-RG-LRU step; both read and write the pools in place through the requests' slots.
+RG-LRU step (Triton on CUDA, kernels/rg_lru.py); both read and write the pools in place through
+the requests' slots.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.kernels import causal_conv1d, conv1d_update
-from hybridkv.kernels.rg_lru_ref import rg_lru_scan_ref, rg_lru_state_update_ref
+from hybridkv.kernels.rg_lru import rg_lru_scan, rg_lru_state_update
 from hybridkv.specs import RecurrentSpec
 
 from .forward_batch import ForwardBatch
@@ -94,10 +95,10 @@ class RGLRUBlock(nn.Module):
         param = self.rg_lru.recurrent_param
 
         def decode(p, s):
-            return rg_lru_state_update_ref(lru_state, *p.chunk(3, dim=-1), param, s.decode_slots)
+            return rg_lru_state_update(lru_state, *p.chunk(3, dim=-1), param, s.decode_slots)
 
         def prefill(p, s):
-            return rg_lru_scan_ref(lru_state, *p.chunk(3, dim=-1), param, s.prefill_qsl,
+            return rg_lru_scan(lru_state, *p.chunk(3, dim=-1), param, s.prefill_qsl,
                                    s.prefill_slots, s.prefill_has_init)
 
         h = split.run(packed, decode=decode, prefill=prefill, out_dim=self.lru_width)

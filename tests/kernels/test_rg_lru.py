@@ -102,3 +102,43 @@ def test_bad_widths_are_refused_and_change_nothing():
     with pytest.raises(ValueError, match="slot index 9 is outside the state pool of 7 slots"):
         rg_lru_scan_ref(pool, x, x, x, torch.randn(W), qsl([3]), torch.tensor([9]), torch.tensor([True]))
     assert torch.equal(pool, before)
+
+
+# ---- Triton decode step against the reference (TRITON_INTERPRET=1 on CPU) ----
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+def test_triton_step_matches_reference(dtype, tol):
+    from hybridkv.kernels.rg_lru_kernel import rg_lru_state_update_triton
+
+    gen = torch.Generator().manual_seed(5)
+    B = 4
+    x = torch.randn(B, W, generator=gen).to(dtype)
+    gi, gr = (torch.rand(B, W, generator=gen).to(dtype) for _ in range(2))
+    param = torch.randn(W, generator=gen)
+    pool = torch.randn(SLOTS, W, generator=gen)  # float32 states beside fp16 inputs
+    before, ref_pool = pool.clone(), pool.clone()
+    slots = shuffled_slots(B, SLOTS, gen)
+    want = rg_lru_state_update_ref(ref_pool, x, gi, gr, param, slots)
+    got = rg_lru_state_update_triton(pool, x, gi, gr, param, slots)
+    assert got.dtype == dtype
+    assert rel_err(got, want) < tol and rel_err(pool, ref_pool) < 1e-5
+    assert untouched(before, pool, slots)
+    after = pool.clone()
+    with pytest.raises(ValueError, match="recurrent_gate has width 5"):
+        rg_lru_state_update_triton(pool, x, gi, gr[:, :5], param, slots)
+    assert torch.equal(pool, after)  # refused: nothing written
+
+
+def test_dispatcher_runs_both_backends(monkeypatch):
+    from hybridkv.kernels.rg_lru import rg_lru_state_update
+
+    gen = torch.Generator().manual_seed(6)
+    x, gi, gr = torch.randn(2, W, generator=gen), torch.rand(2, W, generator=gen), torch.rand(2, W, generator=gen)
+    param = torch.randn(W, generator=gen)
+    res = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("HYBRIDKV_BACKEND", backend)
+        pool = torch.randn(SLOTS, W, generator=torch.Generator().manual_seed(7))
+        res[backend] = (rg_lru_state_update(pool, x, gi, gr, param, torch.tensor([3, 1], dtype=torch.int32)), pool)
+    assert rel_err(res["triton"][0], res["torch"][0]) < 1e-5
+    assert rel_err(res["triton"][1], res["torch"][1]) < 1e-5
