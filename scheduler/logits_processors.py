@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 NEG_INF = float("-inf")
 
@@ -36,11 +37,11 @@ def mask_tokens(logits: torch.Tensor, banned: Sequence[Sequence[int]]) -> None:
 def token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int, device) -> torch.Tensor:
     """How often each token occurs in each list: [R, V] float32, one scatter_add over the lists
     padded with an extra id V (its column is dropped)."""
-    width = max((len(t) for t in token_lists), default=0)
     counts = torch.zeros(len(token_lists), vocab_size + 1, dtype=torch.float32, device=device)
-    if width:
-        padded = [list(t) + [vocab_size] * (width - len(t)) for t in token_lists]
-        ids = torch.tensor(padded, dtype=torch.long, device=device)
+    if any(len(t) for t in token_lists):
+        rows = [torch.tensor(t, dtype=torch.long) if len(t) else torch.empty(0, dtype=torch.long)
+                for t in token_lists]
+        ids = pad_sequence(rows, batch_first=True, padding_value=vocab_size).to(device)
         counts.scatter_add_(1, ids, torch.ones(ids.shape, dtype=torch.float32, device=device))
     return counts[:, :vocab_size]
 
