@@ -60,8 +60,12 @@ class LLM:
                  memory_budget_bytes: Optional[int] = None, gpu_memory_utilization: float = 0.9,
                  enable_prefix_caching: bool = True, preemption_mode: str = "auto",
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64,
-                 max_model_len: Optional[int] = None, seed: int = 0, **kwargs):
+                 max_model_len: Optional[int] = None, seed: int = 0, tensor_parallel_size: int = 1,
+                 **kwargs):
         _check_keywords(kwargs)
+        from hybridkv.parallel import TensorParallel, check_size
+
+        check_size(tensor_parallel_size, torch.device("cpu"))  # before anything loads
         self.config = EngineConfig(block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
                                    max_num_seqs=max_num_seqs, memory_budget_bytes=memory_budget_bytes,
                                    gpu_memory_utilization=gpu_memory_utilization,
@@ -71,6 +75,11 @@ class LLM:
         self.model_path = model
         self.model = load_model(model, device=device, dtype=_dtype(dtype), max_model_len=max_model_len)
         configure_cpu_threads(self.model.device)  # measured default; HYBRIDKV_CPU_THREADS overrides
+        self.tensor_parallel = None  # ranks 1..N-1 hold the other shards (hybridkv/parallel/)
+        if tensor_parallel_size != 1:
+            self.tensor_parallel = TensorParallel(
+                self.model, model, tensor_parallel_size, dtype=_dtype(dtype), max_model_len=max_model_len,
+                block_size=block_size, profile_tokens=min(256, max_num_batched_tokens))
         if max_model_len is not None:
             self.model.max_model_len = min(self.model.max_model_len or max_model_len, max_model_len)
         self.tokenizer = self.model.tokenizer
@@ -85,6 +94,8 @@ class LLM:
             checkpoint_policy=c.checkpoint_policy, checkpoint_every_n=c.checkpoint_every_n,
             checkpoint_eviction=c.checkpoint_eviction, fingerprint=self.model.fingerprint,
             flops_per_token=2.0 * params, max_num_batched_tokens=max_num_batched_tokens)
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.attach(self.manager)
         policy = PreemptionPolicy(preemption_mode, specs, block_size, self.profile, enable_prefix_caching)
         scheduler = Scheduler(self.manager, policy, max_num_batched_tokens, max_num_seqs)
         self.engine = Engine(self.model, self.manager, scheduler, seed=seed)
@@ -198,7 +209,19 @@ class LLM:
         """One engine step: the outputs of requests added with add_request that advanced, plus
         those that finished while generate() was stepping."""
         parked, self._parked = self._parked, []
-        return parked + self.engine.step()
+        out = self.engine.step()
+        self._check_ranks()
+        return parked + out
+
+    def _check_ranks(self) -> None:
+        """Raise RankFailedError when a tensor-parallel rank was lost (its requests failed)."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.check()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks 1..N-1 (nothing to do with one rank)."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -295,6 +318,7 @@ class LLM:
             with tqdm(total=len(keys), desc="generate", disable=not use_tqdm, unit="req") as bar:
                 while pending and self.engine.has_unfinished():
                     self._parked.extend(self.engine.step(finished_only=True))
+                    self._check_ranks()
                     for key in [k for k in self.engine.owned_done if k in pending]:
                         done[key] = self.engine.owned_done.pop(key)
                         pending.discard(key)

@@ -1,0 +1,217 @@
+"""Cut a loaded model to one tensor-parallel rank's shard, as vLLM does, in place.
+
+- Attention: q/k/v column-parallel by heads (KV heads replicated when fewer than ranks), o_proj
+  row-parallel, then an all-reduce. Per-head q/k norms and the output gate follow their heads.
+- Gated MLP: gate/up column-parallel, down row-parallel + all-reduce.
+- Sparse MoE: every expert's intermediate dimension is split (all experts on every rank, so
+  routing is unchanged); the shared expert likewise; ONE all-reduce after routed + gated shared
+  (the gate is a per-token scalar, so it commutes with the sum).
+- Mamba2: heads split (z, x, dt, A, D, conv channels, norm weight and SSM state with them); B/C
+  groups split with them, or replicated when one group serves all heads and no grouped norm spans
+  ranks. Out_proj row-parallel + all-reduce.
+- GDN (Qwen3-Next): key heads split, each with its value heads; conv channels (q | k | v) and the
+  state follow; out_proj row-parallel + all-reduce.
+- Embeddings and lm_head are replicated (every rank computes the full logits; rank 0 samples).
+Row-parallel biases stay on rank 0 only (they are added once by the sum).
+Returns each cache layer's ShardLayout(s), so pools can gather and scatter state shards.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from hybridkv.models.attention import PagedAttention
+from hybridkv.models.fused_linear import FusedLinear
+from hybridkv.models.gdn_mixer import GatedDeltaNetMixer
+from hybridkv.models.mamba2_mixer import Mamba2Mixer
+from hybridkv.models.mlp import GatedMLP
+from hybridkv.models.moe import SparseMoE
+from hybridkv.specs import AttentionSpec
+
+from .shard_layout import ShardLayout, split_count
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "BambaForCausalLM", "Qwen3NextForCausalLM",
+                           "Mamba2ForCausalLM")
+# What a cache layer's shard looks like: ("kv", heads layout) or ("rec", conv layout, state layout)
+CacheLayout = tuple
+
+
+def check_supported(architecture: str, size: int) -> None:
+    if size != 1 and architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"tensor_parallel_size={size} is not supported for {architecture}; tensor "
+                         f"parallelism covers {', '.join(SUPPORTED_ARCHITECTURES)} (use "
+                         f"tensor_parallel_size=1 for this family)")
+
+
+def _set(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    setattr(module, name, nn.Parameter(value.contiguous(), requires_grad=False))
+
+
+def _keep(t: torch.Tensor, layout: ShardLayout, rank: int, size: int, dim: int) -> torch.Tensor:
+    if t.shape[dim] != layout.full:
+        raise ValueError(f"tensor of shape {tuple(t.shape)} does not match the shard layout "
+                         f"({layout.full} at dim {dim})")
+    return layout.take(t, rank, size, dim)
+
+
+def _column(lin: nn.Linear, layout: ShardLayout, rank: int, size: int) -> None:
+    """Keep the output rows `layout` gives this rank."""
+    _set(lin, "weight", _keep(lin.weight.data, layout, rank, size, 0))
+    if lin.bias is not None:
+        _set(lin, "bias", _keep(lin.bias.data, layout, rank, size, 0))
+    lin.out_features = lin.weight.shape[0]
+
+
+def _row(lin: nn.Linear, layout: ShardLayout, rank: int, size: int) -> None:
+    """Keep the input columns `layout` gives this rank; the bias is added on rank 0 only."""
+    _set(lin, "weight", _keep(lin.weight.data, layout, rank, size, 1))
+    if lin.bias is not None and rank != 0:
+        _set(lin, "bias", torch.zeros_like(lin.bias.data))
+    lin.in_features = lin.weight.shape[1]
+
+
+def _rebuild_fused(module: nn.Module) -> None:
+    for name, v in vars(module).items():  # fused views of the old weights: rebuild from the shards
+        if isinstance(v, FusedLinear):
+            setattr(module, name, FusedLinear(v.linears))
+
+
+def _reduce_output(module: nn.Module, all_reduce: Callable) -> None:
+    module.register_forward_hook(lambda _m, _args, out: all_reduce(out))
+
+
+def shard_attention(m: PagedAttention, rank: int, size: int, all_reduce: Callable) -> CacheLayout:
+    H, Hkv, D = m.num_heads, m.num_kv_heads, m.head_dim
+    heads = split_count("num_attention_heads", H, size)
+    kv = split_count("num_key_value_heads", Hkv, size, replicate=True)
+    _column(m.q_proj, ShardLayout.of((H, heads, m.q_proj.out_features // H)), rank, size)
+    kv_rows = ShardLayout.of((Hkv, kv, D))
+    _column(m.k_proj, kv_rows, rank, size)
+    _column(m.v_proj, kv_rows, rank, size)
+    _row(m.o_proj, ShardLayout.of((H, heads, D)), rank, size)
+    m.num_heads, m.num_kv_heads = H // size, Hkv // kv
+    _rebuild_fused(m)
+    _reduce_output(m.o_proj, all_reduce)
+    return ("kv", ShardLayout.of((Hkv, kv)))
+
+
+def shard_mlp(m: GatedMLP, rank: int, size: int, all_reduce: Callable | None) -> None:
+    inter = m.gate_proj.out_features
+    split_count("intermediate_size", inter, size)
+    cols = ShardLayout.of((inter, size))
+    _column(m.gate_proj, cols, rank, size)
+    _column(m.up_proj, cols, rank, size)
+    _row(m.down_proj, cols, rank, size)
+    _rebuild_fused(m)
+    if all_reduce is not None:
+        _reduce_output(m.down_proj, all_reduce)
+
+
+def shard_moe(m: SparseMoE, rank: int, size: int, all_reduce: Callable) -> None:
+    e = m.experts
+    inter = e.down_proj.shape[2]
+    split_count("moe_intermediate_size", inter, size)
+    _set(e, "gate_up_proj", _keep(e.gate_up_proj.data, ShardLayout.of((inter, size), (inter, size)),
+                                  rank, size, 1))
+    _set(e, "down_proj", _keep(e.down_proj.data, ShardLayout.of((inter, size)), rank, size, 2))
+    if m.shared_expert is not None:
+        shard_mlp(m.shared_expert, rank, size, None)  # summed with the routed experts below
+    _reduce_output(m, all_reduce)
+
+
+def shard_mamba2(m: Mamba2Mixer, rank: int, size: int, all_reduce: Callable) -> CacheLayout:
+    H, P, G, N = m.num_heads, m.head_dim, m.n_groups, m.d_state
+    heads = split_count("mamba num_heads", H, size)
+    groups = split_count("mamba n_groups", G, size, replicate=m.norm is None)
+    xbc = ShardLayout.of((H, heads, P), (G, groups, N), (G, groups, N))
+    zxbcdt = ShardLayout.of((H, heads, P), (H, heads, P), (G, groups, N), (G, groups, N), (H, heads))
+    _column(m.in_proj, zxbcdt, rank, size)
+    _set(m.conv1d, "weight", _keep(m.conv1d.weight.data, xbc, rank, size, 0))
+    if m.conv1d.bias is not None:
+        _set(m.conv1d, "bias", _keep(m.conv1d.bias.data, xbc, rank, size, 0))
+    per_head = ShardLayout.of((H, heads))
+    for name in ("dt_bias", "A_log", "D"):
+        _set(m, name, _keep(getattr(m, name).data, per_head, rank, size, 0))
+    if m.norm is not None:
+        _set(m.norm, "weight", _keep(m.norm.weight.data, ShardLayout.of((H, heads, P)), rank, size, 0))
+    _row(m.out_proj, ShardLayout.of((H, heads, P)), rank, size)
+    m.num_heads, m.n_groups = H // size, G // groups
+    m.d_inner = m.num_heads * P
+    m.conv_dim = m.d_inner + 2 * m.n_groups * N
+    m.conv1d.in_channels = m.conv1d.out_channels = m.conv1d.groups = m.conv_dim
+    m._mup = None
+    _reduce_output(m.out_proj, all_reduce)
+    return ("rec", xbc, per_head)
+
+
+def shard_gdn(m: GatedDeltaNetMixer, rank: int, size: int, all_reduce: Callable) -> CacheLayout:
+    HK, HV, dk, dv = m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
+    k = split_count("linear_num_key_heads", HK, size)
+    r = HV // HK
+    _column(m.in_proj_qkvz, ShardLayout.of((HK, k, 2 * dk + 2 * r * dv)), rank, size)
+    _column(m.in_proj_ba, ShardLayout.of((HK, k, 2 * r)), rank, size)
+    conv = ShardLayout.of((HK, k, dk), (HK, k, dk), (HV, k, dv))
+    _set(m.conv1d, "weight", _keep(m.conv1d.weight.data, conv, rank, size, 0))
+    v_heads = ShardLayout.of((HV, k))
+    for name in ("dt_bias", "A_log"):
+        _set(m, name, _keep(getattr(m, name).data, v_heads, rank, size, 0))
+    _row(m.out_proj, ShardLayout.of((HV, k, dv)), rank, size)
+    m.num_k_heads, m.num_v_heads = HK // size, HV // size
+    m.key_dim, m.value_dim = m.num_k_heads * dk, m.num_v_heads * dv
+    m.conv_dim = 2 * m.key_dim + m.value_dim
+    m.conv1d.in_channels = m.conv1d.out_channels = m.conv1d.groups = m.conv_dim
+    _reduce_output(m.out_proj, all_reduce)
+    return ("rec", conv, v_heads)
+
+
+def shard_model(model, rank: int, size: int, all_reduce: Callable) -> dict[int, CacheLayout]:
+    """Cut `model` (a HybridModel, loaded whole) to rank's shard in place; returns
+    {cache layer index: its CacheLayout}. ValueError for a family or a shape that cannot be
+    split over `size` ranks (naming the value), before anything is cut."""
+    check_supported(model.architecture, size)
+    full_specs = model.cache_specs()
+    order = []  # modules holding cache layers, in layer order
+    moe_shared = set()
+    plan = []
+    for mod in model.modules():
+        if isinstance(mod, SparseMoE):
+            plan.append((shard_moe, mod))
+            if mod.shared_expert is not None:
+                moe_shared.add(id(mod.shared_expert))
+        elif isinstance(mod, GatedMLP) and id(mod) not in moe_shared:
+            plan.append((shard_mlp, mod))
+        elif isinstance(mod, (PagedAttention, Mamba2Mixer, GatedDeltaNetMixer)):
+            plan.append(({PagedAttention: shard_attention, Mamba2Mixer: shard_mamba2,
+                          GatedDeltaNetMixer: shard_gdn}[type(mod)], mod))
+            order.append(mod)
+    indices = sorted(full_specs)
+    if len(indices) != len(order) or any(
+            isinstance(full_specs[i], AttentionSpec) != isinstance(m, PagedAttention) for i, m in zip(indices, order)):
+        raise ValueError(f"{model.architecture}: its cache layers do not map one to one onto its "
+                         f"attention and mixer modules; tensor_parallel_size={size} is not supported")
+    _check_shapes(plan, size)
+    layouts = {}
+    for fn, mod in plan:
+        out = fn(mod, rank, size, all_reduce)
+        if out is not None:
+            layouts[indices[order.index(mod)]] = out
+    return layouts
+
+
+def _check_shapes(plan, size: int) -> None:
+    """Refuse before any weight is cut: every module's heads / groups / widths must split."""
+    for fn, m in plan:
+        if fn is shard_attention:
+            split_count("num_attention_heads", m.num_heads, size)
+            split_count("num_key_value_heads", m.num_kv_heads, size, replicate=True)
+        elif fn is shard_mamba2:
+            split_count("mamba num_heads", m.num_heads, size)
+            split_count("mamba n_groups", m.n_groups, size, replicate=m.norm is None)
+        elif fn is shard_gdn:
+            split_count("linear_num_key_heads", m.num_k_heads, size)
+        elif fn is shard_mlp:
+            split_count("intermediate_size", m.gate_proj.out_features, size)
+        elif fn is shard_moe:
+            split_count("moe_intermediate_size", m.experts.down_proj.shape[2], size)

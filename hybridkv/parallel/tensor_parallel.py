@@ -1,0 +1,151 @@
+"""Rank 0 of a tensor-parallel engine: start the other ranks, shard this model, send each step.
+
+    tp = TensorParallel(model, path, size, ...)   # after load_model, before profile_model
+    ... profile_model(model, ...); manager = HybridCacheManager(...)
+    tp.attach(manager)                             # mirror the pools, hook the forward
+    tp.check()                                     # raises RankFailedError once a rank is lost
+    tp.close()
+
+The LLM the user holds is rank 0: its scheduler and its memory manager decide; ranks 1..N-1
+(spawned processes, `worker.py`) hold their shards of the weights and of every pool and apply
+those decisions. Each forward on rank 0 first sends the journaled pool moves and the batch.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Optional
+
+import torch
+import torch.multiprocessing as mp
+
+from .group import RankFailedError, TensorParallelGroup, free_port
+from .mirrored_pools import Journal, mirror_pools
+from .sharding import check_supported, shard_model
+from .worker import MESSAGE_KEY, READY_KEY, WorkerArgs, batch_fields, run_worker
+
+
+def check_size(size, device: torch.device) -> None:
+    """ValueError naming tensor_parallel_size when it is not a positive int or the devices lack."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor_parallel_size={size!r} must be a positive integer (1: one device)")
+    if device.type == "cuda" and size > 1:
+        have = torch.cuda.device_count() - (device.index or 0)
+        if have < size:
+            raise ValueError(f"tensor_parallel_size={size} needs {size} CUDA devices from {device}; "
+                             f"{have} are visible")
+
+
+class TensorParallel:
+    """Rank 0's side of `size` ranks over torch.distributed (gloo on CPU, NCCL on CUDA)."""
+
+    def __init__(self, model, path: str, size: int, *, dtype, max_model_len: Optional[int],
+                 block_size: int, profile_tokens: int, timeout_s: float = 60.0):
+        check_size(size, model.device)
+        check_supported(model.architecture, size)
+        self.size = size
+        self.model = model
+        self.full_specs = model.cache_specs()
+        # cut rank 0 first: a shape that cannot split is refused before any process starts
+        self.layouts = shard_model(model, 0, size, lambda t: self.group.all_reduce(t))
+        port = free_port()
+        dev = model.device
+        ctx = mp.get_context("spawn")
+        self.procs = []
+        for r in range(1, size):
+            wdev = f"cuda:{(dev.index or 0) + r}" if dev.type == "cuda" else str(dev)
+            args = WorkerArgs(r, size, port, str(path), wdev, dtype, max_model_len, timeout_s,
+                              torch.get_num_threads(), block_size, profile_tokens)
+            p = ctx.Process(target=run_worker, args=(args,), daemon=True, name=f"hybridkv-tp-rank{r}")
+            p.start()
+            self.procs.append(p)
+        self._finalizer = weakref.finalize(self, _terminate, list(self.procs))
+        self.group: Optional[TensorParallelGroup] = None
+        self.failure: Optional[RankFailedError] = None
+        self._sent = 0
+        try:
+            self.group = TensorParallelGroup(0, size, port, dev, timeout_s)
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for r, p in enumerate(self.procs, start=1):
+            key = READY_KEY.format(rank=r)
+            while not self.group.store.check([key]):
+                if not p.is_alive():
+                    raise RankFailedError(f"tensor-parallel rank {r} exited (code {p.exitcode}) while loading")
+                if time.monotonic() > deadline:
+                    raise RankFailedError(f"tensor-parallel rank {r} did not load its shard within {timeout_s:g} s")
+                time.sleep(0.05)
+            answer = self.group.store.get(key).decode()
+            if answer != "ok":
+                raise RankFailedError(f"tensor-parallel rank {r} could not load its shard: {answer}")
+
+    # ---- after the manager exists ----------------------------------------------------------
+    def attach(self, manager) -> None:
+        """Size the other ranks' pools as rank 0's, mirror the pools, send each forward first."""
+        self.journal = Journal(self.group, self._send)
+        num_blocks = manager.attention.pool.num_blocks if manager.attention else 0
+        num_slots = manager.recurrent.states.num_slots if manager.recurrent else 0
+        self._send([("plan", num_blocks, num_slots, manager.block_size)])
+        mirror_pools(manager, self.journal, self.layouts, self.full_specs)
+        self.model.register_forward_pre_hook(self._before_forward)
+
+    def _before_forward(self, _module, args) -> None:
+        batch = args[0]
+        self._send(self.journal.take() + [("forward", batch_fields(batch))])
+
+    def _send(self, ops: list) -> None:
+        """Announce message n in the store, then broadcast it; a lost rank raises RankFailedError."""
+        self.check()
+        try:
+            for r, p in enumerate(self.procs, start=1):
+                if not p.is_alive():
+                    raise RankFailedError(f"tensor-parallel rank {r} of {self.size} exited (code "
+                                          f"{p.exitcode}); this engine cannot continue — create a new LLM")
+            self.group.store.set(MESSAGE_KEY.format(n=self._sent), b"1")
+            if self._sent >= 2:  # every rank is past it: message n-1 was a forward or a read
+                self.group.store.delete_key(MESSAGE_KEY.format(n=self._sent - 2))
+            self._sent += 1
+            self.group.broadcast_object(ops)
+        except RankFailedError as e:
+            self.failure = e
+            raise
+
+    def check(self) -> None:
+        """Raise the RankFailedError that ended this engine, if any (also one an all-reduce hit)."""
+        if self.failure is None and self.group is not None and self.group.failure is not None:
+            self.failure = self.group.failure
+        if self.failure is not None:
+            raise RankFailedError(str(self.failure))
+
+    def communication_bytes(self) -> dict:
+        """Bytes this rank sent or received per collective kind since start."""
+        return dict(self.group.bytes)
+
+    def close(self) -> None:
+        """Stop the other ranks (a 'stop' message, then terminate after a bounded join)."""
+        if self.group is not None and self.failure is None and all(p.is_alive() for p in self.procs):
+            try:
+                self._send([("stop",)])
+            except Exception:
+                pass
+        for p in self.procs:
+            p.join(timeout=5)
+        self._finalizer()
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        if self.failure is None:
+            self.failure = RankFailedError("this engine's tensor-parallel ranks were stopped (LLM.close()); "
+                                           "create a new LLM")
+
+
+def _terminate(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=5)

@@ -1,0 +1,118 @@
+"""Ranks 1..N-1 of a tensor-parallel engine: load the shard, then apply rank 0's messages forever.
+
+A worker owns no scheduler and no bookkeeping. Each message from rank 0 is a list of operations,
+applied in order: journaled pool moves (mirrored_pools.py), reads answered to rank 0, and
+`("forward", batch fields)`, which runs this rank's shard of the model on its own pools (the
+all-reduces inside meet rank 0's). `("stop",)` ends the loop. A worker waits for the next
+message in short store waits and exits when rank 0's process is gone.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+
+READY_KEY = "ready/{rank}"
+MESSAGE_KEY = "message/{n}"
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    rank: int
+    size: int
+    port: int
+    path: str
+    device: str
+    dtype: object
+    max_model_len: Optional[int]
+    timeout_s: float
+    num_threads: int
+    block_size: int
+    profile_tokens: int
+
+
+def batch_fields(batch) -> dict:
+    """A ForwardBatch as CPU tensors and plain values (kernel plans are rebuilt by each rank)."""
+    out = {}
+    for f in fields(batch):
+        if f.name == "kernel_plans":
+            continue
+        v = getattr(batch, f.name)
+        out[f.name] = v.cpu() if isinstance(v, torch.Tensor) else v
+    return out
+
+
+def _batch(values: dict, device: torch.device):
+    from hybridkv.models.forward_batch import ForwardBatch
+
+    return ForwardBatch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in values.items()})
+
+
+def _wait_message(group, n: int, parent: int) -> None:
+    """Block until rank 0 announces message n; exit when rank 0's process has gone."""
+    key = MESSAGE_KEY.format(n=n)
+    while True:
+        try:
+            group.store.wait([key], datetime.timedelta(seconds=1))
+            return
+        except Exception:
+            if os.getppid() != parent:
+                raise SystemExit(f"tensor-parallel rank {group.rank}: rank 0 is gone")
+
+
+def run_worker(args: WorkerArgs) -> None:
+    """The process entry of rank args.rank (torch.multiprocessing spawn)."""
+    from hybridkv.models import load_model
+    from hybridkv.scheduler.profiler import profile_model
+
+    from .group import TensorParallelGroup
+    from .mirrored_pools import ShardedPools
+    from .sharding import shard_model
+
+    torch.set_num_threads(args.num_threads)
+    parent = os.getppid()
+    device = torch.device(args.device)
+    group = TensorParallelGroup(args.rank, args.size, args.port, device, args.timeout_s)
+    ready = READY_KEY.format(rank=args.rank)
+    try:
+        model = load_model(args.path, device=device, dtype=args.dtype, max_model_len=args.max_model_len)
+        layouts = shard_model(model, args.rank, args.size, group.all_reduce)
+    except BaseException as e:
+        group.store.set(ready, f"error: {type(e).__name__}: {e}")
+        raise
+    group.store.set(ready, "ok")
+    profile_model(model, args.block_size, num_tokens=args.profile_tokens)  # rank 0 runs the same
+    pools, n = None, 0
+    try:
+        while True:
+            _wait_message(group, n, parent)
+            n += 1
+            ops = group.broadcast_object()
+            answers = []
+            for op in ops:
+                kind = op[0]
+                if kind == "stop":
+                    return
+                if kind == "plan":
+                    _, num_blocks, num_slots, block_size = op
+                    pools = ShardedPools(model.cache_specs(), layouts, args.rank, args.size, num_blocks,
+                                         num_slots, block_size, device)
+                elif kind == "forward":
+                    from hybridkv.models.forward_batch import ModelCaches
+
+                    caches = ModelCaches(kv=pools.blocks.kv, conv=pools.states.conv, state=pools.states.ssm,
+                                         block_size=pools.blocks.block_size)
+                    with torch.inference_mode():
+                        model(_batch(op[1], device), caches)
+                else:
+                    with torch.inference_mode():
+                        answer = pools.apply(op)
+                    if answer is not None:
+                        answers.append(answer)
+            for answer in answers:
+                group.gather_objects(answer)
+    finally:
+        group.close()
