@@ -64,6 +64,10 @@ def _check_options(config) -> None:
     act = config.hidden_activation
     if act != "gelu_pytorch_tanh":
         raise ValueError(f"hidden_activation={act!r}; RecurrentGemma runs 'gelu_pytorch_tanh' only")
+    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope != "default":
+        raise ValueError(f"rope_parameters.rope_type={rope!r}; RecurrentGemma (as transformers) "
+                         f"runs the 'default' rope only")
     if config.head_dim * config.num_attention_heads != config.hidden_size:
         raise ValueError(f"hidden_size={config.hidden_size} is not num_attention_heads="
                          f"{config.num_attention_heads} x head_dim={config.head_dim}")

@@ -77,6 +77,8 @@ def test_embedding_scale_soft_cap_and_window_each_change_the_logits(family_model
 @pytest.mark.parametrize("overrides, message", [
     (dict(block_types=["recurrent", "mlp"]), "block_types\\[1\\] is 'mlp'"),
     (dict(hidden_activation="relu"), "hidden_activation='relu'"),
+    (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
+     "rope_type='linear'"),
     (dict(lru_width=82), "lru_width=82 is not a multiple of num_attention_heads=5"),
 ])
 def test_configs_this_code_would_run_wrongly_are_refused(overrides, message):
