@@ -8,7 +8,7 @@ from transformers.generation import logits_process as hf
 
 from hybridkv import LLM, SamplingParams
 
-from engine_fixtures import assert_no_leaks, hf_model, ragged_prompts
+from engine_fixtures import assert_no_leaks, hf_model, ragged_prompts, tight_budget
 from model_harness import hf_logits
 from hybridkv.models.tiny import make_tiny_checkpoint
 
@@ -178,3 +178,28 @@ def test_penalized_seeded_request_migrates_through_bytes_unchanged(bamba):
 def test_new_sampling_params_refuse_junk_naming_the_value(kwargs, error, message):
     with pytest.raises(error, match=message):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_keeps_seeded_penalized_draws_and_prompt_logprobs(bamba, mode):
+    prompts = ragged_prompts(12, 128, seed=21)
+    params = [SamplingParams(temperature=0.9, seed=100 + i, max_tokens=24, ignore_eos=True, top_p=0.9,
+                             repetition_penalty=1.2, frequency_penalty=0.3, logit_bias={7: 1.0},
+                             prompt_logprobs=1 if i % 3 == 0 else None) for i in range(len(prompts))]
+    roomy = LLM(bamba[0], memory_budget_bytes=16 << 20).generate(prompts, params, use_tqdm=False)
+    probe = LLM(bamba[0], memory_budget_bytes=8 << 20)
+    budget = tight_budget(probe.model.cache_specs(), 16, blocks=10, slots=1 + 6 + 2)
+    tight = LLM(bamba[0], memory_budget_bytes=budget, max_num_seqs=6, preemption_mode=mode,
+                max_num_batched_tokens=32, checkpoint_share=0.0)
+    outs = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.stats()["preemptions"][mode] > 0, tight.stats()["preemptions"]
+    for got, want in zip(outs, roomy):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        if want.prompt_logprobs is None:
+            assert got.prompt_logprobs is None
+            continue
+        assert got.prompt_logprobs[0] is None and all(e is not None for e in got.prompt_logprobs[1:])
+        for g, w in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]):
+            assert g.keys() == w.keys()
+            assert all(g[t].logprob == pytest.approx(w[t].logprob, abs=1e-4) for t in w)
+    assert_no_leaks(tight)
