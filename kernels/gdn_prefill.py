@@ -31,42 +31,50 @@ def _gdn_chunk_prep(k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_len_pt
                     gcum_ptr, n_vheads, rep, key_dim, value_dim, s_kt, s_kh, s_vt, s_vh, s_gt,
                     s_gh, s_bt, s_bh,
                     PREC: tl.constexpr, LOG2_T: tl.constexpr, BLOCK_T: tl.constexpr,
-                    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                    BLOCK_KV: tl.constexpr):
+    # K and V are walked in BLOCK_KV column tiles: whole [L, 128] rows in fp32 spill registers
     c = tl.program_id(0)
     hv = tl.program_id(1)
     start = tl.load(chunk_start_ptr + c).to(tl.int64)
     length = tl.load(chunk_len_ptr + c)
     ts = tl.arange(0, BLOCK_T)
-    ks = tl.arange(0, BLOCK_K)
-    vs = tl.arange(0, BLOCK_V)
+    cols = tl.arange(0, BLOCK_KV)
     tmask = ts < length
     rows = start + ts
     in_ty = v_ptr.dtype.element_ty
-    kk = tl.load(k_ptr + rows[:, None] * s_kt + (hv // rep) * s_kh + ks[None, :],
-                 mask=tmask[:, None] & (ks[None, :] < key_dim), other=0.0).to(tl.float32)
-    vv = tl.load(v_ptr + rows[:, None] * s_vt + hv * s_vh + vs[None, :],
-                 mask=tmask[:, None] & (vs[None, :] < value_dim), other=0.0).to(tl.float32)
+    k_rows = k_ptr + rows[:, None] * s_kt + (hv // rep) * s_kh
     gg = tl.load(g_ptr + rows * s_gt + hv * s_gh, mask=tmask, other=0.0).to(tl.float32)
     bb = tl.load(beta_ptr + rows * s_bt + hv * s_bh, mask=tmask, other=0.0).to(tl.float32)
     G = tl.cumsum(gg, axis=0)
     tl.store(gcum_ptr + rows * n_vheads + hv, G, mask=tmask)
+    kkt = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
+    for k0 in range(0, key_dim, BLOCK_KV):
+        kt = tl.load(k_rows + k0 + cols[None, :],
+                     mask=tmask[:, None] & (k0 + cols[None, :] < key_dim), other=0.0)
+        kkt += tl.dot(kt, tl.trans(kt), input_precision=PREC)
     strict = ts[:, None] > ts[None, :]
-    kkt = tl.dot(kk.to(in_ty), tl.trans(kk).to(in_ty), input_precision=PREC)
     # M = -A (strictly lower, so nilpotent): (I + A)^-1 = (I + M)(I + M^2)(I + M^4)...
     M = tl.where(strict, -bb[:, None] * tl.exp(tl.where(strict, G[:, None] - G[None, :], 0.0))
                  * kkt, 0.0)
-    eye = tl.where(ts[:, None] == ts[None, :], 1.0, 0.0)
-    inv = eye + M
+    inv = tl.where(ts[:, None] == ts[None, :], 1.0, 0.0) + M
     for _ in tl.static_range(1, LOG2_T):
         M = tl.dot(M, M, input_precision="ieee")
         inv = inv + tl.dot(inv, M, input_precision="ieee")
-    kw = kk * (bb * tl.exp(G))[:, None]
-    w = tl.dot(inv.to(in_ty), kw.to(in_ty), input_precision=PREC)
-    u = tl.dot(inv.to(in_ty), (vv * bb[:, None]).to(in_ty), input_precision=PREC)
-    tl.store(w_ptr + (rows[:, None] * n_vheads + hv) * key_dim + ks[None, :], w,
-             mask=tmask[:, None] & (ks[None, :] < key_dim))
-    tl.store(u_ptr + (rows[:, None] * n_vheads + hv) * value_dim + vs[None, :], u,
-             mask=tmask[:, None] & (vs[None, :] < value_dim))
+    inv_in = inv.to(in_ty)
+    k_coef = bb * tl.exp(G)
+    for k0 in range(0, key_dim, BLOCK_KV):
+        kmask = tmask[:, None] & (k0 + cols[None, :] < key_dim)
+        kt = tl.load(k_rows + k0 + cols[None, :], mask=kmask, other=0.0).to(tl.float32)
+        w = tl.dot(inv_in, (kt * k_coef[:, None]).to(in_ty), input_precision=PREC)
+        tl.store(w_ptr + (rows[:, None] * n_vheads + hv) * key_dim + k0 + cols[None, :], w,
+                 mask=kmask)
+    for v0 in range(0, value_dim, BLOCK_KV):
+        vmask = tmask[:, None] & (v0 + cols[None, :] < value_dim)
+        vt = tl.load(v_ptr + rows[:, None] * s_vt + hv * s_vh + v0 + cols[None, :], mask=vmask,
+                     other=0.0).to(tl.float32)
+        u = tl.dot(inv_in, (vt * bb[:, None]).to(in_ty), input_precision=PREC)
+        tl.store(u_ptr + (rows[:, None] * n_vheads + hv) * value_dim + v0 + cols[None, :], u,
+                 mask=vmask)
 
 
 @triton.jit
@@ -202,7 +210,7 @@ def gdn_chunk_scan_triton(state, q, k, v, g, beta, query_start_loc, slot_idx, ha
     block_t = max(16, triton.next_power_of_2(chunk_size))
     block_k = max(16, triton.next_power_of_2(K))
     block_v_full = max(16, triton.next_power_of_2(V))
-    block_v = min(block_v_full, 64)
+    block_v = min(block_v_full, 64 if block_k <= 128 else 32)  # S [K, BV] fp32 in registers
     rep = HV // H
     with device_guard(v):
         if nc:
@@ -210,19 +218,19 @@ def gdn_chunk_scan_triton(state, q, k, v, g, beta, query_start_loc, slot_idx, ha
                 k, v, g, beta, plan.chunk_start, plan.chunk_len, w, u, gcum, HV, rep, K, V,
                 k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
                 beta.stride(0), beta.stride(1), PREC=prec, LOG2_T=block_t.bit_length() - 1,
-                BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_V=block_v_full)
+                BLOCK_T=block_t, BLOCK_KV=min(64, max(block_k, block_v_full)), num_warps=8)
         if slot_idx.shape[0]:
             _gdn_recurrence[(slot_idx.shape[0], HV, triton.cdiv(V, block_v))](
                 state, k, w, u, gcum, hstart, ckpt, plan.chunk_start, plan.chunk_len,
                 plan.chunk_ckpt, plan.req_first_chunk, plan.req_num_chunks, plan.req_slot,
                 plan.req_init, plan.req_write, plan.max_chunks, HV, rep, K, V, *state.stride(),
                 k.stride(0), k.stride(1), PREC=prec, BLOCK_T=block_t, BLOCK_K=block_k,
-                BLOCK_V=block_v)
+                BLOCK_V=block_v, num_warps=8)
         if nc:
             _gdn_chunk_output[(nc, HV, triton.cdiv(V, block_v))](
                 q, k, u, gcum, hstart, o, plan.chunk_start, plan.chunk_len, HV, rep, K, V,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1),
-                PREC=prec, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_V=block_v)
+                PREC=prec, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=8)
     if return_states_at is None:
         return o
     return o, gather_checkpoints(ckpt, plan)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import weakref
+
 import torch
 
 from .varlen import check_positions_arg, request_spans, state_cuts
@@ -49,7 +51,35 @@ class ScanPlan:
 
 def build_scan_plan(query_start_loc, slot_idx, has_initial_state, num_slots: int,
                     num_tokens: int, chunk_size: int, return_states_at, device) -> ScanPlan:
-    """Chunk list for `num_tokens` packed tokens; checks the same things as the references."""
+    """Chunk list for `num_tokens` packed tokens; checks the same things as the references.
+
+    The layers of one step pass the same query_start_loc / slot / flag tensors (models'
+    `SlotSplit`), so the last few plans are kept by those tensors' identity and version: one
+    device-to-host copy per step and chunk size, not one per layer.
+    """
+    tensors = (query_start_loc, slot_idx, has_initial_state)
+    key = (tuple(None if t is None else (id(t), t._version) for t in tensors), num_slots,
+           num_tokens, chunk_size, str(device),
+           None if return_states_at is None else tuple(tuple(int(p) for p in ps)
+                                                         for ps in return_states_at))
+    for i, (k, refs, plan) in enumerate(_RECENT):
+        if k == key and all(r is None if t is None else r() is t for r, t in zip(refs, tensors)):
+            _RECENT.insert(0, _RECENT.pop(i))
+            return plan
+    plan = _build(query_start_loc, slot_idx, has_initial_state, num_slots, num_tokens,
+                  chunk_size, return_states_at, device)
+    refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
+    _RECENT.insert(0, (key, refs, plan))
+    del _RECENT[_KEEP:]
+    return plan
+
+
+_KEEP = 8  # plans kept: a step's few chunk sizes (SSD, GDN, Mamba1 layers) with room to spare
+_RECENT: list = []
+
+
+def _build(query_start_loc, slot_idx, has_initial_state, num_slots, num_tokens, chunk_size,
+           return_states_at, device) -> ScanPlan:
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     init = (torch.ones_like(slot_idx, dtype=torch.int32) if has_initial_state is None

@@ -131,3 +131,22 @@ def test_public_api_dispatches_to_triton(monkeypatch):
     assert calls == [1]  # the Triton path ran once, the torch one without it
     assert rel_err(res["triton"][0], res["torch"][0]) < 2e-5
     assert rel_err(res["triton"][1], res["torch"][1]) < 2e-5
+
+
+def test_several_tiles_per_head():
+    """K = V = 70: two column tiles in the WY prep and two V blocks in the recurrence."""
+    gen = torch.Generator().manual_seed(6)
+    kd = vd = 70
+    lengths = [CS + 1, 3]
+    T = sum(lengths)
+    q, k = torch.randn(T, 1, kd, generator=gen), torch.randn(T, 1, kd, generator=gen)
+    v = torch.randn(T, 2, vd, generator=gen)
+    g = -F.softplus(torch.randn(T, 2, generator=gen))
+    beta = torch.randn(T, 2, generator=gen).sigmoid()
+    pool = torch.randn(4, 2, kd, vd, generator=gen)
+    ref_pool = pool.clone()
+    common = (qsl(lengths), torch.tensor([3, 1], dtype=torch.int32), torch.tensor([True, False]),
+              None, True, CS)
+    got = gdn_chunk_scan_triton(pool, q, k, v, g, beta, *common)
+    want = gdn_chunk_scan_ref(ref_pool, q, k, v, g, beta, *common)
+    assert rel_err(got, want) < 2e-5 and rel_err(pool, ref_pool) < 2e-5

@@ -138,3 +138,36 @@ def test_public_api_dispatches_to_triton(monkeypatch):
     assert calls == [1]  # the Triton path ran once, the torch one without it
     assert rel_err(res["triton"][0], res["torch"][0]) < 2e-5
     assert rel_err(res["triton"][1], res["torch"][1]) < 2e-5
+
+
+def test_plan_is_reused_for_the_same_tensors_and_rebuilt_when_they_change():
+    from hybridkv.kernels.scan_plan import build_scan_plan
+
+    q, s, i = qsl([3, 5]), torch.tensor([1, 2], dtype=torch.int32), torch.tensor([True, False])
+    first = build_scan_plan(q, s, i, SLOTS, 8, CS, None, "cpu")
+    assert build_scan_plan(q, s, i, SLOTS, 8, CS, None, "cpu") is first  # the next layer
+    assert build_scan_plan(q, s, i, SLOTS, 8, 2, None, "cpu") is not first  # another chunk size
+    s[1] = 4  # written in place: the version changes, so the plan is rebuilt
+    again = build_scan_plan(q, s, i, SLOTS, 8, CS, None, "cpu")
+    assert again is not first and again.req_slot.tolist() == [1, 4]
+
+
+def test_several_tiles_per_chunk_and_head():
+    """chunk_size 80 (two 64-row tiles, the second partial) and head_dim 70 (two P blocks)."""
+    gen = torch.Generator().manual_seed(6)
+    h, p, g, n, cs, cs_len = 2, 70, 1, 4, 80, 81
+    lengths = [cs_len, 3]
+    T = sum(lengths)
+    A = -torch.exp(torch.randn(h, generator=gen) * 0.5)
+    x, z = torch.randn(T, h, p, generator=gen), torch.randn(T, h, p, generator=gen)
+    dt = torch.randn(T, h, generator=gen) - 2.0  # small steps: the state keeps a long memory
+    B, C = torch.randn(T, g, n, generator=gen), torch.randn(T, g, n, generator=gen)
+    args = (x, dt, A, B, C, torch.randn(h, generator=gen), z, None)
+    pool = torch.randn(4, h, p, n, generator=gen)
+    ref_pool = pool.clone()
+    common = (qsl(lengths), torch.tensor([3, 1], dtype=torch.int32), torch.tensor([True, False]))
+    got, got_states = mamba2_chunk_scan_triton(pool, *args, *common, cs, True, [[70, cs_len], []])
+    want, want_states = mamba2_chunk_scan_ref(ref_pool, *args, *common, cs, True,
+                                              [[70, cs_len], []])
+    assert rel_err(got, want) < 2e-5 and rel_err(pool, ref_pool) < 2e-5
+    assert rel_err(got_states[0], want_states[0]) < 2e-5
