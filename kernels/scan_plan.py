@@ -58,6 +58,9 @@ def build_scan_plan(query_start_loc, slot_idx, has_initial_state, num_slots: int
     device-to-host copy per step and chunk size, not one per layer.
     """
     tensors = (query_start_loc, slot_idx, has_initial_state)
+    if any(t is not None and t.is_inference() for t in tensors):  # no version counter to key on
+        return _build(query_start_loc, slot_idx, has_initial_state, num_slots, num_tokens,
+                      chunk_size, return_states_at, device)
     key = (tuple(None if t is None else (id(t), t._version) for t in tensors), num_slots,
            num_tokens, chunk_size, str(device),
            None if return_states_at is None else tuple(tuple(int(p) for p in ps)
