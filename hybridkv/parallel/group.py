@@ -31,15 +31,22 @@ def free_port() -> int:
 class TensorParallelGroup:
     """This process's membership: `rank` of `size`, collectives with byte counters.
 
-    Rank 0 creates the store (`is_master`); ranks 1.. connect to it. `device` is where model
-    tensors live: a CUDA device selects NCCL for the model group.
+    Rank 0 creates the store (`is_master`); ranks 1.. connect to it and set `joined/<rank>`;
+    rank 0 calls `wait_for(store)` (which polls those keys and the processes) before the groups
+    rendezvous. `device` is where model tensors live: a CUDA device selects NCCL for the model group.
     """
 
-    def __init__(self, rank: int, size: int, port: int, device: torch.device, timeout_s: float = 60.0):
+    def __init__(self, rank: int, size: int, port: int, device: torch.device, timeout_s: float = 30.0,
+                 wait_for=None):
         self.rank, self.size, self.port = rank, size, port
         self.timeout_s = float(timeout_s)
         timeout = datetime.timedelta(seconds=self.timeout_s)
-        self.store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=timeout)
+        self.store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=timeout,
+                                   wait_for_workers=False)
+        if rank == 0 and wait_for is not None:
+            wait_for(self.store)  # every other rank has connected (or a clear error): no blind wait
+        else:
+            self.store.set(f"joined/{rank}", b"1")
         self.control = dist.ProcessGroupGloo(dist.PrefixStore("control", self.store), rank, size, timeout)
         self.model = self.control
         if torch.device(device).type == "cuda":

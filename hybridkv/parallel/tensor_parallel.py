@@ -12,6 +12,7 @@ those decisions. Each forward on rank 0 first sends the journaled pool moves and
 """
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from typing import Optional
@@ -36,11 +37,16 @@ def check_size(size, device: torch.device) -> None:
                              f"{have} are visible")
 
 
+START_TIMEOUT_S = 300.0  # spawn, import, load the shard: slow on a busy host, bounded all the same
+# every collective after start-up gives up after this long (HYBRIDKV_TP_TIMEOUT_S overrides)
+STEP_TIMEOUT_S = float(os.environ.get("HYBRIDKV_TP_TIMEOUT_S", "30"))
+
+
 class TensorParallel:
     """Rank 0's side of `size` ranks over torch.distributed (gloo on CPU, NCCL on CUDA)."""
 
     def __init__(self, model, path: str, size: int, *, dtype, max_model_len: Optional[int],
-                 block_size: int, profile_tokens: int, timeout_s: float = 60.0):
+                 block_size: int, profile_tokens: int, timeout_s: float = STEP_TIMEOUT_S):
         check_size(size, model.device)
         check_supported(model.architecture, size)
         self.size = size
@@ -57,31 +63,39 @@ class TensorParallel:
             args = WorkerArgs(r, size, port, str(path), wdev, dtype, max_model_len, timeout_s,
                               torch.get_num_threads(), block_size, profile_tokens)
             p = ctx.Process(target=run_worker, args=(args,), daemon=True, name=f"hybridkv-tp-rank{r}")
-            p.start()
+            quiet = os.environ.get("TORCH_CPP_LOG_LEVEL")
+            os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # the child's idle store waits time out each second
+            try:
+                p.start()
+            finally:
+                os.environ.pop("TORCH_CPP_LOG_LEVEL") if quiet is None else os.environ.update(TORCH_CPP_LOG_LEVEL=quiet)
             self.procs.append(p)
         self._finalizer = weakref.finalize(self, _terminate, list(self.procs))
         self.group: Optional[TensorParallelGroup] = None
         self.failure: Optional[RankFailedError] = None
         self._sent = 0
         try:
-            self.group = TensorParallelGroup(0, size, port, dev, timeout_s)
-            self._wait_ready(timeout_s)
+            self.group = TensorParallelGroup(0, size, port, dev, timeout_s,
+                                             wait_for=lambda store: self._wait_keys(store, "joined/{rank}"))
+            self._wait_keys(self.group.store, READY_KEY)
         except BaseException:
             self.close()
             raise
 
-    def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
+    def _wait_keys(self, store, key_format: str) -> None:
+        """Wait until every other rank has set its key ("ok" or an error) or exited: bounded by
+        START_TIMEOUT_S, and at once when a rank's process is gone."""
+        deadline = time.monotonic() + START_TIMEOUT_S
         for r, p in enumerate(self.procs, start=1):
-            key = READY_KEY.format(rank=r)
-            while not self.group.store.check([key]):
+            key = key_format.format(rank=r)
+            while not store.check([key]):
                 if not p.is_alive():
-                    raise RankFailedError(f"tensor-parallel rank {r} exited (code {p.exitcode}) while loading")
+                    raise RankFailedError(f"tensor-parallel rank {r} exited (code {p.exitcode}) while starting")
                 if time.monotonic() > deadline:
-                    raise RankFailedError(f"tensor-parallel rank {r} did not load its shard within {timeout_s:g} s")
+                    raise RankFailedError(f"tensor-parallel rank {r} did not start within {START_TIMEOUT_S:g} s")
                 time.sleep(0.05)
-            answer = self.group.store.get(key).decode()
-            if answer != "ok":
+            answer = store.get(key).decode()
+            if answer not in ("ok", "1"):
                 raise RankFailedError(f"tensor-parallel rank {r} could not load its shard: {answer}")
 
     # ---- after the manager exists ----------------------------------------------------------

@@ -1,0 +1,134 @@
+"""Tensor parallelism over torch.distributed (gloo, 2 processes): a TP=2 engine's greedy tokens equal
+a TP=1 engine's through chunked prefill, preemption (recompute and swap), a prefix hit and migration
+in both directions; a killed rank fails the LLM with a clear error within the step timeout."""
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+
+from hybridkv import LLM
+from hybridkv.models.tiny import make_tiny_checkpoint
+from hybridkv.parallel import RankFailedError
+from hybridkv.parallel.shard_layout import ShardLayout
+
+from engine_fixtures import assert_no_leaks, greedy, tight_budget
+
+FAMILIES = ["llama", "bamba", "qwen3_next", "mamba2"]
+RNG = random.Random(1)
+PROMPTS = [[RNG.randrange(4, 128) for _ in range(n)] for n in (7, 20, 35, 41)]
+SHARED = [RNG.randrange(4, 128) for _ in range(40)]
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """Engines by (family, tp), built once per module and closed at its end."""
+    engines = {}
+    yield engines
+    for llm in engines.values():
+        llm.close()
+
+
+def _engine(made, tmp_path_factory, family: str, tp: int) -> LLM:
+    if (family, tp) not in made:
+        path = tmp_path_factory.getbasetemp() / f"tp-{family}"
+        if not (path / "config.json").exists():
+            make_tiny_checkpoint(family, path)
+        probe = made.get((family, 1))
+        specs = (probe or LLM(str(path), memory_budget_bytes=8 << 20)).model.cache_specs()
+        # the same blocks and slots on every rank as on one device: each rank's shard is half
+        budget = tight_budget(specs, 16, 7, 4) // tp
+        made[(family, tp)] = LLM(str(path), memory_budget_bytes=budget, max_num_batched_tokens=16,
+                                 max_num_seqs=4, preemption_mode="recompute", tensor_parallel_size=tp)
+    return made[(family, tp)]
+
+
+def _finish(llm, rid):
+    out = None
+    while llm.has_unfinished_requests():
+        for o in llm.step():
+            if o.finished and o.request_id == rid:
+                out = o.outputs[0].token_ids
+    return out
+
+
+def _scenario(llm, other) -> dict:
+    """Everything a TP=2 engine must do as a TP=1 engine does; `other` is the far side of migrations."""
+    got = {}
+    llm.engine.scheduler.policy.mode = "recompute"
+    got["recompute"] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(14), use_tqdm=False)]
+    llm.engine.scheduler.policy.mode = "swap"  # one engine per family: the policy's mode is switched
+    got["swap"] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(14), use_tqdm=False)]
+    llm.generate([SHARED + [5, 6, 7]], greedy(3), use_tqdm=False)
+    got["prefix"] = llm.generate([SHARED + [9, 10]], greedy(6), use_tqdm=False)[0].outputs[0].token_ids
+    s = llm.stats()
+    got["stats"] = (s["kv_blocks_total"], s["state_slots_total"], s["preemptions"], s["swaps"],
+                    s["prefix_hit_tokens"])
+    # migration out: mid-decode from this engine to `other`, and back in from `other`
+    llm.add_request(PROMPTS[2], greedy(12), request_id="out")
+    other.add_request(PROMPTS[3], greedy(12), request_id="in")
+    for _ in range(5):
+        llm.step()
+        other.step()
+    other.import_request(llm.export_request("out"))
+    llm.import_request(other.export_request("in"))
+    got["migrated_out"], got["migrated_in"] = _finish(other, "out"), _finish(llm, "in")
+    assert_no_leaks(llm)
+    return got
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tp2_greedy_equals_tp1(made, tmp_path_factory, family):
+    one = _engine(made, tmp_path_factory, family, 1)
+    ref_side = LLM(one.model_path, memory_budget_bytes=16 << 20, max_num_batched_tokens=16)
+    want = _scenario(one, ref_side)
+    two = _engine(made, tmp_path_factory, family, 2)
+    got = _scenario(two, ref_side)
+    assert got == want
+    blocks, slots, preemptions, swaps, hits = got["stats"]
+    assert hits > 0 and (blocks == 0 or preemptions["recompute"] > 0 and swaps > 0), got["stats"]
+    comm = two.tensor_parallel.communication_bytes()
+    assert comm["all_reduce"] > 0 and comm["broadcast"] > 0 and comm["gather"] > 0  # swaps gathered shards
+
+
+def test_killed_rank_fails_with_a_clear_error(made, tmp_path_factory):
+    llm = _engine(made, tmp_path_factory, "llama", 2)
+    rid = llm.add_request(PROMPTS[1], greedy(30))
+    llm.step()
+    worker = llm.tensor_parallel.procs[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(timeout=10)
+    t0 = time.monotonic()
+    with pytest.raises(RankFailedError, match="tensor-parallel rank 1 of 2 exited"):
+        while llm.has_unfinished_requests():
+            llm.step()
+    assert time.monotonic() - t0 < 60
+    with pytest.raises(RankFailedError):  # and it stays failed, no hang
+        llm.generate([PROMPTS[0]], greedy(2), use_tqdm=False)
+    assert rid
+
+
+def test_bad_tensor_parallel_size_is_refused_before_anything_starts(tmp_path):
+    path = str(make_tiny_checkpoint("llama", tmp_path / "llama"))
+    for bad in (0, -1, 1.5, "2", True):
+        with pytest.raises(ValueError, match="tensor_parallel_size"):
+            LLM(path, tensor_parallel_size=bad)
+    with pytest.raises(ValueError, match=r"num_attention_heads=4 cannot be split over tensor_parallel_size=3"):
+        LLM(path, tensor_parallel_size=3)
+    mamba1 = str(make_tiny_checkpoint("mamba", tmp_path / "mamba"))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 is not supported for MambaForCausalLM"):
+        LLM(mamba1, tensor_parallel_size=2)
+
+
+def test_shard_layout_takes_and_merges_split_and_replicated_segments():
+    g = torch.Generator().manual_seed(0)
+    layout = ShardLayout.of((4, 2, 3), (1, 1, 5), (2, 2))  # heads split, one group replicated, dt split
+    full = torch.randn(6, layout.full, generator=g)
+    shards = [layout.take(full, r, 2, 1) for r in range(2)]
+    assert [s.shape[1] for s in shards] == [6 + 5 + 1] * 2
+    assert torch.equal(shards[0][:, 6:11], full[:, 12:17]) and torch.equal(shards[1][:, 6:11], full[:, 12:17])
+    assert torch.equal(layout.merge(shards, 1), full)
+    kv = ShardLayout.of((1, 1))  # one KV head over 4 ranks: every rank holds it
+    assert torch.equal(kv.merge([kv.take(full[:, :1], r, 4, 1) for r in range(4)], 1), full[:, :1])
