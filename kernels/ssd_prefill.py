@@ -204,11 +204,13 @@ def mamba2_chunk_scan_triton(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_sta
     decay = torch.empty((max(nc, 1), H), dtype=f32, device=dev)
     cstate = torch.empty((max(nc, 1), H, P, N), dtype=f32, device=dev)
     hstart = torch.empty_like(cstate)
-    prec = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32: ignored for fp16/bf16
+    ieee_fp32 = x.dtype == torch.float32
+    prec = "ieee" if ieee_fp32 else "tf32"  # tf32: ignored for fp16/bf16
     block_c = max(16, triton.next_power_of_2(chunk_size))
     block_h = max(1, min(triton.next_power_of_2(H), 4096 // block_c))
-    block_l = min(64, block_c)
-    block_p = max(16, min(64, triton.next_power_of_2(P)))
+    big = 32 if ieee_fp32 else 64  # exact fp32 operands take twice the registers: half tiles
+    block_l = min(big, block_c)
+    block_p = max(16, min(big, triton.next_power_of_2(P)))
     block_n = max(16, triton.next_power_of_2(N))
     block_e = min(1024, triton.next_power_of_2(P * N))
     lo, hi = (0.0, float("inf")) if dt_limit is None else (float(dt_limit[0]), float(dt_limit[1]))
