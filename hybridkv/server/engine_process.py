@@ -1,6 +1,6 @@
 """One data-parallel replica: a process that owns an `LLM` and its engine loop, driven over a pipe.
 
-    process = ctx.Process(target=replica_main, args=(index, child_conn, model, llm_kwargs, interval))
+    process = ctx.Process(target=replica_main, args=(index, child_conn, model, llm_kwargs, interval, level))
 
 The process builds its own `LLM` (which sets torch's threads as hybridkv/cpu_threads.py says)
 and runs `AsyncLLM`'s engine thread unchanged; what differs is where a request's news goes: to
@@ -134,11 +134,15 @@ class ReplicaEngine(AsyncLLM):
         self._streams[moved.request_id] = _Stream(sink, sink, dict(moved.sent), set(), moved.prompt_logged)
 
 
-def replica_main(index: int, conn, model: str, llm_kwargs: dict, log_stats_interval: float) -> None:
-    """The body of replica process `index` (multiprocessing spawn target)."""
+def replica_main(index: int, conn, model: str, llm_kwargs: dict, log_stats_interval: float,
+                 log_level: int = logging.WARNING) -> None:
+    """The body of replica process `index` (multiprocessing spawn target); logs at the parent's
+    level, each line tagged with the replica."""
     import os
 
     from hybridkv.llm import LLM
+
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s replica {index} %(name)s: %(message)s")
 
     lock = threading.Lock()  # the engine thread and this one both send
 

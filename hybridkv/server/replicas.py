@@ -54,7 +54,8 @@ class DataParallelLLM:
         self._conns, self._procs = [], []
         for i in range(data_parallel_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=replica_main, args=(i, child, model, llm_kwargs, log_stats_interval),
+            p = ctx.Process(target=replica_main, args=(i, child, model, llm_kwargs, log_stats_interval,
+                                                       logging.getLogger().getEffectiveLevel()),
                             name=f"hybridkv-replica-{i}", daemon=True)
             p.start()
             child.close()  # only the child holds its end: its death closes the pipe here
