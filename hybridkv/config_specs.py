@@ -13,7 +13,8 @@ MoE blocks keep nothing and get no key; the SSM state in `mamba_ssm_cache_dtype`
 lfm2_moe (short conv, window only, or attention per `layer_types`), falcon_h1 (attention AND
 Mamba2 in every layer: key `i` and key `num_hidden_layers + i`), zamba2 / zamba (Mamba2 /
 multi-head Mamba1 state at key `i` for every layer; the shared attention block's KV of each
-hybrid layer i at key `num_hidden_layers + i`), qwen3_5 / qwen3_5_moe
+hybrid layer i at key `num_hidden_layers + i`), olmo_hybrid (GDN or attention per
+`layer_types`), qwen3_5 / qwen3_5_moe
 (Qwen3-Next's GDN and attention per `layer_types`; the `_text` model types, or the published
 multimodal config whose `text_config` holds them), mamba / falcon_mamba (Mamba1 state in every
 layer, no attention), mamba2 (Mamba2 state in every layer, no attention) and recurrent_gemma
@@ -224,6 +225,16 @@ def _qwen3_5(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
     return {i: attn if k == "a" else gdn for i, k in enumerate(kinds)}
 
 
+def _olmo_hybrid(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
+    c = hf_config(cfg)
+    kinds = _layer_kinds(c.layer_types, {"linear_attention": "g", "full_attention": "a"}, "olmo_hybrid")
+    nk, nv = c.linear_num_key_heads, c.linear_num_value_heads
+    dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+    gdn = RecurrentSpec((2 * nk * dk + nv * dv, c.linear_conv_kernel_dim - 1), (nv, dk, dv), dtype)
+    attn = AttentionSpec(c.num_key_value_heads, _head_dim(c), dtype)
+    return {i: attn if k == "a" else gdn for i, k in enumerate(kinds)}
+
+
 def _mamba(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
     c = hf_config(cfg)
     d_inner = c.intermediate_size
@@ -275,7 +286,7 @@ _BUILDERS = {"bamba": _bamba, "jamba": _jamba, "qwen3_next": _qwen3_next,
              "falcon_h1": _falcon_h1, "zamba2": _zamba2, "zamba": _zamba,
              **dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), _qwen3_5),
              "mamba": _mamba, "falcon_mamba": _mamba, "mamba2": _mamba2_only,
-             "recurrent_gemma": _recurrent_gemma, "minimax": _minimax,
+             "recurrent_gemma": _recurrent_gemma, "olmo_hybrid": _olmo_hybrid, "minimax": _minimax,
              "kimi_linear": _kimi_linear}
 
 

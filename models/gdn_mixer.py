@@ -21,6 +21,8 @@ class GatedDeltaNetMixer(nn.Module):
     """GDN token mixer. num_k_heads x head_k_dim for q and k, num_v_heads x head_v_dim for v and z;
     num_v_heads must be a multiple of num_k_heads (each key head serves a group of value heads)."""
 
+    beta_scale = 1.0  # OLMo-Hybrid's allow_neg_eigval sets 2: beta in (0, 2)
+
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
                  head_v_dim: int, conv_kernel: int, eps: float, activation: str = "silu"):
         super().__init__()
@@ -78,7 +80,7 @@ class GatedDeltaNetMixer(nn.Module):
             prefill=lambda xp, s: causal_conv1d(xp, conv_state, weight, None, s.prefill_qsl,
                                                 s.prefill_slots, s.prefill_has_init),
         )
-        beta = b.sigmoid()
+        beta = b.sigmoid() * self.beta_scale
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
 
         # One packed row per token so the split gathers every per-token input at once.

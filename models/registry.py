@@ -26,6 +26,7 @@ _ARCHITECTURES: dict[str, str] = {
     "RecurrentGemmaForCausalLM": "recurrent_gemma",
     "Lfm2MoeForCausalLM": "lfm2_moe",
     "ZambaForCausalLM": "zamba",
+    "OlmoHybridForCausalLM": "olmo_hybrid",
     "MiniMaxForCausalLM": "minimax",
     "KimiLinearForCausalLM": "kimi_linear",
 }

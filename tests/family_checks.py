@@ -120,6 +120,9 @@ FAMILIES = {f.name: f for f in [
            names=("model.layers.1.feed_forward.experts.0.w1.weight", "feed_forward.experts.gate_up_proj")),
     # multi-head Mamba1 + ONE shared attention block (its own KV cache per hybrid layer)
     Family("zamba", seed=10, make=tiny_zamba, engine=(ENGINE_LENGTHS, 40)),
+    # GDN (beta up to 2) beside post-norm attention with whole-projection q/k norms
+    Family("olmo_hybrid", seed=12, engine=(ENGINE_LENGTHS, 40),
+           names=("model.layers.0.linear_attn.q_conv1d.weight", "linear_attn.conv1d.weight")),
     # lightning attention (a decayed matrix state, no conv window) beside softmax attention, MoE
     Family("minimax", seed=9, engine=(ENGINE_LENGTHS, 40),
            names=("model.layers.0.block_sparse_moe.experts.0.w1.weight", "mlp.experts.gate_up_proj")),
