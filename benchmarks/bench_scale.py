@@ -12,6 +12,11 @@ all submitted at once. Reported per configuration: median [min-max] over repeats
 - CPU ms per output token: time.process_time of this process plus the replicas' own CPU time
   (utime + stime from /proc/<pid>/stat), so the pipes, pickling and router are counted;
 - TTFT: submit -> first delta, median over the repeat's requests (wall time).
+Tensor-parallel row: the same in-process engine with tensor_parallel_size=2 (rank 1 a spawned
+process, gloo all-reduces; hybridkv/parallel/), so the "1 engine" row is its TP=1 baseline; its CPU
+time includes rank 1's. Communication bytes per decode step per rank: all-reduce + broadcast bytes
+counted by the process group over 8 steps where every request decodes (CPU tensors; on NCCL the
+all-reduce bytes are the same, the broadcast of rank 0's decisions stays on gloo).
 torch runs 1 thread in every process. On a 2-core machine two replicas share the cores with each
 other and the client: this measures the overhead of processes, pipes and routing, not a speed-up.
 """
@@ -48,6 +53,7 @@ class Config:
         self.tok_s: list[float] = []
         self.cpu_ms: list[float] = []
         self.ttft_ms: list[float] = []
+        self.comm: str = "-"  # tensor parallel: bytes per decode step per rank
 
     def cpu(self) -> float:
         return time.process_time() + sum(_proc_cpu_seconds(p) for p in self.pids)
@@ -80,6 +86,26 @@ def run_once(cfg: Config, prompts: list[list[int]], tag: str) -> None:
     cfg.ttft_ms.append(1e3 * statistics.median(f for f, _ in got))
 
 
+def decode_bytes_per_step(llm, requests: int = 8, steps: int = 8) -> str:
+    """all-reduce + broadcast bytes per step on rank 0 while `requests` sequences all decode."""
+    from hybridkv import SamplingParams
+
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    for i in range(requests):
+        llm.add_request(list(range(VOCAB_LOW, VOCAB_LOW + PROMPT_LEN)), params, request_id=f"comm-{i}")
+    while any(s.num_output_tokens == 0 for s in llm.engine.scheduler.running) or llm.engine.scheduler.waiting:
+        llm.step()
+    before = llm.tensor_parallel.communication_bytes()
+    for _ in range(steps):
+        llm.step()
+    after = llm.tensor_parallel.communication_bytes()
+    for i in range(requests):
+        llm.abort(f"comm-{i}")
+    ar = (after["all_reduce"] - before["all_reduce"]) / steps
+    bc = (after["broadcast"] - before["broadcast"]) / steps
+    return f"{ar / 1024:.1f} KiB all-reduce + {bc / 1024:.1f} KiB broadcast"
+
+
 def _fmt(xs: list[float], digits: int = 1) -> str:
     return f"{statistics.median(xs):.{digits}f} [{min(xs):.{digits}f}-{max(xs):.{digits}f}]"
 
@@ -107,6 +133,10 @@ def main() -> None:
             dp = DataParallelLLM(path, n, log_stats_interval=0, **KW)
             configs.append(Config(f"data-parallel, {n} replica process{'es' if n > 1 else ''}", n, dp,
                                   [f.pid for f in dp.facts]))
+        tp = LLM(path, tensor_parallel_size=2, **KW)
+        configs.append(Config("tensor-parallel 2, in process + 1 rank process", 1, AsyncLLM(tp, log_stats_interval=0),
+                              [p.pid for p in tp.tensor_parallel.procs]))
+        configs[-1].comm = decode_bytes_per_step(tp)
         try:
             for r in range(args.repeats):
                 rng = random.Random(r)
@@ -117,15 +147,16 @@ def main() -> None:
         finally:
             for cfg in configs:
                 cfg.engine.close()
+            tp.close()
 
     print(f"# bench_scale: {args.requests} requests x ({PROMPT_LEN} prompt + {MAX_TOKENS} new tokens), tiny Bamba, "
           f"greedy; {args.repeats} repeats, median [min-max]; {platform.machine()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}, 1 thread per process")
-    print("| configuration | processes | output tokens/s | CPU ms / output token | TTFT ms |")
-    print("|---|---|---|---|---|")
+    print("| configuration | processes | output tokens/s | CPU ms / output token | TTFT ms | comm / decode step / rank |")
+    print("|---|---|---|---|---|---|")
     for cfg in configs:
         procs = 1 + len(cfg.pids)
-        print(f"| {cfg.name} | {procs} | {_fmt(cfg.tok_s, 0)} | {_fmt(cfg.cpu_ms, 2)} | {_fmt(cfg.ttft_ms, 0)} |")
+        print(f"| {cfg.name} | {procs} | {_fmt(cfg.tok_s, 0)} | {_fmt(cfg.cpu_ms, 2)} | {_fmt(cfg.ttft_ms, 0)} | {cfg.comm} |")
 
 
 if __name__ == "__main__":
