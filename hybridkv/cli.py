@@ -44,6 +44,8 @@ def add_llm_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks sharing each forward over torch.distributed (gloo on CPU, NCCL on GPU; default 1)")
     g.add_argument("--checkpoint-policy", default=DEFAULT_POLICY, choices=list(POLICIES))
     g.add_argument("--checkpoint-every-n", type=int, default=4)
     g.add_argument("--checkpoint-eviction", default=DEFAULT_EVICTION, choices=list(EVICTION_RULES))
@@ -57,7 +59,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
                 memory_budget_bytes=budget, gpu_memory_utilization=args.gpu_memory_utilization,
                 enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                max_model_len=args.max_model_len, seed=args.seed,
+                max_model_len=args.max_model_len, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
                 checkpoint_policy=args.checkpoint_policy, checkpoint_every_n=args.checkpoint_every_n,
                 checkpoint_eviction=args.checkpoint_eviction, checkpoint_share=args.checkpoint_share)
 
