@@ -57,9 +57,9 @@ def _gdn_chunk_prep(k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_len_pt
     M = tl.where(strict, -bb[:, None] * tl.exp(tl.where(strict, G[:, None] - G[None, :], 0.0))
                  * kkt, 0.0)
     inv = tl.where(ts[:, None] == ts[None, :], 1.0, 0.0) + M
-    for _ in tl.static_range(1, LOG2_T):
-        M = tl.dot(M, M, input_precision="ieee")
-        inv = inv + tl.dot(inv, M, input_precision="ieee")
+    for _ in tl.static_range(1, LOG2_T):  # in the operand dtype: exact fp32 dots spill here
+        M = tl.dot(M.to(in_ty), M.to(in_ty), input_precision=PREC)
+        inv = inv + tl.dot(inv.to(in_ty), M.to(in_ty), input_precision=PREC)
     inv_in = inv.to(in_ty)
     k_coef = bb * tl.exp(G)
     for k0 in range(0, key_dim, BLOCK_KV):
@@ -110,20 +110,21 @@ def _gdn_recurrence(state_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, hstart_ptr, ckpt_p
         live = smask & (zero + i < nch)
         s_offs = (c * n_vheads + hv) * size + ks[:, None] * value_dim + vs[None, :]
         tl.store(hstart_ptr + s_offs, S, mask=live)
+        # [L, K] operands stay in the operand dtype (fp32 copies of both spill at K = 256)
         kk = tl.load(k_ptr + rows[:, None] * s_kt + (hv // rep) * s_kh + ks[None, :],
-                     mask=tmask[:, None] & (ks[None, :] < key_dim), other=0.0).to(tl.float32)
+                     mask=tmask[:, None] & (ks[None, :] < key_dim), other=0.0)
         w = tl.load(w_ptr + (rows[:, None] * n_vheads + hv) * key_dim + ks[None, :],
-                    mask=tmask[:, None] & (ks[None, :] < key_dim), other=0.0)
+                    mask=tmask[:, None] & (ks[None, :] < key_dim), other=0.0).to(in_ty)
         u_ptrs = u_ptr + (rows[:, None] * n_vheads + hv) * value_dim + vs[None, :]
         umask = tmask[:, None] & vmask[None, :]
         G = tl.load(gcum_ptr + rows * n_vheads + hv, mask=tmask, other=0.0)
-        u = tl.load(u_ptrs, mask=umask, other=0.0) - tl.dot(w.to(in_ty), S.to(in_ty),
+        u = tl.load(u_ptrs, mask=umask, other=0.0) - tl.dot(w, S.to(in_ty),
                                                             input_precision=PREC)
         tl.store(u_ptrs, u, mask=umask)  # u0 becomes the corrected u the output kernel reads
         g_last = tl.sum(tl.where(ts == length - 1, G, 0.0), axis=0)
-        k_end = kk * tl.where(tmask, tl.exp(g_last - G), 0.0)[:, None]
-        S = tl.exp(g_last) * S + tl.dot(tl.trans(k_end).to(in_ty), u.to(in_ty),
-                                        input_precision=PREC)
+        # sum_j e^(G_last - G_j) k_j u_j^T: the decay goes on u's small [L, BV] tile, not on k
+        u_end = u * tl.where(tmask, tl.exp(g_last - G), 0.0)[:, None]
+        S = tl.exp(g_last) * S + tl.dot(tl.trans(kk), u_end.to(in_ty), input_precision=PREC)
         row = tl.where(active, tl.load(chunk_ckpt_ptr + c), -1).to(tl.int64)
         tl.store(ckpt_ptr + (row * n_vheads + hv) * size + ks[:, None] * value_dim + vs[None, :],
                  S.to(ckpt_ptr.dtype.element_ty), mask=live & (zero + row >= 0))
