@@ -191,14 +191,16 @@ def _med(xs):
 
 
 def run_workload(w: Workload, path, args) -> dict:
-    ours, theirs = Ours(path, w, args.max_batched_tokens), Theirs(path, w)
+    ours = Ours(path, w, args.max_batched_tokens)
+    theirs = None if args.ours_only else Theirs(path, w)
     cpu_r, wall_r, fwd, over, dec, same, ours_cpu, hf_cpu = [], [], [], [], [], 0, [], []
     n_req = n_tok = 0
     for rep in range(args.repeats):
         prompts, max_tokens = w.make(random.Random(1000 * rep + 7), rep)
-        order = [ours, theirs] if rep % 2 == 0 else [theirs, ours]
+        order = [s for s in ([ours, theirs] if rep % 2 == 0 else [theirs, ours]) if s is not None]
         res = {id(s): s.run(prompts, max_tokens) for s in order}
-        (wo, co, to), (wt, ct, tt) = res[id(ours)], res[id(theirs)]
+        (wo, co, to) = res[id(ours)]
+        (wt, ct, tt) = res[id(theirs)] if theirs is not None else (float("nan"),) * 2 + (to,)
         cpu_r.append(ct / co)
         wall_r.append(wt / wo)
         ours_cpu.append(co)
@@ -324,6 +326,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads for both systems")
     ap.add_argument("--max-batched-tokens", type=int, default=2048)
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
+    ap.add_argument("--ours-only", action="store_true",
+                    help="skip transformers (step-time figures only, e.g. skewed vs uniform)")
     ap.add_argument("--json", default="", help="also write the results to this file")
     args = ap.parse_args(argv)
     if args.repeats < 1:
