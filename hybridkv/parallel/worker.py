@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import Optional
 
 import torch
@@ -34,21 +34,28 @@ class WorkerArgs:
     profile_tokens: int
 
 
+def moved(value, device):
+    """`value` with every tensor in it (inside dicts, lists and dataclasses too) on `device`."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: moved(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(moved(v, device) for v in value)
+    if is_dataclass(value) and not isinstance(value, type):
+        return replace(value, **{f.name: moved(getattr(value, f.name), device) for f in fields(value) if f.init})
+    return value
+
+
 def batch_fields(batch) -> dict:
-    """A ForwardBatch as CPU tensors and plain values (kernel plans are rebuilt by each rank)."""
-    out = {}
-    for f in fields(batch):
-        if f.name == "kernel_plans":
-            continue
-        v = getattr(batch, f.name)
-        out[f.name] = v.cpu() if isinstance(v, torch.Tensor) else v
-    return out
+    """A ForwardBatch's fields on the CPU, picklable (kernel plans are rebuilt by each rank)."""
+    return {f.name: moved(getattr(batch, f.name), "cpu") for f in fields(batch) if f.name != "kernel_plans"}
 
 
 def _batch(values: dict, device: torch.device):
     from hybridkv.models.forward_batch import ForwardBatch
 
-    return ForwardBatch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in values.items()})
+    return ForwardBatch(**moved(values, device))
 
 
 def _wait_message(group, n: int, parent: int) -> None:
