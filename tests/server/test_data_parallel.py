@@ -135,6 +135,24 @@ def test_bad_input_is_refused_and_nothing_stays(dp):
     assert s["running"] == 0 and s["waiting"] == 0 and not dp._streams
 
 
+def test_leaving_a_stream_early_aborts_it_on_its_replica(dp):
+    before = _stats(dp)["aborted"]
+
+    async def first_delta_only():
+        async for d in dp.generate(_prompts(6, 1)[0], SamplingParams(max_tokens=300, ignore_eos=True), "early"):
+            return d.token_ids
+
+    assert asyncio.run(asyncio.wait_for(first_delta_only(), WAIT_S))
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        s = _stats(dp)
+        if s["aborted"] == before + 1 and s["running"] == 0 and s["kv_blocks_used"] == 0:
+            break
+        assert time.monotonic() < deadline, f"the request still runs after its caller left: {s}"
+        time.sleep(0.05)
+    assert not dp._streams
+
+
 # ---- a real `hybridkv serve --data-parallel-size 2` ---------------------------------------------
 def _free_port() -> int:
     import socket
@@ -198,7 +216,7 @@ def test_serve_data_parallel_answers_the_openai_client_and_survives_a_killed_rep
         def stream(k: int, ids: list[int]) -> None:
             got = 0
             try:
-                for chunk in client.completions.create(model="tiny", prompt=ids, max_tokens=400, temperature=0,
+                for chunk in client.completions.create(model="tiny", prompt=ids, max_tokens=300, temperature=0,
                                                        stream=True, extra_body={"ignore_eos": True}):
                     got += 1
                     started[k].set()
