@@ -18,7 +18,7 @@ from typing import Mapping, Optional
 import torch
 
 from hybridkv.block_pool import BlockPool
-from hybridkv.specs import AttentionSpec, LayerSpec, RecurrentSpec
+from hybridkv.specs import LayerSpec, RecurrentSpec
 from hybridkv.state_pool import StatePool
 
 from .group import TensorParallelGroup
@@ -51,14 +51,15 @@ class MirroredBlockPool(BlockPool):
 
     journal: Journal
     layouts: dict
+    key: object  # which attention group's pool (its window; None: full attention)
 
     def copy_block(self, src: int, dst: int) -> None:
         super().copy_block(src, dst)
-        self.journal.add(("copy_block", src, dst))
+        self.journal.add(("copy_block", self.key, src, dst))
 
     def gather(self, blocks: list[int], device="cpu", pin: bool = False) -> dict[int, torch.Tensor]:
         mine = super().gather(blocks, "cpu")
-        shards = [mine] + self.journal.ask(("gather_blocks", list(blocks)))
+        shards = [mine] + self.journal.ask(("gather_blocks", self.key, list(blocks)))
         out = {}
         for i, layout in self.layouts.items():
             full = layout.merge([s[i] for s in shards], KV_DIM)
@@ -67,7 +68,7 @@ class MirroredBlockPool(BlockPool):
 
     def scatter(self, blocks: list[int], data: Mapping[int, torch.Tensor]) -> None:
         full = {i: t.cpu() for i, t in data.items()}
-        self.journal.add(("scatter_blocks", list(blocks), full))
+        self.journal.add(("scatter_blocks", self.key, list(blocks), full))
         super().scatter(blocks, {i: self.layouts[i].take(t, 0, self.journal.group.size, KV_DIM)
                                  for i, t in full.items()})
 
@@ -103,13 +104,29 @@ class MirroredStatePool(StatePool):
                           {i: self.layouts[i][1].take(t, 0, size, STATE_DIM) for i, t in ssm.items()})
 
 
+def attention_memories(manager) -> dict:
+    """{group key: attention memory}: one per window group when the manager has groups."""
+    groups = getattr(manager, "attention_groups", None)
+    if groups is None:
+        groups = {None: manager.attention} if manager.attention is not None else {}
+    return dict(groups)
+
+
+def pool_plan(manager) -> dict:
+    """What the other ranks need to build the same pools: blocks per attention group (and its
+    layers), slots."""
+    return {"blocks": {k: (sorted(m.layers), m.pool.num_blocks) for k, m in attention_memories(manager).items()},
+            "slots": manager.recurrent.states.num_slots if manager.recurrent else 0,
+            "block_size": manager.block_size}
+
+
 def mirror_pools(manager, journal: Journal, layouts: dict, full_specs: Mapping[int, LayerSpec]) -> None:
     """Turn rank 0's manager's pools into mirrored ones (same objects, same bookkeeping)."""
-    if manager.attention is not None:
-        pool = manager.attention.pool
+    for key, memory in attention_memories(manager).items():
+        pool = memory.pool
         pool.__class__ = MirroredBlockPool
-        pool.journal, pool.layouts = journal, {i: layouts[i][1] for i in pool.kv}
-        manager.attention.layers = {i: full_specs[i] for i in manager.attention.layers}
+        pool.journal, pool.key, pool.layouts = journal, key, {i: layouts[i][1] for i in pool.kv}
+        memory.layers = {i: full_specs[i] for i in memory.layers}
     if manager.recurrent is not None:
         states = manager.recurrent.states
         states.__class__ = MirroredStatePool
@@ -120,24 +137,31 @@ def mirror_pools(manager, journal: Journal, layouts: dict, full_specs: Mapping[i
 class ShardedPools:
     """A rank's own pools (shard shapes, sized by rank 0's plan) and the data moves it applies."""
 
-    def __init__(self, specs: Mapping[int, LayerSpec], layouts: dict, rank: int, size: int,
-                 num_blocks: int, num_slots: int, block_size: int, device: torch.device):
+    def __init__(self, specs: Mapping[int, LayerSpec], layouts: dict, rank: int, size: int, plan: dict,
+                 device: torch.device):
         self.rank, self.size, self.layouts = rank, size, layouts
-        attn = {i: s for i, s in specs.items() if isinstance(s, AttentionSpec)}
+        self.block_size = plan["block_size"]
+        self.blocks = {key: BlockPool({i: specs[i] for i in layers}, n, self.block_size, device)
+                       for key, (layers, n) in plan["blocks"].items()}
         rec = {i: s for i, s in specs.items() if isinstance(s, RecurrentSpec)}
-        self.blocks = BlockPool(attn, num_blocks, block_size, device)
-        self.states = StatePool(rec, num_slots, device)
+        self.states = StatePool(rec, plan["slots"], device)
+
+    @property
+    def kv(self) -> dict[int, torch.Tensor]:
+        return {i: t for pool in self.blocks.values() for i, t in pool.kv.items()}
 
     def apply(self, op: tuple) -> Optional[object]:
         """Apply one journaled move; returns this rank's answer to a read (else None)."""
         kind, *args = op
         if kind == "copy_block":
-            self.blocks.copy_block(*args)
+            key, src, dst = args
+            self.blocks[key].copy_block(src, dst)
         elif kind == "gather_blocks":
-            return self.blocks.gather(args[0], "cpu")
+            key, blocks = args
+            return self.blocks[key].gather(blocks, "cpu")
         elif kind == "scatter_blocks":
-            blocks, full = args
-            self.blocks.scatter(blocks, {i: self.layouts[i][1].take(t, self.rank, self.size, KV_DIM)
+            key, blocks, full = args
+            self.blocks[key].scatter(blocks, {i: self.layouts[i][1].take(t, self.rank, self.size, KV_DIM)
                                          for i, t in full.items()})
         elif kind == "copy_slot":
             self.states.copy(*args)

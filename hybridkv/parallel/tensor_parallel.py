@@ -21,7 +21,7 @@ import torch
 import torch.multiprocessing as mp
 
 from .group import RankFailedError, TensorParallelGroup, free_port
-from .mirrored_pools import Journal, mirror_pools
+from .mirrored_pools import Journal, mirror_pools, pool_plan
 from .sharding import check_supported, shard_model
 from .worker import MESSAGE_KEY, READY_KEY, WorkerArgs, batch_fields, run_worker
 
@@ -102,9 +102,7 @@ class TensorParallel:
     def attach(self, manager) -> None:
         """Size the other ranks' pools as rank 0's, mirror the pools, send each forward first."""
         self.journal = Journal(self.group, self._send)
-        num_blocks = manager.attention.pool.num_blocks if manager.attention else 0
-        num_slots = manager.recurrent.states.num_slots if manager.recurrent else 0
-        self._send([("plan", num_blocks, num_slots, manager.block_size)])
+        self._send([("plan", pool_plan(manager))])
         mirror_pools(manager, self.journal, self.layouts, self.full_specs)
         self.model.register_forward_pre_hook(self._before_forward)
 

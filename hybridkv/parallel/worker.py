@@ -104,14 +104,12 @@ def run_worker(args: WorkerArgs) -> None:
                 if kind == "stop":
                     return
                 if kind == "plan":
-                    _, num_blocks, num_slots, block_size = op
-                    pools = ShardedPools(model.cache_specs(), layouts, args.rank, args.size, num_blocks,
-                                         num_slots, block_size, device)
+                    pools = ShardedPools(model.cache_specs(), layouts, args.rank, args.size, op[1], device)
                 elif kind == "forward":
                     from hybridkv.models.forward_batch import ModelCaches
 
-                    caches = ModelCaches(kv=pools.blocks.kv, conv=pools.states.conv, state=pools.states.ssm,
-                                         block_size=pools.blocks.block_size)
+                    caches = ModelCaches(kv=pools.kv, conv=pools.states.conv, state=pools.states.ssm,
+                                         block_size=pools.block_size)
                     with torch.inference_mode():
                         model(_batch(op[1], device), caches)
                 else:
