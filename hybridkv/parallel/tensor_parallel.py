@@ -30,6 +30,10 @@ def check_size(size, device: torch.device) -> None:
     """ValueError naming tensor_parallel_size when it is not a positive int or the devices lack."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"tensor_parallel_size={size!r} must be a positive integer (1: one device)")
+    if size > 1 and mp.current_process().daemon:
+        raise ValueError(f"tensor_parallel_size={size} inside a daemon process (a data-parallel replica) "
+                         f"is not supported: its ranks would be child processes of a daemon; use "
+                         f"tensor_parallel_size=1 with data_parallel_size, or one engine with tensor parallelism")
     if device.type == "cuda" and size > 1:
         have = torch.cuda.device_count() - (device.index or 0)
         if have < size:

@@ -82,6 +82,8 @@ def run_worker(args: WorkerArgs) -> None:
     torch.set_num_threads(args.num_threads)
     parent = os.getppid()
     device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL binds this rank's communicator to its own GPU
     group = TensorParallelGroup(args.rank, args.size, args.port, device, args.timeout_s)
     ready = READY_KEY.format(rank=args.rank)
     try:
