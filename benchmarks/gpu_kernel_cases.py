@@ -160,12 +160,14 @@ def kda_inputs(dtype, dev, gen, batch, h, k, v):
     return state, args
 
 
-STATE_SIZES = {  # (small, full): full sizes are Jamba / Mamba2-2.7B / Qwen3-Next / MiniMax-01 / Kimi-Linear shaped
-    "mamba1": ((3, 32, 16), (64, 8192, 16)),
-    "mamba2": ((3, 4, 16, 16, 1), (64, 64, 64, 128, 1)),
-    "gdn": ((3, 2, 4, 32, 32), (64, 16, 32, 128, 128)),
-    "lightning": ((3, 2, 32, 32), (64, 64, 128, 128)),
-    "kda": ((3, 2, 32, 32), (64, 32, 128, 128)),
+# (small, full): full sizes are Jamba / Mamba2-2.7B / Qwen3-Next / MiniMax-01 / Kimi-Linear
+# shaped at batch 256, so a step moves 0.5-4 GB of state (batch 64: ~10 us of work, launch-bound)
+STATE_SIZES = {
+    "mamba1": ((3, 32, 16), (256, 8192, 16)),
+    "mamba2": ((3, 4, 16, 16, 1), (256, 64, 64, 128, 1)),
+    "gdn": ((3, 2, 4, 32, 32), (256, 16, 32, 128, 128)),
+    "lightning": ((3, 2, 32, 32), (256, 64, 128, 128)),
+    "kda": ((3, 2, 32, 32), (256, 32, 128, 128)),
 }
 
 
