@@ -8,6 +8,9 @@ verb over the model's kinds and is the one place that says how their answers com
 - a verb that can be refused (admit, allocate, fork, resume, import) asks every kind first and
   changes nothing unless all agree; kinds that can refuse for lack of a slot are asked first;
 - one budget is planned across kinds (`plan()`), each pool sized exactly, none padded.
+Attention layers form one group per window (full attention, each sliding window): a group is
+one memory object with its own pool share and block tables (`attention_groups`, keyed by the
+window, None for full attention); the model gets one block table and slot mapping per group.
 It also keeps, per request, the tokens (the owner's list), progress and block hashes.
 Invariant at every step boundary: every kind holds the request's memory of exactly
 `num_computed_tokens` tokens (a live state after them; KV covering them, or the window of them).
@@ -35,7 +38,9 @@ a request that can never fit raises RequestTooLargeError, a ValueError):
     mgr.preempt(req_id, mode="recompute" | "swap");  mgr.resume(req_id, num_new_tokens=None)
     mgr.finish(req_id);  mgr.discard(req_id)               (a failed step: keep nothing of it)
     mgr.export_snapshot(req_id) / mgr.import_snapshot(snapshot, ...)
-    mgr.block_table(req_ids, width=None) -> int32 [R, width];  mgr.live_slot(req_id) -> int
+    mgr.block_table(req_ids, width=None) -> int32 [R, width]   (the lead attention group's)
+    mgr.block_tables(req_ids) -> {window: int32 [R, width]}   one per attention group
+    mgr.live_slot(req_id) -> int
     mgr.request(req_id) -> RequestState;  mgr.stats() -> ManagerStats
 The semantics of each verb over each kind: docs/design.md.
 """
@@ -56,7 +61,7 @@ from hybridkv.memory.full_attention import FullAttentionMemory
 from hybridkv.memory.layer_memory import LayerMemory
 from hybridkv.memory.recurrent import RecurrentMemory
 from hybridkv.memory.sliding_window import SlidingWindowMemory
-from hybridkv.plan import plan
+from hybridkv.plan import attention_groups, lead_group, plan
 from hybridkv.request_state import PREEMPTED, RUNNING, SWAPPED, RequestState
 from hybridkv.snapshot import RequestSnapshot
 from hybridkv.specs import AttentionSpec, LayerSpec
@@ -64,24 +69,13 @@ from hybridkv.specs import AttentionSpec, LayerSpec
 MISS_NO_KV = "no_kv_match"
 MISS_NO_CHECKPOINT = "kv_match_no_checkpoint"
 MISS_CACHING_OFF = "caching_off"
-ATTENTION_KINDS = (SlidingWindowMemory, FullAttentionMemory)
-
-
-def group_layers(specs: Mapping[int, LayerSpec]) -> dict[type, dict[int, LayerSpec]]:
-    """{kind class: {layer: spec}} — which kind of memory serves each layer."""
-    groups: dict[type, dict[int, LayerSpec]] = {}
-    for idx, spec in sorted(specs.items()):
-        kind = next((k for k in (*ATTENTION_KINDS, RecurrentMemory) if k.handles(spec)), None)
-        if kind is None:
-            raise TypeError(f"layer {idx}: spec {spec!r} is neither AttentionSpec nor RecurrentSpec")
-        groups.setdefault(kind, {})[idx] = spec
-    return groups
 
 
 class HybridCacheManager:
     """Coordinator of the model's kinds of layer memory; see the module docstring."""
 
-    def __init__(self, specs: Mapping[int, LayerSpec], block_size: int = 16, num_blocks: int = 0,
+    def __init__(self, specs: Mapping[int, LayerSpec], block_size: int = 16,
+                 num_blocks: int | Mapping[Optional[int], int] = 0,
                  num_slots: int = 0, *, device: torch.device | str = "cpu", enable_prefix_caching: bool = True,
                  checkpoint_policy: str = DEFAULT_POLICY, checkpoint_every_n: int = 4,
                  checkpoint_eviction: str = DEFAULT_EVICTION, fingerprint: str = "",
@@ -90,16 +84,18 @@ class HybridCacheManager:
             raise MemoryBudgetError(f"block_size={block_size!r} must be a positive integer (e.g. 16)")
         if not specs:
             raise MemoryBudgetError("specs are empty: the model declares no attention and no recurrent layer")
-        groups = group_layers(specs)
-        attn_groups = [k for k in ATTENTION_KINDS if k in groups]
-        if len(attn_groups) > 1 or len({s.sliding_window for s in groups.get(SlidingWindowMemory, {}).values()}) > 1:
-            windows = sorted({str(s.sliding_window) for s in specs.values() if isinstance(s, AttentionSpec)})
-            raise MemoryBudgetError(
-                f"attention layers with different windows ({', '.join(windows)}) need one block table per "
-                f"window; this engine supports one attention kind per model")
-        if attn_groups and num_blocks < 1:
-            raise MemoryBudgetError(f"num_blocks={num_blocks}: a model with attention layers needs >= 1 KV block")
-        if RecurrentMemory in groups and num_slots < 2:
+        attn_layers = attention_groups(specs)  # raises TypeError on a spec of no kind
+        recurrent_layers = {i: s for i, s in sorted(specs.items()) if RecurrentMemory.handles(s)}
+        # num_blocks: one count for every attention group, or {window: count} per group
+        blocks = dict(num_blocks) if isinstance(num_blocks, Mapping) else {w: num_blocks for w in attn_layers}
+        for w in attn_layers:
+            n = blocks.get(w, 0)
+            if not isinstance(n, int) or n < 1:
+                group = "full-attention" if w is None else f"sliding-window {w}"
+                raise MemoryBudgetError(
+                    f"num_blocks={n!r} for the {group} layers: a model with attention layers needs >= 1 KV "
+                    f"block per group (groups: {[('full' if k is None else k) for k in attn_layers]})")
+        if recurrent_layers and num_slots < 2:
             raise MemoryBudgetError(
                 f"num_slots={num_slots}: a model with recurrent layers needs >= 2 slots (null slot 0 + one live)")
         self.specs = dict(specs)
@@ -107,25 +103,28 @@ class HybridCacheManager:
         self.fingerprint = fingerprint
         self.enable_prefix_caching = enable_prefix_caching
         self.policy = CheckpointPolicy(checkpoint_policy, block_size, checkpoint_every_n)
-        self.attention: Optional[FullAttentionMemory] = None
         self.recurrent: Optional[RecurrentMemory] = None
-        if FullAttentionMemory in groups:
-            self.attention = FullAttentionMemory(groups[FullAttentionMemory], block_size, num_blocks, device)
-        elif SlidingWindowMemory in groups:
-            self.attention = SlidingWindowMemory(groups[SlidingWindowMemory], block_size, num_blocks, device,
-                                                 max_chunk_tokens=max_num_batched_tokens)
-        if RecurrentMemory in groups:
+        # one memory per attention group, full attention first; `attention` is the lead group
+        # (full attention, else the widest window): it answers what the KV as a whole knows
+        self.attention_groups: dict[Optional[int], FullAttentionMemory] = {
+            w: FullAttentionMemory(layers, block_size, blocks[w], device) if w is None else
+            SlidingWindowMemory(layers, block_size, blocks[w], device, max_chunk_tokens=max_num_batched_tokens)
+            for w, layers in attn_layers.items()}
+        self.attention: Optional[FullAttentionMemory] = (
+            self.attention_groups[lead_group(attn_layers)] if attn_layers else None)
+        if recurrent_layers:
             attn = [s for s in specs.values() if isinstance(s, AttentionSpec)]
             # Prefill FLOPs saved by a checkpoint at p: linear part plus attention's p^2 term.
             quad = 4.0 * sum(s.num_kv_heads * s.head_dim for s in attn)
             lin = float(flops_per_token) if flops_per_token else 0.0
             self.recurrent = RecurrentMemory(
-                groups[RecurrentMemory], block_size, num_slots, device, eviction=checkpoint_eviction,
+                recurrent_layers, block_size, num_slots, device, eviction=checkpoint_eviction,
                 saved_flops=lambda p: lin * p + quad * p * p + p,
                 reachable=self.attention.is_cached if self.attention else (lambda h: True),
                 branches=self.attention.num_children if self.attention else (lambda h: 0))
         # Kinds that can refuse for lack of a slot are asked first.
-        self.kinds: list[LayerMemory] = [k for k in (self.recurrent, self.attention) if k is not None]
+        self.kinds: list[LayerMemory] = [k for k in (self.recurrent, *self.attention_groups.values())
+                                         if k is not None]
         self.bursts = BurstRule(block_size, self._prompt_hashes, lambda hashes, n: self._match(hashes, n)[0])
         self._reqs: dict[Hashable, RequestState] = {}
         self._hit_tokens = self._query_tokens = self._queries = 0
@@ -141,16 +140,21 @@ class HybridCacheManager:
         if checkpoint_share is None:
             off = kwargs.get("checkpoint_policy", DEFAULT_POLICY) == "none" or not kwargs.get("enable_prefix_caching", True)
             checkpoint_share = 0.0 if off else 0.1
-        p = plan(specs, budget_bytes, block_size, max_num_seqs, checkpoint_share)
-        mgr = cls(specs, block_size, p.num_blocks, p.num_slots, **kwargs)
+        p = plan(specs, budget_bytes, block_size, max_num_seqs, checkpoint_share,
+                 max_chunk_tokens=kwargs.get("max_num_batched_tokens"))
+        mgr = cls(specs, block_size, p.group_blocks or p.num_blocks, p.num_slots, **kwargs)
         mgr.memory_plan = p
         return mgr
 
     # ---- pools -----------------------------------------------------------------------------
     @property
     def kv_caches(self) -> dict[int, torch.Tensor]:
-        """{attention layer: [num_blocks, parts, block_size, kv_heads, head_dim]} (parts: AttentionSpec.kv_parts)"""
-        return self.attention.pool.kv if self.attention else {}
+        """{attention layer: [num_blocks, parts, block_size, kv_heads, head_dim]} (parts: AttentionSpec.kv_parts;
+        num_blocks: the layer's group's)"""
+        kv: dict[int, torch.Tensor] = {}
+        for group in self.attention_groups.values():
+            kv.update(group.pool.kv)
+        return dict(sorted(kv.items()))
 
     @property
     def conv_states(self) -> dict[int, torch.Tensor]:
@@ -164,6 +168,7 @@ class HybridCacheManager:
 
     @property
     def num_blocks(self) -> int:
+        """Blocks of the lead attention group's pool (see attention_groups for the others)."""
         return self.attention.num_blocks if self.attention else 0
 
     @property
@@ -374,6 +379,11 @@ class HybridCacheManager:
             return torch.zeros(len(req_ids), max(1, width or 1), dtype=torch.int32)
         return self.attention.block_table(req_ids, width)
 
+    def block_tables(self, req_ids: Sequence[Hashable]) -> dict[Optional[int], torch.Tensor]:
+        """{window (None: full attention): int32 `[len(req_ids), width]` (CPU)}, one table per
+        attention group, each as wide as its longest row; {} without attention layers."""
+        return {w: group.block_table(req_ids) for w, group in self.attention_groups.items()}
+
     # ---- checkpoints -----------------------------------------------------------------------
     def checkpoint_due(self, req_id: Hashable, start: int, end: int) -> Optional[int]:
         """The first block boundary in (start, end] where the policy wants the state kept, else None."""
@@ -562,13 +572,15 @@ class HybridCacheManager:
 
     # ---- statistics ------------------------------------------------------------------------
     def stats(self) -> ManagerStats:
+        """kv_blocks_* add up every attention group's pool; `kinds` has each group's own counters."""
         kinds = {k.name: k.stats() for k in self.kinds}
-        a = kinds.get(self.attention.name, {}) if self.attention else {}
+        a = {key: sum(kinds[g.name][key] for g in self.attention_groups.values())
+             for key in ("blocks_used", "blocks_cached", "blocks_free", "blocks_total")}
         s = kinds.get(RecurrentMemory.name, {})
         running = [r for r in self._reqs.values() if r.status is RUNNING]
         used = a.get("blocks_used", 0)
-        waste = sum(len(self.attention.block_ids(r.req_id)) * self.block_size - r.num_computed_tokens
-                    for r in running) if self.attention else 0
+        waste = sum(len(g.block_ids(r.req_id)) * self.block_size - r.num_computed_tokens  # past the last token
+                    for g in self.attention_groups.values() for r in running)
         return ManagerStats(
             kv_blocks_used=used, kv_blocks_cached=a.get("blocks_cached", 0), kv_blocks_free=a.get("blocks_free", 0),
             kv_blocks_total=a.get("blocks_total", 0), slots_live=s.get("slots_live", 0),

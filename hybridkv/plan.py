@@ -4,8 +4,8 @@ Each pool is sized exactly from the layer specs; neither kind is padded to the o
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Mapping
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
 
 from hybridkv.errors import MemoryBudgetError
 from hybridkv.specs import AttentionSpec, LayerSpec, RecurrentSpec
@@ -22,6 +22,28 @@ def split_specs(specs: Mapping[int, LayerSpec]) -> tuple[dict[int, AttentionSpec
         else:
             raise TypeError(f"layer {idx}: spec {spec!r} is neither AttentionSpec nor RecurrentSpec")
     return attn, rec
+
+
+def attention_groups(specs: Mapping[int, LayerSpec]) -> dict[Optional[int], dict[int, AttentionSpec]]:
+    """{window (None: full attention): {layer: spec}}: the attention layers that share one block
+    pool and one block table; full attention first, then windows from the smallest."""
+    attn = split_specs(specs)[0]
+    keys = sorted({s.sliding_window for s in attn.values()}, key=lambda w: (w is not None, w or 0))
+    return {w: {i: s for i, s in attn.items() if s.sliding_window == w} for w in keys}
+
+
+def lead_group(windows) -> Optional[int]:
+    """The group whose pool grows with the context: full attention if any, else the widest window."""
+    windows = list(windows)
+    return None if None in windows else max(windows)
+
+
+def sliding_blocks_to_hold(window: int, block_size: int, max_chunk_tokens: Optional[int]) -> Optional[int]:
+    """The most blocks one request holds in a window's pool whatever its length (a prefill chunk
+    of C tokens needs the window before it plus its own blocks); None when chunks are unbounded."""
+    if max_chunk_tokens is None:
+        return None
+    return -(-(window - 1 + max_chunk_tokens) // block_size) + 1
 
 
 def kv_bytes_per_token(specs: Mapping[int, LayerSpec]) -> int:
@@ -75,9 +97,15 @@ class MemoryPlan:
     live_slots: int
     checkpoint_slots: int
     budget_bytes: int
+    # {window (None: full): blocks} when attention layers form several groups (full and windows);
+    # num_blocks is then the lead group's (lead_group()). Empty with one group.
+    group_blocks: Mapping[Optional[int], int] = field(default_factory=dict)
+    group_bytes_per_block: Mapping[Optional[int], int] = field(default_factory=dict)
 
     @property
     def kv_bytes(self) -> int:
+        if self.group_blocks:
+            return sum(n * self.group_bytes_per_block[w] for w, n in self.group_blocks.items())
         return self.num_blocks * self.kv_bytes_per_block
 
     @property
@@ -95,6 +123,7 @@ def plan(
     block_size: int = 16,
     max_num_seqs: int = 256,
     checkpoint_share: float = 0.1,
+    max_chunk_tokens: Optional[int] = None,
 ) -> MemoryPlan:
     """Split `budget_bytes` into KV blocks and state slots.
 
@@ -103,6 +132,13 @@ def plan(
     checkpoint slots; every byte left goes to KV blocks. Pure-attention models get no slots;
     pure-recurrent models get no blocks. Raises MemoryBudgetError when the budget cannot hold
     one block and one live slot (plus the null slot).
+
+    Attention layers with different windows (full and sliding, or two windows) form groups, each
+    with its own pool (attention_groups()). The KV bytes are split so that every group has as many
+    blocks as the lead group (full attention), except that a sliding group never gets more than
+    its requests can hold at once: seqs x sliding_blocks_to_hold(window, block_size,
+    max_chunk_tokens) (seqs: the live slots, or max_num_seqs without recurrent layers). The
+    bytes a cap saves go to the groups that grow with the context.
     """
     _check_block_size(block_size)
     if max_num_seqs < 1:
@@ -122,7 +158,8 @@ def plan(
             f"need at least {minimum} bytes: raise the budget or lower block_size"
         )
     if not rec:
-        return MemoryPlan(block_size, block_bytes, 0, budget_bytes // block_bytes, 0, 0, 0, budget_bytes)
+        groups, lead = _split_kv(specs, budget_bytes, block_size, max_num_seqs, max_chunk_tokens)
+        return MemoryPlan(block_size, block_bytes, 0, lead, 0, 0, 0, budget_bytes, *groups)
     ckpt_slots = int(budget_bytes * checkpoint_share) // slot_bytes
     rest = budget_bytes - (1 + ckpt_slots) * slot_bytes
     if rest < slot_bytes + block_bytes:  # checkpoints never squeeze out the first live request
@@ -131,9 +168,30 @@ def plan(
     rest -= live * slot_bytes
     if not attn:  # no KV pool to feed: the remainder holds more checkpoints
         ckpt_slots += rest // slot_bytes
-    num_blocks = rest // block_bytes if attn else 0
+    groups, num_blocks = _split_kv(specs, rest, block_size, live, max_chunk_tokens) if attn else (({}, {}), 0)
     return MemoryPlan(block_size, block_bytes, slot_bytes, num_blocks, 1 + live + ckpt_slots, live,
-                      ckpt_slots, budget_bytes)
+                      ckpt_slots, budget_bytes, *groups)
+
+
+def _split_kv(specs, kv_budget: int, block_size: int, seqs: int, max_chunk_tokens: Optional[int]):
+    """((group blocks, group bytes per block) — both empty for one group —, lead group's blocks)."""
+    groups = attention_groups(specs)
+    per_block = {w: block_size * sum(s.bytes_per_token() for s in g.values()) for w, g in groups.items()}
+    if len(groups) == 1:
+        return ({}, {}), kv_budget // next(iter(per_block.values()))
+    lead = lead_group(groups)
+    caps = {w: seqs * h for w in groups if w != lead
+            for h in [sliding_blocks_to_hold(w, block_size, max_chunk_tokens)] if h is not None}
+    capped: dict[Optional[int], int] = {}
+    while True:  # every uncapped group gets n blocks; a group whose cap is below n gets its cap
+        left = kv_budget - sum(n * per_block[w] for w, n in capped.items())
+        n = left // sum(b for w, b in per_block.items() if w not in capped)
+        over = {w: c for w, c in caps.items() if w not in capped and c < n}
+        if not over:
+            break
+        capped.update(over)
+    blocks = {w: capped.get(w, n) for w in groups}
+    return (blocks, per_block), blocks[lead]
 
 
 def _check_block_size(block_size: int) -> None:

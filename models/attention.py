@@ -57,8 +57,8 @@ class PagedAttention(nn.Module):
                 batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden_size], rope (cos, sin) [T, rotary_dim] or None -> [T, hidden_size].
 
-        Writes this step's K/V at batch.slot_mapping, then attends over each request's
-        seq_lens[r] tokens through its block table.
+        Writes this step's K/V at the slot mapping of the layer's KV group (its window), then
+        attends over each request's seq_lens[r] tokens through that group's block table.
         """
         T, Hq, Hkv, D = hidden.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = F.linear(hidden, *self.qkv.weight_bias())
@@ -78,13 +78,14 @@ class PagedAttention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             if rope is not None:
                 q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        kernels.write_kv(k, v, kv_cache, batch.slot_mapping, plan_cache=batch.kernel_plans)
+        block_table, slot_mapping, plans = batch.kv_tables(self.sliding_window)  # this layer's KV group
+        kernels.write_kv(k, v, kv_cache, slot_mapping, plan_cache=plans)
         out = kernels.paged_attention(
-            q.contiguous(), kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_table,
+            q.contiguous(), kv_cache, batch.query_start_loc, batch.seq_lens, block_table,
             self.scale, causal=True, sliding_window=self.sliding_window, soft_cap=self.soft_cap,
             max_query_len=max(batch.query_lens_cpu) if batch.query_lens_cpu else None,
             max_seq_len=max(batch.seq_lens_cpu) if batch.seq_lens_cpu else None,
-            plan_cache=batch.kernel_plans)
+            plan_cache=plans)
         out = out.reshape(T, self.num_heads * self.head_dim)
         if gate is not None:
             out = out * torch.sigmoid(gate)

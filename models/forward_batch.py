@@ -22,6 +22,10 @@ class ForwardBatch:
     return_all_logits: logits for every token instead of the last of each request
     logits_indices:   [N] long, when set: the tokens whose logits come back, in this order
                       (the engine's prompt logprobs; overrides both rules above)
+    kv_groups:        {window (None: full attention): KVGroupTables} when the model's attention
+                      layers form several groups (full and sliding, or two windows), each with its
+                      own pool; an attention layer then reads its group's table and slots
+                      (kv_tables()). Empty: block_table and slot_mapping serve every layer.
     """
 
     input_ids: torch.Tensor
@@ -38,6 +42,17 @@ class ForwardBatch:
     query_lens_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)
     kernel_plans: dict = field(default_factory=dict, repr=False, compare=False)
+    kv_groups: dict = field(default_factory=dict)
+
+    def kv_tables(self, window: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(block_table [R, W], slot_mapping [T], kernel plan dict) for attention layers of this
+        window (None: full); each group keeps its own kernel plans (its slots and tables differ)."""
+        if not self.kv_groups:
+            return self.block_table, self.slot_mapping, self.kernel_plans
+        group = self.kv_groups.get(window)
+        if group is None:
+            raise KeyError(f"no KV group for window {window!r} in this batch; groups: {sorted(self.kv_groups, key=str)}")
+        return group.block_table, group.slot_mapping, self.kernel_plans.setdefault(("kv_group", window), {})
 
     @property
     def num_tokens(self) -> int:
@@ -46,6 +61,24 @@ class ForwardBatch:
     @property
     def num_reqs(self) -> int:
         return int(self.query_start_loc.shape[0]) - 1
+
+
+@dataclass
+class KVGroupTables:
+    """One attention group's view of a step: block_table [R, W] int32 into the group's own pool,
+    slot_mapping [T] long (`block * block_size + pos % block_size`)."""
+
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+
+    @staticmethod
+    def from_table(table: torch.Tensor, positions: torch.Tensor, query_start_loc: torch.Tensor,
+                   block_size: int) -> "KVGroupTables":
+        """The slot mapping derived from a block table: table [R, W], positions [T], qsl [R+1]."""
+        counts = (query_start_loc[1:] - query_start_loc[:-1]).long()
+        rows = torch.repeat_interleave(torch.arange(table.shape[0], device=table.device), counts)
+        slots = table[rows, positions // block_size].long() * block_size + positions % block_size
+        return KVGroupTables(table, slots)
 
 
 @dataclass

@@ -26,7 +26,7 @@ from typing import Hashable, Optional
 import torch
 
 from hybridkv.cache_manager import HybridCacheManager
-from hybridkv.models.forward_batch import ForwardBatch, ModelCaches
+from hybridkv.models.forward_batch import ForwardBatch, KVGroupTables, ModelCaches
 from hybridkv.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.snapshot import RequestSnapshot
@@ -339,6 +339,12 @@ class Engine:
             seq_lens.append(c.start + c.num_tokens)
         rids = [c.seq.request_id for c in chunks]
         dev, i32 = self.device, torch.int32
+        kv_groups = {}
+        if len(self.mgr.attention_groups) > 1:  # full and sliding layers: a table per group, built once
+            p, q = torch.tensor(pos, dtype=torch.long), torch.tensor(qsl, dtype=i32)
+            for w, table in self.mgr.block_tables(rids).items():
+                g = KVGroupTables.from_table(table, p, q, self.mgr.block_size)
+                kv_groups[w] = KVGroupTables(g.block_table.to(dev), g.slot_mapping.to(dev))
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=torch.tensor(pos, dtype=torch.long, device=dev),
@@ -348,7 +354,7 @@ class Engine:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             state_slots=torch.tensor([self.mgr.live_slot(r) for r in rids], dtype=i32, device=dev),
             has_initial_state=torch.tensor([c.start > 0 for c in chunks], device=dev),
-            query_lens_cpu=[c.num_tokens for c in chunks], seq_lens_cpu=seq_lens)
+            query_lens_cpu=[c.num_tokens for c in chunks], seq_lens_cpu=seq_lens, kv_groups=kv_groups)
 
     def _collects_prompt_logprobs(self, seq: Sequence) -> bool:
         g = self.groups.get(seq.group_id)

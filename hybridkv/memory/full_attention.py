@@ -215,7 +215,8 @@ class FullAttentionMemory(LayerMemory):
 
     def _import_layout(self, part: dict, num_computed: int) -> tuple[int, int, int]:
         """(first block index here, blocks to fill, tokens of padding before the exported start)."""
-        start = min(part.get("kv_start", {}).values(), default=0)
+        starts = part.get("kv_start", {})
+        start = min((starts.get(i, 0) for i in self.layers), default=0)  # this group's layers only
         start = max(start, self.first_needed_block(num_computed) * self.block_size)
         first = start // self.block_size
         n = -(-num_computed // self.block_size) - first

@@ -80,7 +80,7 @@ def test_sliding_window_with_recurrent_state_and_planning():
     m.check_fits(5000, 5000)  # a long request fits: only its window is ever held
 
 
-def test_two_attention_kinds_are_refused_clearly():
+def test_a_group_without_blocks_is_refused_clearly():
     specs = {0: AttentionSpec(1, 2, torch.float32), 1: AttentionSpec(1, 2, torch.float32, sliding_window=8)}
-    with pytest.raises(MemoryBudgetError, match="one attention kind per model"):
-        HybridCacheManager(specs, BS, 8, 0)
+    with pytest.raises(MemoryBudgetError, match="num_blocks=0 for the sliding-window 8 layers"):
+        HybridCacheManager(specs, BS, {None: 8, 8: 0}, 0)
