@@ -22,7 +22,8 @@ layer, no attention), mamba2 (Mamba2 state in every layer, no attention) and rec
 repeated), minimax (lightning attention: a `[heads, head_dim, head_dim]` state, no conv window;
 or attention, per `layer_types`), kimi_linear (KDA: a conv window and a float32
 `[heads, K, K]` state; or latent attention: ONE `kv_lora_rank + qk_rope_head_dim` vector per
-token, `AttentionSpec(latent=True)`; per `layer_types`).
+token, `AttentionSpec(latent=True)`; per `layer_types`), bailing_hybrid (Ling 3: Kimi-Linear's
+two kinds under the same names; `layer_types` by default MLA every `layer_group_size`-th layer).
 For the families from granitemoehybrid on and the attention-only ones, fields a config.json omits take
 transformers' config-class defaults
 (`hf_config`), as they do when transformers loads it. Shapes follow the models in hybridkv.models,
@@ -271,7 +272,7 @@ def _minimax(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
 
 def _kimi_linear(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
     c = hf_config(cfg)
-    kinds = _layer_kinds(c.layer_types, {"linear_attention": "k", "full_attention": "a"}, "kimi_linear")
+    kinds = _layer_kinds(c.layer_types, {"linear_attention": "k", "full_attention": "a"}, cfg["model_type"])
     h, d = c.linear_num_heads, c.linear_head_dim
     # KDA: conv window over q, k and v; the state stays float32 as in transformers
     kda = RecurrentSpec((3 * h * d, c.linear_conv_kernel_dim - 1), (h, d, d), dtype,
@@ -287,7 +288,7 @@ _BUILDERS = {"bamba": _bamba, "jamba": _jamba, "qwen3_next": _qwen3_next,
              **dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), _qwen3_5),
              "mamba": _mamba, "falcon_mamba": _mamba, "mamba2": _mamba2_only,
              "recurrent_gemma": _recurrent_gemma, "olmo_hybrid": _olmo_hybrid, "minimax": _minimax,
-             "kimi_linear": _kimi_linear}
+             "kimi_linear": _kimi_linear, "bailing_hybrid": _kimi_linear}
 
 
 def specs_from_config(cfg: Mapping, dtype: Optional[torch.dtype] = None) -> dict[int, LayerSpec]:

@@ -74,6 +74,10 @@ class KimiDeltaAttentionMixer(nn.Module):
         self.o_norm = SigmoidGatedRMSNorm(head_dim, eps)
         self.o_proj = nn.Linear(inner, hidden_size, bias=False)
 
+    def output_gate(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, hidden_size] -> the output gate's logits [T, H * K] (a family may project it otherwise)."""
+        return self.g_b_proj(self.g_a_proj(hidden))
+
     def cache_spec(self, dtype: torch.dtype) -> RecurrentSpec:
         """Per slot: conv window `[3 * H * K, k-1]`, state `[H, K, K]` kept in float32."""
         return RecurrentSpec(conv_shape=(self.conv_dim, self.conv_kernel - 1),
@@ -114,6 +118,6 @@ class KimiDeltaAttentionMixer(nn.Module):
                                   s.prefill_has_init, use_qk_l2norm=True)
 
         core = split.run(packed, decode=decode, prefill=prefill)  # [T, H, K]
-        gate = self.g_b_proj(self.g_a_proj(hidden)).view(T, H, K)
+        gate = self.output_gate(hidden).view(T, H, K)
         out = self.o_norm(core.to(hidden.dtype), gate)
         return self.o_proj(out.reshape(T, H * K))

@@ -29,6 +29,7 @@ _ARCHITECTURES: dict[str, str] = {
     "OlmoHybridForCausalLM": "olmo_hybrid",
     "MiniMaxForCausalLM": "minimax",
     "KimiLinearForCausalLM": "kimi_linear",
+    "BailingHybridForCausalLM": "bailing_hybrid",
 }
 
 

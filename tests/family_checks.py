@@ -130,6 +130,11 @@ FAMILIES = {f.name: f for f in [
     # token); DeepSeek-V3 routing, its correction biases randomised as Nemotron-H's
     Family("kimi_linear", seed=11, make=tiny_nemotron_h, engine=(ENGINE_LENGTHS, 40),
            names=("model.layers.0.self_attn.q_conv1d.weight", "mlp.experts.gate_up_proj")),
+    # Ling 3: KDA with a bounded forget gate beside gated, rotary latent attention; Ling's published
+    # names (attention.dense, word_embeddings, split convs) in the saved checkpoint, whose routing
+    # correction biases are saved as `expert_bias` (randomised as LFM2-MoE's)
+    Family("bailing_hybrid", seed=13, make=tiny_lfm2_moe, engine=(ENGINE_LENGTHS, 40),
+           names=("model.layers.0.attention.q_conv1d.weight", "mlp.experts.gate_up_proj")),
 ]}
 
 

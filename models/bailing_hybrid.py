@@ -1,0 +1,153 @@
+"""Ling 3 (BailingHybrid): bounded-gate Kimi delta attention layers (state slots) and gated,
+rotary multi-head latent attention layers (latent KV pages) per `config.layer_types`; a dense
+SwiGLU or a DeepSeek-V3-style MoE per `config.mlp_layer_types`. Pre-norm residual blocks, as
+Kimi-Linear's, with the differences in models/bailing_delta_attention.py and
+models/gated_latent_attention.py. The MTP layers a published checkpoint stores after the decoder
+are not run (transformers ignores them too).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridkv.specs import LayerSpec
+
+from .bailing_delta_attention import BailingDeltaAttentionMixer
+from .base import HybridModel
+from .decoder import HybridDecoderLayer, layer_cache_specs, run_layers
+from .forward_batch import ForwardBatch, ModelCaches
+from .gated_latent_attention import GatedLatentAttention
+from .kimi_linear import KimiMoE, _PublishedKdaNames
+from .mlp import GatedMLP
+from .moe import PerExpertView
+from .norms import RMSNorm
+from .rotary import RotaryEmbedding
+
+ARCHITECTURE = "BailingHybridForCausalLM"
+_LAYER_TYPES = ("linear_attention", "full_attention")
+_MLP_TYPES = ("dense", "sparse")
+
+
+def tiny_config(**overrides):
+    """A 4-layer BailingHybridConfig: KDA, MLA, KDA, MLA; layer 0 dense, then MoE (4 experts in 2
+    groups, top-2 from 1 group, a shared expert, routed scaling 2); MLA with a low-rank q path and
+    8 rotary dims; KDA with 4 heads of 16."""
+    from transformers import BailingHybridConfig
+
+    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+              layer_types=["linear_attention", "full_attention"] * 2,
+              mlp_layer_types=["dense", "sparse", "sparse", "sparse"], short_conv_kernel_size=4,
+              kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+              num_local_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+              routed_scaling_factor=2.0, n_shared_experts=1, num_mtp_layers=0,
+              max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-5,
+              initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+              tie_word_embeddings=False, architectures=[ARCHITECTURE])
+    kw.update(overrides)
+    return BailingHybridConfig(**kw)
+
+
+def check_config(config) -> None:
+    """Refuse what this module would run differently from transformers: ValueError naming the option."""
+    for name, values, allowed in (("layer_types", config.layer_types, _LAYER_TYPES),
+                                  ("mlp_layer_types", config.mlp_layer_types, _MLP_TYPES)):
+        for i, t in enumerate(values):
+            if t not in allowed:
+                raise ValueError(f"{name}[{i}] is {t!r}; BailingHybrid layers are one of {allowed}")
+    rope_type = (config.rope_parameters or {}).get("rope_type", "default")
+    if rope_type != "default":
+        # transformers rescales the MLA scores with yarn's mscale for other rope types
+        raise ValueError(f"rope_parameters.rope_type is {rope_type!r}; only 'default' BailingHybrid "
+                         f"rotary is supported")
+    if config.num_key_value_heads != config.num_attention_heads:
+        raise ValueError(f"num_key_value_heads={config.num_key_value_heads} differs from "
+                         f"num_attention_heads={config.num_attention_heads}; latent attention expands "
+                         f"one key and value per head")
+
+
+class BailingHybridDecoderLayer(HybridDecoderLayer):
+    """`self_attn` is a GatedLatentAttention or, on linear-attention layers, a
+    BailingDeltaAttentionMixer (transformers names both `self_attn`); `mlp` is a GatedMLP or a KimiMoE."""
+
+    mixer_norm, recurrent = "input_layernorm", "self_attn"
+    ff_norm, ff = "post_attention_layernorm", "mlp"
+
+    def __init__(self, config, i: int):
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        if config.layer_types[i] == "full_attention":
+            self.self_attn = GatedLatentAttention(h, config.num_attention_heads, config.kv_lora_rank,
+                                                  config.q_lora_rank, config.qk_nope_head_dim,
+                                                  config.qk_rope_head_dim, config.v_head_dim,
+                                                  bias=config.attention_bias)
+        else:
+            self.self_attn = BailingDeltaAttentionMixer(
+                h, config.linear_num_heads, config.linear_head_dim, config.linear_conv_kernel_dim, eps,
+                config.hidden_act, config.kda_safe_gate, config.kda_lower_bound)
+        self.mlp = (KimiMoE(config) if config.mlp_layer_types[i] == "sparse"
+                    else GatedMLP(h, config.intermediate_size, act=config.hidden_act))
+        self.input_layernorm = RMSNorm(h, eps=eps)
+        self.post_attention_layernorm = RMSNorm(h, eps=eps)
+
+    @property
+    def is_attention(self) -> bool:
+        return isinstance(self.self_attn, GatedLatentAttention)
+
+
+class _BailingHybridBody(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(BailingHybridDecoderLayer(config, i)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
+class _PublishedLingNames:
+    """A checkpoint seen with transformers' in-memory names when it holds Ling's published ones
+    (`model.word_embeddings`, `.attention.` for `.self_attn.`, `attention.dense` for `o_proj`,
+    `mlp.gate.expert_bias` for the correction bias); KDA's forget-gate and split-conv names are
+    _PublishedKdaNames', per-expert tensors PerExpertView's."""
+
+    def __init__(self, ckpt):
+        self.ckpt = ckpt
+
+    def _published(self, name: str) -> str:
+        if name in self.ckpt:
+            return name
+        name = name.replace("model.embed_tokens.", "model.word_embeddings.", 1)
+        name = name.replace(".self_attn.o_proj.", ".attention.dense.").replace(".self_attn.", ".attention.")
+        return name.replace(".mlp.gate.e_score_correction_bias", ".mlp.gate.expert_bias")
+
+    def __contains__(self, name: str) -> bool:
+        return self._published(name) in self.ckpt
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.ckpt.get(self._published(name))
+
+
+class BailingHybridModel(HybridModel):
+    """Parameter names equal transformers' in-memory ones; published checkpoints load too."""
+
+    architecture = ARCHITECTURE
+
+    def __init__(self, config):
+        check_config(config)
+        super().__init__(config)
+        self.model = _BailingHybridBody(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config, config.qk_rope_head_dim)
+
+    def load_weights(self, ckpt) -> None:
+        super().load_weights(PerExpertView(_PublishedKdaNames(_PublishedLingNames(ckpt))))
+
+    def cache_specs(self) -> dict[int, LayerSpec]:
+        return layer_cache_specs(self.model.layers, self.dtype)
+
+    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        h = run_layers(self.model.layers, self.model.embed_tokens(batch.input_ids), self.rotary, batch, caches)
+        return self.compute_logits(self.model.norm(h), batch, self.lm_head)
+
+
+MODEL_CLASS = BailingHybridModel
