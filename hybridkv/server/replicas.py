@@ -5,8 +5,8 @@
     await engine.stats()   # summed over replicas, plus "replicas": [per-replica stats]
 
 Each replica is a spawned process running its own LLM and engine loop (engine_process.py); a
-pipe carries commands one way and request news the other, read by one thread per replica that
-hands news to the caller's event loop. A new request goes where `PrefixRouter` says (the longest
+pipe carries commands one way and request news the other (replica_set.py); here the news goes
+to the caller's event loop. A new request goes where `PrefixRouter` says (the longest
 usable cached prefix, asked of every replica, else the least loaded). A balancer thread moves
 running requests, KV and state, from a replica with requests waiting to an idle one (snapshot
 bytes over the pipes); the client's stream goes on from the next token. A replica whose pipe
@@ -15,10 +15,7 @@ closes (its process died) fails its requests with EngineDeadError naming it; the
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import itertools
 import logging
-import multiprocessing as mp
 import threading
 from types import SimpleNamespace
 from typing import Optional
@@ -26,7 +23,8 @@ from typing import Optional
 from hybridkv.sampling_params import SamplingParams
 
 from .async_llm import EngineDeadError, RequestStream, _Stream
-from .engine_process import ReplicaFacts, replica_main
+from .engine_process import ReplicaFacts
+from .replica_set import ReplicaSet
 from .router import PrefixRouter
 
 log = logging.getLogger("hybridkv.replicas")
@@ -50,96 +48,39 @@ class DataParallelLLM:
         if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size={data_parallel_size!r}: give an integer >= 1")
         self.size, self.call_timeout = data_parallel_size, call_timeout
-        ctx = mp.get_context("spawn")  # a forked child would inherit torch's threads and locks
-        self._conns, self._procs = [], []
-        for i in range(data_parallel_size):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=replica_main, args=(i, child, model, llm_kwargs, log_stats_interval,
-                                                       logging.getLogger().getEffectiveLevel()),
-                            name=f"hybridkv-replica-{i}", daemon=True)
-            p.start()
-            child.close()  # only the child holds its end: its death closes the pipe here
-            self._conns.append(parent)
-            self._procs.append(p)
-        self.facts: list[ReplicaFacts] = [self._wait_ready(i, startup_timeout) for i in range(data_parallel_size)]
+        self._lock = threading.Lock()  # streams, router, requests in transit
+        self._streams: dict[str, _Stream] = {}
+        self._moving: set[str] = set()      # may be in transit between replicas: aborts wait
+        self._aborted: set[str] = set()     # aborted while in transit
+        self._waited: set[int] = set()      # replicas with requests waiting at the last balancer look
+        self.router = PrefixRouter(data_parallel_size, int(llm_kwargs.get("block_size", 16)))
+        self.replicas = ReplicaSet(model, data_parallel_size, llm_kwargs, log_stats_interval, self._deliver,
+                                   self._replica_died, startup_timeout)
+        self.facts: list[ReplicaFacts] = self.replicas.facts
         f = self.facts[0]
         self.tokenizer = f.tokenizer
         # what the serving layer reads of an LLM (serving.py): limits and defaults, same on every replica
         self.llm = SimpleNamespace(model=SimpleNamespace(max_model_len=f.max_model_len,
                                                          generation_defaults=f.generation_defaults),
                                    config=SimpleNamespace(max_num_seqs=f.max_num_seqs))
-        self.router = PrefixRouter(data_parallel_size, int(llm_kwargs.get("block_size", 16)))
-        self._lock = threading.Lock()  # streams, router, pending calls, dead replicas
-        self._send_locks = [threading.Lock() for _ in range(data_parallel_size)]
-        self._streams: dict[str, _Stream] = {}
-        self._pending: list[dict[int, concurrent.futures.Future]] = [{} for _ in range(data_parallel_size)]
-        self._dead: dict[int, str] = {}
-        self._moving: set[str] = set()      # exported, not yet imported
-        self._aborted: set[str] = set()     # aborted while moving
-        self._ids = itertools.count()
-        self._closing = threading.Event()
-        self._waited: set[int] = set()      # replicas with requests waiting at the last balancer look
-        self._readers = [threading.Thread(target=self._read, args=(i,), name=f"hybridkv-replica-{i}-reader",
-                                          daemon=True) for i in range(data_parallel_size)]
-        for t in self._readers:
-            t.start()
-        self._balancer = None
         if balance_interval > 0 and data_parallel_size > 1:
-            self._balancer = threading.Thread(target=self._balance_loop, args=(balance_interval,),
-                                              name="hybridkv-balancer", daemon=True)
-            self._balancer.start()
-
-    def _wait_ready(self, i: int, timeout: float) -> ReplicaFacts:
-        conn = self._conns[i]
-        try:
-            msg = conn.recv() if conn.poll(timeout) else ("failed", f"no answer within {timeout:.0f} s")
-        except (EOFError, OSError):
-            msg = ("failed", f"the process exited (code {self._procs[i].exitcode})")
-        if msg[0] != "ready":
-            self.close()
-            raise RuntimeError(f"data-parallel replica {i} did not start: {msg[1]}")
-        return msg[1]
+            threading.Thread(target=self._balance_loop, args=(balance_interval,), name="hybridkv-balancer",
+                             daemon=True).start()
 
     # ---- the caller's side ---------------------------------------------------------------------
     @property
     def dead(self) -> Optional[str]:
         """None while every replica runs; else which stopped and why (the others still serve)."""
-        with self._lock:
-            if not self._dead:
-                return None
-            return "; ".join(self._dead[i] for i in sorted(self._dead))
-
-    def _call(self, i: int, verb: str, *args) -> concurrent.futures.Future:
-        """Send a command to replica i; a Future of its answer (EngineDeadError if it is gone)."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        with self._lock:
-            if i in self._dead:
-                fut.set_exception(EngineDeadError(self._dead[i]))
-                return fut
-            cid = next(self._ids)
-            self._pending[i][cid] = fut
-        try:
-            self._send(i, (verb, cid, *args))
-        except Exception as e:  # it does not pickle (a callable in the params, say): nothing was sent
-            with self._lock:
-                self._pending[i].pop(cid, None)
-            fut.set_exception(ValueError(f"cannot send {verb!r} to data-parallel replica {i}: {e}"))
-        return fut
-
-    def _send(self, i: int, msg) -> None:
-        with self._send_locks[i]:
-            try:
-                self._conns[i].send(msg)
-            except (BrokenPipeError, OSError):  # the reader sees the pipe close and fails the calls
-                pass
+        dead = dict(self.replicas.dead)
+        return "; ".join(dead[i] for i in sorted(dead)) if dead else None
 
     async def _ask(self, i: int, verb: str, *args):
-        return await asyncio.wait_for(asyncio.wrap_future(self._call(i, verb, *args)), self.call_timeout)
+        return await asyncio.wait_for(asyncio.wrap_future(self.replicas.call(i, verb, *args)), self.call_timeout)
 
     async def stats(self) -> dict:
         """Every live replica's LLM.stats() summed (hit rate recomputed), and "replicas": a list of
         {"replica", "alive", "pid", **that replica's stats}."""
-        alive = [i for i in range(self.size) if i not in self._dead]
+        alive = self.replicas.alive()
         got = await asyncio.gather(*(self._ask(i, "stats") for i in alive), return_exceptions=True)
         per = {i: s for i, s in zip(alive, got) if isinstance(s, dict)}
         total: dict = {k: 0 for k in _SUMMED}
@@ -168,37 +109,43 @@ class DataParallelLLM:
                 return
             self.router.finished(request_id)
         if replica is not None:
-            self._send(replica, ("abort", request_id))
+            self.replicas.send(replica, ("abort", request_id))
 
     async def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                           priority: int = 0, cache_salt: Optional[str] = None) -> RequestStream:
         """Route and queue a request (AsyncLLM.add_request's contract): bad input raises
         ValueError / TypeError from the replica and nothing stays queued."""
         ids = list(prompt_token_ids)
-        alive = [i for i in range(self.size) if i not in self._dead]
+        alive = self.replicas.alive()
         probes = await asyncio.gather(*(self._ask(i, "probe", ids, cache_salt) for i in alive),
                                       return_exceptions=True)
         hits: list[Optional[int]] = [None] * self.size
         for i, p in zip(alive, probes):
             hits[i] = None if isinstance(p, BaseException) else p.hit_tokens
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        with self._lock:
-            if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already in use; give another id")
-            try:
-                replica = self.router.choose(request_id, ids, params.max_tokens or 0, cache_salt, hits)
-            except ValueError:
-                raise EngineDeadError(f"no data-parallel replica is running: {self.dead}") from None
-            self._streams[request_id] = stream
-        try:
-            await self._ask(replica, "add", ids, params, request_id, priority, cache_salt)
-        except BaseException as e:
+        while True:  # a replica that dies between the probe and the add: the next best one
+            stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())  # fresh: a dying one posts its error
             with self._lock:
-                self._streams.pop(request_id, None)
-                self.router.finished(request_id)
-            if not isinstance(e, (ValueError, TypeError)):  # cancelled or timed out: it may have been added
-                self._send(replica, ("abort", request_id))
-            raise
+                if request_id in self._streams:
+                    raise ValueError(f"request id {request_id!r} is already in use; give another id")
+                try:
+                    replica = self.router.choose(request_id, ids, params.max_tokens or 0, cache_salt, hits)
+                except ValueError:
+                    raise EngineDeadError("no data-parallel replica is running: "
+                                          + "; ".join(self.replicas.dead.values())) from None
+                self._streams[request_id] = stream
+            try:
+                await self._ask(replica, "add", ids, params, request_id, priority, cache_salt)
+                break
+            except BaseException as e:
+                with self._lock:
+                    self._streams.pop(request_id, None)
+                    self.router.finished(request_id)
+                if isinstance(e, EngineDeadError) and replica in self.replicas.dead:
+                    hits[replica] = None
+                    continue
+                if not isinstance(e, (ValueError, TypeError)):  # cancelled or timed out: it may have been added
+                    self.replicas.send(replica, ("abort", request_id))
+                raise
         return RequestStream(self, request_id, params, stream)
 
     async def generate(self, prompt_token_ids, params: SamplingParams, request_id: str, priority: int = 0,
@@ -213,33 +160,9 @@ class DataParallelLLM:
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop every replica (requests still running are aborted); waits at most `timeout` each."""
-        self._closing.set()
-        for i, p in enumerate(self._procs):
-            if p.is_alive():
-                self._send(i, ("close",))
-        for p in self._procs:
-            p.join(timeout)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout)
+        self.replicas.close(timeout)
 
-    # ---- reader threads: news and answers from one replica ----------------------------------------
-    def _read(self, i: int) -> None:
-        conn = self._conns[i]
-        while True:
-            try:
-                msg = conn.recv()
-            except (EOFError, OSError):
-                break
-            if msg[0] == "news":
-                self._deliver(msg[1], msg[2])
-            elif msg[0] == "reply":
-                with self._lock:
-                    fut = self._pending[i].pop(msg[1], None)
-                if fut is not None and not fut.cancelled():  # a caller that gave up cancels it
-                    (fut.set_result if msg[2] else fut.set_exception)(msg[3])
-        self._replica_died(i)
-
+    # ---- from the replicas' reader threads ------------------------------------------------------
     def _deliver(self, rid: str, news) -> None:
         with self._lock:
             stream = self._streams.get(rid)
@@ -253,28 +176,19 @@ class DataParallelLLM:
         except RuntimeError:  # the caller's event loop is gone: nobody reads this request
             self.abort(rid)
 
-    def _replica_died(self, i: int) -> None:
-        p = self._procs[i]
-        p.join(2.0)
-        why = "was closed" if self._closing.is_set() else f"died (exit code {p.exitcode})"
-        msg = f"data-parallel replica {i} (pid {p.pid}) {why}; its requests failed"
-        if not self._closing.is_set():
-            log.error(msg)
+    def _replica_died(self, i: int, why: str) -> None:
+        """Replica i is gone: its requests (not those in transit, which _settle places) fail."""
         with self._lock:
-            self._dead[i] = msg
-            pending, self._pending[i] = self._pending[i], {}
             lost = [rid for rid in self._streams if self.router.replica_of(rid) == i and rid not in self._moving]
             streams = [(rid, self._streams.pop(rid)) for rid in lost]
             for rid in lost:
                 self.router.finished(rid)
-        for fut in pending.values():
-            fut.set_exception(EngineDeadError(msg))
         for rid, stream in streams:
-            _post(stream, EngineDeadError(f"request {rid}: {msg}"))
+            _post(stream, EngineDeadError(f"request {rid}: {why}"))
 
     # ---- the balancer: running requests move from a replica with a queue to an idle one ---------
     def _balance_loop(self, interval: float) -> None:
-        while not self._closing.wait(interval):
+        while not self.replicas.closing.wait(interval):
             with self._lock:
                 busy = bool(self._streams)
             if not busy:
@@ -287,8 +201,8 @@ class DataParallelLLM:
     def balance_once(self) -> int:
         """Move running requests from each replica with requests waiting to a replica with none
         running or waiting; returns how many moved."""
-        alive = [i for i in range(self.size) if i not in self._dead]
-        futs = {i: self._call(i, "probe", [], None) for i in alive}
+        alive = self.replicas.alive()
+        futs = {i: self.replicas.call(i, "probe", [], None) for i in alive}
         probes = {i: f.result(self.call_timeout) for i, f in futs.items()}
         idle = [i for i in alive if probes[i].running == 0 and probes[i].waiting == 0]
         # overloaded: a queue that a full batch blocks, or one that outlived a look (not a one-step
@@ -313,7 +227,7 @@ class DataParallelLLM:
             candidates = {rid for rid in self._streams if self.router.replica_of(rid) == a}
             self._moving |= candidates
         try:
-            out = self._call(a, "export", k).result(self.call_timeout)
+            out = self.replicas.call(a, "export", k).result(self.call_timeout)
         except Exception as e:
             log.warning("replica %d could not export requests: %s", a, e)
             out = []
@@ -323,7 +237,7 @@ class DataParallelLLM:
             landed = None
             for dst in (b, a):
                 try:
-                    self._call(dst, "import", m).result(self.call_timeout)
+                    self.replicas.call(dst, "import", m).result(self.call_timeout)
                     landed = dst
                     break
                 except Exception as e:
@@ -339,14 +253,14 @@ class DataParallelLLM:
             aborted = rid in self._aborted
             self._aborted.discard(rid)
             why = (f"request {rid} was lost in migration: no replica could take it" if replica is None
-                   else self._dead.get(replica))
+                   else self.replicas.dead.get(replica))
             if replica is not None and not aborted and why is None:
                 self.router.moved(rid, replica)
                 return
             self.router.finished(rid)
             stream = self._streams.pop(rid, None)
         if aborted and replica is not None:
-            self._send(replica, ("abort", rid))
+            self.replicas.send(replica, ("abort", rid))
         elif stream is not None:
             _post(stream, EngineDeadError(f"request {rid}: {why}"))
 
