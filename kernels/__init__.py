@@ -24,13 +24,16 @@ def _pick(t, ref, triton_name, module):
 
 def paged_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale, causal=True,
                     sliding_window=None, soft_cap=None, max_query_len=None, max_seq_len=None,
-                    plan_cache=None):
+                    plan_cache=None, sinks=None):
     """q [T, Hq, D], kv_cache [num_blocks, 2, bs, Hkv, D] -> out [T, Hq, D]; see attention_ref.
-    plan_cache: a per-step dict (ForwardBatch.kernel_plans) the CPU path keeps its step plan in."""
+    plan_cache: a per-step dict (ForwardBatch.kernel_plans) the CPU path keeps its step plan in.
+    sinks: [Hq] per-head sink logits in the softmax denominator (GPT-OSS), or None."""
     from .attention_cpu import paged_attention_cpu  # batched torch path; attention_ref is the spec
 
     fn = _pick(q, paged_attention_cpu, "paged_attention_triton", "paged_attention_kernel")
     kw = {"plan_cache": plan_cache} if fn is paged_attention_cpu else {}
+    if sinks is not None:  # only then: kernels without the option keep their signature
+        kw["sinks"] = sinks
     return fn(q, kv_cache, query_start_loc, seq_lens, block_table, scale, causal=causal,
               sliding_window=sliding_window, soft_cap=soft_cap, max_query_len=max_query_len,
               max_seq_len=max_seq_len, **kw)

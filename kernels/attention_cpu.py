@@ -7,7 +7,8 @@ A bucket gathers its whole blocks with one `index_select` straight into a `[Hkv,
 and attends with two batched matmuls, the GQA group folded into the query rows (no copy of K or V
 per query head). Prefill chunks (query_len > 1) run one request at a time through
 `F.scaled_dot_product_attention` on the same gather; soft-capped layers take the batched matmul
-path for prefill too (SDPA has no soft cap). Under a sliding window only the blocks from the first
+path for prefill too (SDPA has no soft cap), and so do layers with attention sinks: their output
+is scaled by sigmoid(logsumexp - sink), the sink's share of the denominator. Under a sliding window only the blocks from the first
 query's window on are gathered: blocks before it may already belong to another request.
 Checked against the reference in tests/kernels/test_attention_cpu.py.
 """
@@ -121,9 +122,9 @@ def _group(block_table, n_pool_blocks, bs, reqs, starts, qlens, lens, causal, wi
 
 
 def attention_plan(query_start_loc, seq_lens, block_table, bs, n_pool_blocks, causal=True,
-                   sliding_window=None, soft_cap=None) -> list[_Group]:
+                   sliding_window=None, soft_cap=None, sinks: bool = False) -> list[_Group]:
     """The step's groups: decodes in length buckets (see decode_buckets), each prefill chunk alone
-    (through SDPA unless soft-capped). Checks every request; ValueError names the bad one."""
+    (through SDPA unless soft-capped or with sinks). Checks every request; ValueError names the bad one."""
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
     decodes, prefills = [], []
     for r, seq_len in enumerate(lens):
@@ -146,11 +147,11 @@ def attention_plan(query_start_loc, seq_lens, block_table, bs, n_pool_blocks, ca
                              False))
     for r in prefills:
         groups.append(_group(block_table, n_pool_blocks, bs, [r], [qsl[r]], [qsl[r + 1] - qsl[r]],
-                             [lens[r]], causal, sliding_window, soft_cap is None))
+                             [lens[r]], causal, sliding_window, soft_cap is None and not sinks))
     return groups
 
 
-def _attend(q, kv_cache, grp: _Group, scale, soft_cap):
+def _attend(q, kv_cache, grp: _Group, scale, soft_cap, sinks=None):
     """One group: [n, Hq, D] fp32 outputs for grp.out_rows."""
     _, _, bs, hkv, d = kv_cache.shape
     hq = q.shape[1]
@@ -173,13 +174,17 @@ def _attend(q, kv_cache, grp: _Group, scale, soft_cap):
         if grp.hidden is not None:
             logits.view(hkv, r_n, g, lmax, s_n).masked_fill_(grp.hidden[None, :, None], float("-inf"))
         o = torch.bmm(torch.softmax(logits, dim=-1), v)  # every real query sees its own key
+        if sinks is not None:  # exp(s) joins the denominator: scale by Z / (Z + exp(s))
+            lse = torch.logsumexp(logits.view(hkv, r_n, g, lmax, s_n), dim=-1)
+            share = torch.sigmoid(lse - sinks.float().view(hkv, 1, g, 1))
+            o = o * share.view(hkv * r_n, g * lmax, 1)
     o = o.view(hkv, r_n, g, lmax, d).permute(1, 3, 0, 2, 4).reshape(r_n * lmax, hq, d)
     return o if grp.keep is None else o.index_select(0, grp.keep)
 
 
 def paged_attention_cpu(q, kv_cache, query_start_loc, seq_lens, block_table, scale, causal=True,
                         sliding_window=None, soft_cap=None, max_query_len=None, max_seq_len=None,
-                        plan_cache: Optional[dict] = None):
+                        plan_cache: Optional[dict] = None, sinks=None):
     """Packed queries over paged KV; inputs, outputs and semantics as `paged_attention_ref`.
 
     q [T, Hq, D]; kv_cache [num_blocks, 2, bs, Hkv, D]; query_start_loc [R+1]; seq_lens [R];
@@ -188,16 +193,16 @@ def paged_attention_cpu(q, kv_cache, query_start_loc, seq_lens, block_table, sca
     built by the first layer and reused by the others with the same pool geometry and options.
     """
     check_attention_inputs(q, kv_cache, query_start_loc, seq_lens, block_table, sliding_window,
-                           soft_cap)
+                           soft_cap, sinks)
     key = ("paged_attention", kv_cache.shape[2], kv_cache.shape[0], causal, sliding_window,
-           soft_cap is None)
+           soft_cap is None, sinks is None)
     plan = None if plan_cache is None else plan_cache.get(key)
     if plan is None:
         plan = attention_plan(query_start_loc, seq_lens, block_table, kv_cache.shape[2],
-                              kv_cache.shape[0], causal, sliding_window, soft_cap)
+                              kv_cache.shape[0], causal, sliding_window, soft_cap, sinks is not None)
         if plan_cache is not None:
             plan_cache[key] = plan
     out = torch.zeros_like(q)
     for grp in plan:
-        out.index_copy_(0, grp.out_rows, _attend(q, kv_cache, grp, scale, soft_cap).to(q.dtype))
+        out.index_copy_(0, grp.out_rows, _attend(q, kv_cache, grp, scale, soft_cap, sinks).to(q.dtype))
     return out

@@ -10,7 +10,7 @@ import torch
 
 
 def check_attention_inputs(q, kv_cache, query_start_loc, seq_lens, block_table, sliding_window,
-                           soft_cap):
+                           soft_cap, sinks=None):
     """Shape checks shared by the reference and the Triton kernel (no device sync)."""
     if q.dim() != 3:
         raise ValueError(f"q must be [num_tokens, heads, head_dim]; got shape {tuple(q.shape)}")
@@ -34,10 +34,13 @@ def check_attention_inputs(q, kv_cache, query_start_loc, seq_lens, block_table, 
         raise ValueError(f"sliding_window={sliding_window}; must be >= 1 or None")
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"soft_cap={soft_cap}; must be > 0 or None")
+    if sinks is not None and tuple(sinks.shape) != (hq,):
+        raise ValueError(f"sinks has shape {tuple(sinks.shape)}; expected one logit per query head: ({hq},)")
 
 
 def paged_attention_ref(q, kv_cache, query_start_loc, seq_lens, block_table, scale, causal=True,
-                        sliding_window=None, soft_cap=None, max_query_len=None, max_seq_len=None):
+                        sliding_window=None, soft_cap=None, max_query_len=None, max_seq_len=None,
+                        sinks=None):
     """Attention of packed queries over paged KV.
 
     q [T, Hq, D]; kv_cache [num_blocks, 2, bs, Hkv, D]; query_start_loc [R+1] int32 (request r
@@ -53,9 +56,11 @@ def paged_attention_ref(q, kv_cache, query_start_loc, seq_lens, block_table, sca
     `soft_cap=c`
     maps logits to `c * tanh(logits / c)` after `scale` (Gemma2). GQA: query head h reads KV head
     h // (Hq // Hkv). Accumulation in float32. max_query_len / max_seq_len are hints, unused here.
+    `sinks [Hq]`: a learned logit per query head that joins every row's softmax denominator and
+    has no value (GPT-OSS): weights are exp(l_j) / (exp(s_h) + sum_j exp(l_j)).
     """
     check_attention_inputs(q, kv_cache, query_start_loc, seq_lens, block_table, sliding_window,
-                           soft_cap)
+                           soft_cap, sinks)
     t, hq, d = q.shape
     bs, hkv = kv_cache.shape[2], kv_cache.shape[3]
     group = hq // hkv
@@ -92,7 +97,11 @@ def paged_attention_ref(q, kv_cache, query_start_loc, seq_lens, block_table, sca
         if sliding_window is not None:
             visible &= pos - key < sliding_window
         logits = logits.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a row with no key gives zeros
+        if sinks is not None:  # one more column per row, the head's sink, dropped after softmax
+            sink = sinks.float().view(hkv, group, 1, 1).expand(hkv, group, qlen, 1)
+            probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a row with no key gives zeros
         o = probs @ v.unsqueeze(1)  # [Hkv, G, L, D]
         out[q0:q1] = o.permute(2, 0, 1, 3).reshape(qlen, hq, d).to(q.dtype)
     return out
