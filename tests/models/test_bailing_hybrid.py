@@ -1,0 +1,139 @@
+"""BailingHybrid's (Ling 3) own checks (layout, latent KV beside KDA states and the config-only plan,
+the un-bounded forget gate and plain q projection against transformers, refused options, the engine
+under memory pressure, prefix hits and migration); the shared ones are its row in test_families.py."""
+import json
+
+import pytest
+import torch
+
+from hybridkv import LLM
+from hybridkv.config_specs import specs_from_config
+from hybridkv.models.bailing_delta_attention import BailingDeltaAttentionMixer
+from hybridkv.models.bailing_hybrid import BailingHybridModel, tiny_config
+from hybridkv.models.gated_latent_attention import GatedLatentAttention
+from hybridkv.models.kimi_linear import KimiMoE
+from hybridkv.plan import kv_bytes_per_token
+from hybridkv.scheduler.snapshot_io import snapshot_from_bytes, snapshot_to_bytes
+from hybridkv.specs import AttentionSpec, RecurrentSpec
+
+from engine_fixtures import assert_no_leaks, greedy, ragged_prompts, tight_budget
+from family_checks import BS, check_prompt_logits, load_pair, prompt, tiny_lfm2_moe
+from model_harness import assert_greedy_matches_hf
+
+KDA = RecurrentSpec((3 * 4 * 16, 3), (4, 16, 16), torch.float32)  # conv over q|k|v, [H, K, K]
+LATENT = AttentionSpec(1, 32 + 8, torch.float32, latent=True)  # kv_lora_rank + rotary dims
+
+
+def test_layout_latent_kind_and_config_only_plan(family_models):
+    path, ours, hf = family_models("bailing_hybrid")
+    layers = ours.model.layers
+    assert [isinstance(layer.self_attn, BailingDeltaAttentionMixer) for layer in layers] == [
+        True, False, True, False]
+    assert [isinstance(layer.self_attn, GatedLatentAttention) for layer in layers] == [
+        False, True, False, True]
+    assert [isinstance(layer.mlp, KimiMoE) for layer in layers] == [False, True, True, True]
+    assert ours.cache_specs() == {0: KDA, 1: LATENT, 2: KDA, 3: LATENT}
+    # 40 floats per token and latent layer, where per-head K and V would be 2 x 4 x (16 + 8)
+    assert kv_bytes_per_token(ours.cache_specs()) == 2 * 40 * 4
+    cfg = json.loads((path / "config.json").read_text())
+    assert specs_from_config(cfg, torch.float32) == ours.cache_specs()
+    assert specs_from_config(cfg, torch.bfloat16)[0].ssm_dtype == torch.float32
+    # the published correction bias (`expert_bias`) reached the router, and it is not zero
+    torch.testing.assert_close(ours.model.layers[1].mlp.gate.e_score_correction_bias,
+                               hf.model.layers[1].mlp.gate.e_score_correction_bias, rtol=0, atol=0)
+    assert hf.model.layers[1].mlp.gate.e_score_correction_bias.abs().max() > 0
+
+
+def test_published_default_layer_pattern_plans_mla_every_group():
+    """A config that leaves layer_types out: MLA on every layer_group_size-th layer, as transformers."""
+    cfg = dict(tiny_config(num_hidden_layers=6, layer_types=None, mlp_layer_types=None,
+                           layer_group_size=3).to_dict(), model_type="bailing_hybrid")
+    cfg.pop("layer_types"), cfg.pop("mlp_layer_types")
+    specs = specs_from_config(cfg, torch.float32)
+    assert [isinstance(s, AttentionSpec) for s in specs.values()] == [False, False, True] * 2
+
+
+def test_unbounded_gate_and_plain_q_projection_match_transformers(tmp_path):
+    """kda_safe_gate=False (Kimi's -exp(A_log) * softplus gate) and q_lora_rank=None (one q_proj)."""
+    path = tiny_lfm2_moe("bailing_hybrid", tmp_path, seed=14, kda_safe_gate=False, q_lora_rank=None)
+    ours, hf = load_pair(path)
+    assert not ours.model.layers[0].self_attn.forget_gate.safe
+    assert hasattr(ours.model.layers[1].self_attn, "q_proj")
+    check_prompt_logits(ours, hf, n=BS + 7)
+
+
+def test_refused_options_name_themselves():
+    # transformers' config validates layer types on construction; a loaded config can still hold others
+    for name, bad, match in (("layer_types", ["linear_attention", "sliding_attention"] * 2,
+                              r"layer_types\[1\] is 'sliding_attention'"),
+                             ("mlp_layer_types", ["dense", "sparse", "moe", "sparse"],
+                              r"mlp_layer_types\[2\] is 'moe'"),
+                             ("num_key_value_heads", 2, "num_key_value_heads=2 differs"),
+                             ("rope_parameters", {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+                              "rope_type is 'linear'")):
+        config = tiny_config()
+        setattr(config, name, bad)
+        with pytest.raises(ValueError, match=match):
+            BailingHybridModel(config)
+    config = tiny_config()
+    config.layer_types = ["linear_attention", "sliding_attention"] * 2
+    cfg = dict(config.to_dict(), model_type="bailing_hybrid")
+    with pytest.raises(ValueError, match="bailing_hybrid layer 1 has type 'sliding_attention'"):
+        specs_from_config(cfg, torch.float32)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_engine_under_memory_pressure(mode, family_models):
+    """6 latent-page blocks and 3 live slots for 6 ragged prompts: requests are preempted (latent
+    pages and KDA states together) and resume to transformers' tokens."""
+    path, ours, hf = family_models("bailing_hybrid")
+    specs = ours.cache_specs()
+    prompts = ragged_prompts(6, ours.vocab_size, seed=5)
+    llm = LLM(str(path), memory_budget_bytes=tight_budget(specs, 16, blocks=6, slots=1 + 3),
+              max_num_seqs=3, max_num_batched_tokens=24, preemption_mode=mode, checkpoint_share=0.0)
+    assert llm.stats()["kv_blocks_total"] == 6
+    outs = llm.generate(prompts, greedy(12), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert assert_greedy_matches_hf(hf, p, o.outputs[0].token_ids) == 0
+    assert llm.stats()["preemptions"][mode] > 0
+    assert_no_leaks(llm)
+
+
+def test_prefix_hit_shares_rotated_latents_and_resumes_the_kda_state(family_models):
+    path, _, hf = family_models("bailing_hybrid")
+    llm = LLM(str(path), memory_budget_bytes=8 << 20, checkpoint_policy="prompt_end")
+    shared = prompt(40, 31)
+    first, second = shared + prompt(5, 32), shared + prompt(9, 33)
+    a = llm.generate([first], greedy(8), use_tqdm=False)[0]
+    b = llm.generate([second], greedy(8), use_tqdm=False)[0]
+    assert a.num_cached_tokens == 0 and b.num_cached_tokens == 2 * BS
+    for p, o in ((first, a), (second, b)):
+        assert assert_greedy_matches_hf(hf, p, o.outputs[0].token_ids) == 0
+    assert_no_leaks(llm)
+
+
+def test_migration_mid_decode_moves_latents_and_kda_states(family_models):
+    path, _, hf = family_models("bailing_hybrid")
+    src = LLM(str(path), memory_budget_bytes=8 << 20, max_num_batched_tokens=32)
+    dst = LLM(str(path), memory_budget_bytes=8 << 20, block_size=32)  # another block size
+    prompts = [prompt(n, 90 + n) for n in (1, BS - 1, BS + 1, 3 * BS + 5)]
+    ids = [src.add_request(p, greedy(12)) for p in prompts]
+    for _ in range(5):  # prefill (the long prompt in two chunks) and a few decodes
+        src.step()
+    for i in ids[1:3]:
+        snap = snapshot_from_bytes(snapshot_to_bytes(src.export_request(i)))
+        assert snap.num_computed_tokens > snap.num_prompt_tokens  # mid-decode
+        assert set(snap.kv) == {1, 3} and set(snap.ssm) == {0, 2} == set(snap.conv)
+        assert snap.kv[1].shape == (1, snap.num_computed_tokens, 1, 40)  # one latent per token
+        dst.import_request(snap)
+    done = {}
+    for llm in (src, dst):
+        while llm.has_unfinished_requests():
+            for o in llm.step():
+                if o.finished:
+                    done[o.request_id] = list(o.outputs[0].token_ids)
+    for p, i in zip(prompts, ids):
+        assert assert_greedy_matches_hf(hf, p, done[i]) == 0
+    assert src.stats()["migrations"]["out"] == 2 and dst.stats()["migrations"]["in"] == 2
+    assert_no_leaks(src)
+    assert_no_leaks(dst)
