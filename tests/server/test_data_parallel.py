@@ -256,3 +256,10 @@ def test_serve_data_parallel_answers_the_openai_client_and_survives_a_killed_rep
             proc.wait(10)
         log.close()
     assert not _replica_pids(proc.pid)
+
+
+def test_serve_refuses_a_data_parallel_size_below_one(checkpoints):
+    proc = subprocess.run([sys.executable, "-m", "hybridkv", "serve", str(checkpoints["plain"]), "--port", "1",
+                           "--data-parallel-size", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "data_parallel_size=0: give an integer >= 1" in proc.stderr and "Traceback" not in proc.stderr
