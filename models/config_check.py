@@ -22,6 +22,8 @@ POSITIVE_KEYS = (
     # expert counts are left out: 0 means a dense model in some families (GraniteMoeHybrid)
     "lru_width", "conv1d_width", "attention_window_size", "conv_L_cache", "n_mamba_heads",
     "mamba_dt_rank",
+    # latent attention (Kimi-Linear, BailingHybrid) and BailingHybrid's KDA conv and layer groups
+    "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "short_conv_kernel_size", "layer_group_size",
 )
 # Keys that divide something (logits / cap): a positive number; 0 or less is no model either.
 POSITIVE_NUMBER_KEYS = ("logits_soft_cap",)

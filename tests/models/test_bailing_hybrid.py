@@ -137,3 +137,24 @@ def test_migration_mid_decode_moves_latents_and_kda_states(family_models):
     assert src.stats()["migrations"]["out"] == 2 and dst.stats()["migrations"]["in"] == 2
     assert_no_leaks(src)
     assert_no_leaks(dst)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(layer_group_size=0), "layer_group_size=0; it must be a positive integer"),
+    (dict(kv_lora_rank=-32), "kv_lora_rank=-32; it must be a positive integer"),
+    (dict(num_key_value_heads=2), "num_key_value_heads=2 differs"),
+    (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}), "rope_type is 'linear'"),
+])
+def test_loading_refuses_a_config_it_would_run_wrongly(changes, message, family_models, tmp_path):
+    """At load, before any weight is read: a CheckpointError naming config.json and the option."""
+    import shutil
+
+    from hybridkv.models import CheckpointError, load_model
+
+    path, _, _ = family_models("bailing_hybrid")
+    shutil.copytree(path, tmp_path / "ckpt")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=f"config.json.*{message}"):
+        load_model(tmp_path / "ckpt")
