@@ -13,7 +13,9 @@ three launches:
                  j <= i) u.
 q and k are L2-normalised (eps 1e-6 inside the rsqrt) and q scaled by torch before the launches;
 the H q/k heads serve HV // H consecutive value heads. The inverse is a product of log2(L)
-matmuls (I + A is unit lower triangular, so A is nilpotent), not an L-step substitution. Matmuls take fp16/bf16 operands with fp32
+matmuls (I + A is unit lower triangular, so A is nilpotent), not an L-step substitution. Column
+loops have constexpr bounds and the chunk loop is a `while`: Triton 3.6's interpreter takes no
+tensor, nor a scalar kernel argument, as a range() bound. Matmuls take fp16/bf16 operands with fp32
 accumulation for half inputs, exact fp32 products for fp32 inputs.
 """
 from __future__ import annotations
@@ -31,7 +33,7 @@ def _gdn_chunk_prep(k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_len_pt
                     gcum_ptr, n_vheads, rep, key_dim, value_dim, s_kt, s_kh, s_vt, s_vh, s_gt,
                     s_gh, s_bt, s_bh,
                     PREC: tl.constexpr, LOG2_T: tl.constexpr, BLOCK_T: tl.constexpr,
-                    BLOCK_KV: tl.constexpr):
+                    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_KV: tl.constexpr):
     # K and V are walked in BLOCK_KV column tiles: whole [L, 128] rows in fp32 spill registers
     c = tl.program_id(0)
     hv = tl.program_id(1)
@@ -48,7 +50,7 @@ def _gdn_chunk_prep(k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_len_pt
     G = tl.cumsum(gg, axis=0)
     tl.store(gcum_ptr + rows * n_vheads + hv, G, mask=tmask)
     kkt = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
-    for k0 in range(0, key_dim, BLOCK_KV):
+    for k0 in range(0, BLOCK_K, BLOCK_KV):  # constexpr bounds (see the module docstring)
         kt = tl.load(k_rows + k0 + cols[None, :],
                      mask=tmask[:, None] & (k0 + cols[None, :] < key_dim), other=0.0)
         kkt += tl.dot(kt, tl.trans(kt), input_precision=PREC)
@@ -62,13 +64,13 @@ def _gdn_chunk_prep(k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_len_pt
         inv = inv + tl.dot(inv.to(in_ty), M.to(in_ty), input_precision=PREC)
     inv_in = inv.to(in_ty)
     k_coef = bb * tl.exp(G)
-    for k0 in range(0, key_dim, BLOCK_KV):
+    for k0 in range(0, BLOCK_K, BLOCK_KV):
         kmask = tmask[:, None] & (k0 + cols[None, :] < key_dim)
         kt = tl.load(k_rows + k0 + cols[None, :], mask=kmask, other=0.0).to(tl.float32)
         w = tl.dot(inv_in, (kt * k_coef[:, None]).to(in_ty), input_precision=PREC)
         tl.store(w_ptr + (rows[:, None] * n_vheads + hv) * key_dim + k0 + cols[None, :], w,
                  mask=kmask)
-    for v0 in range(0, value_dim, BLOCK_KV):
+    for v0 in range(0, BLOCK_V, BLOCK_KV):
         vmask = tmask[:, None] & (v0 + cols[None, :] < value_dim)
         vt = tl.load(v_ptr + rows[:, None] * s_vt + hv * s_vh + v0 + cols[None, :], mask=vmask,
                      other=0.0).to(tl.float32)
@@ -100,7 +102,8 @@ def _gdn_recurrence(state_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, hstart_ptr, ckpt_p
     s_ptrs = state_ptr + slot * s_ss + hv * s_sh + ks[:, None] * s_sk + vs[None, :] * s_sv
     S = tl.load(s_ptrs, mask=smask & (zero + init != 0), other=0.0).to(tl.float32)
     size = key_dim * value_dim
-    for i in range(0, max_chunks):
+    i = r * 0  # a tensor counter: max_chunks == 1 arrives as a constexpr
+    while i < max_chunks:
         active = i < nch
         c = tl.where(active, first + i, 0).to(tl.int64)
         start = tl.load(chunk_start_ptr + c).to(tl.int64)
@@ -128,6 +131,7 @@ def _gdn_recurrence(state_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, hstart_ptr, ckpt_p
         row = tl.where(active, tl.load(chunk_ckpt_ptr + c), -1).to(tl.int64)
         tl.store(ckpt_ptr + (row * n_vheads + hv) * size + ks[:, None] * value_dim + vs[None, :],
                  S.to(ckpt_ptr.dtype.element_ty), mask=live & (zero + row >= 0))
+        i += 1
     write = tl.load(write_ptr + r)
     tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=smask & (zero + write != 0))
 
@@ -219,7 +223,8 @@ def gdn_chunk_scan_triton(state, q, k, v, g, beta, query_start_loc, slot_idx, ha
                 k, v, g, beta, plan.chunk_start, plan.chunk_len, w, u, gcum, HV, rep, K, V,
                 k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
                 beta.stride(0), beta.stride(1), PREC=prec, LOG2_T=block_t.bit_length() - 1,
-                BLOCK_T=block_t, BLOCK_KV=min(64, max(block_k, block_v_full)), num_warps=8)
+                BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_V=block_v_full,
+                BLOCK_KV=min(64, max(block_k, block_v_full)), num_warps=8)
         if slot_idx.shape[0]:
             _gdn_recurrence[(slot_idx.shape[0], HV, triton.cdiv(V, block_v))](
                 state, k, w, u, gcum, hstart, ckpt, plan.chunk_start, plan.chunk_len,

@@ -57,7 +57,8 @@ def _mamba1_scan_kernel(state_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_
     zv = tl.zeros([BLOCK_D], dtype=tl.float32)
     if HAS_Z:
         zv = tl.load(z_ptr + start * s_zt + d, mask=dm, other=0.0).to(tl.float32)
-    for t in range(0, max_len):
+    t = r * 0  # a while loop with a tensor counter: Triton 3.6's interpreter takes no scalar
+    while t < max_len:  # kernel argument as a range() bound, and max_len == 1 is a constexpr
         row = start + t
         live_d = dmask & (zero_d + t < length)
         nxt = row + 1
@@ -86,6 +87,7 @@ def _mamba1_scan_kernel(state_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_
         tl.store(ckpt_ptr + (ck * d_inner + d[:, None]) * n_state + n[None, :],
                  h.to(ckpt_ptr.dtype.element_ty), mask=mask2 & (zero2 + ck >= 0))
         x, dt, Bv, Cv, zv = x_n, dt_n, B_n, C_n, z_n
+        t += 1
     write = tl.load(write_ptr + r)
     tl.store(h_ptrs, h.to(state_ptr.dtype.element_ty), mask=mask2 & (zero2 + write != 0))
 

@@ -11,6 +11,8 @@ Four launches over the chunk list of `scan_plan.py` (chunks never cross a reques
                     requested checkpoints and the final state back into the slot;
   4. chunk scan     per (chunk, L tile, head, P block): y = exp(acum_l) C_l h_start
                     + sum_{s<=l} (C_l.B_s) exp(acum_l - acum_s) dt'_s x_s, then D x and the z gate.
+Loops over a chunk's tiles have constexpr bounds and the loop over a request's chunks is a
+`while`: Triton 3.6's interpreter takes no tensor, nor a scalar kernel argument, as a range() bound.
 Matmuls take the inputs' dtype (fp16/bf16) with fp32 accumulation, or exact fp32 (input_precision
 "ieee", not tf32) for fp32 inputs.
 """
@@ -56,10 +58,9 @@ def _ssd_chunk_cumsum(dt_ptr, a_ptr, dtb_ptr, chunk_start_ptr, chunk_len_ptr, dt
 
 @triton.jit
 def _ssd_chunk_state(x_ptr, b_ptr, dtp_ptr, acum_ptr, chunk_start_ptr, chunk_len_ptr, cstate_ptr,
-                     chunk_size, n_heads, head_dim, n_state, heads_per_group,
-                     s_xt, s_xh, s_bt, s_bg,
-                     PREC: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
+                     n_heads, head_dim, n_state, heads_per_group, s_xt, s_xh, s_bt, s_bg,
+                     PREC: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_L: tl.constexpr,
+                     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     c = tl.program_id(0)
     h = tl.program_id(1)
     ps = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -69,7 +70,7 @@ def _ssd_chunk_state(x_ptr, b_ptr, dtp_ptr, acum_ptr, chunk_start_ptr, chunk_len
     length = tl.load(chunk_len_ptr + c)
     a_end = tl.load(acum_ptr + (start + length - 1) * n_heads + h)
     acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-    for l0 in range(0, chunk_size, BLOCK_L):
+    for l0 in range(0, BLOCK_C, BLOCK_L):  # constexpr bounds (see the module docstring)
         ls = l0 + tl.arange(0, BLOCK_L)
         lmask = ls < length
         rows = start + ls
@@ -105,7 +106,8 @@ def _ssd_state_passing(state_ptr, cstate_ptr, decay_ptr, hstart_ptr, ckpt_ptr, c
     s_ptrs = state_ptr + slot * s_ss + h * s_sh + p * s_sp + n * s_sn
     zero = e * 0  # scalar conditions join block masks as blocks (the interpreter needs it)
     hs = tl.load(s_ptrs, mask=emask & (zero + init != 0), other=0.0).to(tl.float32)
-    for k in range(0, max_chunks):
+    k = r * 0  # a tensor counter: max_chunks == 1 arrives as a constexpr
+    while k < max_chunks:
         active = k < nch
         live = emask & (zero + k < nch)
         # scalar loads go unmasked (the interpreter takes no scalar mask): chunk 0 stands in
@@ -117,17 +119,19 @@ def _ssd_state_passing(state_ptr, cstate_ptr, decay_ptr, hstart_ptr, ckpt_ptr, c
         row = tl.where(active, tl.load(chunk_ckpt_ptr + c), -1).to(tl.int64)
         tl.store(ckpt_ptr + (row * n_heads + h) * size + e,
                  hs.to(ckpt_ptr.dtype.element_ty), mask=live & (zero + row >= 0))
+        k += 1
     write = tl.load(write_ptr + r)
     tl.store(s_ptrs, hs.to(state_ptr.dtype.element_ty), mask=emask & (zero + write != 0))
 
 
 @triton.jit
 def _ssd_chunk_scan(x_ptr, b_ptr, c_ptr, d_ptr, z_ptr, y_ptr, dtp_ptr, acum_ptr, hstart_ptr,
-                    chunk_start_ptr, chunk_len_ptr, chunk_size, l_blocks, n_heads, head_dim,
+                    chunk_start_ptr, chunk_len_ptr, l_blocks, n_heads, head_dim,
                     n_state, heads_per_group, s_xt, s_xh, s_bt, s_bg, s_ct, s_cg, s_zt, s_zh,
                     s_yt, s_yh,
                     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, PREC: tl.constexpr,
-                    BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+                    BLOCK_C: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
     c = tl.program_id(0) // l_blocks
     l0 = (tl.program_id(0) % l_blocks) * BLOCK_L
     h = tl.program_id(1)
@@ -148,7 +152,7 @@ def _ssd_chunk_scan(x_ptr, b_ptr, c_ptr, d_ptr, z_ptr, y_ptr, dtp_ptr, acum_ptr,
     h_offs = ((c.to(tl.int64) * n_heads + h) * head_dim + ps[None, :]) * n_state + ns[:, None]
     h_t = tl.load(hstart_ptr + h_offs, mask=pmask[None, :] & nmask[:, None], other=0.0)  # [N, P]
     y = tl.dot(c_l, h_t.to(in_ty), input_precision=PREC) * tl.exp(acum_l)[:, None]
-    for s0 in range(0, chunk_size, BLOCK_L):
+    for s0 in range(0, BLOCK_C, BLOCK_L):
         if s0 < l0 + BLOCK_L:  # tiles wholly after this one are masked by causality
             ss = s0 + tl.arange(0, BLOCK_L)
             smask = ss < length
@@ -222,9 +226,9 @@ def mamba2_chunk_scan_triton(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_sta
                 HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
                 HAS_LIMIT=dt_limit is not None, BLOCK_C=block_c, BLOCK_H=block_h)
             _ssd_chunk_state[(nc, H, triton.cdiv(P, block_p))](
-                x, B, dtp, acum, plan.chunk_start, plan.chunk_len, cstate, chunk_size, H, P, N,
-                H // G, x.stride(0), x.stride(1), B.stride(0), B.stride(1),
-                PREC=prec, BLOCK_L=block_l, BLOCK_P=block_p, BLOCK_N=block_n)
+                x, B, dtp, acum, plan.chunk_start, plan.chunk_len, cstate, H, P, N, H // G,
+                x.stride(0), x.stride(1), B.stride(0), B.stride(1),
+                PREC=prec, BLOCK_C=block_c, BLOCK_L=block_l, BLOCK_P=block_p, BLOCK_N=block_n)
         if slot_idx.shape[0]:
             _ssd_state_passing[(slot_idx.shape[0], H, triton.cdiv(P * N, block_e))](
                 ssm_state, cstate, decay, hstart, ckpt, plan.chunk_ckpt, plan.req_first_chunk,
@@ -234,11 +238,11 @@ def mamba2_chunk_scan_triton(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_sta
             l_blocks = triton.cdiv(chunk_size, block_l)
             _ssd_chunk_scan[(nc * l_blocks, H, triton.cdiv(P, block_p))](
                 x, B, C, D if D is not None else A, z if z is not None else x, y, dtp, acum,
-                hstart, plan.chunk_start, plan.chunk_len, chunk_size, l_blocks, H, P, N, H // G,
+                hstart, plan.chunk_start, plan.chunk_len, l_blocks, H, P, N, H // G,
                 x.stride(0), x.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
                 z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0,
                 y.stride(0), y.stride(1), HAS_D=D is not None, HAS_Z=z is not None, PREC=prec,
-                BLOCK_L=block_l, BLOCK_P=block_p, BLOCK_N=block_n)
+                BLOCK_C=block_c, BLOCK_L=block_l, BLOCK_P=block_p, BLOCK_N=block_n)
     if return_states_at is None:
         return y
     return y, gather_checkpoints(ckpt, plan)
