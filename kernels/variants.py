@@ -249,7 +249,8 @@ ENGINE_KERNELS = [
     Entry("gdn_chunk_scan", "gdn_prefill", "gdn_chunk_scan_triton",
           {"heads": (4, 2), "v_heads": (8, 4), "k_dim": (128, 64, 256), "v_dim": (128, 64, 256),
            "chunk_size": (64,), "state_dtype": ("float32", "same")},
-          edges=({"k_dim": 256, "v_dim": 256},)),
+          # fp32 (a check path: exact fp32 dots) compiles for ~6 min and spills: "cover" and "full"
+          edges=({"k_dim": 256, "v_dim": 256},), default_dtypes=(torch.float16, torch.bfloat16)),
     Entry("fused_moe", "fused_moe_kernel", "fused_moe_triton",  # tokens 1: BLOCK_M 16; 64: BLOCK_M 64
           {"tokens": (64, 1), "experts": (8, 64), "top_k": (2, 8), "inter": (128, 96),
            "gated": (True, False)}),
