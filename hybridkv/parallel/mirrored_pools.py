@@ -13,6 +13,7 @@ layer_shapes speak of) are set to the full specs, while the pools keep the shard
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping, Optional
 
 import torch
@@ -77,7 +78,7 @@ class MirroredStatePool(StatePool):
     """A StatePool whose data moves reach every rank (set up by `mirror_pools`)."""
 
     journal: Journal
-    layouts: dict  # layer -> (conv layout, state layout)
+    layouts: dict  # layer -> CacheShard (conv, state)
 
     def copy(self, src: int, dst: int) -> None:
         super().copy(src, dst)
@@ -90,7 +91,8 @@ class MirroredStatePool(StatePool):
         for part, tensors in enumerate(mine):
             merged = {}
             for i in tensors:
-                full = self.layouts[i][part].merge([s[part][i] for s in shards], STATE_DIM)
+                layout = self.layouts[i].conv if part == 0 else self.layouts[i].state
+                full = layout.merge([s[part][i] for s in shards], STATE_DIM)
                 merged[i] = full.pin_memory() if pin else full.to(device)
             out.append(merged)
         return out[0], out[1]
@@ -100,8 +102,8 @@ class MirroredStatePool(StatePool):
         ssm = {i: ssm[i].cpu() for i in self.ssm}
         self.journal.add(("slot_from_host", slot, conv, ssm))
         size = self.journal.group.size
-        super().from_host(slot, {i: self.layouts[i][0].take(t, 0, size, STATE_DIM) for i, t in conv.items()},
-                          {i: self.layouts[i][1].take(t, 0, size, STATE_DIM) for i, t in ssm.items()})
+        super().from_host(slot, {i: self.layouts[i].conv.take(t, 0, size, STATE_DIM) for i, t in conv.items()},
+                          {i: self.layouts[i].state.take(t, 0, size, STATE_DIM) for i, t in ssm.items()})
 
 
 def attention_memories(manager) -> dict:
@@ -112,12 +114,18 @@ def attention_memories(manager) -> dict:
     return dict(groups)
 
 
-def pool_plan(manager) -> dict:
-    """What the other ranks need to build the same pools: blocks per attention group (and its
-    layers), slots."""
-    return {"blocks": {k: (sorted(m.layers), m.pool.num_blocks) for k, m in attention_memories(manager).items()},
-            "slots": manager.recurrent.states.num_slots if manager.recurrent else 0,
-            "block_size": manager.block_size}
+@dataclass(frozen=True)
+class PoolPlan:
+    """What the other ranks need to build rank 0's pools in their shard's shapes."""
+
+    blocks: dict  # attention group key -> (its layer indices, number of blocks)
+    slots: int
+    block_size: int
+
+
+def pool_plan(manager) -> PoolPlan:
+    return PoolPlan({k: (sorted(m.layers), m.pool.num_blocks) for k, m in attention_memories(manager).items()},
+                    manager.recurrent.states.num_slots if manager.recurrent else 0, manager.block_size)
 
 
 def mirror_pools(manager, journal: Journal, layouts: dict, full_specs: Mapping[int, LayerSpec]) -> None:
@@ -125,26 +133,26 @@ def mirror_pools(manager, journal: Journal, layouts: dict, full_specs: Mapping[i
     for key, memory in attention_memories(manager).items():
         pool = memory.pool
         pool.__class__ = MirroredBlockPool
-        pool.journal, pool.key, pool.layouts = journal, key, {i: layouts[i][1] for i in pool.kv}
+        pool.journal, pool.key, pool.layouts = journal, key, {i: layouts[i].kv for i in pool.kv}
         memory.layers = {i: full_specs[i] for i in memory.layers}
     if manager.recurrent is not None:
         states = manager.recurrent.states
         states.__class__ = MirroredStatePool
-        states.journal, states.layouts = journal, {i: layouts[i][1:] for i in manager.recurrent.layers}
+        states.journal, states.layouts = journal, {i: layouts[i] for i in manager.recurrent.layers}
         manager.recurrent.layers = {i: full_specs[i] for i in manager.recurrent.layers}
 
 
 class ShardedPools:
     """A rank's own pools (shard shapes, sized by rank 0's plan) and the data moves it applies."""
 
-    def __init__(self, specs: Mapping[int, LayerSpec], layouts: dict, rank: int, size: int, plan: dict,
+    def __init__(self, specs: Mapping[int, LayerSpec], layouts: dict, rank: int, size: int, plan: PoolPlan,
                  device: torch.device):
         self.rank, self.size, self.layouts = rank, size, layouts
-        self.block_size = plan["block_size"]
+        self.block_size = plan.block_size
         self.blocks = {key: BlockPool({i: specs[i] for i in layers}, n, self.block_size, device)
-                       for key, (layers, n) in plan["blocks"].items()}
+                       for key, (layers, n) in plan.blocks.items()}
         rec = {i: s for i, s in specs.items() if isinstance(s, RecurrentSpec)}
-        self.states = StatePool(rec, plan["slots"], device)
+        self.states = StatePool(rec, plan.slots, device)
 
     @property
     def kv(self) -> dict[int, torch.Tensor]:
@@ -161,7 +169,7 @@ class ShardedPools:
             return self.blocks[key].gather(blocks, "cpu")
         elif kind == "scatter_blocks":
             key, blocks, full = args
-            self.blocks[key].scatter(blocks, {i: self.layouts[i][1].take(t, self.rank, self.size, KV_DIM)
+            self.blocks[key].scatter(blocks, {i: self.layouts[i].kv.take(t, self.rank, self.size, KV_DIM)
                                          for i, t in full.items()})
         elif kind == "copy_slot":
             self.states.copy(*args)
@@ -170,8 +178,8 @@ class ShardedPools:
         elif kind == "slot_from_host":
             slot, conv, ssm = args
             self.states.from_host(
-                slot, {i: self.layouts[i][1].take(t, self.rank, self.size, STATE_DIM) for i, t in conv.items()},
-                {i: self.layouts[i][2].take(t, self.rank, self.size, STATE_DIM) for i, t in ssm.items()})
+                slot, {i: self.layouts[i].conv.take(t, self.rank, self.size, STATE_DIM) for i, t in conv.items()},
+                {i: self.layouts[i].state.take(t, self.rank, self.size, STATE_DIM) for i, t in ssm.items()})
         else:
             raise ValueError(f"unknown pool operation {kind!r}")
         return None

@@ -10,6 +10,7 @@ back together (`merge`), so swaps and snapshots move full tensors whatever the r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -59,6 +60,17 @@ class ShardLayout:
         for r, t in enumerate(shards):
             out.index_copy_(dim, self.index(r, len(shards)).to(out.device), t.to(out.device))
         return out
+
+
+@dataclass(frozen=True)
+class CacheShard:
+    """How one cache layer's pool tensors are cut: `kv` over the heads of an attention layer's
+    blocks; `conv` over a recurrent layer's conv channels and `state` over its SSM state's
+    leading (head) dimension."""
+
+    kv: Optional[ShardLayout] = None
+    conv: Optional[ShardLayout] = None
+    state: Optional[ShardLayout] = None
 
 
 def split_count(what: str, count: int, size: int, replicate: bool = False) -> int:

@@ -13,7 +13,7 @@
   state follow; out_proj row-parallel + all-reduce.
 - Embeddings and lm_head are replicated (every rank computes the full logits; rank 0 samples).
 Row-parallel biases stay on rank 0 only (they are added once by the sum).
-Returns each cache layer's ShardLayout(s), so pools can gather and scatter state shards.
+Returns each cache layer's CacheShard, so pools can gather and scatter KV and state shards.
 """
 from __future__ import annotations
 
@@ -30,12 +30,10 @@ from hybridkv.models.mlp import GatedMLP
 from hybridkv.models.moe import SparseMoE
 from hybridkv.specs import AttentionSpec
 
-from .shard_layout import ShardLayout, split_count
+from .shard_layout import CacheShard, ShardLayout, split_count
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "BambaForCausalLM", "Qwen3NextForCausalLM",
                            "Mamba2ForCausalLM")
-# What a cache layer's shard looks like: ("kv", heads layout) or ("rec", conv layout, state layout)
-CacheLayout = tuple
 
 
 def check_supported(architecture: str, size: int) -> None:
@@ -82,7 +80,7 @@ def _reduce_output(module: nn.Module, all_reduce: Callable) -> None:
     module.register_forward_hook(lambda _m, _args, out: all_reduce(out))
 
 
-def shard_attention(m: PagedAttention, rank: int, size: int, all_reduce: Callable) -> CacheLayout:
+def shard_attention(m: PagedAttention, rank: int, size: int, all_reduce: Callable) -> CacheShard:
     H, Hkv, D = m.num_heads, m.num_kv_heads, m.head_dim
     heads = split_count("num_attention_heads", H, size)
     kv = split_count("num_key_value_heads", Hkv, size, replicate=True)
@@ -94,7 +92,7 @@ def shard_attention(m: PagedAttention, rank: int, size: int, all_reduce: Callabl
     m.num_heads, m.num_kv_heads = H // size, Hkv // kv
     _rebuild_fused(m)
     _reduce_output(m.o_proj, all_reduce)
-    return ("kv", ShardLayout.of((Hkv, kv)))
+    return CacheShard(kv=ShardLayout.of((Hkv, kv)))
 
 
 def shard_mlp(m: GatedMLP, rank: int, size: int, all_reduce: Callable | None) -> None:
@@ -121,7 +119,7 @@ def shard_moe(m: SparseMoE, rank: int, size: int, all_reduce: Callable) -> None:
     _reduce_output(m, all_reduce)
 
 
-def shard_mamba2(m: Mamba2Mixer, rank: int, size: int, all_reduce: Callable) -> CacheLayout:
+def shard_mamba2(m: Mamba2Mixer, rank: int, size: int, all_reduce: Callable) -> CacheShard:
     H, P, G, N = m.num_heads, m.head_dim, m.n_groups, m.d_state
     heads = split_count("mamba num_heads", H, size)
     groups = split_count("mamba n_groups", G, size, replicate=m.norm is None)
@@ -143,10 +141,10 @@ def shard_mamba2(m: Mamba2Mixer, rank: int, size: int, all_reduce: Callable) -> 
     m.conv1d.in_channels = m.conv1d.out_channels = m.conv1d.groups = m.conv_dim
     m._mup = None
     _reduce_output(m.out_proj, all_reduce)
-    return ("rec", xbc, per_head)
+    return CacheShard(conv=xbc, state=per_head)
 
 
-def shard_gdn(m: GatedDeltaNetMixer, rank: int, size: int, all_reduce: Callable) -> CacheLayout:
+def shard_gdn(m: GatedDeltaNetMixer, rank: int, size: int, all_reduce: Callable) -> CacheShard:
     HK, HV, dk, dv = m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
     k = split_count("linear_num_key_heads", HK, size)
     r = HV // HK
@@ -163,12 +161,12 @@ def shard_gdn(m: GatedDeltaNetMixer, rank: int, size: int, all_reduce: Callable)
     m.conv_dim = 2 * m.key_dim + m.value_dim
     m.conv1d.in_channels = m.conv1d.out_channels = m.conv1d.groups = m.conv_dim
     _reduce_output(m.out_proj, all_reduce)
-    return ("rec", conv, v_heads)
+    return CacheShard(conv=conv, state=v_heads)
 
 
-def shard_model(model, rank: int, size: int, all_reduce: Callable) -> dict[int, CacheLayout]:
+def shard_model(model, rank: int, size: int, all_reduce: Callable) -> dict[int, CacheShard]:
     """Cut `model` (a HybridModel, loaded whole) to rank's shard in place; returns
-    {cache layer index: its CacheLayout}. ValueError for a family or a shape that cannot be
+    {cache layer index: its CacheShard}. ValueError for a family or a shape that cannot be
     split over `size` ranks (naming the value), before anything is cut."""
     check_supported(model.architecture, size)
     full_specs = model.cache_specs()
