@@ -54,6 +54,8 @@ class LLM:
     'prompt_end' | 'every_n_blocks' | 'branch_points'), `checkpoint_every_n`, `checkpoint_eviction`
     ('utility' (default) | 'lru' | 'flop'), `checkpoint_share` (share of the budget for state
     checkpoints). docs/design.md and BENCHMARKS.md say what each does.
+    `tensor_parallel_size` N > 1 shards the model and its pools over N ranks (this process is rank
+    0; hybridkv/parallel/); `close()` stops the other ranks.
     """
 
     def __init__(self, model: str, device: str = "cpu", dtype="float32", block_size: int = 16,
@@ -83,7 +85,8 @@ class LLM:
         if max_model_len is not None:
             self.model.max_model_len = min(self.model.max_model_len or max_model_len, max_model_len)
         self.tokenizer = self.model.tokenizer
-        self.profile = profile_model(self.model, block_size, num_tokens=min(256, max_num_batched_tokens))
+        self.profile = profile_model(self.model, block_size, num_tokens=min(256, max_num_batched_tokens),
+                                     peak_tokens=max_num_batched_tokens)
         specs = self.model.cache_specs()
         c = self.config
         params = sum(p.numel() for p in self.model.parameters())
