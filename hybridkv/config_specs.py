@@ -288,7 +288,8 @@ _BUILDERS = {"bamba": _bamba, "jamba": _jamba, "qwen3_next": _qwen3_next,
              **dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), _qwen3_5),
              "mamba": _mamba, "falcon_mamba": _mamba, "mamba2": _mamba2_only,
              "recurrent_gemma": _recurrent_gemma, "olmo_hybrid": _olmo_hybrid, "minimax": _minimax,
-             "kimi_linear": _kimi_linear, "bailing_hybrid": _kimi_linear}
+             "kimi_linear": _kimi_linear, "bailing_hybrid": _kimi_linear,
+             "gpt_oss": _attention_only}  # layer_types: sliding and full attention layers
 
 
 def specs_from_config(cfg: Mapping, dtype: Optional[torch.dtype] = None) -> dict[int, LayerSpec]:

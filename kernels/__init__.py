@@ -138,11 +138,16 @@ def lightning_chunk_scan(state, q, k, v, slope, query_start_loc, slot_idx, has_i
                                     has_initial_state, chunk_size, return_states_at)
 
 
-def fused_moe(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation="silu", gated=True):
+def fused_moe(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation="silu", gated=True,
+              gate_up_bias=None, down_bias=None, swiglu=None):
     """MoE experts. hidden [T, H], w_gate_up [E, 2I, H] (gated) or [E, I, H], w_down [E, H, I],
-    topk_weights / topk_ids [T, k] -> [T, H]; see fused_moe_ref."""
+    topk_weights / topk_ids [T, k] -> [T, H]; see fused_moe_ref. Biases and swiglu=(alpha, limit)
+    (GPT-OSS) run on the torch path on every device: the Triton kernel has neither yet."""
     from .fused_moe_cpu import fused_moe_torch  # grouped-matmul torch path; fused_moe_ref is the spec
 
+    if gate_up_bias is not None or down_bias is not None or swiglu is not None:
+        return fused_moe_torch(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation, gated,
+                               gate_up_bias, down_bias, swiglu)
     fn = _pick(hidden, fused_moe_torch, "fused_moe_triton", "fused_moe_kernel")
     return fn(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation, gated)
 

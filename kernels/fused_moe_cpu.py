@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .fused_moe_ref import activation_fn, check_expert_ids, check_fused_moe_inputs
+from .fused_moe_ref import activation_fn, check_expert_ids, check_fused_moe_inputs, check_moe_extras, clamped_swiglu
 from .moe_sort import expert_counts
 
 
@@ -28,10 +28,12 @@ def _grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> tor
 
 
 def fused_moe_torch(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation: str = "silu",
-                    gated: bool = True):
+                    gated: bool = True, gate_up_bias=None, down_bias=None, swiglu=None):
     """Same contract as `fused_moe_ref`: hidden [T, H], w_gate_up [E, 2I, H] ([E, I, H] when not
-    gated), w_down [E, H, I], topk_weights / topk_ids [T, k] -> [T, H] in hidden's dtype."""
+    gated), w_down [E, H, I], topk_weights / topk_ids [T, k] -> [T, H] in hidden's dtype;
+    optional gate_up_bias [E, 2I], down_bias [E, H], swiglu=(alpha, limit) (GPT-OSS)."""
     check_fused_moe_inputs(hidden, w_gate_up, w_down, topk_weights, topk_ids, gated)
+    check_moe_extras(w_gate_up, w_down, gate_up_bias, down_bias, swiglu, gated)
     if not hidden.is_cuda:  # free on CPU; on a GPU it would be a host sync
         check_expert_ids(topk_ids, w_gate_up.shape[0])
     T, H = hidden.shape
@@ -44,12 +46,17 @@ def fused_moe_torch(hidden, w_gate_up, w_down, topk_weights, topk_ids, activatio
     ends = expert_counts(topk_ids, w_gate_up.shape[0]).cumsum(0).to(torch.int32)
     x = hidden[order // k]
     inner = _grouped_linear(x, w_gate_up, ends)
+    experts = flat[order] if gate_up_bias is not None or down_bias is not None else None
+    if gate_up_bias is not None:
+        inner = inner + gate_up_bias[experts].to(inner.dtype)
     if gated:
         gate, up = inner.chunk(2, dim=-1)
-        inner = act(gate) * up
+        inner = clamped_swiglu(gate, up, *swiglu) if swiglu is not None else act(gate) * up
     else:
         inner = act(inner)
     y = _grouped_linear(inner, w_down, ends)
+    if down_bias is not None:
+        y = y + down_bias[experts].to(y.dtype)
     y = y * topk_weights.reshape(-1)[order].to(y.dtype)[:, None]
     per_pair = torch.empty_like(y)
     per_pair.index_copy_(0, order, y)

@@ -5,6 +5,8 @@ rows, then the up rows) and `w_down [E, H, I]`. Token t goes to experts `topk_id
 weights `topk_weights[t, :]`; its output is sum_j w[t, j] * down_e(act(gate_e x) * up_e x).
 With `gated=False` (Nemotron-H's relu2 experts) `w_gate_up` is the up rows alone, [E, I, H], and an
 expert computes down_e(act(up_e x)).
+GPT-OSS: `gate_up_bias [E, 2I]` and `down_bias [E, H]` add to the projections, and
+`swiglu=(alpha, limit)` replaces act(gate) * up with clamped_swiglu(gate, up, alpha, limit).
 """
 from __future__ import annotations
 
@@ -22,6 +24,28 @@ def activation_fn(name: str):
     if name not in ACT2FN:
         raise ValueError(f"activation={name!r} is unknown; transformers knows {sorted(ACT2FN)}")
     return ACT2FN[name]
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's expert activation: gate clamped to <= limit, up to [-limit, limit];
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def check_moe_extras(w_gate_up, w_down, gate_up_bias, down_bias, swiglu, gated) -> None:
+    """Bias shapes and swiglu=(alpha, limit); ValueError naming the value and what was expected."""
+    E, H = w_down.shape[0], w_down.shape[1]
+    for name, b, want in (("gate_up_bias", gate_up_bias, (E, w_gate_up.shape[1])), ("down_bias", down_bias, (E, H))):
+        if b is not None and tuple(b.shape) != want:
+            raise ValueError(f"{name} has shape {tuple(b.shape)}; expected {want}")
+    if swiglu is not None:
+        if not gated:
+            raise ValueError("swiglu=(alpha, limit) needs gated experts (w_gate_up holds gate and up rows)")
+        alpha, limit = swiglu
+        if not limit > 0:
+            raise ValueError(f"swiglu limit={limit}; must be > 0")
 
 
 def check_fused_moe_inputs(hidden, w_gate_up, w_down, topk_weights, topk_ids, gated=True) -> None:
@@ -58,20 +82,26 @@ def check_expert_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
 
 
 def fused_moe_ref(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation: str = "silu",
-                  gated: bool = True):
+                  gated: bool = True, gate_up_bias=None, down_bias=None, swiglu=None):
     """hidden [T, H], w_gate_up [E, 2I, H] ([E, I, H] when not gated), w_down [E, H, I],
     topk_weights [T, k], topk_ids [T, k] -> [T, H] in hidden's dtype. Every expert runs on every
     token in float32 (slow, obviously right)."""
     check_fused_moe_inputs(hidden, w_gate_up, w_down, topk_weights, topk_ids, gated)
     check_expert_ids(topk_ids, w_gate_up.shape[0])
+    check_moe_extras(w_gate_up, w_down, gate_up_bias, down_bias, swiglu, gated)
     act = activation_fn(activation)
     x = hidden.float()
+    proj = torch.einsum("th,eih->eti", x, w_gate_up.float())                      # [E, T, 2I or I]
+    if gate_up_bias is not None:
+        proj = proj + gate_up_bias.float()[:, None]
     if gated:
-        gate, up = w_gate_up.float().chunk(2, dim=1)                              # [E, I, H] each
-        inner = act(torch.einsum("th,eih->eti", x, gate)) * torch.einsum("th,eih->eti", x, up)
+        gate, up = proj.chunk(2, dim=-1)
+        inner = clamped_swiglu(gate, up, *swiglu) if swiglu is not None else act(gate) * up
     else:
-        inner = act(torch.einsum("th,eih->eti", x, w_gate_up.float()))
+        inner = act(proj)
     every = torch.einsum("eti,ehi->eth", inner, w_down.float())                    # [E, T, H]
+    if down_bias is not None:
+        every = every + down_bias.float()[:, None]
     rows = torch.arange(hidden.shape[0], device=hidden.device)[:, None]
     picked = every[topk_ids.long(), rows]                                          # [T, k, H]
     return (picked * topk_weights.float()[..., None]).sum(dim=1).to(hidden.dtype)

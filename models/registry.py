@@ -29,6 +29,7 @@ _ARCHITECTURES: dict[str, str] = {
     "OlmoHybridForCausalLM": "olmo_hybrid",
     "MiniMaxForCausalLM": "minimax",
     "KimiLinearForCausalLM": "kimi_linear",
+    "GptOssForCausalLM": "gpt_oss",
     "BailingHybridForCausalLM": "bailing_hybrid",
 }
 

@@ -38,7 +38,8 @@ def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise NotImplementedError(f"rope_type {rope_type!r} is unknown; known: default, "
                                   f"{', '.join(sorted(ROPE_INIT_FUNCTIONS))}")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    with torch.device("cpu"):  # models are built under the meta device; these tables must be real
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
     return inv_freq.float().cpu(), float(scaling)
 
 

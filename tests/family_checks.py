@@ -135,6 +135,10 @@ FAMILIES = {f.name: f for f in [
     # correction biases are saved as `expert_bias` (randomised as LFM2-MoE's)
     Family("bailing_hybrid", seed=13, make=tiny_lfm2_moe, engine=(ENGINE_LENGTHS, 40),
            names=("model.layers.0.attention.q_conv1d.weight", "mlp.experts.gate_up_proj")),
+    # sliding and full attention layers alternate (two KV groups), attention sinks, clamped-SwiGLU MoE
+    Family("gpt_oss", seed=14, logits_len=3 * WINDOW + 5, ragged=(*RAGGED_LENGTHS, 3 * WINDOW + 5),
+           chunks=(5, 16, 7, 1, WINDOW + 6, 3, 1, 16), chunk_tol=1e-5,
+           engine=((1, BS - 1, WINDOW + 1, 3 * BS + 5, 3 * WINDOW + 5), 60), hf_attn="eager"),
 ]}
 
 
