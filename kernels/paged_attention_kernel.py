@@ -236,6 +236,8 @@ def paged_attention_triton(q, kv_cache, query_start_loc, seq_lens, block_table, 
     if span is not None and sliding_window is not None:
         span = min(span, int(sliding_window) + block_q + tile_n)
     splits = num_kv_splits or kv_splits(num_reqs, hkv, max_query_len, span, _num_sms(q))
+    if splits > 1 and triton.next_power_of_2(d) >= 256:
+        num_warps = 8  # the fp32 partial store and lse lift head dim 256 to 168 registers (spills)
     # 2**30 tiles: one share holds every tile (the bound never binds)
     tiles_per_split = -(-(-(-span // tile_n) + 1) // splits) if splits > 1 else 1 << 30
     if splits > 1:

@@ -71,22 +71,39 @@ def host_bandwidth(device: torch.device, nbytes: int = 32 << 20) -> float:
 
 
 @torch.inference_mode()
-def profile_model(model, block_size: int, num_tokens: int = 256) -> Profile:
-    """Run one prefill of `num_tokens` on scratch caches; time it and record peak activations."""
+def profile_model(model, block_size: int, num_tokens: int = 256,
+                  peak_tokens: int | None = None) -> Profile:
+    """Time one prefill of `num_tokens` on scratch caches; record peak activations of one of
+    `peak_tokens` (default num_tokens), which should be the largest step the scheduler runs
+    (max_num_batched_tokens).
+
+    Why two sizes: the time per token is steady from a few hundred tokens, but activations grow
+    with the step. The torch chunked SSD of one Bamba-9B Mamba2 layer (128 heads x 64, d_state
+    128, chunk 256, bf16) peaks at 165 MiB of temporaries for 256 tokens and 1290 MiB for 2048
+    (torch.profiler on CPU, benchmarks/gpu_profile_peak.py): a 256-token profile under-counts a
+    2048-token step by ~1.1 GB. Peak bytes are measured on CUDA only (max_memory_allocated);
+    on CPU they are 0 and the scratch caches stay at num_tokens.
+    """
     device = next(model.parameters()).device
-    caches = _scratch_caches(model.cache_specs(), num_tokens, block_size, device)
+    peak_tokens = max(num_tokens, peak_tokens or num_tokens)
+    if device.type != "cuda":
+        peak_tokens = num_tokens  # nothing to measure: no scratch KV for a step never run
+    caches = _scratch_caches(model.cache_specs(), peak_tokens, block_size, device)
     batch = _one_prompt_batch(num_tokens, block_size, model.vocab_size, device)
     model(batch, caches)  # warm-up
     _sync(device)
-    base = peak = 0
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
     t0 = time.perf_counter()
     model(batch, caches)
     _sync(device)
     elapsed = time.perf_counter() - t0
+    peak = 0
     if device.type == "cuda":
+        big = _one_prompt_batch(peak_tokens, block_size, model.vocab_size, device)
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        model(big, caches)
+        _sync(device)
         peak = torch.cuda.max_memory_allocated(device) - base
     return Profile(prefill_seconds_per_token=elapsed / num_tokens, peak_activation_bytes=peak,
                    host_bytes_per_second=host_bandwidth(device))
