@@ -6,6 +6,7 @@ tests/models/test_<family>.py. Not collected by pytest: the module name does not
 """
 from __future__ import annotations
 
+import math
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from hybridkv.models import load_model
+from hybridkv.models.registry import family_module
 from hybridkv.models.tiny import make_tiny_checkpoint
 from model_harness import Harness, assert_close_rel, assert_greedy_matches_hf, hf_logits
 
@@ -64,6 +66,30 @@ def tiny_zamba(family: str, path, seed: int = 0, **overrides) -> Path:
     return path
 
 
+def tiny_zamba2(family: str, path, seed: int = 0, **overrides) -> Path:
+    """A tiny Zamba2 checkpoint whose Mamba2 scans matter: dt_bias set so softplus(dt_bias) lies in
+    [0.1, 1] (transformers' init: [0.001, 0.1]) and the B and C rows of every in_proj times 3. With
+    transformers' init, dropping the scans (y = D x) moves the logits ~0.7%, where a wrong state
+    could hide; here ~14% (max; 6% mean). Not through time_step_min: transformers clamps dt to it in
+    prefill but not in decode, so a larger one makes its own two paths disagree."""
+    path = make_tiny_checkpoint(family, path, seed=seed, **overrides)
+    config = family_module(family).tiny_config(**overrides)
+    d_inner = config.mamba_expand * config.hidden_size
+    bc = 2 * config.mamba_ngroups * config.mamba_d_state
+    g = torch.Generator().manual_seed(seed)
+    tensors = load_file(str(path / "model.safetensors"))
+    for name, t in tensors.items():
+        if name.endswith("mamba.in_proj.weight"):  # rows: z | x | B | C | dt
+            t = t.clone()
+            t[2 * d_inner:2 * d_inner + bc] *= 3
+            tensors[name] = t
+        elif name.endswith("mamba.dt_bias"):
+            dt = torch.exp(torch.rand(t.shape, generator=g) * math.log(10) + math.log(0.1))
+            tensors[name] = dt + torch.log(-torch.expm1(-dt))  # softplus^-1
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
 @dataclass
 class Family:
     """One row of the table: a tiny checkpoint and the numbers where the family's checks differ."""
@@ -101,7 +127,8 @@ FAMILIES = {f.name: f for f in [
     Family("nemotron_h", seed=5, make=tiny_nemotron_h, engine=(ENGINE_LENGTHS, 40),
            names=("backbone.layers.3.mixer.experts.0.up_proj.weight", "mixer.experts.up_proj")),
     Family("falcon_h1", seed=5, engine=(ENGINE_LENGTHS, 40)),  # two cache keys per layer
-    Family("zamba2", seed=2, engine=(ENGINE_LENGTHS, 40)),  # one KV cache per shared-block site
+    # one KV cache per shared-block site; scans made to matter (tiny_zamba2)
+    Family("zamba2", seed=2, make=tiny_zamba2, engine=(ENGINE_LENGTHS, 40)),
     # Qwen3-Next's layers with split GDN projections; dense, and MoE in every layer
     Family("qwen3_5", seed=6, engine=(ENGINE_LENGTHS, 40)),
     Family("qwen3_5_moe", seed=6, engine=(ENGINE_LENGTHS, 40),
