@@ -11,8 +11,9 @@ Four launches over the chunk list of `scan_plan.py` (chunks never cross a reques
                     requested checkpoints and the final state back into the slot;
   4. chunk scan     per (chunk, L tile, head, P block): y = exp(acum_l) C_l h_start
                     + sum_{s<=l} (C_l.B_s) exp(acum_l - acum_s) dt'_s x_s, then D x and the z gate.
-Loops over a chunk's tiles have constexpr bounds and the loop over a request's chunks is a
-`while`: Triton 3.6's interpreter takes no tensor, nor a scalar kernel argument, as a range() bound.
+Triton 3.6's interpreter takes no tensor, nor a scalar kernel argument, as a range() bound: the
+chunk-state tile loop has constexpr bounds, the loop over a request's chunks is a `while`, and the
+causal tile loop of the chunk scan is a `for` when compiled and a `while` when interpreted.
 Matmuls take the inputs' dtype (fp16/bf16) with fp32 accumulation, or exact fp32 (input_precision
 "ieee", not tf32) for fp32 inputs.
 """
@@ -23,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .scan_plan import build_scan_plan, gather_checkpoints
-from .triton_math import device_guard, silu, softplus
+from .triton_math import device_guard, interpreted, silu, softplus
 
 
 @triton.jit
@@ -125,13 +126,35 @@ def _ssd_state_passing(state_ptr, cstate_ptr, decay_ptr, hstart_ptr, ckpt_ptr, c
 
 
 @triton.jit
+def _ssd_scan_tile(y, s0, c_l, ls, acum_l, start, length, h, g, ps, ns, pmask, nmask, x_ptr,
+                   b_ptr, dtp_ptr, acum_ptr, n_heads, s_xt, s_xh, s_bt, s_bg,
+                   PREC: tl.constexpr, BLOCK_L: tl.constexpr):
+    """y [L, P] plus source tile s0 of the chunk: (C_l.B_s) e^(acum_l - acum_s) dt_s x_s."""
+    in_ty = x_ptr.dtype.element_ty
+    ss = s0 + tl.arange(0, BLOCK_L)
+    smask = ss < length
+    srows = start + ss
+    acum_s = tl.load(acum_ptr + srows * n_heads + h, mask=smask, other=0.0)
+    dt_s = tl.load(dtp_ptr + srows * n_heads + h, mask=smask, other=0.0)
+    b_s = tl.load(b_ptr + srows[None, :] * s_bt + g * s_bg + ns[:, None],
+                  mask=smask[None, :] & nmask[:, None], other=0.0).to(in_ty)  # [N, S]
+    x_s = tl.load(x_ptr + srows[:, None] * s_xt + h * s_xh + ps[None, :],
+                  mask=smask[:, None] & pmask[None, :], other=0.0).to(in_ty)
+    causal = (ls[:, None] >= ss[None, :]) & smask[None, :]
+    seg = tl.where(causal, acum_l[:, None] - acum_s[None, :], 0.0)
+    weight = tl.where(causal, tl.exp(seg) * dt_s[None, :], 0.0)
+    scores = tl.dot(c_l, b_s, input_precision=PREC) * weight
+    return y + tl.dot(scores.to(in_ty), x_s, input_precision=PREC)
+
+
+@triton.jit
 def _ssd_chunk_scan(x_ptr, b_ptr, c_ptr, d_ptr, z_ptr, y_ptr, dtp_ptr, acum_ptr, hstart_ptr,
                     chunk_start_ptr, chunk_len_ptr, l_blocks, n_heads, head_dim,
                     n_state, heads_per_group, s_xt, s_xh, s_bt, s_bg, s_ct, s_cg, s_zt, s_zh,
                     s_yt, s_yh,
                     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, PREC: tl.constexpr,
-                    BLOCK_C: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
+                    BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                    WHILE_LOOP: tl.constexpr):
     c = tl.program_id(0) // l_blocks
     l0 = (tl.program_id(0) % l_blocks) * BLOCK_L
     h = tl.program_id(1)
@@ -152,22 +175,16 @@ def _ssd_chunk_scan(x_ptr, b_ptr, c_ptr, d_ptr, z_ptr, y_ptr, dtp_ptr, acum_ptr,
     h_offs = ((c.to(tl.int64) * n_heads + h) * head_dim + ps[None, :]) * n_state + ns[:, None]
     h_t = tl.load(hstart_ptr + h_offs, mask=pmask[None, :] & nmask[:, None], other=0.0)  # [N, P]
     y = tl.dot(c_l, h_t.to(in_ty), input_precision=PREC) * tl.exp(acum_l)[:, None]
-    for s0 in range(0, BLOCK_C, BLOCK_L):
-        if s0 < l0 + BLOCK_L:  # tiles wholly after this one are masked by causality
-            ss = s0 + tl.arange(0, BLOCK_L)
-            smask = ss < length
-            srows = start + ss
-            acum_s = tl.load(acum_ptr + srows * n_heads + h, mask=smask, other=0.0)
-            dt_s = tl.load(dtp_ptr + srows * n_heads + h, mask=smask, other=0.0)
-            b_s = tl.load(b_ptr + srows[None, :] * s_bt + g * s_bg + ns[:, None],
-                          mask=smask[None, :] & nmask[:, None], other=0.0).to(in_ty)  # [N, S]
-            x_s = tl.load(x_ptr + srows[:, None] * s_xt + h * s_xh + ps[None, :],
-                          mask=smask[:, None] & pmask[None, :], other=0.0).to(in_ty)
-            causal = (ls[:, None] >= ss[None, :]) & smask[None, :]
-            seg = tl.where(causal, acum_l[:, None] - acum_s[None, :], 0.0)
-            weight = tl.where(causal, tl.exp(seg) * dt_s[None, :], 0.0)
-            scores = tl.dot(c_l, b_s, input_precision=PREC) * weight
-            y += tl.dot(scores.to(in_ty), x_s, input_precision=PREC)
+    tile_args = (c_l, ls, acum_l, start, length, h, g, ps, ns, pmask, nmask, x_ptr, b_ptr,
+                 dtp_ptr, acum_ptr, n_heads, s_xt, s_xh, s_bt, s_bg)
+    if WHILE_LOOP:  # the interpreter (see the module docstring)
+        s0 = l0 * 0
+        while s0 <= l0:  # tiles after this one are masked by causality
+            y = _ssd_scan_tile(y, s0, *tile_args, PREC, BLOCK_L)
+            s0 += BLOCK_L
+    else:
+        for s0 in range(0, l0 + BLOCK_L, BLOCK_L):
+            y = _ssd_scan_tile(y, s0, *tile_args, PREC, BLOCK_L)
     x_l = tl.load(x_ptr + rows[:, None] * s_xt + h * s_xh + ps[None, :],
                   mask=lmask[:, None] & pmask[None, :], other=0.0).to(tl.float32)
     if HAS_D:
@@ -214,8 +231,9 @@ def mamba2_chunk_scan_triton(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_sta
     block_h = max(1, min(triton.next_power_of_2(H), 4096 // block_c))
     big = 32 if ieee_fp32 else 64  # exact fp32 operands take twice the registers: half tiles
     block_l = min(big, block_c)
-    block_p = max(16, min(big, triton.next_power_of_2(P)))
     block_n = max(16, triton.next_power_of_2(N))
+    block_p = max(16, min(big, triton.next_power_of_2(P)))
+    scan_warps = 4 if block_n <= 128 else 8  # N = 256: C and B tiles spill 4 warps' registers
     block_e = min(1024, triton.next_power_of_2(P * N))
     lo, hi = (0.0, float("inf")) if dt_limit is None else (float(dt_limit[0]), float(dt_limit[1]))
     with device_guard(x):
@@ -242,7 +260,8 @@ def mamba2_chunk_scan_triton(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_sta
                 x.stride(0), x.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
                 z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0,
                 y.stride(0), y.stride(1), HAS_D=D is not None, HAS_Z=z is not None, PREC=prec,
-                BLOCK_C=block_c, BLOCK_L=block_l, BLOCK_P=block_p, BLOCK_N=block_n)
+                BLOCK_L=block_l, BLOCK_P=block_p, BLOCK_N=block_n, WHILE_LOOP=interpreted(),
+                num_warps=scan_warps)
     if return_states_at is None:
         return y
     return y, gather_checkpoints(ckpt, plan)
