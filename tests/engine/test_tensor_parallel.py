@@ -11,13 +11,16 @@ import pytest
 import torch
 
 from hybridkv import LLM
+from hybridkv.models import load_model
 from hybridkv.models.tiny import make_tiny_checkpoint
 from hybridkv.parallel import RankFailedError
 from hybridkv.parallel.shard_layout import ShardLayout
+from hybridkv.parallel.sharding import shard_model
 
 from engine_fixtures import assert_no_leaks, greedy, tight_budget
 
 FAMILIES = ["llama", "bamba", "qwen3_next", "mamba2"]
+OVERRIDES = {"llama": {"num_key_value_heads": 1}}  # fewer KV heads than ranks: replicated on both
 RNG = random.Random(1)
 PROMPTS = [[RNG.randrange(4, 128) for _ in range(n)] for n in (7, 20, 35, 41)]
 SWAP_PROMPTS = [[RNG.randrange(4, 128) for _ in range(n)] for n in (9, 22, 33, 44)]  # no hit on PROMPTS
@@ -37,11 +40,12 @@ def _engine(made, tmp_path_factory, family: str, tp: int) -> LLM:
     if (family, tp) not in made:
         path = tmp_path_factory.getbasetemp() / f"tp-{family}"
         if not (path / "config.json").exists():
-            make_tiny_checkpoint(family, path)
-        probe = made.get((family, 1))
-        specs = (probe or LLM(str(path), memory_budget_bytes=8 << 20)).model.cache_specs()
-        # the same blocks and slots on every rank as on one device: each rank's shard is half
-        budget = tight_budget(specs, 16, 7, 4) // tp
+            make_tiny_checkpoint(family, path, **OVERRIDES.get(family, {}))
+        model = load_model(str(path))
+        if tp > 1:
+            shard_model(model, 0, tp, lambda t: t)  # rank 0's shard: the specs each rank's pools hold
+        # the same blocks and slots on every rank as on one device
+        budget = tight_budget(model.cache_specs(), 16, 7, 4)
         made[(family, tp)] = LLM(str(path), memory_budget_bytes=budget, max_num_batched_tokens=16,
                                  max_num_seqs=4, preemption_mode="recompute", tensor_parallel_size=tp)
     return made[(family, tp)]
