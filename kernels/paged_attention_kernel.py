@@ -55,7 +55,7 @@ def _tanh(x):
 
 @triton.jit
 def _paged_attention_kernel(
-    out_ptr, lse_ptr, q_ptr, kv_ptr, qsl_ptr, seq_lens_ptr, block_table_ptr,
+    out_ptr, lse_ptr, q_ptr, kv_ptr, qsl_ptr, seq_lens_ptr, block_table_ptr, sinks_ptr,
     scale, soft_cap, sliding_window, num_reqs, tiles_per_split,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
     stride_kv_blk, stride_kv_kv, stride_kv_off, stride_kv_h, stride_bt,
@@ -63,6 +63,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     DOT_IEEE: tl.constexpr, SPLIT: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    USE_SINKS: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -120,6 +121,15 @@ def _paged_attention_kernel(
                 kv_start, kv_end, scale, soft_cap, sliding_window, stride_kv_kv, stride_kv_blk,
                 stride_kv_off, stride_kv_h, BLOCK_SIZE, TILE_N, CAUSAL, USE_WINDOW, USE_SOFTCAP,
                 DOT_IEEE)
+    if USE_SINKS:  # the head's sink logit joins the denominator once (split 0), with no value
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        sink = tl.where(split == 0, sink, float("-inf"))
+        m_fin = tl.maximum(m_i, sink)
+        m_safe = tl.where(m_fin > float("-inf"), m_fin, 0.0)
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.exp2(sink - m_safe)
+        acc = acc * alpha[:, None]
+        m_i = m_fin
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_off = tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     o_mask = row_ok[:, None] & d_ok[None, :]
@@ -192,7 +202,7 @@ def _num_sms(t: torch.Tensor) -> int:
 
 def paged_attention_triton(q, kv_cache, query_start_loc, seq_lens, block_table, scale, causal=True,
                            sliding_window=None, soft_cap=None, max_query_len=None,
-                           max_seq_len=None, num_kv_splits=None):
+                           max_seq_len=None, num_kv_splits=None, sinks=None):
     """Triton paged attention; same inputs, outputs and semantics as `paged_attention_ref`.
 
     q [T, Hq, D]; kv_cache [num_blocks, 2, bs, Hkv, D] (bs a multiple of 16, last dim
@@ -200,10 +210,11 @@ def paged_attention_triton(q, kv_cache, query_start_loc, seq_lens, block_table, 
     Returns out [T, Hq, D] in q's dtype; rows past query_start_loc[-1] are left unwritten.
     max_query_len picks the tile shape; max_query_len and max_seq_len (host ints, no device sync)
     pick the split-KV count by split_kv.kv_splits. num_kv_splits forces a count (1..MAX_SPLITS;
-    without max_seq_len it is read from seq_lens, a sync on the GPU).
+    without max_seq_len it is read from seq_lens, a sync on the GPU). sinks [Hq]: per-head sink
+    logits in the softmax denominator (GPT-OSS), or None.
     """
     check_attention_inputs(q, kv_cache, query_start_loc, seq_lens, block_table, sliding_window,
-                           soft_cap)
+                           soft_cap, sinks)
     t, hq, d = q.shape
     bs, hkv = kv_cache.shape[2], kv_cache.shape[3]
     if bs % 16 != 0:
@@ -250,6 +261,7 @@ def paged_attention_triton(q, kv_cache, query_start_loc, seq_lens, block_table, 
     with guard:
         _paged_attention_kernel[grid](
             dst, lse, q, kv_cache, query_start_loc, seq_lens, block_table,
+            q if sinks is None else sinks.to(device=q.device, dtype=torch.float32).contiguous(),
             float(scale), float(soft_cap or 0.0), int(sliding_window or 0), num_reqs,
             tiles_per_split, q.stride(0), q.stride(1), dst.stride(0), dst.stride(1),
             dst.stride(2) if splits > 1 else 0, lse.stride(0) if splits > 1 else 0,
@@ -261,6 +273,7 @@ def paged_attention_triton(q, kv_cache, query_start_loc, seq_lens, block_table, 
             CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None,
             USE_SOFTCAP=soft_cap is not None,
             DOT_IEEE=q.dtype == torch.float32, SPLIT=splits > 1, WHILE_LOOP=interpreted(),
+            USE_SINKS=sinks is not None,
             num_warps=num_warps, num_stages=2,
         )
     if splits > 1:
