@@ -134,8 +134,9 @@ def lightning_chunk_scan(state, q, k, v, slope, query_start_loc, slot_idx, has_i
     """Varlen chunked lightning attention from each slot's state; leaves the final state there."""
     from .lightning_ref import lightning_chunk_scan_ref
 
-    return lightning_chunk_scan_ref(state, q, k, v, slope, query_start_loc, slot_idx,
-                                    has_initial_state, chunk_size, return_states_at)
+    fn = _pick(v, lightning_chunk_scan_ref, "lightning_chunk_scan_triton", "lightning_prefill")
+    return fn(state, q, k, v, slope, query_start_loc, slot_idx, has_initial_state, chunk_size,
+              return_states_at)
 
 
 def fused_moe(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation="silu", gated=True,

@@ -1,0 +1,128 @@
+"""Triton varlen chunked lightning attention (MiniMax prefill) over state slots; same contract as
+`lightning_ref.lightning_chunk_scan_ref` (the spec, whose docstring derives the chunk algebra).
+
+One launch over the chunk list of `scan_plan.py` (chunks never cross a request and are cut at
+every requested checkpoint). A program owns one (request, head, V block) and walks the request's
+chunks with the state tile S [K, BV] in registers; per chunk of c tokens with lam = exp(-slope):
+    o = (lam^(i+1) q) S + ((q k^T) . lam^(i-j), j <= i) v
+    S <- lam^c S + k^T (lam^(c-1-j) v)
+(the end decay goes on the small [L, BV] value tile, not on k). With no delta correction there is
+no WY system to solve, so the intra-chunk output rides along the recurrence instead of a separate
+launch. Padded rows are zero and their decays masked, so nothing overflows at large slopes. The
+chunk loop is a `while` (Triton 3.6's interpreter takes no tensor, nor a scalar kernel argument,
+as a range() bound). Matmuls take fp16/bf16 operands with fp32 accumulation for half inputs,
+exact fp32 products for fp32 inputs.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .lightning_ref import _check_shapes
+from .scan_plan import build_scan_plan, gather_checkpoints
+from .triton_math import device_guard
+
+
+@triton.jit
+def _lightning_chunk_recurrence(state_ptr, q_ptr, k_ptr, v_ptr, slope_ptr, o_ptr, ckpt_ptr,
+                                chunk_start_ptr, chunk_len_ptr, chunk_ckpt_ptr, first_ptr,
+                                nchunks_ptr, slot_ptr, init_ptr, write_ptr, max_chunks, n_heads,
+                                key_dim, value_dim, s_ss, s_sh, s_sk, s_sv, s_qt, s_qh, s_kt, s_kh,
+                                s_vt, s_vh, s_ot, s_oh,
+                                PREC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                                BLOCK_V: tl.constexpr):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    vs = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    ks = tl.arange(0, BLOCK_K)
+    ts = tl.arange(0, BLOCK_T)
+    vmask = vs < value_dim
+    kmask = ks < key_dim
+    smask = kmask[:, None] & vmask[None, :]
+    zero = ks[:, None] * 0 + vs[None, :] * 0  # scalar conditions join block masks as blocks
+    slot = tl.load(slot_ptr + r).to(tl.int64)
+    init = tl.load(init_ptr + r)
+    first = tl.load(first_ptr + r)
+    nch = tl.load(nchunks_ptr + r)
+    in_ty = v_ptr.dtype.element_ty
+    slope = tl.load(slope_ptr + h).to(tl.float32)
+    s_ptrs = state_ptr + slot * s_ss + h * s_sh + ks[:, None] * s_sk + vs[None, :] * s_sv
+    S = tl.load(s_ptrs, mask=smask & (zero + init != 0), other=0.0).to(tl.float32)
+    size = key_dim * value_dim
+    tf = ts.to(tl.float32)
+    causal = ts[:, None] >= ts[None, :]
+    # lam^(i-j) for j <= i: the same for every chunk (a short last chunk uses its top-left corner)
+    intra = tl.where(causal, tl.exp(-slope * tl.where(causal, tf[:, None] - tf[None, :], 0.0)), 0.0)
+    q_coef = tl.exp(-slope * (tf + 1.0))
+    i = r * 0  # a tensor counter: max_chunks == 1 arrives as a constexpr
+    while i < max_chunks:
+        active = i < nch
+        c = tl.where(active, first + i, 0).to(tl.int64)
+        start = tl.load(chunk_start_ptr + c).to(tl.int64)
+        length = tl.where(active, tl.load(chunk_len_ptr + c), 0)  # 0: every load below masked
+        tmask = ts < length
+        rows = start + ts
+        qk_mask = tmask[:, None] & kmask[None, :]
+        vt_mask = tmask[:, None] & vmask[None, :]
+        qq = tl.load(q_ptr + rows[:, None] * s_qt + h * s_qh + ks[None, :], mask=qk_mask, other=0.0)
+        kk = tl.load(k_ptr + rows[:, None] * s_kt + h * s_kh + ks[None, :], mask=qk_mask, other=0.0)
+        vv = tl.load(v_ptr + rows[:, None] * s_vt + h * s_vh + vs[None, :], mask=vt_mask,
+                     other=0.0).to(tl.float32)
+        attn = tl.dot(qq, tl.trans(kk), input_precision=PREC) * intra
+        o = tl.dot((qq.to(tl.float32) * q_coef[:, None]).to(in_ty), S.to(in_ty),
+                   input_precision=PREC)
+        o += tl.dot(attn.to(in_ty), vv.to(in_ty), input_precision=PREC)
+        tl.store(o_ptr + rows[:, None] * s_ot + h * s_oh + vs[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=vt_mask)
+        lf = length.to(tl.float32)
+        v_end = vv * tl.where(tmask, tl.exp(-slope * tl.where(tmask, lf - 1.0 - tf, 0.0)),
+                              0.0)[:, None]
+        S = tl.exp(-slope * lf) * S + tl.dot(tl.trans(kk), v_end.to(in_ty), input_precision=PREC)
+        row = tl.where(active, tl.load(chunk_ckpt_ptr + c), -1).to(tl.int64)
+        tl.store(ckpt_ptr + (row * n_heads + h) * size + ks[:, None] * value_dim + vs[None, :],
+                 S.to(ckpt_ptr.dtype.element_ty), mask=smask & (zero + row >= 0))
+        i += 1
+    write = tl.load(write_ptr + r)
+    tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=smask & (zero + write != 0))
+
+
+def _unit_last(t):
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def lightning_chunk_scan_triton(state, q, k, v, slope, query_start_loc, slot_idx,
+                                has_initial_state, chunk_size=64, return_states_at=None):
+    """See lightning_ref.lightning_chunk_scan_ref. state [S, H, K, V] (final states written in
+    place); q, k [T, H, K]; v [T, H, V]; slope [H]. Returns o [T, H, V] in v.dtype, or
+    (o, states per request [n_pos, H, K, V] in state.dtype).
+    """
+    _check_shapes(state, q, k, v, slope)
+    if q.dim() != 3 or v.shape[0] != q.shape[0]:
+        raise ValueError(f"q {tuple(q.shape)} and v {tuple(v.shape)} must be packed [T, H, .] "
+                         "with the same token count")
+    T, H, K = q.shape
+    V = v.shape[2]
+    plan = build_scan_plan(query_start_loc, slot_idx, has_initial_state, state.shape[0], T,
+                           chunk_size, return_states_at, v.device)
+    v = _unit_last(v)
+    q, k = _unit_last(q).to(v.dtype), _unit_last(k).to(v.dtype)  # one matmul operand dtype
+    slope = slope.float().contiguous()
+    o = torch.empty((T, H, V), dtype=v.dtype, device=v.device)
+    ckpt = torch.empty((max(plan.num_ckpt, 1), H, K, V), dtype=state.dtype, device=v.device)
+    prec = "ieee" if v.dtype == torch.float32 else "tf32"  # tf32: ignored for fp16/bf16
+    block_t = max(16, triton.next_power_of_2(chunk_size))
+    block_k = max(16, triton.next_power_of_2(K))
+    block_v = min(max(16, triton.next_power_of_2(V)), 64 if block_k <= 128 else 32)
+    with device_guard(v):
+        if slot_idx.shape[0]:
+            _lightning_chunk_recurrence[(slot_idx.shape[0], H, triton.cdiv(V, block_v))](
+                state, q, k, v, slope, o, ckpt, plan.chunk_start, plan.chunk_len,
+                plan.chunk_ckpt, plan.req_first_chunk, plan.req_num_chunks, plan.req_slot,
+                plan.req_init, plan.req_write, plan.max_chunks, H, K, V, *state.stride(),
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                o.stride(0), o.stride(1), PREC=prec, BLOCK_T=block_t, BLOCK_K=block_k,
+                BLOCK_V=block_v, num_warps=8 if block_t * block_k > 4096 else 4)
+    if return_states_at is None:
+        return o
+    return o, gather_checkpoints(ckpt, plan)
