@@ -1,5 +1,6 @@
 """Random sequences of admit / step / fork / checkpoint / finish / preempt / resume / migrate,
-through the coordinator, over models with full-attention KV, sliding-window KV and recurrent state.
+through the coordinator, over models with full-attention KV, sliding-window KV and recurrent state,
+and models whose attention layers mix a window and full attention (two groups, two pools).
 
 A stand-in "model" writes, for every computed position p, a value that depends on the whole
 prefix tokens[0..p] into the KV slots the manager hands out, and after each step the state
@@ -43,40 +44,43 @@ def state_value(tokens, n):
     return float(rolling(tokens[:n])[-1] % 65519 + 2)
 
 
-def held_from(mgr, rid):
-    """Index of the request's first held block (0 unless blocks left a sliding window)."""
-    ids = mgr.block_ids(rid)
+def held_from(group, rid):
+    """Index of the request's first held block in an attention group (0 unless blocks left a window)."""
+    ids = group.block_ids(rid)
     return next((i for i, b in enumerate(ids) if b != NO_BLOCK), len(ids))
 
 
-def kv_of(mgr, r):
+def kv_of(mgr, group, r):
     """(first position, {layer: value per position from there to num_computed}) read back from
-    the request's held blocks."""
+    the request's held blocks in one attention group."""
     out = {}
     n = r.num_computed_tokens
-    first = held_from(mgr, r.req_id)
-    for i, t in mgr.kv_caches.items():
+    first = held_from(group, r.req_id)
+    for i, t in group.pool.kv.items():
         nb = -(-n // mgr.block_size)
         if nb == first:  # nothing computed, or a window of one token: no block to read
             continue
-        g = t[mgr.block_ids(r.req_id)[first:nb]]  # [nb - first, 2, bs, h, d]
+        g = t[group.block_ids(r.req_id)[first:nb]]  # [nb - first, 2, bs, h, d]
         out[i] = g.permute(0, 2, 1, 3, 4).reshape((nb - first) * mgr.block_size, -1)[: n - first * mgr.block_size]
     return first * mgr.block_size, out
 
 
 def write_step(mgr, rid, slot_mapping, start, end):
-    """What a model step does: KV values at the handed-out slots, the prefix's state in the live slot."""
+    """What a model step does: KV values at each attention group's slots (the lead group's are
+    `slot_mapping`), the prefix's state in the live slot."""
     r = mgr.request(rid)
     vals = kv_values(r.token_ids, end)[start:end]
     bs = mgr.block_size
-    for s, v in zip(slot_mapping, vals.tolist()):
-        if s < 0:
-            continue
-        b = s // bs
-        rc = mgr.attention.pool.refcount[b]
-        assert rc == 1, f"write into block {b} with refcount {rc}"
-        for t in mgr.kv_caches.values():
-            t[b, :, s % bs] = v
+    for group in mgr.attention_groups.values():
+        slots = slot_mapping if group is mgr.attention else group.slot_mapping(rid, start, end)
+        for s, v in zip(slots, vals.tolist()):
+            if s < 0:
+                continue
+            b = s // bs
+            rc = group.pool.refcount[b]
+            assert rc == 1, f"write into block {b} of {group.name} with refcount {rc}"
+            for t in group.pool.kv.values():
+                t[b, :, s % bs] = v
     slot = mgr.live_slot(rid)
     if slot:
         sv = state_value(r.token_ids, end)
@@ -87,14 +91,15 @@ def write_step(mgr, rid, slot_mapping, start, end):
 def check_request_data(mgr, r):
     n = r.num_computed_tokens
     want = kv_values(r.token_ids, n)
-    first, kv = kv_of(mgr, r)
-    window = getattr(mgr.attention, "window", None)
-    seen = 0 if window is None else max(first, n - window + 1)  # what the next token attends to
-    if mgr.attention is not None and n:
-        assert first <= mgr.attention.first_needed_block(n) * mgr.block_size, "a block inside the window is gone"
-    for i, got in kv.items():
-        got = got[seen - first:]
-        assert torch.equal(got, want[seen:, None].expand_as(got)), f"KV of request {r.req_id} layer {i} differs"
+    for group in mgr.attention_groups.values():
+        first, kv = kv_of(mgr, group, r)
+        window = getattr(group, "window", None)
+        seen = 0 if window is None else max(first, n - window + 1)  # what the next token attends to
+        if n:
+            assert first <= group.first_needed_block(n) * mgr.block_size, "a block inside the window is gone"
+        for i, got in kv.items():
+            got = got[seen - first:]
+            assert torch.equal(got, want[seen:, None].expand_as(got)), f"KV of request {r.req_id} layer {i} differs"
     slot = mgr.live_slot(r.req_id)
     if slot and n:
         sv = state_value(r.token_ids, n)
@@ -106,19 +111,19 @@ def check_conservation(mgr):
     running = [r for r in mgr.requests.values() if r.status == RUNNING]
     for r in mgr.requests.values():
         if r.status != RUNNING:
-            assert mgr.block_ids(r.req_id) == [] and mgr.live_slot(r.req_id) == 0
-            assert (r.swapped is not None) == (r.status == SWAPPED)
-    if mgr.attention is not None:
-        pool, window = mgr.attention.pool, getattr(mgr.attention, "window", None)
+            assert all(g.block_ids(r.req_id) == [] for g in mgr.attention_groups.values())
+            assert mgr.live_slot(r.req_id) == 0 and (r.swapped is not None) == (r.status == SWAPPED)
+    for w, group in mgr.attention_groups.items():
+        pool, window = group.pool, w
         want = [0] * pool.num_blocks
         for r in running:
-            ids = mgr.block_ids(r.req_id)
+            ids = group.block_ids(r.req_id)
             assert len(ids) * mgr.block_size >= r.num_computed_tokens
             for b in ids:
                 if b != NO_BLOCK:
                     want[b] += 1
             if ids:
-                assert mgr.block_table([r.req_id])[0, : len(ids)].tolist() == [max(b, 0) for b in ids]
+                assert mgr.block_tables([r.req_id])[w][0, : len(ids)].tolist() == [max(b, 0) for b in ids]
             if window is not None:  # blocks that left the window were let go
                 held = sum(b != NO_BLOCK for b in ids)
                 assert held <= -(-window // mgr.block_size) + 1, (held, window, r.num_computed_tokens)
@@ -139,7 +144,8 @@ def check_conservation(mgr):
 
 
 class ManagerMachine(RuleBasedStateMachine):
-    @initialize(kind=st.sampled_from(["hybrid", "hybrid", "attention", "recurrent", "sliding", "sliding hybrid"]),
+    @initialize(kind=st.sampled_from(["hybrid", "hybrid", "attention", "recurrent", "sliding", "sliding hybrid",
+                                      "mixed", "mixed hybrid"]),
                 window=st.sampled_from([1, 3, 5, 8]), bs=st.sampled_from([2, 4]),
                 num_blocks=st.integers(6, 24), num_slots=st.integers(2, 6), caching=st.booleans(),
                 policy=st.sampled_from(["none", "prompt_end", "every_n_blocks", "branch_points"]),
@@ -147,7 +153,9 @@ class ManagerMachine(RuleBasedStateMachine):
     def setup(self, kind, window, bs, num_blocks, num_slots, caching, policy, eviction, other_bs):
         specs = {}
         if kind != "recurrent":
-            specs[1] = AttentionSpec(1, 2, torch.float32, window if kind.startswith("sliding") else None)
+            specs[1] = AttentionSpec(1, 2, torch.float32, window if kind.startswith(("sliding", "mixed")) else None)
+        if kind.startswith("mixed"):  # a full-attention layer beside the sliding one: two groups
+            specs[3] = AttentionSpec(2, 1, torch.float32)
         if kind not in ("attention", "sliding"):
             specs[0] = RecurrentSpec((2, 2), (3,), torch.float32)
             specs[2] = RecurrentSpec((2, 1), (), torch.float32)
@@ -173,17 +181,20 @@ class ManagerMachine(RuleBasedStateMachine):
         end = min(start + n, len(r.token_ids))
         due = mgr.checkpoint_due(rid, start, end)
         end = due or end
-        pool = mgr.attention.pool if mgr.attention else None
-        before = (list(mgr.block_ids(rid)), pool and pool.num_free, pool and list(pool.refcount))
+        def memory():
+            return [(list(g.block_ids(rid)), g.pool.num_free, list(g.pool.refcount))
+                    for g in mgr.attention_groups.values()]
+        before = memory()
         slots = mgr.allocate(rid, end - start)
         EVENTS["step"] += 1
         if slots is None:
             EVENTS["allocate refused"] += 1
-            assert before == (mgr.block_ids(rid), pool.num_free, pool.refcount), "failed allocate changed state"
+            EVENTS["allocate refused with two attention groups"] += len(before) > 1
+            assert before == memory(), "failed allocate changed state"
             return False
         assert len(slots) == end - start
         ids = mgr.block_ids(rid)
-        EVENTS["copy-on-write"] += bool(start % mgr.block_size and ids) and ids[start // mgr.block_size] not in before[0]
+        EVENTS["copy-on-write"] += bool(start % mgr.block_size and ids) and ids[start // mgr.block_size] not in before[0][0]
         write_step(mgr, rid, slots, start, end)
         mgr.commit(rid, end - start)
         self.record_prefix_states(r)
@@ -203,8 +214,8 @@ class ManagerMachine(RuleBasedStateMachine):
         try:
             can = mgr.can_admit(prompt, max_tokens=max_tokens, cache_salt=salt, num_new_tokens=num_new)
         except RequestTooLargeError:
-            assert mgr.attention is not None
-            assert mgr.attention._blocks_to_hold(len(prompt) + max_tokens) > mgr.num_blocks
+            assert any(g._blocks_to_hold(len(prompt) + max_tokens) > g.num_blocks
+                       for g in mgr.attention_groups.values())
             return
         hit = mgr.admit(rid, prompt, max_tokens=max_tokens, cache_salt=salt, num_new_tokens=num_new)
         assert (hit is not None) == can
@@ -325,5 +336,6 @@ def test_manager_state_machine():
     print(dict(EVENTS))
     assert EVENTS["rule"] >= 10_000, EVENTS
     for what in ["prefix hit", "allocate refused", "copy-on-write", "checkpoint stored", "resumed after swap",
-                 "resumed by recompute", "imported elsewhere", "fork", "sliding window held blocks bounded"]:
+                 "resumed by recompute", "imported elsewhere", "fork", "sliding window held blocks bounded",
+                 "allocate refused with two attention groups"]:
         assert EVENTS[what] > 0, f"the random runs never exercised {what}: {EVENTS}"
