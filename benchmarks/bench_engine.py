@@ -320,7 +320,8 @@ def part_overhead(args) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--part", choices=["all", "workloads", "overhead"], default="all")
+    ap.add_argument("--part", choices=["all", "workloads", "overhead", "throughput"], default="all",
+                    help="throughput: the Bamba workload alone (the earlier sessions' command)")
     ap.add_argument("--only", default="", help="comma-separated workload names (default: all)")
     ap.add_argument("--repeats", type=int, default=5, help="alternating repeats; medians are printed")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for both systems")
@@ -330,6 +331,8 @@ def main(argv=None) -> int:
                     help="skip transformers (step-time figures only, e.g. skewed vs uniform)")
     ap.add_argument("--json", default="", help="also write the results to this file")
     args = ap.parse_args(argv)
+    if args.part == "throughput":
+        args.part, args.only = "workloads", args.only or "bamba"
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
     os.environ[ENV_VAR] = str(args.threads)  # LLM sets its threads from it (hybridkv/cpu_threads.py)
