@@ -67,12 +67,7 @@ class TensorParallel:
             args = WorkerArgs(r, size, port, str(path), wdev, dtype, max_model_len, timeout_s,
                               torch.get_num_threads(), block_size, profile_tokens)
             p = ctx.Process(target=run_worker, args=(args,), daemon=True, name=f"hybridkv-tp-rank{r}")
-            quiet = os.environ.get("TORCH_CPP_LOG_LEVEL")
-            os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # the child's idle store waits time out each second
-            try:
-                p.start()
-            finally:
-                os.environ.pop("TORCH_CPP_LOG_LEVEL") if quiet is None else os.environ.update(TORCH_CPP_LOG_LEVEL=quiet)
+            _start_quietly(p)
             self.procs.append(p)
         self._finalizer = weakref.finalize(self, _terminate, list(self.procs))
         self.group: Optional[TensorParallelGroup] = None
@@ -158,6 +153,19 @@ class TensorParallel:
         if self.failure is None:
             self.failure = RankFailedError("this engine's tensor-parallel ranks were stopped (LLM.close()); "
                                            "create a new LLM")
+
+
+def _start_quietly(process) -> None:
+    """Start `process` with torch's C++ log at ERROR: its idle store waits time out every second."""
+    before = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # the spawned child copies the environment now
+    try:
+        process.start()
+    finally:
+        if before is None:
+            del os.environ["TORCH_CPP_LOG_LEVEL"]
+        else:
+            os.environ["TORCH_CPP_LOG_LEVEL"] = before
 
 
 def _terminate(procs) -> None:
