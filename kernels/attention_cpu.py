@@ -10,6 +10,9 @@ per query head). Prefill chunks (query_len > 1) run one request at a time throug
 path for prefill too (SDPA has no soft cap), and so do layers with attention sinks: their output
 is scaled by sigmoid(logsumexp - sink), the sink's share of the denominator. Under a sliding window only the blocks from the first
 query's window on are gathered: blocks before it may already belong to another request.
+Everything that depends only on the step (buckets, block indices, masks, V tails) is one plan,
+built by the first attention layer of a step and reused by the others through `plan_cache`
+(ForwardBatch.kernel_plans).
 Checked against the reference in tests/kernels/test_attention_cpu.py.
 """
 from __future__ import annotations
