@@ -81,7 +81,7 @@ class LLM:
         if tensor_parallel_size != 1:
             self.tensor_parallel = TensorParallel(
                 self.model, model, tensor_parallel_size, dtype=_dtype(dtype), max_model_len=max_model_len,
-                block_size=block_size, profile_tokens=min(256, max_num_batched_tokens))
+                block_size=block_size, profile_tokens=(min(256, max_num_batched_tokens), max_num_batched_tokens))
         if max_model_len is not None:
             self.model.max_model_len = min(self.model.max_model_len or max_model_len, max_model_len)
         self.tokenizer = self.model.tokenizer

@@ -50,7 +50,9 @@ class TensorParallel:
     """Rank 0's side of `size` ranks over torch.distributed (gloo on CPU, NCCL on CUDA)."""
 
     def __init__(self, model, path: str, size: int, *, dtype, max_model_len: Optional[int],
-                 block_size: int, profile_tokens: int, timeout_s: float = STEP_TIMEOUT_S):
+                 block_size: int, profile_tokens: tuple[int, int], timeout_s: float = STEP_TIMEOUT_S):
+        """profile_tokens: (num_tokens, peak_tokens) of rank 0's profile_model call, which every
+        rank repeats (its forwards meet in the same all-reduces)."""
         check_size(size, model.device)
         check_supported(model.architecture, size)
         self.size = size

@@ -31,7 +31,7 @@ class WorkerArgs:
     timeout_s: float
     num_threads: int
     block_size: int
-    profile_tokens: int
+    profile_tokens: tuple  # (num_tokens, peak_tokens) as rank 0's profile_model call
 
 
 def moved(value, device):
@@ -93,7 +93,8 @@ def run_worker(args: WorkerArgs) -> None:
         group.store.set(ready, f"error: {type(e).__name__}: {e}")
         raise
     group.store.set(ready, "ok")
-    profile_model(model, args.block_size, num_tokens=args.profile_tokens)  # rank 0 runs the same
+    num_tokens, peak_tokens = args.profile_tokens
+    profile_model(model, args.block_size, num_tokens=num_tokens, peak_tokens=peak_tokens)  # as rank 0
     pools, n = None, 0
     try:
         while True:
