@@ -166,8 +166,9 @@ def kda_chunk_scan(state, q, k, v, g, beta, query_start_loc, slot_idx, has_initi
     """Varlen chunked Kimi delta attention from each slot's state; leaves the final state there."""
     from .kda_ref import kda_chunk_scan_ref
 
-    return kda_chunk_scan_ref(state, q, k, v, g, beta, query_start_loc, slot_idx,
-                              has_initial_state, scale, use_qk_l2norm, chunk_size, return_states_at)
+    fn = _pick(v, kda_chunk_scan_ref, "kda_chunk_scan_triton", "kda_prefill")
+    return fn(state, q, k, v, g, beta, query_start_loc, slot_idx, has_initial_state, scale,
+              use_qk_l2norm, chunk_size, return_states_at)
 
 
 def write_latent(latent, kv_cache, slot_mapping):
