@@ -58,16 +58,18 @@ class LLM:
     0; hybridkv/parallel/); `close()` stops the other ranks.
     """
 
-    def __init__(self, model: str, device: str = "cpu", dtype="float32", block_size: int = 16,
+    def __init__(self, model: str, device: str = "auto", dtype="float32", block_size: int = 16,
                  memory_budget_bytes: Optional[int] = None, gpu_memory_utilization: float = 0.9,
                  enable_prefix_caching: bool = True, preemption_mode: str = "auto",
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64,
                  max_model_len: Optional[int] = None, seed: int = 0, tensor_parallel_size: int = 1,
                  **kwargs):
         _check_keywords(kwargs)
+        from hybridkv.models.loader import resolve_device
         from hybridkv.parallel import TensorParallel, check_size
 
-        check_size(tensor_parallel_size, torch.device("cpu"))  # before anything loads
+        device = resolve_device(device)  # "auto" -> cuda when torch sees a GPU, else cpu
+        check_size(tensor_parallel_size, device)  # before anything loads
         self.config = EngineConfig(block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
                                    max_num_seqs=max_num_seqs, memory_budget_bytes=memory_budget_bytes,
                                    gpu_memory_utilization=gpu_memory_utilization,
