@@ -179,6 +179,15 @@ def _lfm2(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
     return {i: attn if k == "a" else conv for i, k in enumerate(kinds)}
 
 
+def _lfm3(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
+    c = hf_config(cfg)
+    kinds = _layer_kinds(c.layer_types, {"conv": "c", "full_attention": "a", "sliding_attention": "s"}, "lfm3")
+    conv = RecurrentSpec((c.hidden_size, c.conv_L_cache - 1), (), dtype)  # a window, no SSM state
+    return {i: conv if k == "c" else AttentionSpec(c.num_key_value_heads, _head_dim(c), dtype,
+                                                     c.sliding_window if k == "s" else None)
+            for i, k in enumerate(kinds)}
+
+
 def _falcon_h1(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
     c = hf_config(cfg)
     n = c.num_hidden_layers
@@ -289,7 +298,8 @@ _BUILDERS = {"bamba": _bamba, "jamba": _jamba, "qwen3_next": _qwen3_next,
              "mamba": _mamba, "falcon_mamba": _mamba, "mamba2": _mamba2_only,
              "recurrent_gemma": _recurrent_gemma, "olmo_hybrid": _olmo_hybrid, "minimax": _minimax,
              "kimi_linear": _kimi_linear, "bailing_hybrid": _kimi_linear,
-             "gpt_oss": _attention_only}  # layer_types: sliding and full attention layers
+             "gpt_oss": _attention_only,  # layer_types: sliding and full attention layers
+             "lfm3": _lfm3}
 
 
 def specs_from_config(cfg: Mapping, dtype: Optional[torch.dtype] = None) -> dict[int, LayerSpec]:

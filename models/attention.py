@@ -26,13 +26,14 @@ class PagedAttention(nn.Module):
     - rotary: rope is applied when forward gets (cos, sin); Jamba-style layers pass None.
     - sliding_window / soft_cap / scale go to the kernel (scale defaults to head_dim ** -0.5).
     - sinks: a learned logit per query head in the softmax denominator, `sinks [num_heads]` (GPT-OSS).
+    - head_gate: `g_proj` maps the layer input to one gate per head; head h's output *= sigmoid(gate_h) (LFM3).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  qkv_bias: bool = False, o_bias: bool = False,
                  qk_norm: Optional[Callable[[int], nn.Module]] = None, output_gate: bool = False,
                  sliding_window: Optional[int] = None, soft_cap: Optional[float] = None,
-                 scale: Optional[float] = None, sinks: bool = False):
+                 scale: Optional[float] = None, sinks: bool = False, head_gate: bool = False):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads={num_heads} is not a multiple of "
@@ -51,6 +52,7 @@ class PagedAttention(nn.Module):
         self.k_norm = qk_norm(head_dim) if qk_norm else None
         self.qkv = FusedLinear((self.q_proj, self.k_proj, self.v_proj))  # one matmul per step
         self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
+        self.g_proj = nn.Linear(hidden_size, num_heads, bias=False) if head_gate else None
 
     def spec(self, dtype: torch.dtype) -> AttentionSpec:
         return AttentionSpec(self.num_kv_heads, self.head_dim, dtype, self.sliding_window)
@@ -88,6 +90,8 @@ class PagedAttention(nn.Module):
             max_query_len=max(batch.query_lens_cpu) if batch.query_lens_cpu else None,
             max_seq_len=max(batch.seq_lens_cpu) if batch.seq_lens_cpu else None,
             plan_cache=plans, sinks=self.sinks)
+        if self.g_proj is not None:
+            out = out * torch.sigmoid(self.g_proj(hidden))[..., None]
         out = out.reshape(T, self.num_heads * self.head_dim)
         if gate is not None:
             out = out * torch.sigmoid(gate)

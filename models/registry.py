@@ -30,6 +30,7 @@ _ARCHITECTURES: dict[str, str] = {
     "MiniMaxForCausalLM": "minimax",
     "KimiLinearForCausalLM": "kimi_linear",
     "GptOssForCausalLM": "gpt_oss",
+    "Lfm3ForCausalLM": "lfm3",
     "BailingHybridForCausalLM": "bailing_hybrid",
 }
 

@@ -177,6 +177,11 @@ FAMILIES = {f.name: f for f in [
     Family("gpt_oss", seed=14, logits_len=3 * WINDOW + 5, ragged=(*RAGGED_LENGTHS, 3 * WINDOW + 5),
            chunks=(5, 16, 7, 1, WINDOW + 6, 3, 1, 16), chunk_tol=1e-5,
            engine=((1, BS - 1, WINDOW + 1, 3 * BS + 5, 3 * WINDOW + 5), 60), hf_attn="eager"),
+    # short conv beside sliding-window and full attention (two KV groups and conv slots), a rope per
+    # layer type, a sigmoid gate per head, sandwich norms
+    Family("lfm3", seed=15, logits_len=3 * WINDOW + 5, ragged=(*RAGGED_LENGTHS, 3 * WINDOW + 5),
+           chunks=(5, 16, 7, 1, WINDOW + 6, 3, 1, 16), engine=((1, BS - 1, WINDOW + 1, 3 * BS + 5, 3 * WINDOW + 5), 60),
+           hf_attn="eager"),
 ]}
 
 

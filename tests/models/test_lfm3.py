@@ -1,0 +1,54 @@
+"""LFM3 (short conv + sliding-window + full attention) against transformers' model of the same tiny
+checkpoint: the planner's specs, three kinds of memory in one model, a long generation whose
+sliding layers hold only their window, and a prefix hit that every kind accepts. The shared checks
+run from tests/family_checks.py."""
+import pytest
+import torch
+
+from hybridkv import LLM
+from hybridkv.config_specs import load_specs
+from hybridkv.models.tiny import make_tiny_checkpoint
+from hybridkv.specs import RecurrentSpec
+
+from engine_fixtures import assert_no_leaks, greedy, hf_model
+from model_harness import assert_greedy_matches_hf
+
+WINDOW, BS = 24, 16
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = make_tiny_checkpoint("lfm3", tmp_path_factory.mktemp("lfm3"), seed=15)
+    return str(path), hf_model(path)
+
+
+def test_planner_specs_equal_the_model(ckpt):
+    path, _ = ckpt
+    specs = LLM(path, memory_budget_bytes=1 << 20).model.cache_specs()
+    assert load_specs(f"{path}/config.json", torch.float32) == specs
+    kinds = ["conv" if isinstance(s, RecurrentSpec) else s.sliding_window for s in specs.values()]
+    assert kinds == ["conv", WINDOW, None] * 2
+
+
+def test_long_generation_and_prefix_hit_through_three_kinds(ckpt):
+    path, hf = ckpt
+    llm = LLM(path, memory_budget_bytes=4 << 20, max_num_batched_tokens=20)
+    mgr = llm.manager
+    sliding, full = mgr.attention_groups[WINDOW], mgr.attention_groups[None]
+    base = list(range(4, 4 + 70))
+    rid = llm.add_request(base, greedy(60))
+    peak, out = 0, None
+    while llm.has_unfinished_requests():
+        out = next((o for o in llm.step() if o.finished), out)
+        if rid in mgr.requests:
+            r = mgr.request(rid)
+            if r.num_computed_tokens > r.num_prompt_tokens:
+                assert len(sliding.held_blocks(rid)) <= -(-WINDOW // BS) + 1
+                assert len(full.held_blocks(rid)) >= -(-r.num_computed_tokens // BS)
+                peak = max(peak, len(sliding.held_blocks(rid)))
+    assert peak == -(-WINDOW // BS) + 1
+    assert_greedy_matches_hf(hf, base, out.outputs[0].token_ids)
+    again = llm.generate([base + [9, 9]], greedy(8), use_tqdm=False)[0]
+    assert again.num_cached_tokens == 64  # KV of both groups and a conv checkpoint at 64
+    assert_greedy_matches_hf(hf, base + [9, 9], again.outputs[0].token_ids)
+    assert_no_leaks(llm)
