@@ -137,6 +137,12 @@ class GptOssModel(HybridModel):
     architecture = ARCHITECTURE
 
     def __init__(self, config):
+        quant = getattr(config, "quantization_config", None)
+        if quant:  # the published experts are MXFP4 blocks and scales: refuse rather than misread them
+            method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
+            raise CheckpointError(
+                f"GptOssForCausalLM with quantization_config quant_method={method!r}: quantized experts are "
+                f"not supported; save float weights first (transformers: Mxfp4Config(dequantize=True))")
         super().__init__(config)
         self.model = _GptOssBody(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -2,6 +2,8 @@
 clamped SwiGLU experts with biases) layer by layer, the planner's specs, and a long generation whose
 sliding-window layers hold at most ceil(window / block_size) + 1 blocks while full layers grow.
 The shared checks (logits, ragged batches, chunks, engine) run from tests/family_checks.py."""
+import json
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from hybridkv import LLM
 from hybridkv.config_specs import load_specs
 from hybridkv.kernels.fused_moe_cpu import fused_moe_torch
 from hybridkv.kernels.fused_moe_ref import fused_moe_ref
+from hybridkv.models.checkpoint import CheckpointError
 from hybridkv.models.tiny import make_tiny_checkpoint
 
 from engine_fixtures import assert_no_leaks, greedy, hf_model
@@ -89,3 +92,12 @@ def test_long_generation_holds_the_window_in_sliding_groups_while_full_groups_gr
     for p, rid in zip(ps, ids):
         assert_greedy_matches_hf(hf, p, done[rid])
     assert_no_leaks(llm)
+
+
+def test_quantized_experts_are_refused_by_name(tmp_path):
+    path = make_tiny_checkpoint("gpt_oss", tmp_path, seed=1)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="quant_method='mxfp4': quantized experts are not supported"):
+        LLM(str(path), memory_budget_bytes=1 << 20)
