@@ -25,8 +25,9 @@ ACTIVATIONS = {"silu": 0, "relu2": 1}  # name -> the kernel's ACT
 @triton.jit
 def _grouped_gemm_kernel(
     a_ptr, b_ptr, c_ptr, weight_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
-    N, K, num_pairs,
+    N, num_pairs,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    K: tl.constexpr,  # a constexpr loop bound: Triton 3.6's interpreter takes no argument there
     PAIRS_PER_A_ROW: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -85,9 +86,9 @@ def _launch(a, b, c, weight, blocks, n, k, pairs_per_a_row, act, gated, mul_weig
     grid = (blocks.block_expert.numel(), triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a, b, c, weight, blocks.sorted_pairs, blocks.block_expert, blocks.num_padded,
-        n, k, blocks.num_pairs,
+        n, blocks.num_pairs,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
-        PAIRS_PER_A_ROW=pairs_per_a_row, ACT=act, GATED=gated, MUL_WEIGHT=mul_weight,
+        K=k, PAIRS_PER_A_ROW=pairs_per_a_row, ACT=act, GATED=gated, MUL_WEIGHT=mul_weight,
         BLOCK_M=blocks.block, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
     )
 
