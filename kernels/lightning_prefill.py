@@ -52,8 +52,6 @@ def _lightning_chunk_recurrence(state_ptr, q_ptr, k_ptr, v_ptr, slope_ptr, o_ptr
     size = key_dim * value_dim
     tf = ts.to(tl.float32)
     causal = ts[:, None] >= ts[None, :]
-    # lam^(i-j) for j <= i: the same for every chunk (a short last chunk uses its top-left corner)
-    intra = tl.where(causal, tl.exp(-slope * tl.where(causal, tf[:, None] - tf[None, :], 0.0)), 0.0)
     q_coef = tl.exp(-slope * (tf + 1.0))
     i = r * 0  # a tensor counter: max_chunks == 1 arrives as a constexpr
     while i < max_chunks:
@@ -62,21 +60,25 @@ def _lightning_chunk_recurrence(state_ptr, q_ptr, k_ptr, v_ptr, slope_ptr, o_ptr
         start = tl.load(chunk_start_ptr + c).to(tl.int64)
         length = tl.where(active, tl.load(chunk_len_ptr + c), 0)  # 0: every load below masked
         tmask = ts < length
-        rows = start + ts
         qk_mask = tmask[:, None] & kmask[None, :]
         vt_mask = tmask[:, None] & vmask[None, :]
-        qq = tl.load(q_ptr + rows[:, None] * s_qt + h * s_qh + ks[None, :], mask=qk_mask, other=0.0)
-        kk = tl.load(k_ptr + rows[:, None] * s_kt + h * s_kh + ks[None, :], mask=qk_mask, other=0.0)
-        vv = tl.load(v_ptr + rows[:, None] * s_vt + h * s_vh + vs[None, :], mask=vt_mask,
-                     other=0.0).to(tl.float32)
-        attn = tl.dot(qq, tl.trans(kk), input_precision=PREC) * intra
-        o = tl.dot((qq.to(tl.float32) * q_coef[:, None]).to(in_ty), S.to(in_ty),
-                   input_precision=PREC)
-        o += tl.dot(attn.to(in_ty), vv.to(in_ty), input_precision=PREC)
-        tl.store(o_ptr + rows[:, None] * s_ot + h * s_oh + vs[None, :],
+        # 64-bit chunk bases, 32-bit offsets inside the tile (64-bit [L, K] address tiles spill)
+        qq = tl.load(q_ptr + (start * s_qt + h * s_qh) + (ts[:, None] * s_qt + ks[None, :]),
+                     mask=qk_mask, other=0.0)
+        kk = tl.load(k_ptr + (start * s_kt + h * s_kh) + (ts[:, None] * s_kt + ks[None, :]),
+                     mask=qk_mask, other=0.0)
+        vv = tl.load(v_ptr + (start * s_vt + h * s_vh) + (ts[:, None] * s_vt + vs[None, :]),
+                     mask=vt_mask, other=0.0)
+        # lam^(i-j) for j <= i, rebuilt per chunk: a [L, L] fp32 tile held across the loop spills
+        attn = tl.dot(qq, tl.trans(kk), input_precision=PREC) * tl.where(
+            causal, tl.exp(-slope * tl.where(causal, tf[:, None] - tf[None, :], 0.0)), 0.0)
+        # lam^(i+1) scales o's rows, not q: no fp32 copy of the [L, K] tile stays live
+        o = tl.dot(qq, S.to(in_ty), input_precision=PREC) * q_coef[:, None]
+        o += tl.dot(attn.to(in_ty), vv, input_precision=PREC)
+        tl.store(o_ptr + (start * s_ot + h * s_oh) + (ts[:, None] * s_ot + vs[None, :]),
                  o.to(o_ptr.dtype.element_ty), mask=vt_mask)
         lf = length.to(tl.float32)
-        v_end = vv * tl.where(tmask, tl.exp(-slope * tl.where(tmask, lf - 1.0 - tf, 0.0)),
+        v_end = vv.to(tl.float32) * tl.where(tmask, tl.exp(-slope * tl.where(tmask, lf - 1.0 - tf, 0.0)),
                               0.0)[:, None]
         S = tl.exp(-slope * lf) * S + tl.dot(tl.trans(kk), v_end.to(in_ty), input_precision=PREC)
         row = tl.where(active, tl.load(chunk_ckpt_ptr + c), -1).to(tl.int64)
@@ -101,19 +103,24 @@ def lightning_chunk_scan_triton(state, q, k, v, slope, query_start_loc, slot_idx
     if q.dim() != 3 or v.shape[0] != q.shape[0]:
         raise ValueError(f"q {tuple(q.shape)} and v {tuple(v.shape)} must be packed [T, H, .] "
                          "with the same token count")
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     T, H, K = q.shape
     V = v.shape[2]
+    block_k = max(16, triton.next_power_of_2(K))
+    # the chunked form is exact at any cut, so the tile caps the chunk: [L, K] tiles of q and k
+    # stay in registers (64 x 128 or 16 x 256) without spills
+    chunk = min(chunk_size, 64 if block_k <= 128 else 16)
     plan = build_scan_plan(query_start_loc, slot_idx, has_initial_state, state.shape[0], T,
-                           chunk_size, return_states_at, v.device)
+                           chunk, return_states_at, v.device)
     v = _unit_last(v)
     q, k = _unit_last(q).to(v.dtype), _unit_last(k).to(v.dtype)  # one matmul operand dtype
     slope = slope.float().contiguous()
     o = torch.empty((T, H, V), dtype=v.dtype, device=v.device)
     ckpt = torch.empty((max(plan.num_ckpt, 1), H, K, V), dtype=state.dtype, device=v.device)
     prec = "ieee" if v.dtype == torch.float32 else "tf32"  # tf32: ignored for fp16/bf16
-    block_t = max(16, triton.next_power_of_2(chunk_size))
-    block_k = max(16, triton.next_power_of_2(K))
-    block_v = min(max(16, triton.next_power_of_2(V)), 64 if block_k <= 128 else 32)
+    block_t = max(16, triton.next_power_of_2(chunk))
+    block_v = min(max(16, triton.next_power_of_2(V)), 64 if block_k <= 128 else 16)
     with device_guard(v):
         if slot_idx.shape[0]:
             _lightning_chunk_recurrence[(slot_idx.shape[0], H, triton.cdiv(V, block_v))](
@@ -122,7 +129,7 @@ def lightning_chunk_scan_triton(state, q, k, v, slope, query_start_loc, slot_idx
                 plan.req_init, plan.req_write, plan.max_chunks, H, K, V, *state.stride(),
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 o.stride(0), o.stride(1), PREC=prec, BLOCK_T=block_t, BLOCK_K=block_k,
-                BLOCK_V=block_v, num_warps=8 if block_t * block_k > 4096 else 4)
+                BLOCK_V=block_v, num_warps=8)
     if return_states_at is None:
         return o
     return o, gather_checkpoints(ckpt, plan)
