@@ -2,7 +2,7 @@
 slots; same contract as `kda_ref.kda_chunk_scan_ref` (the spec, whose docstring derives the algebra).
 
 The WY form of `gdn_prefill.py` with a log-decay per key channel instead of per head, over the
-chunk list of `scan_plan.py` (chunks never cross a request and are cut at every checkpoint), two
+chunk list of `scan_plan.py` (chunks never cross a request and are cut at every checkpoint), three
 launches:
   1. prep        per (chunk, head): the per-channel running log-decay G = cumsum(g) [L, K];
                  A_ij = sum_c k_ic k_jc e^(G_ic - G_jc) (j < i) and QK_ij = sum_c q_ic k_jc
@@ -13,8 +13,10 @@ launches:
                  stores w = T (beta e^G k), u0 = T (beta v), e^G q, e^(G_last - G) k, QK and
                  e^(G_last) per chunk;
   2. recurrence  per (request, head, V block), chunk after chunk from the slot's state S [K, BV]:
-                 u = u0 - w S, o = (e^G q) S + QK u, S <- e^(G_last) . S + (e^(G_last - G) k)^T u;
-                 stores the requested checkpoints and the final state into the slot.
+                 u = u0 - w S, S <- e^(G_last) . S + (e^(G_last - G) k)^T u; stores each chunk's
+                 entering state, u, the requested checkpoints and the final state into the slot;
+  3. output      per (chunk, head, V block): o = (e^G q) S_start + QK u.
+The chunk is capped at 16 tokens (exact at any cut): the prep's fp32 [L, K] tiles fit at K = 256.
 q and k are L2-normalised (x / sqrt(|x|^2 + 1e-6)) and q scaled by torch before the launches. Tile
 loops have constexpr bounds and the chunk loop is a `while` (Triton 3.6's interpreter takes no
 tensor, nor a scalar kernel argument, as a range() bound). Matmuls take fp16/bf16 operands with
@@ -94,10 +96,9 @@ def _kda_chunk_prep(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk
 
 
 @triton.jit
-def _kda_recurrence(state_ptr, w_ptr, u_ptr, qdec_ptr, kend_ptr, qk_ptr, glast_ptr, o_ptr,
-                    ckpt_ptr, chunk_start_ptr, chunk_len_ptr, chunk_ckpt_ptr, first_ptr,
+def _kda_recurrence(state_ptr, w_ptr, u_ptr, kend_ptr, glast_ptr, hstart_ptr, ckpt_ptr, chunk_start_ptr, chunk_len_ptr, chunk_ckpt_ptr, first_ptr,
                     nchunks_ptr, slot_ptr, init_ptr, write_ptr, max_chunks, n_heads, key_dim,
-                    value_dim, s_ss, s_sh, s_sk, s_sv, s_ot, s_oh,
+                    value_dim, s_ss, s_sh, s_sk, s_sv,
                     PREC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_V: tl.constexpr):
     r = tl.program_id(0)
@@ -113,10 +114,13 @@ def _kda_recurrence(state_ptr, w_ptr, u_ptr, qdec_ptr, kend_ptr, qk_ptr, glast_p
     init = tl.load(init_ptr + r)
     first = tl.load(first_ptr + r)
     nch = tl.load(nchunks_ptr + r)
-    in_ty = o_ptr.dtype.element_ty
-    s_ptrs = state_ptr + slot * s_ss + h * s_sh + ks[:, None] * s_sk + vs[None, :] * s_sv
-    S = tl.load(s_ptrs, mask=smask & (zero + init != 0), other=0.0).to(tl.float32)
+    in_ty = kend_ptr.dtype.element_ty  # e^(G_last - G) k is kept in the operand dtype
+    # scalar 64-bit bases, 32-bit [K, BV] offsets: a 64-bit address tile held across the loop spills
+    s_base = state_ptr + slot * s_ss + h * s_sh
+    s_offs = ks[:, None] * s_sk + vs[None, :] * s_sv
+    S = tl.load(s_base + s_offs, mask=smask & (zero + init != 0), other=0.0).to(tl.float32)
     size = key_dim * value_dim
+    c_offs = ks[:, None] * value_dim + vs[None, :]
     i = r * 0  # a tensor counter: max_chunks == 1 arrives as a constexpr
     while i < max_chunks:
         active = i < nch
@@ -124,30 +128,61 @@ def _kda_recurrence(state_ptr, w_ptr, u_ptr, qdec_ptr, kend_ptr, qk_ptr, glast_p
         start = tl.load(chunk_start_ptr + c).to(tl.int64)
         length = tl.where(active, tl.load(chunk_len_ptr + c), 0)  # 0: every load below masked
         tmask = ts < length
-        rows = start + ts
         kmask = tmask[:, None] & kin[None, :]
         umask = tmask[:, None] & vmask[None, :]
-        k_offs = (rows[:, None] * n_heads + h) * key_dim + ks[None, :]
-        w = tl.load(w_ptr + k_offs, mask=kmask, other=0.0).to(in_ty)
-        qd = tl.load(qdec_ptr + k_offs, mask=kmask, other=0.0).to(in_ty)
-        ke = tl.load(kend_ptr + k_offs, mask=kmask, other=0.0).to(in_ty)
-        qk = tl.load(qk_ptr + (rows[:, None] * n_heads + h) * BLOCK_T + ts[None, :],
-                     mask=tmask[:, None], other=0.0).to(in_ty)
+        # 64-bit chunk bases, 32-bit offsets inside the tile (64-bit address tiles spill)
+        k_offs = ts[:, None] * (n_heads * key_dim) + ks[None, :]
+        k_base = (start * n_heads + h) * key_dim
+        w = tl.load(w_ptr + k_base + k_offs, mask=kmask, other=0.0).to(in_ty)
+        ke = tl.load(kend_ptr + k_base + k_offs, mask=kmask, other=0.0).to(in_ty)
         g_last = tl.load(glast_ptr + (c * n_heads + h) * key_dim + ks,
                          mask=kin & (ks * 0 + i < nch), other=0.0)
-        S_in = S.to(in_ty)
-        u = tl.load(u_ptr + (rows[:, None] * n_heads + h) * value_dim + vs[None, :], mask=umask,
-                    other=0.0) - tl.dot(w, S_in, input_precision=PREC)
-        o = tl.dot(qd, S_in, input_precision=PREC) + tl.dot(qk, u.to(in_ty), input_precision=PREC)
-        tl.store(o_ptr + rows[:, None] * s_ot + h * s_oh + vs[None, :],
-                 o.to(o_ptr.dtype.element_ty), mask=umask)
+        tl.store(hstart_ptr + (c * n_heads + h) * size + c_offs, S,
+                 mask=smask & (zero + i < nch))
+        u_ptrs = u_ptr + (start * n_heads + h) * value_dim + (ts[:, None] * (n_heads * value_dim)
+                                                              + vs[None, :])
+        u = tl.load(u_ptrs, mask=umask, other=0.0) - tl.dot(w, S.to(in_ty), input_precision=PREC)
+        tl.store(u_ptrs, u, mask=umask)  # u0 becomes the corrected u the output kernel reads
         S = tl.exp(g_last)[:, None] * S + tl.dot(tl.trans(ke), u.to(in_ty), input_precision=PREC)
         row = tl.where(active, tl.load(chunk_ckpt_ptr + c), -1).to(tl.int64)
-        tl.store(ckpt_ptr + (row * n_heads + h) * size + ks[:, None] * value_dim + vs[None, :],
+        tl.store(ckpt_ptr + (row * n_heads + h) * size + c_offs,
                  S.to(ckpt_ptr.dtype.element_ty), mask=smask & (zero + row >= 0))
         i += 1
     write = tl.load(write_ptr + r)
-    tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=smask & (zero + write != 0))
+    tl.store(s_base + s_offs, S.to(state_ptr.dtype.element_ty), mask=smask & (zero + write != 0))
+
+
+@triton.jit
+def _kda_chunk_output(qdec_ptr, qk_ptr, u_ptr, hstart_ptr, o_ptr, chunk_start_ptr, chunk_len_ptr,
+                      n_heads, key_dim, value_dim, s_ot, s_oh,
+                      PREC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCK_V: tl.constexpr):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    vs = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    ks = tl.arange(0, BLOCK_K)
+    ts = tl.arange(0, BLOCK_T)
+    start = tl.load(chunk_start_ptr + c).to(tl.int64)
+    length = tl.load(chunk_len_ptr + c)
+    tmask = ts < length
+    vmask = vs < value_dim
+    umask = tmask[:, None] & vmask[None, :]
+    in_ty = o_ptr.dtype.element_ty
+    qd = tl.load(qdec_ptr + (start * n_heads + h) * key_dim
+                 + (ts[:, None] * (n_heads * key_dim) + ks[None, :]),
+                 mask=tmask[:, None] & (ks[None, :] < key_dim), other=0.0)
+    qk = tl.load(qk_ptr + (start * n_heads + h) * BLOCK_T
+                 + (ts[:, None] * (n_heads * BLOCK_T) + ts[None, :]), mask=tmask[:, None],
+                 other=0.0)
+    u = tl.load(u_ptr + (start * n_heads + h) * value_dim
+                + (ts[:, None] * (n_heads * value_dim) + vs[None, :]), mask=umask, other=0.0)
+    S = tl.load(hstart_ptr + (c.to(tl.int64) * n_heads + h) * key_dim * value_dim
+                + (ks[:, None] * value_dim + vs[None, :]),
+                mask=(ks[:, None] < key_dim) & vmask[None, :], other=0.0)
+    o = tl.dot(qd.to(in_ty), S.to(in_ty), input_precision=PREC)
+    o += tl.dot(qk.to(in_ty), u.to(in_ty), input_precision=PREC)
+    tl.store(o_ptr + (start * s_ot + h * s_oh) + (ts[:, None] * s_ot + vs[None, :]),
+             o.to(o_ptr.dtype.element_ty), mask=umask)
 
 
 def _unit_last(t):
@@ -164,23 +199,30 @@ def kda_chunk_scan_triton(state, q, k, v, g, beta, query_start_loc, slot_idx, ha
     if q.dim() != 3 or v.shape[0] != q.shape[0]:
         raise ValueError(f"q {tuple(q.shape)} and v {tuple(v.shape)} must be packed [T, H, .] "
                          "with the same token count")
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     T, H, K = q.shape
     V = v.shape[2]
+    # the chunked form is exact at any cut, so the tiles cap the chunk at 16 tokens: the prep's
+    # fp32 [L, K] tiles (G, e^G, k, q) stay in registers at K = 256
+    chunk = min(chunk_size, 16)
     plan = build_scan_plan(query_start_loc, slot_idx, has_initial_state, state.shape[0], T,
-                           chunk_size, return_states_at, v.device)
+                           chunk, return_states_at, v.device)
     v, g = _unit_last(v), _unit_last(g)
     q, k = _prepare_qk(q, k, scale, use_qk_l2norm)  # fp32, normalised, q scaled
     dev, f32 = v.device, torch.float32
-    block_t = max(16, triton.next_power_of_2(chunk_size))
+    block_t = 16
     block_k = max(16, triton.next_power_of_2(K))
     block_v_full = max(16, triton.next_power_of_2(V))
-    block_v = min(block_v_full, 64 if block_k <= 128 else 32)  # S [K, BV] fp32 in registers
+    block_v = min(block_v_full, 32 if block_k <= 128 else 16)  # no spills on sm_90
     o = torch.empty((T, H, V), dtype=v.dtype, device=dev)
-    w, qdec, kend = (torch.empty((T, H, K), dtype=f32, device=dev) for _ in range(3))
+    w, qdec = (torch.empty((T, H, K), dtype=f32, device=dev) for _ in range(2))
+    kend = torch.empty((T, H, K), dtype=v.dtype, device=dev)
     u = torch.empty((T, H, V), dtype=f32, device=dev)
     qk = torch.empty((T, H, block_t), dtype=f32, device=dev)
     nc = plan.num_chunks
     glast = torch.empty((max(nc, 1), H, K), dtype=f32, device=dev)
+    hstart = torch.empty((max(nc, 1), H, K, V), dtype=f32, device=dev)
     ckpt = torch.empty((max(plan.num_ckpt, 1), H, K, V), dtype=state.dtype, device=dev)
     prec = "ieee" if v.dtype == torch.float32 else "tf32"  # tf32: ignored for fp16/bf16
     with device_guard(v):
@@ -194,11 +236,16 @@ def kda_chunk_scan_triton(state, q, k, v, g, beta, query_start_loc, slot_idx, ha
                 else 4)
         if slot_idx.shape[0]:
             _kda_recurrence[(slot_idx.shape[0], H, triton.cdiv(V, block_v))](
-                state, w, u, qdec, kend, qk, glast, o, ckpt, plan.chunk_start, plan.chunk_len,
+                state, w, u, kend, glast, hstart, ckpt, plan.chunk_start, plan.chunk_len,
                 plan.chunk_ckpt, plan.req_first_chunk, plan.req_num_chunks, plan.req_slot,
                 plan.req_init, plan.req_write, plan.max_chunks, H, K, V, *state.stride(),
-                o.stride(0), o.stride(1), PREC=prec, BLOCK_T=block_t, BLOCK_K=block_k,
-                BLOCK_V=block_v, num_warps=8 if block_k * block_v > 4096 else 4)
+                PREC=prec, BLOCK_T=block_t, BLOCK_K=block_k,
+                BLOCK_V=block_v, num_warps=8)
+        if nc:
+            _kda_chunk_output[(nc, H, triton.cdiv(V, block_v))](
+                qdec, qk, u, hstart, o, plan.chunk_start, plan.chunk_len, H, K, V, o.stride(0),
+                o.stride(1), PREC=prec, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_V=block_v,
+                num_warps=4)
     if return_states_at is None:
         return o
     return o, gather_checkpoints(ckpt, plan)

@@ -173,6 +173,35 @@ def gdn_state_update_inputs(dims, dtype, device, gen):
     return (state, r(b, h, k), r(b, h, k), r(b, hv, v), g, beta, _slots(gen, device, b)), {}
 
 
+def lightning_chunk_scan_inputs(dims, dtype, device, gen):
+    """Ragged prompts of 1, chunk + 1 and 5 tokens, the second continuing its slot's state."""
+    h, k, v, chunk = dims["heads"], dims["k_dim"], dims["v_dim"], dims["chunk_size"]
+    lens = [1, chunk + 1, 5]
+    t = sum(lens)
+    r = lambda *s: _randn(gen, device, dtype, *s)  # noqa: E731
+    state = _randn(gen, device, _state_dtype(dims, dtype), 5, h, k, v)
+    slope = torch.rand(h, generator=gen, device=device)
+    qsl = torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
+    init = torch.tensor([False, True, False], device=device)
+    return (state, r(t, h, k), r(t, h, k), r(t, h, v), slope, qsl, _slots(gen, device, 3),
+            init), {"chunk_size": chunk}
+
+
+def kda_chunk_scan_inputs(dims, dtype, device, gen):
+    """Ragged prompts of 1, chunk + 1 and 5 tokens, the second continuing its slot's state."""
+    h, k, v, chunk = dims["heads"], dims["k_dim"], dims["v_dim"], dims["chunk_size"]
+    lens = [1, chunk + 1, 5]
+    t = sum(lens)
+    r = lambda *s: _randn(gen, device, dtype, *s)  # noqa: E731
+    state = _randn(gen, device, _state_dtype(dims, dtype), 5, h, k, v)
+    g = -torch.rand(t, h, k, generator=gen, device=device).to(dtype)
+    beta = torch.rand(t, h, generator=gen, device=device).to(dtype)
+    qsl = torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
+    init = torch.tensor([False, True, False], device=device)
+    return (state, r(t, h, k), r(t, h, k), r(t, h, v), g, beta, qsl, _slots(gen, device, 3),
+            init), {"chunk_size": chunk}
+
+
 def fused_moe_inputs(dims, dtype, device, gen):
     t, e, k, i, h = dims["tokens"], dims["experts"], dims["top_k"], dims["inter"], 256
     logits = torch.randn(t, e, generator=gen, device=device)
@@ -194,6 +223,8 @@ INPUTS: dict[str, Callable] = {  # public op -> (dims, dtype, device, gen) -> (a
     "gdn_state_update": gdn_state_update_inputs,
     "mamba1_scan": mamba1_scan_inputs,
     "gdn_chunk_scan": gdn_chunk_scan_inputs,
+    "lightning_chunk_scan": lightning_chunk_scan_inputs,
+    "kda_chunk_scan": kda_chunk_scan_inputs,
     "fused_moe": fused_moe_inputs,
 }
 
@@ -251,6 +282,14 @@ ENGINE_KERNELS = [
            "chunk_size": (64,), "state_dtype": ("float32", "same")},
           # fp32 (a check path: exact fp32 dots) compiles for ~6 min and spills: "cover" and "full"
           edges=({"k_dim": 256, "v_dim": 256},), default_dtypes=(torch.float16, torch.bfloat16)),
+    Entry("lightning_chunk_scan", "lightning_prefill", "lightning_chunk_scan_triton",
+          {"heads": (8, 4), "k_dim": (128, 64, 256), "v_dim": (128, 64, 256), "chunk_size": (64,),
+           "state_dtype": ("float32", "same")},
+          edges=({"k_dim": 256, "v_dim": 256},)),
+    Entry("kda_chunk_scan", "kda_prefill", "kda_chunk_scan_triton",
+          {"heads": (8, 4), "k_dim": (128, 64, 256), "v_dim": (128, 64, 256),
+           "chunk_size": (16, 64), "state_dtype": ("float32", "same")},
+          edges=({"k_dim": 256, "v_dim": 256, "chunk_size": 64},)),
     Entry("fused_moe", "fused_moe_kernel", "fused_moe_triton",  # tokens 1: BLOCK_M 16; 64: BLOCK_M 64
           {"tokens": (64, 1), "experts": (8, 64), "top_k": (2, 8), "inter": (128, 96),
            "gated": (True, False)}),
