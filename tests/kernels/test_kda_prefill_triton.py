@@ -152,3 +152,16 @@ def test_several_value_blocks():
     got = kda_chunk_scan_triton(pool, q, k, v, g, beta, *common)
     want = kda_chunk_scan_ref(ref_pool, q, k, v, g, beta, *common)
     assert rel_err(got, want) < 2e-5 and rel_err(pool, ref_pool) < 2e-5
+
+
+def test_chunk_size_above_the_tile_cap():
+    """chunk_size 40: the kernel cuts at 16 (exact at any cut), the reference at 40."""
+    gen = torch.Generator().manual_seed(7)
+    lengths = [37, 20]
+    args = _case(gen, lengths, torch.float32)
+    pool = torch.randn(SLOTS, H, K, V, generator=gen)
+    ref_pool = pool.clone()
+    common = (qsl(lengths), torch.tensor([2, 5], dtype=torch.int32), torch.tensor([True, False]))
+    got = kda_chunk_scan_triton(pool, *args, *common, chunk_size=40)
+    want = kda_chunk_scan_ref(ref_pool, *args, *common, chunk_size=40)
+    assert rel_err(got, want) < 2e-5 and rel_err(pool, ref_pool) < 2e-5

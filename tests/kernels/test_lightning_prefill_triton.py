@@ -147,3 +147,20 @@ def test_several_value_blocks():
     got = lightning_chunk_scan_triton(pool, q, k, v, slope, *common)
     want = lightning_chunk_scan_ref(ref_pool, q, k, v, slope, *common)
     assert rel_err(got, want) < 2e-5 and rel_err(pool, ref_pool) < 2e-5
+
+
+def test_chunk_size_above_the_tile_cap():
+    """K = 130 pads to a 256-wide key tile, where the kernel cuts chunks at 16 tokens (exact at any
+    cut); the reference cuts at 24."""
+    gen = torch.Generator().manual_seed(7)
+    kd, lengths = 130, [30, 3]
+    T = sum(lengths)
+    q, k = (torch.randn(T, 1, kd, generator=gen) * 0.2 for _ in range(2))
+    v = torch.randn(T, 1, V, generator=gen)
+    slope = torch.tensor([0.1])
+    pool = torch.randn(4, 1, kd, V, generator=gen)
+    ref_pool = pool.clone()
+    common = (qsl(lengths), torch.tensor([3, 1], dtype=torch.int32), torch.tensor([True, False]))
+    got = lightning_chunk_scan_triton(pool, q, k, v, slope, *common, chunk_size=24)
+    want = lightning_chunk_scan_ref(ref_pool, q, k, v, slope, *common, chunk_size=24)
+    assert rel_err(got, want) < 2e-5 and rel_err(pool, ref_pool) < 2e-5
