@@ -120,7 +120,7 @@ def lightning_chunk_scan_triton(state, q, k, v, slope, query_start_loc, slot_idx
     ckpt = torch.empty((max(plan.num_ckpt, 1), H, K, V), dtype=state.dtype, device=v.device)
     prec = "ieee" if v.dtype == torch.float32 else "tf32"  # tf32: ignored for fp16/bf16
     block_t = max(16, triton.next_power_of_2(chunk))
-    block_v = min(max(16, triton.next_power_of_2(V)), 64 if block_k <= 128 else 16)
+    block_v = min(max(16, triton.next_power_of_2(V)), 32 if block_k <= 128 else 16)  # no spills
     with device_guard(v):
         if slot_idx.shape[0]:
             _lightning_chunk_recurrence[(slot_idx.shape[0], H, triton.cdiv(V, block_v))](

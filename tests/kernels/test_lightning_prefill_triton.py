@@ -133,7 +133,7 @@ def test_public_api_dispatches_to_triton(monkeypatch):
 
 
 def test_several_value_blocks():
-    """V = 70: two V blocks per head (K = 20 pads to a 32-wide key tile)."""
+    """V = 70: three V blocks of 32 per head (K = 20 pads to a 32-wide key tile)."""
     gen = torch.Generator().manual_seed(6)
     kd, vd = 20, 70
     lengths = [CS + 1, 3]
