@@ -209,7 +209,7 @@ def kda_chunk_scan_triton(state, q, k, v, g, beta, query_start_loc, slot_idx, ha
     plan = build_scan_plan(query_start_loc, slot_idx, has_initial_state, state.shape[0], T,
                            chunk, return_states_at, v.device)
     v, g = _unit_last(v), _unit_last(g)
-    q, k = _prepare_qk(q, k, scale, use_qk_l2norm)  # fp32, normalised, q scaled
+    q, k = (_unit_last(t) for t in _prepare_qk(q, k, scale, use_qk_l2norm))  # fp32, q scaled
     dev, f32 = v.device, torch.float32
     block_t = 16
     block_k = max(16, triton.next_power_of_2(K))
