@@ -23,7 +23,9 @@ repeated), minimax (lightning attention: a `[heads, head_dim, head_dim]` state, 
 or attention, per `layer_types`), kimi_linear (KDA: a conv window and a float32
 `[heads, K, K]` state; or latent attention: ONE `kv_lora_rank + qk_rope_head_dim` vector per
 token, `AttentionSpec(latent=True)`; per `layer_types`), bailing_hybrid (Ling 3: Kimi-Linear's
-two kinds under the same names; `layer_types` by default MLA every `layer_group_size`-th layer).
+two kinds under the same names; `layer_types` by default MLA every `layer_group_size`-th layer),
+lara_mini (Qwen3.5's GDN, or attention with `sliding_window` on "sliding_attention" layers and
+none on "full_attention" ones, per `layer_types`).
 For the families from granitemoehybrid on and the attention-only ones, fields a config.json omits take
 transformers' config-class defaults
 (`hf_config`), as they do when transformers loads it. Shapes follow the models in hybridkv.models,
@@ -291,6 +293,18 @@ def _kimi_linear(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
     return {i: mla if k == "a" else kda for i, k in enumerate(kinds)}
 
 
+def _lara_mini(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
+    c = hf_config(cfg)
+    kinds = _layer_kinds(c.layer_types, {"linear_attention": "g", "sliding_attention": "s",
+                                         "full_attention": "a"}, "lara_mini")
+    nk, nv = c.linear_num_key_heads, c.linear_num_value_heads
+    dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+    gdn = RecurrentSpec((2 * nk * dk + nv * dv, c.linear_conv_kernel_dim - 1), (nv, dk, dv), dtype)
+    return {i: gdn if k == "g" else AttentionSpec(c.num_key_value_heads, _head_dim(c), dtype,
+                                                    c.sliding_window if k == "s" else None)
+            for i, k in enumerate(kinds)}
+
+
 _BUILDERS = {"bamba": _bamba, "jamba": _jamba, "qwen3_next": _qwen3_next,
              "granitemoehybrid": _granitemoehybrid, "nemotron_h": _nemotron_h, "lfm2": _lfm2, "lfm2_moe": _lfm2,
              "falcon_h1": _falcon_h1, "zamba2": _zamba2, "zamba": _zamba,
@@ -299,7 +313,7 @@ _BUILDERS = {"bamba": _bamba, "jamba": _jamba, "qwen3_next": _qwen3_next,
              "recurrent_gemma": _recurrent_gemma, "olmo_hybrid": _olmo_hybrid, "minimax": _minimax,
              "kimi_linear": _kimi_linear, "bailing_hybrid": _kimi_linear,
              "gpt_oss": _attention_only,  # layer_types: sliding and full attention layers
-             "lfm3": _lfm3}
+             "lfm3": _lfm3, "lara_mini": _lara_mini}
 
 
 def specs_from_config(cfg: Mapping, dtype: Optional[torch.dtype] = None) -> dict[int, LayerSpec]:

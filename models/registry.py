@@ -32,6 +32,7 @@ _ARCHITECTURES: dict[str, str] = {
     "GptOssForCausalLM": "gpt_oss",
     "Lfm3ForCausalLM": "lfm3",
     "BailingHybridForCausalLM": "bailing_hybrid",
+    "LaraMiniForCausalLM": "lara_mini",
 }
 
 

@@ -1,0 +1,154 @@
+"""Lara Mini's own checks against transformers' model of the same tiny checkpoint: the planner equals
+the model's specs (GDN slots and two KV groups), the MoE (float32 router, ungated shared expert)
+layer for layer, the rope-less full-attention layers matter, options this code would run wrongly
+are refused by name, and the engine under memory pressure, a long generation whose sliding layers
+hold only their window, a prefix hit and migration mid-decode. The shared checks are its row in
+test_families.py."""
+import json
+
+import pytest
+import torch
+
+from engine_fixtures import assert_no_leaks, greedy, tight_budget
+from family_checks import BS, WINDOW, prompt
+from hybridkv import LLM
+from hybridkv.config_specs import specs_from_config
+from hybridkv.models.checkpoint import CheckpointError
+from hybridkv.models.loader import build_model
+from hybridkv.models.registry import family_module
+from hybridkv.scheduler.snapshot_io import snapshot_from_bytes, snapshot_to_bytes
+from hybridkv.specs import RecurrentSpec
+from model_harness import Harness, assert_close_rel, assert_greedy_matches_hf, hf_logits
+
+NAME = "lara_mini"
+LAYERS = ["linear_attention", "sliding_attention", "linear_attention", "full_attention", "sliding_attention"]
+
+
+def test_config_only_specs_equal_the_models_own(family_models):
+    path, ours, _ = family_models(NAME)
+    cfg = json.loads((path / "config.json").read_text())
+    specs = ours.cache_specs()
+    assert specs_from_config(cfg, torch.float32) == specs
+    kinds = ["gdn" if isinstance(s, RecurrentSpec) else s.sliding_window for s in specs.values()]
+    assert kinds == ["gdn", WINDOW, "gdn", None, WINDOW]
+
+
+def test_moe_layer_equals_transformers(family_models):
+    _, ours, hf = family_models(NAME)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, hf.config.hidden_size, generator=g) * 3
+    for i in (0, 3):
+        with torch.no_grad():
+            want = hf.model.layers[i].mlp(x[None])[0]
+            got = ours.model.layers[i].mlp(x)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_full_attention_layers_without_rope_matter(family_models):
+    """Giving the full-attention layer the sliding layers' rope moves the logits: the NoPE path is
+    exercised, not hidden by the tolerance."""
+    _, ours, hf = family_models(NAME)
+    tokens = prompt(3 * WINDOW + 5, 3)
+    ref = hf_logits(hf, tokens)
+
+    def logits():
+        h = Harness(ours)
+        return h.step([(h.add(tokens), len(tokens))], return_all_logits=True)
+
+    assert_close_rel(logits(), ref)
+    full = ours.model.layers[3]
+    assert full.kind == "full_attention"
+    full.kind = "sliding_attention"  # now it gets the rope (its window stays None)
+    try:
+        got = logits()
+    finally:
+        full.kind = "full_attention"
+    assert (got - ref).abs().max() > 1e-3 * ref.abs().max()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(layer_types=LAYERS[:4] + ["conv"]), r"layer_types\[4\] is 'conv'"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
+    (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
+     "rope_parameters.rope_type='linear' is not supported"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+     "rope_parameters.partial_rotary_factor=0.5 is not supported"),
+])
+def test_options_this_code_would_run_wrongly_are_refused(overrides, message):
+    config = family_module(NAME).tiny_config(**overrides)
+    with pytest.raises(CheckpointError, match=message):
+        build_model(config)
+
+
+def test_published_fused_in_proj_with_wrong_rows_is_refused(family_models, tmp_path):
+    """A fused `in_proj` whose rows do not match the config's GDN is named, not silently split."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path, _, _ = family_models(NAME)
+    shutil.copytree(path, tmp_path / "ckpt")
+    tensors = load_file(str(path / "model.safetensors"))
+    name = "model.layers.0.linear_attn.in_proj.weight"
+    tensors[name] = tensors[name][:-1].clone()
+    save_file(tensors, str(tmp_path / "ckpt" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"{name} has 199 rows; the config's GDN needs 200"):
+        LLM(str(tmp_path / "ckpt"), memory_budget_bytes=1 << 20)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_engine_under_memory_pressure(mode, family_models):
+    path, ours, hf = family_models(NAME)
+    prompts = [prompt(n, 50 + n) for n in (1, BS - 1, BS + 1, 3 * BS + 5, 40)]
+    llm = LLM(str(path), memory_budget_bytes=tight_budget(ours.cache_specs(), BS, blocks=6, slots=1 + 3),
+              max_num_seqs=3, max_num_batched_tokens=24, preemption_mode=mode, checkpoint_share=0.0)
+    outs = llm.generate(prompts, greedy(12), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert assert_greedy_matches_hf(hf, p, o.outputs[0].token_ids) == 0
+    assert llm.stats()["preemptions"][mode] > 0
+    assert_no_leaks(llm)
+
+
+def test_long_generation_holds_the_window_in_sliding_layers(family_models):
+    path, _, hf = family_models(NAME)
+    llm = LLM(str(path), memory_budget_bytes=4 << 20, max_num_batched_tokens=20)
+    mgr = llm.manager
+    sliding, full = mgr.attention_groups[WINDOW], mgr.attention_groups[None]
+    base = prompt(70, 64)
+    rid = llm.add_request(base, greedy(50))
+    peak, out = 0, None
+    while llm.has_unfinished_requests():
+        out = next((o for o in llm.step() if o.finished), out)
+        if rid in mgr.requests:
+            r = mgr.request(rid)
+            if r.num_computed_tokens > r.num_prompt_tokens:
+                assert len(sliding.held_blocks(rid)) <= -(-WINDOW // BS) + 1
+                assert len(full.held_blocks(rid)) >= -(-r.num_computed_tokens // BS)
+                peak = max(peak, len(sliding.held_blocks(rid)))
+    assert peak == -(-WINDOW // BS) + 1
+    assert assert_greedy_matches_hf(hf, base, out.outputs[0].token_ids) == 0
+    assert_no_leaks(llm)
+
+
+def test_prefix_hit_and_migration_mid_decode(family_models):
+    path, _, hf = family_models(NAME)
+    src = LLM(str(path), memory_budget_bytes=4 << 20, checkpoint_policy="prompt_end",
+              max_num_batched_tokens=32)
+    shared = prompt(40, 61)
+    first, second = shared + prompt(3, 62), shared + prompt(6, 63)
+    a = src.generate([first], greedy(8), use_tqdm=False)[0]
+    rid = src.add_request(second, greedy(12))
+    for _ in range(4):  # the suffix past the hit, then decodes
+        src.step()
+    snap = snapshot_from_bytes(snapshot_to_bytes(src.export_request(rid)))
+    assert snap.num_computed_tokens > snap.num_prompt_tokens
+    dst = LLM(str(path), memory_budget_bytes=4 << 20, block_size=8)  # another block size
+    dst.import_request(snap)
+    out = None
+    while dst.has_unfinished_requests():
+        out = next((o for o in dst.step() if o.finished), out)
+    assert src.stats()["prefix_hit_tokens"] == 2 * BS
+    for p, o in ((first, a), (second, out)):
+        assert assert_greedy_matches_hf(hf, p, o.outputs[0].token_ids) == 0
+    assert_no_leaks(src)
+    assert_no_leaks(dst)
