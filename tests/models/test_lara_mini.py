@@ -152,3 +152,30 @@ def test_prefix_hit_and_migration_mid_decode(family_models):
         assert assert_greedy_matches_hf(hf, p, o.outputs[0].token_ids) == 0
     assert_no_leaks(src)
     assert_no_leaks(dst)
+
+
+def test_bfloat16_norms_and_routing_follow_transformers(family_models):
+    """In bfloat16 the norms apply their weight in float32 before the cast (bit-equal to
+    transformers'), and the router's logits are float32: the same experts are chosen."""
+    import copy
+
+    _, ours, hf = family_models(NAME)
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(41, hf.config.hidden_size, generator=g) * 3).bfloat16()
+    norm_hf = copy.deepcopy(hf.model.layers[1].input_layernorm).bfloat16()
+    norm_ours = copy.deepcopy(ours.model.layers[1].input_layernorm).bfloat16()
+    q_hf = copy.deepcopy(hf.model.layers[1].self_attn.q_norm).bfloat16()
+    q_ours = copy.deepcopy(ours.model.layers[1].self_attn.q_norm).bfloat16()
+    heads = x.view(41, -1, 16)
+    with torch.no_grad():
+        assert torch.equal(norm_ours(x), norm_hf(x))
+        assert torch.equal(q_ours(heads), q_hf(heads))
+        for i in (0, 1):
+            moe_hf = copy.deepcopy(hf.model.layers[i].mlp).bfloat16()
+            moe_ours = copy.deepcopy(ours.model.layers[i].mlp).bfloat16()
+            _, want_w, want_ids = moe_hf.gate(x)
+            got_w, got_ids = moe_ours.route(x)
+            assert torch.equal(got_ids, want_ids)
+            assert torch.equal(got_w.to(torch.bfloat16), want_w)
+            want, got = moe_hf(x[None])[0].float(), moe_ours(x).float()
+            assert (got - want).abs().max() <= 2e-2 * want.abs().max()
