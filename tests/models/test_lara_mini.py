@@ -179,3 +179,15 @@ def test_bfloat16_norms_and_routing_follow_transformers(family_models):
             assert torch.equal(got_w.to(torch.bfloat16), want_w)
             want, got = moe_hf(x[None])[0].float(), moe_ours(x).float()
             assert (got - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+def test_options_it_runs_match_transformers(tmp_path):
+    """Unnormalised top-k weights, attention biases and a model without sliding layers (no rope
+    anywhere) against transformers."""
+    from family_checks import check_prompt_logits, load_pair, tiny_lara_mini
+
+    path = tiny_lara_mini(NAME, tmp_path, seed=17, norm_topk_prob=False, attention_bias=True,
+                          layer_types=["linear_attention", "full_attention"] * 2 + ["linear_attention"])
+    ours, hf = load_pair(path, "eager")
+    assert ours.rotary is None
+    check_prompt_logits(ours, hf, n=40, seed=4)
