@@ -6,7 +6,9 @@ import torch.nn.functional as F
 
 from hybridkv.kernels.gdn_prefill import gdn_chunk_scan_triton
 from hybridkv.kernels.gdn_ref import gdn_chunk_scan_ref
-from state_kernel_helpers import qsl, rel_err, shuffled_slots, untouched
+from chunk_scan_checks import (check_public_api_dispatches_to_triton, check_ragged_requests,
+                               check_return_states_at, check_two_calls_equal_one_call)
+from state_kernel_helpers import qsl, rel_err
 
 H, HV, K, V, SLOTS, CS = 1, 2, 6, 5, 9, 8
 TOL = {torch.float32: 2e-5, torch.float16: 5e-3}
@@ -32,18 +34,8 @@ def _both(pool, args, lengths, slots, init, l2norm=True, **kw):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_ragged_requests_match_reference(dtype):
-    gen = torch.Generator().manual_seed(0)
-    lengths = [1, CS - 1, CS, CS + 1, 2 * CS + 3, 0]
-    init = [True, False, True, True, False, False]
-    args = _case(gen, lengths, dtype)
-    pool = torch.randn(SLOTS, HV, K, V, generator=gen)
-    before = pool.clone()
-    slots = shuffled_slots(len(lengths), SLOTS, gen)
-    got, want, ref_pool = _both(pool, args, lengths, slots, init)
-    assert got.dtype == dtype and rel_err(got, want) < TOL[dtype]
-    assert rel_err(pool, ref_pool) < TOL[dtype]
-    assert untouched(before, pool, slots)
-    assert torch.equal(pool[slots[-1].long()], torch.zeros(HV, K, V))  # empty, no initial state
+    check_ragged_requests(_both, _case, (SLOTS, HV, K, V), [1, CS - 1, CS, CS + 1, 2 * CS + 3, 0],
+                          [True, False, True, True, False, False], dtype, TOL[dtype])
 
 
 def test_without_l2norm_and_with_a_half_pool():
@@ -59,39 +51,13 @@ def test_without_l2norm_and_with_a_half_pool():
 
 
 def test_two_calls_equal_one_call():
-    gen = torch.Generator().manual_seed(2)
-    lengths, cut = [19, 7], [11, 1]
-    args = _case(gen, lengths, torch.float32)
-    pool = torch.randn(SLOTS, HV, K, V, generator=gen)
-    one = pool.clone()
-    slots = torch.tensor([3, 6], dtype=torch.int32)
-    o_one = gdn_chunk_scan_triton(one, *args, qsl(lengths), slots, torch.tensor([True, False]),
-                                  chunk_size=CS)
-    starts = [0, lengths[0]]
-    first = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, cut)])
-    second = torch.cat([torch.arange(s + c, s + n) for s, c, n in zip(starts, cut, lengths)])
-    o_two = torch.empty_like(o_one)
-    for rows, init, lens in ((first, [True, False], cut),
-                             (second, [True, True], [n - c for n, c in zip(lengths, cut)])):
-        o_two[rows] = gdn_chunk_scan_triton(pool, *[t[rows] for t in args], qsl(lens), slots,
-                                            torch.tensor(init), chunk_size=CS)
-    assert rel_err(o_two, o_one) < 2e-5 and rel_err(pool, one) < 2e-5
+    check_two_calls_equal_one_call(
+        lambda pool, args, starts, slots, init: gdn_chunk_scan_triton(
+            pool, *args, starts, slots, init, chunk_size=CS), _case, (SLOTS, HV, K, V))
 
 
 def test_return_states_at_match_reference():
-    gen = torch.Generator().manual_seed(3)
-    lengths = [2 * CS + 5, 3, 6]
-    args = _case(gen, lengths, torch.float32)
-    pool = torch.randn(SLOTS, HV, K, V, generator=gen)
-    slots = torch.tensor([5, 1, 7], dtype=torch.int32)
-    positions = [[CS, 3, 2 * CS + 5, CS], [], [1, 6]]
-    (got, got_states), (want, want_states), ref_pool = _both(
-        pool, args, lengths, slots, [True, False, True], return_states_at=positions)
-    assert rel_err(got, want) < 2e-5 and rel_err(pool, ref_pool) < 2e-5
-    for g_s, w_s in zip(got_states, want_states):
-        assert g_s.shape == w_s.shape
-        if w_s.numel():
-            assert rel_err(g_s, w_s) < 2e-5
+    check_return_states_at(_both, _case, (SLOTS, HV, K, V), CS)
 
 
 @pytest.mark.parametrize("bad", ["heads", "slot"])
@@ -111,26 +77,11 @@ def test_bad_input_raises_and_changes_nothing(bad):
 
 
 def test_public_api_dispatches_to_triton(monkeypatch):
-    import hybridkv.kernels as hk
     import hybridkv.kernels.gdn_prefill as gp
 
-    calls = []
-    monkeypatch.setattr(gp, "gdn_chunk_scan_triton",
-                        lambda *a, **k: calls.append(1) or gdn_chunk_scan_triton(*a, **k))
-    gen = torch.Generator().manual_seed(5)
-    lengths = [3, 9]
-    args = _case(gen, lengths, torch.float32)
-    pool = torch.randn(SLOTS, HV, K, V, generator=gen)
-    res = {}
-    for backend in ("torch", "triton"):
-        monkeypatch.setenv("HYBRIDKV_BACKEND", backend)
-        p = pool.clone()
-        o = hk.gdn_chunk_scan(p, *args, qsl(lengths), torch.tensor([2, 8], dtype=torch.int32),
-                              torch.tensor([True, False]), chunk_size=CS)
-        res[backend] = (o, p)
-    assert calls == [1]  # the Triton path ran once, the torch one without it
-    assert rel_err(res["triton"][0], res["torch"][0]) < 2e-5
-    assert rel_err(res["triton"][1], res["torch"][1]) < 2e-5
+    check_public_api_dispatches_to_triton(monkeypatch, gp, "gdn_chunk_scan_triton",
+                                          "gdn_chunk_scan", _case, (SLOTS, HV, K, V), [3, 9],
+                                          chunk_size=CS)
 
 
 def test_several_tiles_per_head():

@@ -5,7 +5,9 @@ import torch
 
 from hybridkv.kernels.mamba1_prefill import mamba1_scan_triton
 from hybridkv.kernels.mamba1_ref import mamba1_scan_ref
-from state_kernel_helpers import qsl, rel_err, shuffled_slots, untouched
+from chunk_scan_checks import (assert_states_match, check_public_api_dispatches_to_triton,
+                               check_ragged_requests, per_token_rows, split_in_two)
+from state_kernel_helpers import qsl, rel_err
 
 D_IN, N, SLOTS = 10, 6, 9
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
@@ -31,18 +33,8 @@ def _both(pool, args, lengths, slots, init, **kw):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_ragged_requests_match_reference(dtype):
-    gen = torch.Generator().manual_seed(0)
-    lengths = [1, 7, 12, 0, 3]
-    init = [True, False, True, False, True]
-    args = _case(gen, lengths, dtype)
-    pool = torch.randn(SLOTS, D_IN, N, generator=gen)
-    before = pool.clone()
-    slots = shuffled_slots(len(lengths), SLOTS, gen)
-    got, want, ref_pool = _both(pool, args, lengths, slots, init)
-    assert got.dtype == dtype and rel_err(got, want) < TOL[dtype]
-    assert rel_err(pool, ref_pool) < TOL[dtype]
-    assert untouched(before, pool, slots)
-    assert torch.equal(pool[slots[3].long()], torch.zeros(D_IN, N))  # empty, no initial state
+    check_ragged_requests(_both, _case, (SLOTS, D_IN, N), [1, 7, 12, 0, 3],
+                          [True, False, True, False, True], dtype, TOL[dtype])
 
 
 def test_without_gate_skip_or_bias_and_a_half_pool():
@@ -67,16 +59,11 @@ def test_two_calls_equal_one_call_and_checkpoints():
     (y_one, states), (y_ref, ref_states), _ = _both(one, args, lengths, slots, [True, False],
                                                     return_states_at=positions)
     assert rel_err(y_one, y_ref) < 2e-5
-    for got, want in zip(states, ref_states):
-        assert got.shape == want.shape and rel_err(got, want) < 2e-5
-    starts = [0, lengths[0]]
-    first = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, cut)])
-    second = torch.cat([torch.arange(s + c, s + n) for s, c, n in zip(starts, cut, lengths)])
+    assert_states_match(states, ref_states)
     y_two = torch.empty_like(y_one)
-    for rows, init, lens in ((first, [True, False], cut),
-                             (second, [True, True], [n - c for n, c in zip(lengths, cut)])):
-        part = [t[rows] if t.shape[0] == sum(lengths) else t for t in args]
-        y_two[rows] = mamba1_scan_triton(pool, *part, qsl(lens), slots, torch.tensor(init))
+    for rows, starts, init in split_in_two(lengths, cut, [True, False]):
+        y_two[rows] = mamba1_scan_triton(pool, *per_token_rows(args, rows, sum(lengths)), starts,
+                                         slots, init)
     assert rel_err(y_two, y_one) < 2e-5 and rel_err(pool, one) < 2e-5
 
 
@@ -97,23 +84,7 @@ def test_bad_input_raises_and_changes_nothing(bad):
 
 
 def test_public_api_dispatches_to_triton(monkeypatch):
-    import hybridkv.kernels as hk
     import hybridkv.kernels.mamba1_prefill as mp
 
-    calls = []
-    monkeypatch.setattr(mp, "mamba1_scan_triton",
-                        lambda *a, **k: calls.append(1) or mamba1_scan_triton(*a, **k))
-    gen = torch.Generator().manual_seed(5)
-    lengths = [3, 5]
-    args = _case(gen, lengths, torch.float32)
-    pool = torch.randn(SLOTS, D_IN, N, generator=gen)
-    res = {}
-    for backend in ("torch", "triton"):
-        monkeypatch.setenv("HYBRIDKV_BACKEND", backend)
-        p = pool.clone()
-        y = hk.mamba1_scan(p, *args, qsl(lengths), torch.tensor([2, 8], dtype=torch.int32),
-                           torch.tensor([True, False]))
-        res[backend] = (y, p)
-    assert calls == [1]  # the Triton path ran once, the torch one without it
-    assert rel_err(res["triton"][0], res["torch"][0]) < 2e-5
-    assert rel_err(res["triton"][1], res["torch"][1]) < 2e-5
+    check_public_api_dispatches_to_triton(monkeypatch, mp, "mamba1_scan_triton", "mamba1_scan",
+                                          _case, (SLOTS, D_IN, N), [3, 5])

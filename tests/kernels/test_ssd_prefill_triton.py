@@ -4,7 +4,9 @@ import torch
 
 from hybridkv.kernels.mamba2_ref import mamba2_chunk_scan_ref
 from hybridkv.kernels.ssd_prefill import mamba2_chunk_scan_triton
-from state_kernel_helpers import qsl, rel_err, shuffled_slots, untouched
+from chunk_scan_checks import (check_public_api_dispatches_to_triton, check_ragged_requests,
+                               check_return_states_at, check_two_calls_equal_one_call)
+from state_kernel_helpers import qsl, rel_err
 
 H, P, G, N, SLOTS, CS = 4, 6, 2, 5, 9, 8
 LIMIT = (0.05, 1.5)
@@ -34,18 +36,9 @@ def _both(pool, args, lengths, slots, init, **kw):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_ragged_requests_match_reference(dtype):
-    gen = torch.Generator().manual_seed(0)
-    lengths = [1, CS - 1, CS, CS + 1, 2 * CS + 3, 0]
-    init = [True, False, True, True, False, False]
-    args = _case(gen, lengths, dtype)
-    pool = torch.randn(SLOTS, H, P, N, generator=gen)
-    before = pool.clone()
-    slots = shuffled_slots(len(lengths), SLOTS, gen)
-    got, want, ref_pool = _both(pool, args, lengths, slots, init, dt_limit=LIMIT)
-    assert got.dtype == dtype and rel_err(got, want) < TOL[dtype]
-    assert rel_err(pool, ref_pool) < TOL[dtype]
-    assert untouched(before, pool, slots)
-    assert torch.equal(pool[slots[-1].long()], torch.zeros(H, P, N))  # empty, no initial state
+    check_ragged_requests(_both, _case, (SLOTS, H, P, N), [1, CS - 1, CS, CS + 1, 2 * CS + 3, 0],
+                          [True, False, True, True, False, False], dtype, TOL[dtype],
+                          dt_limit=LIMIT)
 
 
 def test_without_gate_skip_or_bias():
@@ -60,45 +53,13 @@ def test_without_gate_skip_or_bias():
 
 
 def test_two_calls_equal_one_call():
-    gen = torch.Generator().manual_seed(2)
-    lengths, cut = [19, 7], [11, 1]
-    args = _case(gen, lengths, torch.float32)
-    pool = torch.randn(SLOTS, H, P, N, generator=gen)
-    one = pool.clone()
-    slots = torch.tensor([3, 6], dtype=torch.int32)
-    y_one = mamba2_chunk_scan_triton(one, *args, qsl(lengths), slots, torch.tensor([True, False]),
-                                     CS, True)
-    starts = [0, lengths[0]]
-    first = [torch.arange(s, s + c) for s, c in zip(starts, cut)]
-    second = [torch.arange(s + c, s + n) for s, c, n in zip(starts, cut, lengths)]
-    ys = []
-    for rows, init, lens in ((first, [True, False], cut),
-                             (second, [True, True], [n - c for n, c in zip(lengths, cut)])):
-        idx = torch.cat(rows)
-        part = [t[idx] if t is not None and t.shape[0] == sum(lengths) and t.dim() > 1 else t
-                for t in args]
-        ys.append(mamba2_chunk_scan_triton(pool, *part, qsl(lens), slots, torch.tensor(init),
-                                           CS, True))
-    y_two = torch.empty_like(y_one)
-    y_two[torch.cat(first)] = ys[0]
-    y_two[torch.cat(second)] = ys[1]
-    assert rel_err(y_two, y_one) < 2e-5 and rel_err(pool, one) < 2e-5
+    check_two_calls_equal_one_call(
+        lambda pool, args, starts, slots, init: mamba2_chunk_scan_triton(
+            pool, *args, starts, slots, init, CS, True), _case, (SLOTS, H, P, N))
 
 
 def test_return_states_at_match_reference():
-    gen = torch.Generator().manual_seed(3)
-    lengths = [2 * CS + 5, 3, 6]
-    args = _case(gen, lengths, torch.float32)
-    pool = torch.randn(SLOTS, H, P, N, generator=gen)
-    slots = torch.tensor([5, 1, 7], dtype=torch.int32)
-    positions = [[CS, 3, 2 * CS + 5, CS], [], [1, 6]]
-    (got, got_states), (want, want_states), ref_pool = _both(
-        pool, args, lengths, slots, [True, False, True], return_states_at=positions)
-    assert rel_err(got, want) < 2e-5 and rel_err(pool, ref_pool) < 2e-5
-    for g_s, w_s in zip(got_states, want_states):
-        assert g_s.shape == w_s.shape
-        if w_s.numel():
-            assert rel_err(g_s, w_s) < 2e-5
+    check_return_states_at(_both, _case, (SLOTS, H, P, N), CS)
 
 
 @pytest.mark.parametrize("bad", ["chunk", "slot", "position"])
@@ -118,26 +79,11 @@ def test_bad_input_raises_and_changes_nothing(bad):
 
 
 def test_public_api_dispatches_to_triton(monkeypatch):
-    import hybridkv.kernels as hk
     import hybridkv.kernels.ssd_prefill as ssd
 
-    calls = []
-    monkeypatch.setattr(ssd, "mamba2_chunk_scan_triton",
-                        lambda *a, **k: calls.append(1) or mamba2_chunk_scan_triton(*a, **k))
-    gen = torch.Generator().manual_seed(5)
-    lengths = [3, 9]
-    args = _case(gen, lengths, torch.float32)
-    pool = torch.randn(SLOTS, H, P, N, generator=gen)
-    res = {}
-    for backend in ("torch", "triton"):
-        monkeypatch.setenv("HYBRIDKV_BACKEND", backend)
-        p = pool.clone()
-        y = hk.mamba2_chunk_scan(p, *args, qsl(lengths), torch.tensor([2, 8], dtype=torch.int32),
-                                 torch.tensor([True, False]), chunk_size=CS, dt_limit=LIMIT)
-        res[backend] = (y, p)
-    assert calls == [1]  # the Triton path ran once, the torch one without it
-    assert rel_err(res["triton"][0], res["torch"][0]) < 2e-5
-    assert rel_err(res["triton"][1], res["torch"][1]) < 2e-5
+    check_public_api_dispatches_to_triton(monkeypatch, ssd, "mamba2_chunk_scan_triton",
+                                          "mamba2_chunk_scan", _case, (SLOTS, H, P, N), [3, 9],
+                                          chunk_size=CS, dt_limit=LIMIT)
 
 
 def test_plan_is_reused_for_the_same_tensors_and_rebuilt_when_they_change():
