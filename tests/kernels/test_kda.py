@@ -5,11 +5,14 @@ import torch
 import torch.nn.functional as F
 from transformers.models.kimi_linear import modeling_kimi_linear as kl
 
+from delta_rule_checks import (DeltaRule, check_decode_step_matches_transformers,
+                               check_decode_steps_continue_a_prefill,
+                               check_one_pass_and_pieces_match_transformers,
+                               check_public_step_runs_both_backends,
+                               check_return_states_at_equals_prefix_state,
+                               check_varlen_from_slot_states_matches_transformers)
 from hybridkv.kernels.kda_ref import kda_chunk_scan_ref, kda_state_update_ref
-from state_kernel_helpers import pieces, qsl, rel_err, shuffled_slots, torch_path, untouched
-
-hf_chunk = torch_path(kl.chunk_kimi_delta_attention)
-hf_recurrent = torch_path(kl.recurrent_kimi_delta_attention)
+from state_kernel_helpers import qsl, rel_err, shuffled_slots, torch_path, untouched
 
 H, K, V, SLOTS = 3, 8, 6, 7
 
@@ -25,91 +28,30 @@ def _inputs(gen, T, k_dim=K, v_dim=V):
     return q, k, v, g, beta
 
 
-def _hf(q, k, v, g, beta, h0=None, chunk_size=8):
-    """transformers' chunked KDA for one request: (o [L, H, V], state [H, K, V])."""
-    o, s = hf_chunk(q[None], k[None], v[None], g=g[None], beta=beta[None], chunk_size=chunk_size,
-                    initial_state=None if h0 is None else h0[None].clone(),
-                    output_final_state=True, use_qk_l2norm_in_kernel=True)
-    return o[0], s[0]
-
-
-def _call(pool, inp, lengths, slots, init, chunk_size=16, return_states_at=None):
-    q, k, v, g, beta = inp
-    return kda_chunk_scan_ref(pool, q, k, v, g, beta, qsl(lengths), slots, torch.tensor(init),
-                              None, True, chunk_size, return_states_at)
+KDA = DeltaRule(_inputs, torch_path(kl.chunk_kimi_delta_attention),
+                torch_path(kl.recurrent_kimi_delta_attention), kda_chunk_scan_ref,
+                kda_state_update_ref, (H, K, V), SLOTS)
 
 
 @pytest.mark.parametrize("chunk_size", [4, 16])
 def test_one_pass_and_pieces_match_transformers(chunk_size):
-    gen = torch.Generator().manual_seed(0)
-    T = 35
-    inp = _inputs(gen, T)
-    want_o, want_s = _hf(*inp)
-    pool = torch.randn(SLOTS, H, K, V, generator=gen)
-    slot = torch.tensor([2], dtype=torch.int32)
-    o = _call(pool, inp, [T], slot, [False], chunk_size)
-    assert rel_err(o, want_o) < 1e-5 and rel_err(pool[2], want_s) < 1e-5
-    pool = torch.randn(SLOTS, H, K, V, generator=gen)
-    outs = [_call(pool, [t[s:e] for t in inp], [e - s], slot, [i > 0], chunk_size)
-            for i, (s, e) in enumerate(pieces(T))]
-    assert rel_err(torch.cat(outs), want_o) < 1e-5 and rel_err(pool[2], want_s) < 1e-5
+    check_one_pass_and_pieces_match_transformers(KDA, chunk_size)
 
 
 def test_varlen_from_slot_states_matches_transformers():
-    gen = torch.Generator().manual_seed(1)
-    lengths, init = [9, 1, 17, 3], [True, False, True, True]
-    inp = _inputs(gen, sum(lengths))
-    pool = torch.randn(SLOTS, H, K, V, generator=gen) * 0.3
-    before = pool.clone()
-    slots = shuffled_slots(len(lengths), SLOTS, gen)
-    o = _call(pool, inp, lengths, slots, init, chunk_size=8)
-    start = 0
-    for n, has, s in zip(lengths, init, slots.tolist()):
-        part = [t[start:start + n] for t in inp]
-        want_o, want_s = _hf(*part, h0=before[s] if has else None, chunk_size=4)
-        assert rel_err(o[start:start + n], want_o) < 1e-5
-        assert rel_err(pool[s], want_s) < 1e-5
-        start += n
-    assert untouched(before, pool, slots)
+    check_varlen_from_slot_states_matches_transformers(KDA)
 
 
 def test_return_states_at_equals_prefix_state():
-    gen = torch.Generator().manual_seed(2)
-    lengths = [5, 30]
-    inp = _inputs(gen, sum(lengths))
-    pool = torch.randn(SLOTS, H, K, V, generator=gen)
-    slots = torch.tensor([6, 1], dtype=torch.int32)
-    _, states = _call(pool, inp, lengths, slots, [False, False], 8, [[5], [16, 3, 30]])
-    for pos, got in zip([16, 3, 30], states[1]):
-        assert rel_err(got, _hf(*[t[5:5 + pos] for t in inp])[1]) < 1e-5
-    assert torch.equal(states[0][0], pool[6])
+    check_return_states_at_equals_prefix_state(KDA)
 
 
 def test_decode_step_matches_transformers():
-    gen = torch.Generator().manual_seed(3)
-    q, k, v, g, beta = _inputs(gen, 4)
-    pool = torch.randn(SLOTS, H, K, V, generator=gen)
-    before = pool.clone()
-    slots = shuffled_slots(4, SLOTS, gen)
-    o = kda_state_update_ref(pool, q, k, v, g, beta, slots)
-    want_o, want_s = hf_recurrent(q[:, None], k[:, None], v[:, None], g=g[:, None],
-                                  beta=beta[:, None], initial_state=before[slots.long()].clone(),
-                                  output_final_state=True, use_qk_l2norm_in_kernel=True)
-    assert rel_err(o, want_o[:, 0]) < 1e-6 and rel_err(pool[slots.long()], want_s) < 1e-6
-    assert untouched(before, pool, slots)
+    check_decode_step_matches_transformers(KDA, requests=4)
 
 
 def test_decode_steps_continue_a_prefill():
-    gen = torch.Generator().manual_seed(4)
-    inp = _inputs(gen, 12)
-    pool = torch.randn(SLOTS, H, K, V, generator=gen)
-    slot = torch.tensor([4], dtype=torch.int32)
-    want_o, want_s = _hf(*inp)
-    outs = [_call(pool, [t[:9] for t in inp], [9], slot, [False])]
-    for t in range(9, 12):
-        q, k, v, g, beta = (u[t:t + 1] for u in inp)
-        outs.append(kda_state_update_ref(pool, q, k, v, g, beta, slot))
-    assert rel_err(torch.cat(outs), want_o) < 1e-5 and rel_err(pool[4], want_s) < 1e-5
+    check_decode_steps_continue_a_prefill(KDA)
 
 
 def test_bad_shapes_are_refused_and_change_nothing():
@@ -156,13 +98,4 @@ def test_triton_step_matches_reference(dtype, l2norm):
 def test_public_api_runs_both_backends(monkeypatch):
     import hybridkv.kernels as hk
 
-    gen = torch.Generator().manual_seed(41)
-    q, k, v, g, beta = _inputs(gen, 2)
-    res = {}
-    for backend in ("torch", "triton"):
-        monkeypatch.setenv("HYBRIDKV_BACKEND", backend)
-        pool = torch.randn(SLOTS, H, K, V, generator=torch.Generator().manual_seed(42))
-        o = hk.kda_state_update(pool, q, k, v, g, beta, torch.tensor([6, 3], dtype=torch.int32))
-        res[backend] = (o, pool)
-    assert rel_err(res["triton"][0], res["torch"][0]) < 1e-5
-    assert rel_err(res["triton"][1], res["torch"][1]) < 1e-5
+    check_public_step_runs_both_backends(monkeypatch, KDA, hk.kda_state_update, tol=1e-5)
