@@ -1,7 +1,7 @@
 """The checks every model family passes against transformers' model of the same tiny checkpoint,
 and the table of families they run over (tests/models/test_families.py: one test per check,
 parametrized over FAMILIES). A row names the tiny checkpoint and the few numbers where a family
-differs (chunk sizes, tolerances, prompt lengths); a family's own checks live in
+differs (chunk sizes, tolerances, prompt lengths, memory-pressure budgets); a family's own checks live in
 tests/models/test_<family>.py. Not collected by pytest: the module name does not start with `test_`.
 """
 from __future__ import annotations
@@ -115,6 +115,18 @@ def tiny_nemotron_h_scans(family: str, path, seed: int = 0, **overrides) -> Path
     return mamba2_scans_that_matter(tiny_nemotron_h(family, path, seed=seed, **overrides), seed)
 
 
+@dataclass(frozen=True)
+class PressureCase:
+    """The engine under memory pressure: exactly `blocks` KV blocks of BS tokens and 3 live state
+    slots (1 + 3 with the null slot), at most 3 running requests and 24 batched tokens."""
+
+    blocks: int = 6
+    # prompt lengths, each drawn as prompt(n, 50 + n); None: engine_fixtures.ragged_prompts(6, seed=5)
+    lengths: Optional[tuple[int, ...]] = (1, BS - 1, BS + 1, 3 * BS + 5, 40)
+    max_tokens: int = 12
+    exact_blocks: bool = False  # also assert the engine holds exactly `blocks` KV blocks
+
+
 @dataclass
 class Family:
     """One row of the table: a tiny checkpoint and the numbers where the family's checks differ."""
@@ -130,6 +142,8 @@ class Family:
     names: Optional[tuple[str, str]] = None  # (published tensor, stacked suffix) of transformers' names
     hf_attn: Optional[str] = None  # transformers' attn_implementation (None: its default)
     make: Callable[..., Path] = make_tiny_checkpoint
+    pressure: Optional[PressureCase] = None  # check_engine_under_pressure, in both preemption modes
+    prefix_migration: bool = False  # check_prefix_hit_and_migration
 
 
 FAMILIES = {f.name: f for f in [
@@ -166,27 +180,34 @@ FAMILIES = {f.name: f for f in [
     # window edge and resume the conv window and the RG-LRU state
     Family("recurrent_gemma", seed=8, logits_len=3 * WINDOW + 5, ragged=(*RAGGED_LENGTHS, 3 * WINDOW + 5),
            chunks=(5, 16, 7, 1, WINDOW + 6, 3, 1, 16),
-           engine=((1, BS - 1, WINDOW + 1, 3 * BS + 5, 3 * WINDOW + 5), 60), hf_attn="eager"),
+           engine=((1, BS - 1, WINDOW + 1, 3 * BS + 5, 3 * WINDOW + 5), 60), hf_attn="eager",
+           pressure=PressureCase(blocks=5, lengths=(1, BS - 1, WINDOW + 1, 3 * BS + 5, 3 * WINDOW + 5), max_tokens=16)),
     # LFM2's layers with a dense feed-forward, then a sigmoid-routed MoE with an expert bias
     Family("lfm2_moe", seed=9, make=tiny_lfm2_moe, chunks=(5, 16, 7, 1, 2, 14), engine=(ENGINE_LENGTHS, 40),
-           names=("model.layers.1.feed_forward.experts.0.w1.weight", "feed_forward.experts.gate_up_proj")),
+           names=("model.layers.1.feed_forward.experts.0.w1.weight", "feed_forward.experts.gate_up_proj"),
+           pressure=PressureCase(), prefix_migration=True),
     # multi-head Mamba1 + ONE shared attention block (its own KV cache per hybrid layer)
-    Family("zamba", seed=10, make=tiny_zamba, engine=(ENGINE_LENGTHS, 40)),
+    Family("zamba", seed=10, make=tiny_zamba, engine=(ENGINE_LENGTHS, 40), pressure=PressureCase(),
+           prefix_migration=True),
     # GDN (beta up to 2) beside post-norm attention with whole-projection q/k norms
     Family("olmo_hybrid", seed=12, engine=(ENGINE_LENGTHS, 40),
-           names=("model.layers.0.linear_attn.q_conv1d.weight", "linear_attn.conv1d.weight")),
+           names=("model.layers.0.linear_attn.q_conv1d.weight", "linear_attn.conv1d.weight"),
+           pressure=PressureCase(), prefix_migration=True),
     # lightning attention (a decayed matrix state, no conv window) beside softmax attention, MoE
     Family("minimax", seed=9, engine=(ENGINE_LENGTHS, 40),
-           names=("model.layers.0.block_sparse_moe.experts.0.w1.weight", "mlp.experts.gate_up_proj")),
+           names=("model.layers.0.block_sparse_moe.experts.0.w1.weight", "mlp.experts.gate_up_proj"),
+           pressure=PressureCase(lengths=None)),
     # Kimi delta attention (per-channel gates) beside latent attention (pages hold one latent per
     # token); DeepSeek-V3 routing, its correction biases randomised as Nemotron-H's
     Family("kimi_linear", seed=11, make=tiny_nemotron_h, engine=(ENGINE_LENGTHS, 40),
-           names=("model.layers.0.self_attn.q_conv1d.weight", "mlp.experts.gate_up_proj")),
+           names=("model.layers.0.self_attn.q_conv1d.weight", "mlp.experts.gate_up_proj"),
+           pressure=PressureCase(lengths=None, exact_blocks=True)),
     # Ling 3: KDA with a bounded forget gate beside gated, rotary latent attention; Ling's published
     # names (attention.dense, word_embeddings, split convs) in the saved checkpoint, whose routing
     # correction biases are saved as `expert_bias` (randomised as LFM2-MoE's)
     Family("bailing_hybrid", seed=13, make=tiny_lfm2_moe, engine=(ENGINE_LENGTHS, 40),
-           names=("model.layers.0.attention.q_conv1d.weight", "mlp.experts.gate_up_proj")),
+           names=("model.layers.0.attention.q_conv1d.weight", "mlp.experts.gate_up_proj"),
+           pressure=PressureCase(lengths=None, exact_blocks=True)),
     # sliding and full attention layers alternate (two KV groups), attention sinks, clamped-SwiGLU MoE
     Family("gpt_oss", seed=14, logits_len=3 * WINDOW + 5, ragged=(*RAGGED_LENGTHS, 3 * WINDOW + 5),
            chunks=(5, 16, 7, 1, WINDOW + 6, 3, 1, 16), chunk_tol=1e-5,
@@ -200,7 +221,8 @@ FAMILIES = {f.name: f for f in [
     # expert; saved with the published fused GDN `in_proj` and `out_norm`
     Family("lara_mini", seed=16, make=tiny_lara_mini, logits_len=3 * WINDOW + 5, ragged=(*RAGGED_LENGTHS, 3 * WINDOW + 5),
            chunks=(5, 16, 7, 1, WINDOW + 6, 3, 1, 16), engine=((1, BS - 1, WINDOW + 1, 3 * BS + 5, 3 * WINDOW + 5), 60),
-           names=("model.layers.0.linear_attn.in_proj.weight", "linear_attn.in_proj_qkv.weight"), hf_attn="eager"),
+           names=("model.layers.0.linear_attn.in_proj.weight", "linear_attn.in_proj_qkv.weight"), hf_attn="eager",
+           pressure=PressureCase(), prefix_migration=True),
 ]}
 
 
@@ -325,3 +347,55 @@ def check_transformers_names_load_the_same(ours, hf, path: Path, tmp_path: Path,
     torch.testing.assert_close(a.step([(a.add(tokens), len(tokens))], return_all_logits=True),
                                b.step([(b.add(tokens), len(tokens))], return_all_logits=True),
                                rtol=0, atol=0)
+
+
+def check_engine_under_pressure(path, ours, hf, case: PressureCase, mode: str):
+    """`LLM.generate` under `case`'s tight budget with preemption `mode` ("recompute" or "swap"):
+    requests are preempted (KV blocks and states together) at least once in that mode and resume
+    to transformers' greedy tokens; afterwards no KV block, slot or request is left."""
+    from engine_fixtures import assert_no_leaks, greedy, ragged_prompts, tight_budget
+    from hybridkv import LLM
+
+    if case.lengths is None:
+        prompts = ragged_prompts(6, ours.vocab_size, seed=5)
+    else:
+        prompts = [prompt(n, 50 + n) for n in case.lengths]
+    llm = LLM(str(path), memory_budget_bytes=tight_budget(ours.cache_specs(), BS, blocks=case.blocks, slots=1 + 3),
+              max_num_seqs=3, max_num_batched_tokens=24, preemption_mode=mode, checkpoint_share=0.0)
+    if case.exact_blocks:
+        assert llm.stats()["kv_blocks_total"] == case.blocks
+    outs = llm.generate(prompts, greedy(case.max_tokens), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert assert_greedy_matches_hf(hf, p, o.outputs[0].token_ids) == 0
+    assert llm.stats()["preemptions"][mode] > 0
+    assert_no_leaks(llm)
+
+
+def check_prefix_hit_and_migration(path, hf):
+    """Two prompts sharing 40 tokens: the second hits the first's prompt-end checkpoint (2 blocks of
+    BS), is exported mid-decode through snapshot bytes and imported into an engine with block size 8,
+    where it finishes; both outputs are transformers' greedy tokens and neither engine leaks."""
+    from engine_fixtures import assert_no_leaks, greedy
+    from hybridkv import LLM
+    from hybridkv.scheduler.snapshot_io import snapshot_from_bytes, snapshot_to_bytes
+
+    src = LLM(str(path), memory_budget_bytes=4 << 20, checkpoint_policy="prompt_end",
+              max_num_batched_tokens=32)
+    shared = prompt(40, 61)
+    first, second = shared + prompt(3, 62), shared + prompt(6, 63)
+    a = src.generate([first], greedy(8), use_tqdm=False)[0]
+    rid = src.add_request(second, greedy(12))
+    for _ in range(4):  # the suffix past the hit, then decodes
+        src.step()
+    snap = snapshot_from_bytes(snapshot_to_bytes(src.export_request(rid)))
+    assert snap.num_computed_tokens > snap.num_prompt_tokens
+    dst = LLM(str(path), memory_budget_bytes=4 << 20, block_size=8)  # another block size
+    dst.import_request(snap)
+    out = None
+    while dst.has_unfinished_requests():
+        out = next((o for o in dst.step() if o.finished), out)
+    assert src.stats()["prefix_hit_tokens"] == 2 * BS
+    for p, o in ((first, a), (second, out)):
+        assert assert_greedy_matches_hf(hf, p, o.outputs[0].token_ids) == 0
+    assert_no_leaks(src)
+    assert_no_leaks(dst)

@@ -2,7 +2,8 @@
 per shared check (tests/family_checks.py), parametrized over the table FAMILIES."""
 import pytest
 
-from family_checks import (FAMILIES, check_engine_generate, check_prompt_logits,
+from family_checks import (FAMILIES, check_engine_generate, check_engine_under_pressure,
+                           check_prefix_hit_and_migration, check_prompt_logits,
                            check_ragged_batch_greedy, check_state_checkpoint_at_block_boundary,
                            check_transformers_names_load_the_same, check_uneven_chunks_equal_one_pass)
 
@@ -41,6 +42,19 @@ def test_engine_generate_matches_transformers(fam, family_models):
     path, _, hf = family_models(fam.name)
     lengths, seed = fam.engine
     check_engine_generate(path, hf, lengths=lengths, seed=seed)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("fam", rows("pressure"))
+def test_engine_under_memory_pressure(fam, mode, family_models):
+    path, ours, hf = family_models(fam.name)
+    check_engine_under_pressure(path, ours, hf, fam.pressure, mode)
+
+
+@pytest.mark.parametrize("fam", rows("prefix_migration"))
+def test_prefix_hit_and_migration_mid_decode(fam, family_models):
+    path, _, hf = family_models(fam.name)
+    check_prefix_hit_and_migration(path, hf)
 
 
 @pytest.mark.parametrize("fam", rows("names"))

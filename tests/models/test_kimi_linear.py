@@ -1,6 +1,6 @@
 """Kimi-Linear's own checks (layout, the latent KV kind and its planner bytes, the config-only plan,
-the engine under memory pressure, prefix hits and migration with latent pages beside KDA states);
-the shared ones are its row in test_families.py."""
+prefix hits and migration with latent pages beside KDA states); the shared ones, the engine under
+memory pressure among them, are its row in test_families.py."""
 import json
 
 import pytest
@@ -14,7 +14,7 @@ from hybridkv.plan import kv_bytes_per_token
 from hybridkv.scheduler.snapshot_io import snapshot_from_bytes, snapshot_to_bytes
 from hybridkv.specs import AttentionSpec, RecurrentSpec
 
-from engine_fixtures import assert_no_leaks, greedy, ragged_prompts, tight_budget
+from engine_fixtures import assert_no_leaks, greedy
 from family_checks import BS, prompt
 from model_harness import assert_greedy_matches_hf
 
@@ -55,23 +55,6 @@ def test_unknown_layer_types_are_refused():
     cfg = dict(config.to_dict(), model_type="kimi_linear")
     with pytest.raises(ValueError, match="kimi_linear layer 1 has type 'sliding_attention'"):
         specs_from_config(cfg, torch.float32)
-
-
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_engine_under_memory_pressure(mode, family_models):
-    """6 latent-page blocks and 3 live slots for 6 ragged prompts: requests are preempted (latent
-    pages and KDA states together) and resume to transformers' tokens."""
-    path, ours, hf = family_models("kimi_linear")
-    specs = ours.cache_specs()
-    prompts = ragged_prompts(6, ours.vocab_size, seed=5)
-    llm = LLM(str(path), memory_budget_bytes=tight_budget(specs, 16, blocks=6, slots=1 + 3),
-              max_num_seqs=3, max_num_batched_tokens=24, preemption_mode=mode, checkpoint_share=0.0)
-    assert llm.stats()["kv_blocks_total"] == 6
-    outs = llm.generate(prompts, greedy(12), use_tqdm=False)
-    for p, o in zip(prompts, outs):
-        assert assert_greedy_matches_hf(hf, p, o.outputs[0].token_ids) == 0
-    assert llm.stats()["preemptions"][mode] > 0
-    assert_no_leaks(llm)
 
 
 def test_prefix_hit_shares_latent_pages_and_resumes_the_kda_state(family_models):

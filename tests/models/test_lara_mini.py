@@ -1,22 +1,21 @@
 """Lara Mini's own checks against transformers' model of the same tiny checkpoint: the planner equals
 the model's specs (GDN slots and two KV groups), the MoE (float32 router, ungated shared expert)
 layer for layer, the rope-less full-attention layers matter, options this code would run wrongly
-are refused by name, and the engine under memory pressure, a long generation whose sliding layers
-hold only their window, a prefix hit and migration mid-decode. The shared checks are its row in
-test_families.py."""
+are refused by name, and a long generation whose sliding layers hold only their window. The
+shared checks (the engine under memory pressure, a prefix hit and migration mid-decode among them)
+are its row in test_families.py."""
 import json
 
 import pytest
 import torch
 
-from engine_fixtures import assert_no_leaks, greedy, tight_budget
+from engine_fixtures import assert_no_leaks, greedy
 from family_checks import BS, WINDOW, prompt
 from hybridkv import LLM
 from hybridkv.config_specs import specs_from_config
 from hybridkv.models.checkpoint import CheckpointError
 from hybridkv.models.loader import build_model
 from hybridkv.models.registry import family_module
-from hybridkv.scheduler.snapshot_io import snapshot_from_bytes, snapshot_to_bytes
 from hybridkv.specs import RecurrentSpec
 from model_harness import Harness, assert_close_rel, assert_greedy_matches_hf, hf_logits
 
@@ -96,19 +95,6 @@ def test_published_fused_in_proj_with_wrong_rows_is_refused(family_models, tmp_p
         LLM(str(tmp_path / "ckpt"), memory_budget_bytes=1 << 20)
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_engine_under_memory_pressure(mode, family_models):
-    path, ours, hf = family_models(NAME)
-    prompts = [prompt(n, 50 + n) for n in (1, BS - 1, BS + 1, 3 * BS + 5, 40)]
-    llm = LLM(str(path), memory_budget_bytes=tight_budget(ours.cache_specs(), BS, blocks=6, slots=1 + 3),
-              max_num_seqs=3, max_num_batched_tokens=24, preemption_mode=mode, checkpoint_share=0.0)
-    outs = llm.generate(prompts, greedy(12), use_tqdm=False)
-    for p, o in zip(prompts, outs):
-        assert assert_greedy_matches_hf(hf, p, o.outputs[0].token_ids) == 0
-    assert llm.stats()["preemptions"][mode] > 0
-    assert_no_leaks(llm)
-
-
 def test_long_generation_holds_the_window_in_sliding_layers(family_models):
     path, _, hf = family_models(NAME)
     llm = LLM(str(path), memory_budget_bytes=4 << 20, max_num_batched_tokens=20)
@@ -128,30 +114,6 @@ def test_long_generation_holds_the_window_in_sliding_layers(family_models):
     assert peak == -(-WINDOW // BS) + 1
     assert assert_greedy_matches_hf(hf, base, out.outputs[0].token_ids) == 0
     assert_no_leaks(llm)
-
-
-def test_prefix_hit_and_migration_mid_decode(family_models):
-    path, _, hf = family_models(NAME)
-    src = LLM(str(path), memory_budget_bytes=4 << 20, checkpoint_policy="prompt_end",
-              max_num_batched_tokens=32)
-    shared = prompt(40, 61)
-    first, second = shared + prompt(3, 62), shared + prompt(6, 63)
-    a = src.generate([first], greedy(8), use_tqdm=False)[0]
-    rid = src.add_request(second, greedy(12))
-    for _ in range(4):  # the suffix past the hit, then decodes
-        src.step()
-    snap = snapshot_from_bytes(snapshot_to_bytes(src.export_request(rid)))
-    assert snap.num_computed_tokens > snap.num_prompt_tokens
-    dst = LLM(str(path), memory_budget_bytes=4 << 20, block_size=8)  # another block size
-    dst.import_request(snap)
-    out = None
-    while dst.has_unfinished_requests():
-        out = next((o for o in dst.step() if o.finished), out)
-    assert src.stats()["prefix_hit_tokens"] == 2 * BS
-    for p, o in ((first, a), (second, out)):
-        assert assert_greedy_matches_hf(hf, p, o.outputs[0].token_ids) == 0
-    assert_no_leaks(src)
-    assert_no_leaks(dst)
 
 
 def test_bfloat16_norms_and_routing_follow_transformers(family_models):

@@ -1,21 +1,18 @@
 """LFM2-MoE's own checks: each routing detail (expert bias for the choice only, renormalisation,
 routed_scaling_factor) moves the logits beyond the family check's tolerance, the config-only
-planner equals the model's specs, configs it would run wrongly are refused, and the engine under
-memory pressure, a prefix hit and migration mid-decode. The shared checks are its row in
+planner equals the model's specs and configs it would run wrongly are refused. The shared checks
+(the engine under memory pressure, a prefix hit and migration mid-decode among them) are its row in
 test_families.py."""
 import json
 
 import pytest
 import torch
 
-from engine_fixtures import assert_no_leaks, greedy, tight_budget
-from family_checks import BS, prompt
-from hybridkv import LLM
+from family_checks import prompt
 from hybridkv.config_specs import specs_from_config
 from hybridkv.models.loader import build_model
 from hybridkv.models.registry import family_module
-from hybridkv.scheduler.snapshot_io import snapshot_from_bytes, snapshot_to_bytes
-from model_harness import Harness, assert_close_rel, assert_greedy_matches_hf, hf_logits
+from model_harness import Harness, assert_close_rel, hf_logits
 
 NAME = "lfm2_moe"
 
@@ -58,40 +55,3 @@ def test_configs_this_code_would_run_wrongly_are_refused(overrides, message):
     config = family_module(NAME).tiny_config(**overrides)
     with pytest.raises(ValueError, match=message):
         build_model(config)
-
-
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_engine_under_memory_pressure(mode, family_models):
-    path, ours, hf = family_models(NAME)
-    prompts = [prompt(n, 50 + n) for n in (1, BS - 1, BS + 1, 3 * BS + 5, 40)]
-    llm = LLM(str(path), memory_budget_bytes=tight_budget(ours.cache_specs(), BS, blocks=6, slots=1 + 3),
-              max_num_seqs=3, max_num_batched_tokens=24, preemption_mode=mode, checkpoint_share=0.0)
-    outs = llm.generate(prompts, greedy(12), use_tqdm=False)
-    for p, o in zip(prompts, outs):
-        assert assert_greedy_matches_hf(hf, p, o.outputs[0].token_ids) == 0
-    assert llm.stats()["preemptions"][mode] > 0
-    assert_no_leaks(llm)
-
-
-def test_prefix_hit_and_migration_mid_decode(family_models):
-    path, _, hf = family_models(NAME)
-    src = LLM(str(path), memory_budget_bytes=4 << 20, checkpoint_policy="prompt_end",
-              max_num_batched_tokens=32)
-    shared = prompt(40, 61)
-    first, second = shared + prompt(3, 62), shared + prompt(6, 63)
-    a = src.generate([first], greedy(8), use_tqdm=False)[0]
-    rid = src.add_request(second, greedy(12))
-    for _ in range(4):  # the suffix past the hit, then decodes
-        src.step()
-    snap = snapshot_from_bytes(snapshot_to_bytes(src.export_request(rid)))
-    assert snap.num_computed_tokens > snap.num_prompt_tokens
-    dst = LLM(str(path), memory_budget_bytes=4 << 20, block_size=8)  # another block size
-    dst.import_request(snap)
-    out = None
-    while dst.has_unfinished_requests():
-        out = next((o for o in dst.step() if o.finished), out)
-    assert src.stats()["prefix_hit_tokens"] == 2 * BS
-    for p, o in ((first, a), (second, out)):
-        assert assert_greedy_matches_hf(hf, p, o.outputs[0].token_ids) == 0
-    assert_no_leaks(src)
-    assert_no_leaks(dst)

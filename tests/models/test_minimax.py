@@ -1,6 +1,6 @@
-"""MiniMax's own checks (layout, decay rates, the config-only plan, the engine under memory pressure,
-prefix hits and migration with lightning states beside KV); the shared ones are its row in
-test_families.py."""
+"""MiniMax's own checks (layout, decay rates, the config-only plan, prefix hits and migration with
+lightning states beside KV); the shared ones, the engine under memory pressure among them, are its
+row in test_families.py."""
 import json
 
 import pytest
@@ -13,7 +13,7 @@ from hybridkv.models.minimax import MiniMaxModel, tiny_config
 from hybridkv.scheduler.snapshot_io import snapshot_from_bytes, snapshot_to_bytes
 from hybridkv.specs import AttentionSpec, RecurrentSpec
 
-from engine_fixtures import assert_no_leaks, greedy, ragged_prompts, tight_budget
+from engine_fixtures import assert_no_leaks, greedy
 from family_checks import BS, prompt
 from model_harness import assert_greedy_matches_hf
 
@@ -60,22 +60,6 @@ def test_options_transformers_ignores_are_refused(option):
     name = "postnorm" if "postnorm" in option else "rotary_dim"
     with pytest.raises(ValueError, match=name):
         MiniMaxModel(tiny_config(**option))
-
-
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_engine_under_memory_pressure(mode, family_models):
-    """6 KV blocks and 3 live slots for 6 ragged prompts: requests are preempted (KV blocks and
-    lightning states together) and resume to transformers' tokens."""
-    path, ours, hf = family_models("minimax")
-    specs = ours.cache_specs()
-    prompts = ragged_prompts(6, ours.vocab_size, seed=5)
-    llm = LLM(str(path), memory_budget_bytes=tight_budget(specs, 16, blocks=6, slots=1 + 3),
-              max_num_seqs=3, max_num_batched_tokens=24, preemption_mode=mode, checkpoint_share=0.0)
-    outs = llm.generate(prompts, greedy(12), use_tqdm=False)
-    for p, o in zip(prompts, outs):
-        assert assert_greedy_matches_hf(hf, p, o.outputs[0].token_ids) == 0
-    assert llm.stats()["preemptions"][mode] > 0
-    assert_no_leaks(llm)
 
 
 def test_prefix_hit_resumes_from_the_lightning_state_and_shared_kv(family_models):

@@ -1,13 +1,13 @@
 """RecurrentGemma's own checks: its specs (window on the attention layers, a float32 RG-LRU state),
 transformers' details that the oracle comparison would miss if the tiny model hid them, and the
-engine under memory pressure, a prefix hit, migration mid-decode and the window held while
-decoding. The shared checks are its row in test_families.py."""
+engine's prefix hit, migration mid-decode and the window held while decoding. The shared checks
+(the engine under memory pressure among them) are its row in test_families.py."""
 import json
 
 import pytest
 import torch
 
-from engine_fixtures import assert_no_leaks, greedy, tight_budget
+from engine_fixtures import assert_no_leaks, greedy
 from family_checks import BS, WINDOW, prompt
 from hybridkv import LLM
 from hybridkv.config_specs import specs_from_config
@@ -85,19 +85,6 @@ def test_configs_this_code_would_run_wrongly_are_refused(overrides, message):
     config = family_module(NAME).tiny_config(**overrides)
     with pytest.raises(ValueError, match=message):
         build_model(config)
-
-
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_engine_under_memory_pressure(mode, family_models):
-    path, ours, hf = family_models(NAME)
-    prompts = [prompt(n, 50 + n) for n in (1, BS - 1, WINDOW + 1, 3 * BS + 5, 3 * WINDOW + 5)]
-    llm = LLM(str(path), memory_budget_bytes=tight_budget(ours.cache_specs(), BS, blocks=5, slots=1 + 3),
-              max_num_seqs=3, max_num_batched_tokens=24, preemption_mode=mode, checkpoint_share=0.0)
-    outs = llm.generate(prompts, greedy(16), use_tqdm=False)
-    for p, o in zip(prompts, outs):
-        assert assert_greedy_matches_hf(hf, p, o.outputs[0].token_ids) == 0
-    assert llm.stats()["preemptions"][mode] > 0
-    assert_no_leaks(llm)
 
 
 def test_prefix_hit_and_long_decode_holds_only_the_window(family_models):
