@@ -56,30 +56,32 @@ def ff_dim(config) -> int:
     return size
 
 
-def _is_attention(config, i: int) -> bool:
+def _is_attention(config, i: int, family: str = "LFM2") -> bool:
     kind = config.layer_types[i]
     if kind not in ("conv", "full_attention"):
-        raise ValueError(f"layer_types[{i}] is {kind!r}; LFM2 layers are 'conv' or 'full_attention'")
+        raise ValueError(f"layer_types[{i}] is {kind!r}; {family} layers are 'conv' or 'full_attention'")
     return kind == "full_attention"
 
 
 class Lfm2DecoderLayer(HybridDecoderLayer):
     """Pre-norm residual block: `self_attn` or `conv` after `operator_norm`, then `feed_forward`
-    after `ffn_norm` (HF names)."""
+    after `ffn_norm` (HF names). Subclasses change the feed-forward (`make_feed_forward`) and the
+    family named in errors (`family`)."""
 
     mixer_norm, recurrent = "operator_norm", "conv"  # the checkpoint's module names
     ff_norm, ff = "ffn_norm", "feed_forward"
+    family = "LFM2"
 
     def __init__(self, config, i: int):
         super().__init__()
         h, eps = config.hidden_size, config.norm_eps
-        if _is_attention(config, i):
+        if _is_attention(config, i, self.family):
             head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
             self.self_attn = PagedAttention(h, config.num_attention_heads, config.num_key_value_heads,
                                             head_dim, qk_norm=lambda d: RMSNorm(d, eps=eps))
         else:
             self.conv = ShortConv(h, config.conv_L_cache, bias=config.conv_bias)
-        self.feed_forward = GatedMLP(h, ff_dim(config), bias=False, act="silu")
+        self.feed_forward = self.make_feed_forward(config, i)
         self.operator_norm = RMSNorm(h, eps=eps)
         self.ffn_norm = RMSNorm(h, eps=eps)
 
@@ -87,12 +89,15 @@ class Lfm2DecoderLayer(HybridDecoderLayer):
                       split: SlotSplit) -> torch.Tensor:
         return self.conv(x, batch, caches.conv[i], split)  # a short conv keeps no SSM state
 
+    def make_feed_forward(self, config, i: int) -> nn.Module:
+        return GatedMLP(config.hidden_size, ff_dim(config), bias=False, act="silu")
+
 
 class _Lfm2Body(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, layer_class=Lfm2DecoderLayer):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Lfm2DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_hidden_layers))
         # despite its name, transformers applies it after the last layer (the final norm)
         self.embedding_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
 
@@ -102,10 +107,11 @@ class Lfm2Model(HybridModel):
     (attention out_proj / q,k_layernorm, feed-forward w1 / w3 / w2)."""
 
     architecture = ARCHITECTURE
+    layer_class = Lfm2DecoderLayer
 
     def __init__(self, config):
         super().__init__(config)
-        self.model = _Lfm2Body(config)
+        self.model = _Lfm2Body(config, self.layer_class)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = rotary_for(config, self.model.layers)
 

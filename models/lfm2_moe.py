@@ -15,15 +15,10 @@ from torch import nn
 
 from hybridkv.kernels import fused_moe
 
-from .decoder import HybridDecoderLayer, rotary_for
-from .attention import PagedAttention
-from .base import HybridModel
 from .lfm2 import _RENAMES as _LFM2_RENAMES
-from .lfm2 import Lfm2Model
+from .lfm2 import Lfm2DecoderLayer, Lfm2Model
 from .mlp import GatedMLP
 from .moe import SparseMoE
-from .norms import RMSNorm
-from .short_conv import ShortConv
 
 ARCHITECTURE = "Lfm2MoeForCausalLM"
 _RENAMES = {**_LFM2_RENAMES, ".feed_forward.router.": ".feed_forward.gate."}
@@ -74,44 +69,15 @@ class Lfm2SparseMoE(SparseMoE):
                          weights.to(hidden.dtype), ids, self.act)
 
 
-def _is_attention(config, i: int) -> bool:
-    kind = config.layer_types[i]
-    if kind not in ("conv", "full_attention"):
-        raise ValueError(f"layer_types[{i}] is {kind!r}; LFM2-MoE layers are 'conv' or 'full_attention'")
-    return kind == "full_attention"
+class Lfm2MoeDecoderLayer(Lfm2DecoderLayer):
+    """LFM2's block (operator_norm -> conv / self_attn, ffn_norm -> feed_forward) with a dense
+    feed-forward in the first `num_dense_layers` layers and the MoE in the others."""
 
+    family = "LFM2-MoE"
 
-class Lfm2MoeDecoderLayer(HybridDecoderLayer):
-    """LFM2's block (operator_norm -> conv / self_attn, ffn_norm -> feed_forward) with a dense or
-    MoE feed-forward."""
-
-    mixer_norm, recurrent = "operator_norm", "conv"
-    ff_norm, ff = "ffn_norm", "feed_forward"
-
-    def __init__(self, config, i: int):
-        super().__init__()
-        h, eps = config.hidden_size, config.norm_eps
-        if _is_attention(config, i):
-            head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
-            self.self_attn = PagedAttention(h, config.num_attention_heads, config.num_key_value_heads,
-                                            head_dim, qk_norm=lambda d: RMSNorm(d, eps=eps))
-        else:
-            self.conv = ShortConv(h, config.conv_L_cache, bias=config.conv_bias)
-        self.feed_forward = (GatedMLP(h, config.intermediate_size, bias=False, act="silu")
-                             if i < config.num_dense_layers else Lfm2SparseMoE(config))
-        self.operator_norm = RMSNorm(h, eps=eps)
-        self.ffn_norm = RMSNorm(h, eps=eps)
-
-    def mix_recurrent(self, x, batch, caches, i, split):
-        return self.conv(x, batch, caches.conv[i], split)  # a short conv keeps no SSM state
-
-
-class _Body(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Lfm2MoeDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.embedding_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)  # the final norm
+    def make_feed_forward(self, config, i: int) -> nn.Module:
+        return (GatedMLP(config.hidden_size, config.intermediate_size, bias=False, act="silu")
+                if i < config.num_dense_layers else Lfm2SparseMoE(config))
 
 
 class _ExpertsView:
@@ -151,12 +117,7 @@ class Lfm2MoeModel(Lfm2Model):
     checkpoint's `feed_forward.gate`) and stacked experts (`_ExpertsView`)."""
 
     architecture = ARCHITECTURE
-
-    def __init__(self, config):
-        HybridModel.__init__(self, config)
-        self.model = _Body(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rotary = rotary_for(config, self.model.layers)
+    layer_class = Lfm2MoeDecoderLayer
 
     def checkpoint_name(self, name: str) -> str | None:
         for ours, theirs in _RENAMES.items():
