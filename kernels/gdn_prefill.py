@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .scan_plan import build_scan_plan, gather_checkpoints
+from .scan_plan import build_scan_plan, matmul_precision, scan_result, unit_last_stride
 from .triton_math import device_guard
 
 
@@ -173,10 +173,6 @@ def _gdn_chunk_output(q_ptr, k_ptr, u_ptr, gcum_ptr, hstart_ptr, o_ptr, chunk_st
              mask=tmask[:, None] & vmask[None, :])
 
 
-def _unit_last(t):
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _normalized(q, k, scale, use_qk_l2norm, dtype):
     """q, k [T, H, K] -> L2-normalised (eps 1e-6 inside the rsqrt) in fp32, q scaled, as `dtype`:
     the matmul operand dtype of every kernel here."""
@@ -201,7 +197,7 @@ def gdn_chunk_scan_triton(state, q, k, v, g, beta, query_start_loc, slot_idx, ha
                          f"a multiple of {H} q/k heads")
     plan = build_scan_plan(query_start_loc, slot_idx, has_initial_state, state.shape[0], T,
                            chunk_size, return_states_at, v.device)
-    v = _unit_last(v)
+    v = unit_last_stride(v)
     q, k = _normalized(q, k, K ** -0.5 if scale is None else float(scale), use_qk_l2norm, v.dtype)
     dev, f32 = v.device, torch.float32
     o = torch.empty((T, HV, V), dtype=v.dtype, device=dev)
@@ -211,7 +207,7 @@ def gdn_chunk_scan_triton(state, q, k, v, g, beta, query_start_loc, slot_idx, ha
     nc = plan.num_chunks
     hstart = torch.empty((max(nc, 1), HV, K, V), dtype=f32, device=dev)
     ckpt = torch.empty((max(plan.num_ckpt, 1), HV, K, V), dtype=state.dtype, device=dev)
-    prec = "ieee" if v.dtype == torch.float32 else "tf32"  # tf32: ignored for fp16/bf16
+    prec = matmul_precision(v.dtype)
     block_t = max(16, triton.next_power_of_2(chunk_size))
     block_k = max(16, triton.next_power_of_2(K))
     block_v_full = max(16, triton.next_power_of_2(V))
@@ -237,6 +233,4 @@ def gdn_chunk_scan_triton(state, q, k, v, g, beta, query_start_loc, slot_idx, ha
                 q, k, u, gcum, hstart, o, plan.chunk_start, plan.chunk_len, HV, rep, K, V,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1),
                 PREC=prec, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=8)
-    if return_states_at is None:
-        return o
-    return o, gather_checkpoints(ckpt, plan)
+    return scan_result(o, ckpt, plan, return_states_at)

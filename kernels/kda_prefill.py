@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from .kda_ref import _check_shapes, _prepare_qk
-from .scan_plan import build_scan_plan, gather_checkpoints
+from .scan_plan import (build_scan_plan, check_packed_tokens, matmul_precision,
+                         scan_result, unit_last_stride)
 from .triton_math import device_guard
 
 
@@ -185,10 +186,6 @@ def _kda_chunk_output(qdec_ptr, qk_ptr, u_ptr, hstart_ptr, o_ptr, chunk_start_pt
              o.to(o_ptr.dtype.element_ty), mask=umask)
 
 
-def _unit_last(t):
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def kda_chunk_scan_triton(state, q, k, v, g, beta, query_start_loc, slot_idx, has_initial_state,
                           scale=None, use_qk_l2norm=True, chunk_size=16, return_states_at=None):
     """See kda_ref.kda_chunk_scan_ref. state [S, H, K, V] (final states written in place);
@@ -196,11 +193,7 @@ def kda_chunk_scan_triton(state, q, k, v, g, beta, query_start_loc, slot_idx, ha
     (o, states per request [n_pos, H, K, V] in state.dtype).
     """
     _check_shapes(state, q, k, v, g, beta)
-    if q.dim() != 3 or v.shape[0] != q.shape[0]:
-        raise ValueError(f"q {tuple(q.shape)} and v {tuple(v.shape)} must be packed [T, H, .] "
-                         "with the same token count")
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    check_packed_tokens(q, v, chunk_size)
     T, H, K = q.shape
     V = v.shape[2]
     # the chunked form is exact at any cut, so the tiles cap the chunk at 16 tokens: the prep's
@@ -208,8 +201,8 @@ def kda_chunk_scan_triton(state, q, k, v, g, beta, query_start_loc, slot_idx, ha
     chunk = min(chunk_size, 16)
     plan = build_scan_plan(query_start_loc, slot_idx, has_initial_state, state.shape[0], T,
                            chunk, return_states_at, v.device)
-    v, g = _unit_last(v), _unit_last(g)
-    q, k = (_unit_last(t) for t in _prepare_qk(q, k, scale, use_qk_l2norm))  # fp32, q scaled
+    v, g = unit_last_stride(v), unit_last_stride(g)
+    q, k = (unit_last_stride(t) for t in _prepare_qk(q, k, scale, use_qk_l2norm))  # fp32, q scaled
     dev, f32 = v.device, torch.float32
     block_t = 16
     block_k = max(16, triton.next_power_of_2(K))
@@ -224,7 +217,7 @@ def kda_chunk_scan_triton(state, q, k, v, g, beta, query_start_loc, slot_idx, ha
     glast = torch.empty((max(nc, 1), H, K), dtype=f32, device=dev)
     hstart = torch.empty((max(nc, 1), H, K, V), dtype=f32, device=dev)
     ckpt = torch.empty((max(plan.num_ckpt, 1), H, K, V), dtype=state.dtype, device=dev)
-    prec = "ieee" if v.dtype == torch.float32 else "tf32"  # tf32: ignored for fp16/bf16
+    prec = matmul_precision(v.dtype)
     with device_guard(v):
         if nc:
             _kda_chunk_prep[(nc, H)](
@@ -246,6 +239,4 @@ def kda_chunk_scan_triton(state, q, k, v, g, beta, query_start_loc, slot_idx, ha
                 qdec, qk, u, hstart, o, plan.chunk_start, plan.chunk_len, H, K, V, o.stride(0),
                 o.stride(1), PREC=prec, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_V=block_v,
                 num_warps=4)
-    if return_states_at is None:
-        return o
-    return o, gather_checkpoints(ckpt, plan)
+    return scan_result(o, ckpt, plan, return_states_at)

@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from .lightning_ref import _check_shapes
-from .scan_plan import build_scan_plan, gather_checkpoints
+from .scan_plan import (build_scan_plan, check_packed_tokens, matmul_precision,
+                         scan_result, unit_last_stride)
 from .triton_math import device_guard
 
 
@@ -89,10 +90,6 @@ def _lightning_chunk_recurrence(state_ptr, q_ptr, k_ptr, v_ptr, slope_ptr, o_ptr
     tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=smask & (zero + write != 0))
 
 
-def _unit_last(t):
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def lightning_chunk_scan_triton(state, q, k, v, slope, query_start_loc, slot_idx,
                                 has_initial_state, chunk_size=64, return_states_at=None):
     """See lightning_ref.lightning_chunk_scan_ref. state [S, H, K, V] (final states written in
@@ -100,11 +97,7 @@ def lightning_chunk_scan_triton(state, q, k, v, slope, query_start_loc, slot_idx
     (o, states per request [n_pos, H, K, V] in state.dtype).
     """
     _check_shapes(state, q, k, v, slope)
-    if q.dim() != 3 or v.shape[0] != q.shape[0]:
-        raise ValueError(f"q {tuple(q.shape)} and v {tuple(v.shape)} must be packed [T, H, .] "
-                         "with the same token count")
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    check_packed_tokens(q, v, chunk_size)
     T, H, K = q.shape
     V = v.shape[2]
     block_k = max(16, triton.next_power_of_2(K))
@@ -113,12 +106,13 @@ def lightning_chunk_scan_triton(state, q, k, v, slope, query_start_loc, slot_idx
     chunk = min(chunk_size, 64 if block_k <= 128 else 16)
     plan = build_scan_plan(query_start_loc, slot_idx, has_initial_state, state.shape[0], T,
                            chunk, return_states_at, v.device)
-    v = _unit_last(v)
-    q, k = _unit_last(q).to(v.dtype), _unit_last(k).to(v.dtype)  # one matmul operand dtype
+    v = unit_last_stride(v)
+    # one matmul operand dtype
+    q, k = unit_last_stride(q).to(v.dtype), unit_last_stride(k).to(v.dtype)
     slope = slope.float().contiguous()
     o = torch.empty((T, H, V), dtype=v.dtype, device=v.device)
     ckpt = torch.empty((max(plan.num_ckpt, 1), H, K, V), dtype=state.dtype, device=v.device)
-    prec = "ieee" if v.dtype == torch.float32 else "tf32"  # tf32: ignored for fp16/bf16
+    prec = matmul_precision(v.dtype)
     block_t = max(16, triton.next_power_of_2(chunk))
     block_v = min(max(16, triton.next_power_of_2(V)), 32 if block_k <= 128 else 16)  # no spills
     with device_guard(v):
@@ -130,6 +124,4 @@ def lightning_chunk_scan_triton(state, q, k, v, slope, query_start_loc, slot_idx
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 o.stride(0), o.stride(1), PREC=prec, BLOCK_T=block_t, BLOCK_K=block_k,
                 BLOCK_V=block_v, num_warps=8)
-    if return_states_at is None:
-        return o
-    return o, gather_checkpoints(ckpt, plan)
+    return scan_result(o, ckpt, plan, return_states_at)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .scan_plan import build_scan_plan, gather_checkpoints
+from .scan_plan import build_scan_plan, scan_result, unit_last_stride
 from .triton_math import device_guard, silu, softplus
 
 
@@ -92,10 +92,6 @@ def _mamba1_scan_kernel(state_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_
     tl.store(h_ptrs, h.to(state_ptr.dtype.element_ty), mask=mask2 & (zero2 + write != 0))
 
 
-def _unit_last(t):
-    return t if t is None or t.stride(-1) == 1 else t.contiguous()
-
-
 def mamba1_scan_triton(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_loc, slot_idx,
                        has_initial_state, dt_softplus=True, return_states_at=None):
     """See mamba1_ref.mamba1_scan_ref. ssm_state [S, d_inner, N] (final states written in place);
@@ -112,7 +108,7 @@ def mamba1_scan_triton(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_loc
     # chunk_size T + 1: one chunk per request; only the per-token checkpoint table is used
     plan = build_scan_plan(query_start_loc, slot_idx, has_initial_state, ssm_state.shape[0], T,
                            T + 1, return_states_at, x.device)
-    x, dt, B, C, z = (_unit_last(t) for t in (x, dt, B, C, z))
+    x, dt, B, C, z = (unit_last_stride(t) for t in (x, dt, B, C, z))
     y = torch.empty((T, d_inner), dtype=x.dtype, device=x.device)
     ckpt = torch.empty((max(plan.num_ckpt, 1), d_inner, N), dtype=ssm_state.dtype,
                        device=x.device)
@@ -131,6 +127,4 @@ def mamba1_scan_triton(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_loc
                 y.stride(0), HAS_D=D is not None, HAS_Z=z is not None,
                 HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
                 BLOCK_D=block_d, BLOCK_N=block_n)
-    if return_states_at is None:
-        return y
-    return y, gather_checkpoints(ckpt, plan)
+    return scan_result(y, ckpt, plan, return_states_at)

@@ -141,6 +141,33 @@ def gather_checkpoints(ckpt: torch.Tensor, plan: ScanPlan) -> list[torch.Tensor]
     return out
 
 
+def unit_last_stride(t: torch.Tensor | None) -> torch.Tensor | None:
+    """`t` itself when its last dim has unit stride (the kernels index channels so), else a
+    contiguous copy; None (an absent optional input) stays None."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
+def check_packed_tokens(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> None:
+    """q [T, H, K] and v [T, H, V] packed with the same token count, and a positive chunk size."""
+    if q.dim() != 3 or v.shape[0] != q.shape[0]:
+        raise ValueError(f"q {tuple(q.shape)} and v {tuple(v.shape)} must be packed [T, H, .] "
+                         "with the same token count")
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+
+
+def matmul_precision(dtype: torch.dtype) -> str:
+    """tl.dot precision: exact fp32 products for fp32 operands; "tf32" is ignored for fp16/bf16."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def scan_result(out: torch.Tensor, ckpt: torch.Tensor, plan: ScanPlan, return_states_at):
+    """What a chunk scan returns: `out`, or (out, per-request checkpoint states) when asked."""
+    if return_states_at is None:
+        return out
+    return out, gather_checkpoints(ckpt, plan)
+
+
 def _to_device(t: torch.Tensor, device) -> torch.Tensor:
     """A host table onto the device without waiting for the stream (pinned, non-blocking)."""
     device = torch.device(device)

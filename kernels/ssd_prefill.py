@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .scan_plan import build_scan_plan, gather_checkpoints
+from .scan_plan import build_scan_plan, scan_result, unit_last_stride
 from .triton_math import device_guard, interpreted, silu, softplus
 
 
@@ -197,10 +197,6 @@ def _ssd_chunk_scan(x_ptr, b_ptr, c_ptr, d_ptr, z_ptr, y_ptr, dtp_ptr, acum_ptr,
              mask=lmask[:, None] & pmask[None, :])
 
 
-def _unit_last(t):
-    return t if t is None or t.stride(-1) == 1 else t.contiguous()
-
-
 def mamba2_chunk_scan_triton(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_loc, slot_idx,
                              has_initial_state, chunk_size=256, dt_softplus=True,
                              return_states_at=None, dt_limit=None):
@@ -215,7 +211,7 @@ def mamba2_chunk_scan_triton(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_sta
                          f"{H} heads a multiple of {G} B/C groups")
     plan = build_scan_plan(query_start_loc, slot_idx, has_initial_state, ssm_state.shape[0], T,
                            chunk_size, return_states_at, x.device)
-    x, B, C, z = (_unit_last(t) for t in (x, B, C, z))
+    x, B, C, z = (unit_last_stride(t) for t in (x, B, C, z))
     dev, f32 = x.device, torch.float32
     y = torch.empty((T, H, P), dtype=x.dtype, device=dev)
     ckpt = torch.empty((max(plan.num_ckpt, 1), H, P, N), dtype=ssm_state.dtype, device=dev)
@@ -262,6 +258,4 @@ def mamba2_chunk_scan_triton(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_sta
                 y.stride(0), y.stride(1), HAS_D=D is not None, HAS_Z=z is not None, PREC=prec,
                 BLOCK_L=block_l, BLOCK_P=block_p, BLOCK_N=block_n, WHILE_LOOP=interpreted(),
                 num_warps=scan_warps)
-    if return_states_at is None:
-        return y
-    return y, gather_checkpoints(ckpt, plan)
+    return scan_result(y, ckpt, plan, return_states_at)
