@@ -8,6 +8,7 @@ is the same tensors wherever it is checked.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from state_kernel_helpers import qsl, rel_err, shuffled_slots, untouched
@@ -110,3 +111,20 @@ def check_public_api_dispatches_to_triton(monkeypatch, module, triton_name: str,
     assert calls == [1]  # the Triton path ran once, the torch one without it
     assert rel_err(res["triton"][0], res["torch"][0]) < EXACT_TOL
     assert rel_err(res["triton"][1], res["torch"][1]) < EXACT_TOL
+
+
+def check_refused_and_unchanged(run, case, pool_shape, match: str, spoil=None, slot: int = 2,
+                                **kw):
+    """One 4-token request whose inputs `spoil(args)` breaks (or whose slot / keywords are bad)
+    raises ValueError matching `match` and leaves the pool bit-identical.
+    `run(pool, args, query_start_loc, slots, has_initial_state, **kw)`."""
+    gen = torch.Generator().manual_seed(4)
+    args = list(case(gen, [4], torch.float32))
+    if spoil is not None:
+        args = spoil(args)
+    pool = torch.randn(*pool_shape, generator=gen)
+    before = pool.clone()
+    with pytest.raises(ValueError, match=match):
+        run(pool, args, qsl([4]), torch.tensor([slot], dtype=torch.int32), torch.tensor([True]),
+            **kw)
+    assert torch.equal(pool, before)

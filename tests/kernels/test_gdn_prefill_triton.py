@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from hybridkv.kernels.gdn_prefill import gdn_chunk_scan_triton
 from hybridkv.kernels.gdn_ref import gdn_chunk_scan_ref
 from chunk_scan_checks import (check_public_api_dispatches_to_triton, check_ragged_requests,
-                               check_return_states_at, check_two_calls_equal_one_call)
+                               check_refused_and_unchanged, check_return_states_at,
+                               check_two_calls_equal_one_call)
 from state_kernel_helpers import qsl, rel_err
 
 H, HV, K, V, SLOTS, CS = 1, 2, 6, 5, 9, 8
@@ -62,18 +63,12 @@ def test_return_states_at_match_reference():
 
 @pytest.mark.parametrize("bad", ["heads", "slot"])
 def test_bad_input_raises_and_changes_nothing(bad):
-    gen = torch.Generator().manual_seed(4)
-    q, k, v, g, beta = _case(gen, [4], torch.float32)
-    if bad == "heads":
-        v, g, beta = v[:, :1], g[:, :1], beta[:, :1]
-    pool = torch.randn(SLOTS, HV, K, V, generator=gen)
-    before = pool.clone()
-    slots = torch.tensor([SLOTS if bad == "slot" else 2], dtype=torch.int32)
     match = {"heads": "must be \\[S, 1, 6, 5\\]", "slot": f"slot index {SLOTS}"}[bad]
-    with pytest.raises(ValueError, match=match):
-        gdn_chunk_scan_triton(pool, q, k, v, g, beta, qsl([4]), slots, torch.tensor([True]),
-                              chunk_size=CS)
-    assert torch.equal(pool, before)
+    one_value_head = lambda a: a[:2] + [t[:, :1] for t in a[2:]]  # v, g, beta  # noqa: E731
+    check_refused_and_unchanged(
+        lambda pool, args, *rest, **kw: gdn_chunk_scan_triton(pool, *args, *rest, chunk_size=CS),
+        _case, (SLOTS, HV, K, V), match, spoil=one_value_head if bad == "heads" else None,
+        slot=SLOTS if bad == "slot" else 2)
 
 
 def test_public_api_dispatches_to_triton(monkeypatch):

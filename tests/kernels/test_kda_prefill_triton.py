@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from hybridkv.kernels.kda_prefill import kda_chunk_scan_triton
 from hybridkv.kernels.kda_ref import kda_chunk_scan_ref
 from chunk_scan_checks import (check_public_api_dispatches_to_triton, check_ragged_requests,
-                               check_return_states_at, check_two_calls_equal_one_call)
+                               check_refused_and_unchanged, check_return_states_at,
+                               check_two_calls_equal_one_call)
 from state_kernel_helpers import qsl, rel_err
 
 H, K, V, SLOTS, CS = 2, 6, 5, 9, 8
@@ -65,18 +66,13 @@ def test_return_states_at_match_reference():
 
 @pytest.mark.parametrize("bad", ["gate", "slot"])
 def test_bad_input_raises_and_changes_nothing(bad):
-    gen = torch.Generator().manual_seed(4)
-    q, k, v, g, beta = _case(gen, [4], torch.float32)
-    if bad == "gate":
-        g = g[..., :1]  # one gate per head (GDN's layout), not one per key channel
-    pool = torch.randn(SLOTS, H, K, V, generator=gen)
-    before = pool.clone()
-    slots = torch.tensor([SLOTS if bad == "slot" else 2], dtype=torch.int32)
     match = {"gate": "g \\(4, 2, 1\\)", "slot": f"slot index {SLOTS}"}[bad]
-    with pytest.raises(ValueError, match=match):
-        kda_chunk_scan_triton(pool, q, k, v, g, beta, qsl([4]), slots, torch.tensor([True]),
-                              chunk_size=CS)
-    assert torch.equal(pool, before)
+    # one gate per head (GDN's layout), not one per key channel
+    per_head_gate = lambda a: a[:3] + [a[3][..., :1], a[4]]  # noqa: E731
+    check_refused_and_unchanged(
+        lambda pool, args, *rest, **kw: kda_chunk_scan_triton(pool, *args, *rest, chunk_size=CS),
+        _case, (SLOTS, H, K, V), match, spoil=per_head_gate if bad == "gate" else None,
+        slot=SLOTS if bad == "slot" else 2)
 
 
 def test_public_api_dispatches_to_triton(monkeypatch):

@@ -6,7 +6,8 @@ import torch
 from hybridkv.kernels.lightning_prefill import lightning_chunk_scan_triton
 from hybridkv.kernels.lightning_ref import lightning_chunk_scan_ref
 from chunk_scan_checks import (check_public_api_dispatches_to_triton, check_ragged_requests,
-                               check_return_states_at, check_two_calls_equal_one_call)
+                               check_refused_and_unchanged, check_return_states_at,
+                               check_two_calls_equal_one_call)
 from state_kernel_helpers import qsl, rel_err
 
 H, K, V, SLOTS, CS = 2, 6, 5, 9, 8
@@ -57,20 +58,15 @@ def test_return_states_at_match_reference():
 
 @pytest.mark.parametrize("bad", ["slope", "slot", "position"])
 def test_bad_input_raises_and_changes_nothing(bad):
-    gen = torch.Generator().manual_seed(4)
-    q, k, v, slope = _case(gen, [4], torch.float32)
-    if bad == "slope":
-        slope = slope[:1]
-    pool = torch.randn(SLOTS, H, K, V, generator=gen)
-    before = pool.clone()
-    slots = torch.tensor([SLOTS if bad == "slot" else 2], dtype=torch.int32)
-    positions = [[5]] if bad == "position" else None
     match = {"slope": "slope has shape \\(1,\\)", "slot": f"slot index {SLOTS}",
              "position": "position 5 of request 0 is outside 1..4"}[bad]
-    with pytest.raises(ValueError, match=match):
-        lightning_chunk_scan_triton(pool, q, k, v, slope, qsl([4]), slots, torch.tensor([True]),
-                                    chunk_size=CS, return_states_at=positions)
-    assert torch.equal(pool, before)
+    check_refused_and_unchanged(
+        lambda pool, args, *rest, **kw: lightning_chunk_scan_triton(pool, *args, *rest,
+                                                                    chunk_size=CS, **kw),
+        _case, (SLOTS, H, K, V), match,
+        spoil=(lambda a: a[:3] + [a[3][:1]]) if bad == "slope" else None,
+        slot=SLOTS if bad == "slot" else 2,
+        return_states_at=[[5]] if bad == "position" else None)
 
 
 def test_public_api_dispatches_to_triton(monkeypatch):

@@ -6,7 +6,8 @@ import torch
 from hybridkv.kernels.mamba1_prefill import mamba1_scan_triton
 from hybridkv.kernels.mamba1_ref import mamba1_scan_ref
 from chunk_scan_checks import (assert_states_match, check_public_api_dispatches_to_triton,
-                               check_ragged_requests, per_token_rows, split_in_two)
+                               check_ragged_requests, check_refused_and_unchanged, per_token_rows,
+                               split_in_two)
 from state_kernel_helpers import qsl, rel_err
 
 D_IN, N, SLOTS = 10, 6, 9
@@ -69,18 +70,12 @@ def test_two_calls_equal_one_call_and_checkpoints():
 
 @pytest.mark.parametrize("bad", ["shape", "position"])
 def test_bad_input_raises_and_changes_nothing(bad):
-    gen = torch.Generator().manual_seed(4)
-    args = _case(gen, [4], torch.float32)
-    if bad == "shape":
-        args[2] = args[2][:, :4]
-    pool = torch.randn(SLOTS, D_IN, N, generator=gen)
-    before = pool.clone()
     kw = {"return_states_at": [[0]]} if bad == "position" else {}
     match = {"shape": "A \\(10, 4\\)", "position": "position 0 of request 0 is outside 1..4"}[bad]
-    with pytest.raises(ValueError, match=match):
-        mamba1_scan_triton(pool, *args, qsl([4]), torch.tensor([2], dtype=torch.int32),
-                           torch.tensor([True]), **kw)
-    assert torch.equal(pool, before)
+    check_refused_and_unchanged(
+        lambda pool, args, *rest, **kw: mamba1_scan_triton(pool, *args, *rest, **kw), _case,
+        (SLOTS, D_IN, N), match,
+        spoil=(lambda a: a[:2] + [a[2][:, :4]] + a[3:]) if bad == "shape" else None, **kw)
 
 
 def test_public_api_dispatches_to_triton(monkeypatch):

@@ -5,7 +5,8 @@ import torch
 from hybridkv.kernels.mamba2_ref import mamba2_chunk_scan_ref
 from hybridkv.kernels.ssd_prefill import mamba2_chunk_scan_triton
 from chunk_scan_checks import (check_public_api_dispatches_to_triton, check_ragged_requests,
-                               check_return_states_at, check_two_calls_equal_one_call)
+                               check_refused_and_unchanged, check_return_states_at,
+                               check_two_calls_equal_one_call)
 from state_kernel_helpers import qsl, rel_err
 
 H, P, G, N, SLOTS, CS = 4, 6, 2, 5, 9, 8
@@ -64,18 +65,13 @@ def test_return_states_at_match_reference():
 
 @pytest.mark.parametrize("bad", ["chunk", "slot", "position"])
 def test_bad_input_raises_and_changes_nothing(bad):
-    gen = torch.Generator().manual_seed(4)
-    args = _case(gen, [4], torch.float32)
-    pool = torch.randn(SLOTS, H, P, N, generator=gen)
-    before = pool.clone()
-    slots = torch.tensor([SLOTS if bad == "slot" else 2], dtype=torch.int32)
     kw = {"return_states_at": [[5]]} if bad == "position" else {}
     match = {"chunk": "chunk_size must be positive, got 0", "slot": f"slot index {SLOTS}",
              "position": "position 5 of request 0 is outside 1..4"}[bad]
-    with pytest.raises(ValueError, match=match):
-        mamba2_chunk_scan_triton(pool, *args, qsl([4]), slots, torch.tensor([True]),
-                                 0 if bad == "chunk" else CS, True, **kw)
-    assert torch.equal(pool, before)
+    check_refused_and_unchanged(
+        lambda pool, args, *rest, **kw: mamba2_chunk_scan_triton(
+            pool, *args, *rest, 0 if bad == "chunk" else CS, True, **kw),
+        _case, (SLOTS, H, P, N), match, slot=SLOTS if bad == "slot" else 2, **kw)
 
 
 def test_public_api_dispatches_to_triton(monkeypatch):
