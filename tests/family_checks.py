@@ -144,6 +144,7 @@ class Family:
     make: Callable[..., Path] = make_tiny_checkpoint
     pressure: Optional[PressureCase] = None  # check_engine_under_pressure, in both preemption modes
     prefix_migration: bool = False  # check_prefix_hit_and_migration
+    prefix_hit: bool = False  # check_prefix_hit_resumes
 
 
 FAMILIES = {f.name: f for f in [
@@ -196,18 +197,18 @@ FAMILIES = {f.name: f for f in [
     # lightning attention (a decayed matrix state, no conv window) beside softmax attention, MoE
     Family("minimax", seed=9, engine=(ENGINE_LENGTHS, 40),
            names=("model.layers.0.block_sparse_moe.experts.0.w1.weight", "mlp.experts.gate_up_proj"),
-           pressure=PressureCase(lengths=None)),
+           pressure=PressureCase(lengths=None), prefix_hit=True),
     # Kimi delta attention (per-channel gates) beside latent attention (pages hold one latent per
     # token); DeepSeek-V3 routing, its correction biases randomised as Nemotron-H's
     Family("kimi_linear", seed=11, make=tiny_nemotron_h, engine=(ENGINE_LENGTHS, 40),
            names=("model.layers.0.self_attn.q_conv1d.weight", "mlp.experts.gate_up_proj"),
-           pressure=PressureCase(lengths=None, exact_blocks=True)),
+           pressure=PressureCase(lengths=None, exact_blocks=True), prefix_hit=True),
     # Ling 3: KDA with a bounded forget gate beside gated, rotary latent attention; Ling's published
     # names (attention.dense, word_embeddings, split convs) in the saved checkpoint, whose routing
     # correction biases are saved as `expert_bias` (randomised as LFM2-MoE's)
     Family("bailing_hybrid", seed=13, make=tiny_lfm2_moe, engine=(ENGINE_LENGTHS, 40),
            names=("model.layers.0.attention.q_conv1d.weight", "mlp.experts.gate_up_proj"),
-           pressure=PressureCase(lengths=None, exact_blocks=True)),
+           pressure=PressureCase(lengths=None, exact_blocks=True), prefix_hit=True),
     # sliding and full attention layers alternate (two KV groups), attention sinks, clamped-SwiGLU MoE
     Family("gpt_oss", seed=14, logits_len=3 * WINDOW + 5, ragged=(*RAGGED_LENGTHS, 3 * WINDOW + 5),
            chunks=(5, 16, 7, 1, WINDOW + 6, 3, 1, 16), chunk_tol=1e-5,
@@ -397,5 +398,57 @@ def check_prefix_hit_and_migration(path, hf):
     assert src.stats()["prefix_hit_tokens"] == 2 * BS
     for p, o in ((first, a), (second, out)):
         assert assert_greedy_matches_hf(hf, p, o.outputs[0].token_ids) == 0
+    assert_no_leaks(src)
+    assert_no_leaks(dst)
+
+
+def check_prefix_hit_resumes(path, hf):
+    """Two prompts sharing 40 tokens, one after the other: the first has no hit, the second resumes
+    from the first's prompt-end checkpoint (2 blocks of BS: shared KV pages, a copied state); both
+    are transformers' greedy tokens and nothing leaks."""
+    from engine_fixtures import assert_no_leaks, greedy
+    from hybridkv import LLM
+
+    llm = LLM(str(path), memory_budget_bytes=8 << 20, checkpoint_policy="prompt_end")
+    shared = prompt(40, 31)
+    first, second = shared + prompt(5, 32), shared + prompt(9, 33)
+    a = llm.generate([first], greedy(8), use_tqdm=False)[0]
+    b = llm.generate([second], greedy(8), use_tqdm=False)[0]
+    assert a.num_cached_tokens == 0 and b.num_cached_tokens == 2 * BS
+    assert llm.stats()["prefix_hit_tokens"] == 2 * BS
+    for p, o in ((first, a), (second, b)):
+        assert assert_greedy_matches_hf(hf, p, o.outputs[0].token_ids) == 0
+    assert_no_leaks(llm)
+
+
+def check_migration_mid_decode(path, hf, check_snapshot: Callable, block_size: int = 32):
+    """Four prompts (1, BS-1, BS+1, 3BS+5 tokens) run 5 steps; the middle two are exported
+    mid-decode through snapshot bytes (each checked by `check_snapshot(snap)`, the family's layout)
+    and imported into an engine of `block_size`; every request finishes with transformers' greedy
+    tokens, 2 migrations out and 2 in, and neither engine leaks."""
+    from engine_fixtures import assert_no_leaks, greedy
+    from hybridkv import LLM
+    from hybridkv.scheduler.snapshot_io import snapshot_from_bytes, snapshot_to_bytes
+
+    src = LLM(str(path), memory_budget_bytes=8 << 20, max_num_batched_tokens=32)
+    dst = LLM(str(path), memory_budget_bytes=8 << 20, block_size=block_size)  # another block size
+    prompts = [prompt(n, 90 + n) for n in (1, BS - 1, BS + 1, 3 * BS + 5)]
+    ids = [src.add_request(p, greedy(12)) for p in prompts]
+    for _ in range(5):  # prefill (the long prompt in two chunks) and a few decodes
+        src.step()
+    for i in ids[1:3]:
+        snap = snapshot_from_bytes(snapshot_to_bytes(src.export_request(i)))
+        assert snap.num_computed_tokens > snap.num_prompt_tokens  # mid-decode
+        check_snapshot(snap)
+        dst.import_request(snap)
+    done = {}
+    for llm in (src, dst):
+        while llm.has_unfinished_requests():
+            for o in llm.step():
+                if o.finished:
+                    done[o.request_id] = list(o.outputs[0].token_ids)
+    for p, i in zip(prompts, ids):
+        assert assert_greedy_matches_hf(hf, p, done[i]) == 0
+    assert src.stats()["migrations"]["out"] == 2 and dst.stats()["migrations"]["in"] == 2
     assert_no_leaks(src)
     assert_no_leaks(dst)

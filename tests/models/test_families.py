@@ -3,7 +3,7 @@ per shared check (tests/family_checks.py), parametrized over the table FAMILIES.
 import pytest
 
 from family_checks import (FAMILIES, check_engine_generate, check_engine_under_pressure,
-                           check_prefix_hit_and_migration, check_prompt_logits,
+                           check_prefix_hit_and_migration, check_prefix_hit_resumes, check_prompt_logits,
                            check_ragged_batch_greedy, check_state_checkpoint_at_block_boundary,
                            check_transformers_names_load_the_same, check_uneven_chunks_equal_one_pass)
 
@@ -55,6 +55,12 @@ def test_engine_under_memory_pressure(fam, mode, family_models):
 def test_prefix_hit_and_migration_mid_decode(fam, family_models):
     path, _, hf = family_models(fam.name)
     check_prefix_hit_and_migration(path, hf)
+
+
+@pytest.mark.parametrize("fam", rows("prefix_hit"))
+def test_prefix_hit_resumes_from_shared_pages_and_the_state(fam, family_models):
+    path, _, hf = family_models(fam.name)
+    check_prefix_hit_resumes(path, hf)
 
 
 @pytest.mark.parametrize("fam", rows("names"))

@@ -1,22 +1,18 @@
 """Kimi-Linear's own checks (layout, the latent KV kind and its planner bytes, the config-only plan,
-prefix hits and migration with latent pages beside KDA states); the shared ones, the engine under
-memory pressure among them, are its row in test_families.py."""
+the snapshot of a migration with latent pages beside KDA states); the shared ones, the engine under
+memory pressure and prefix hits among them, are its row in test_families.py."""
 import json
 
 import pytest
 import torch
 
-from hybridkv import LLM
 from hybridkv.config_specs import specs_from_config
 from hybridkv.models.kda_mixer import KimiDeltaAttentionMixer
 from hybridkv.models.kimi_linear import KimiLinearModel, KimiMoE, tiny_config
 from hybridkv.plan import kv_bytes_per_token
-from hybridkv.scheduler.snapshot_io import snapshot_from_bytes, snapshot_to_bytes
 from hybridkv.specs import AttentionSpec, RecurrentSpec
 
-from engine_fixtures import assert_no_leaks, greedy
-from family_checks import BS, prompt
-from model_harness import assert_greedy_matches_hf
+from family_checks import check_migration_mid_decode
 
 KDA = RecurrentSpec((3 * 2 * 16, 3), (2, 16, 16), torch.float32)  # conv over q|k|v, [H, K, K]
 LATENT = AttentionSpec(1, 32 + 8, torch.float32, latent=True)  # kv_lora_rank + rope dims
@@ -57,43 +53,12 @@ def test_unknown_layer_types_are_refused():
         specs_from_config(cfg, torch.float32)
 
 
-def test_prefix_hit_shares_latent_pages_and_resumes_the_kda_state(family_models):
-    path, _, hf = family_models("kimi_linear")
-    llm = LLM(str(path), memory_budget_bytes=8 << 20, checkpoint_policy="prompt_end")
-    shared = prompt(40, 31)
-    first, second = shared + prompt(5, 32), shared + prompt(9, 33)
-    a = llm.generate([first], greedy(8), use_tqdm=False)[0]
-    b = llm.generate([second], greedy(8), use_tqdm=False)[0]
-    assert a.num_cached_tokens == 0 and b.num_cached_tokens == 2 * BS
-    assert llm.stats()["prefix_hit_tokens"] == 2 * BS
-    for p, o in ((first, a), (second, b)):
-        assert assert_greedy_matches_hf(hf, p, o.outputs[0].token_ids) == 0
-    assert_no_leaks(llm)
-
-
 def test_migration_mid_decode_moves_latents_and_kda_states(family_models):
     path, _, hf = family_models("kimi_linear")
-    src = LLM(str(path), memory_budget_bytes=8 << 20, max_num_batched_tokens=32)
-    dst = LLM(str(path), memory_budget_bytes=8 << 20, block_size=32)  # another block size
-    prompts = [prompt(n, 90 + n) for n in (1, BS - 1, BS + 1, 3 * BS + 5)]
-    ids = [src.add_request(p, greedy(12)) for p in prompts]
-    for _ in range(5):  # prefill (the long prompt in two chunks) and a few decodes
-        src.step()
-    for i in ids[1:3]:
-        snap = snapshot_from_bytes(snapshot_to_bytes(src.export_request(i)))
-        assert snap.num_computed_tokens > snap.num_prompt_tokens  # mid-decode
+
+    def latents_and_kda_states(snap):
         assert set(snap.kv) == {1, 3} and set(snap.ssm) == {0, 2} == set(snap.conv)
         # token-major latents: one vector of 40 per token, not [2, T, heads, head_dim]
         assert snap.kv[1].shape == (1, snap.num_computed_tokens, 1, 40)
-        dst.import_request(snap)
-    done = {}
-    for llm in (src, dst):
-        while llm.has_unfinished_requests():
-            for o in llm.step():
-                if o.finished:
-                    done[o.request_id] = list(o.outputs[0].token_ids)
-    for p, i in zip(prompts, ids):
-        assert assert_greedy_matches_hf(hf, p, done[i]) == 0
-    assert src.stats()["migrations"]["out"] == 2 and dst.stats()["migrations"]["in"] == 2
-    assert_no_leaks(src)
-    assert_no_leaks(dst)
+
+    check_migration_mid_decode(path, hf, latents_and_kda_states)

@@ -1,21 +1,17 @@
-"""MiniMax's own checks (layout, decay rates, the config-only plan, prefix hits and migration with
-lightning states beside KV); the shared ones, the engine under memory pressure among them, are its
-row in test_families.py."""
+"""MiniMax's own checks (layout, decay rates, the config-only plan, the snapshot of a migration with
+lightning states beside KV); the shared ones, the engine under memory pressure and prefix hits
+among them, are its row in test_families.py."""
 import json
 
 import pytest
 import torch
 
-from hybridkv import LLM
 from hybridkv.config_specs import specs_from_config
 from hybridkv.models.lightning_mixer import LightningAttentionMixer
 from hybridkv.models.minimax import MiniMaxModel, tiny_config
-from hybridkv.scheduler.snapshot_io import snapshot_from_bytes, snapshot_to_bytes
 from hybridkv.specs import AttentionSpec, RecurrentSpec
 
-from engine_fixtures import assert_no_leaks, greedy
-from family_checks import BS, prompt
-from model_harness import assert_greedy_matches_hf
+from family_checks import check_migration_mid_decode
 
 LIGHTNING = RecurrentSpec((), (4, 16, 16), torch.float32)  # [heads, keys, values], no conv window
 ATTENTION = AttentionSpec(2, 16, torch.float32)
@@ -62,43 +58,11 @@ def test_options_transformers_ignores_are_refused(option):
         MiniMaxModel(tiny_config(**option))
 
 
-def test_prefix_hit_resumes_from_the_lightning_state_and_shared_kv(family_models):
-    path, _, hf = family_models("minimax")
-    llm = LLM(str(path), memory_budget_bytes=8 << 20, checkpoint_policy="prompt_end")
-    shared = prompt(40, 31)
-    first, second = shared + prompt(5, 32), shared + prompt(9, 33)
-    a = llm.generate([first], greedy(8), use_tqdm=False)[0]
-    b = llm.generate([second], greedy(8), use_tqdm=False)[0]
-    assert a.num_cached_tokens == 0 and b.num_cached_tokens == 2 * BS
-    assert llm.stats()["prefix_hit_tokens"] == 2 * BS
-    for p, o in ((first, a), (second, b)):
-        assert assert_greedy_matches_hf(hf, p, o.outputs[0].token_ids) == 0
-    assert_no_leaks(llm)
-
-
 def test_migration_mid_decode_moves_kv_and_lightning_states(family_models):
     path, _, hf = family_models("minimax")
-    src = LLM(str(path), memory_budget_bytes=8 << 20, max_num_batched_tokens=32)
-    dst = LLM(str(path), memory_budget_bytes=8 << 20, block_size=32)  # another block size
-    prompts = [prompt(n, 90 + n) for n in (1, BS - 1, BS + 1, 3 * BS + 5)]
-    ids = [src.add_request(p, greedy(12)) for p in prompts]
-    for _ in range(5):  # prefill (the long prompt in two chunks) and a few decodes
-        src.step()
-    moving = ids[1:3]
-    for i in moving:
-        snap = snapshot_from_bytes(snapshot_to_bytes(src.export_request(i)))
-        assert snap.num_computed_tokens > snap.num_prompt_tokens  # mid-decode
+
+    def kv_and_lightning_states(snap):
         assert set(snap.kv) == {1, 3} and set(snap.ssm) == {0, 2} and snap.conv == {}
         assert snap.ssm[0].shape == (4, 16, 16) and snap.ssm[0].abs().max() > 0
-        dst.import_request(snap)
-    done = {}
-    for llm in (src, dst):
-        while llm.has_unfinished_requests():
-            for o in llm.step():
-                if o.finished:
-                    done[o.request_id] = list(o.outputs[0].token_ids)
-    for p, i in zip(prompts, ids):
-        assert assert_greedy_matches_hf(hf, p, done[i]) == 0
-    assert src.stats()["migrations"]["out"] == 2 and dst.stats()["migrations"]["in"] == 2
-    assert_no_leaks(src)
-    assert_no_leaks(dst)
+
+    check_migration_mid_decode(path, hf, kv_and_lightning_states)
