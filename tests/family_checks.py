@@ -27,30 +27,29 @@ ENGINE_LENGTHS = (1, BS - 1, BS + 1, 3 * BS + 5)
 WINDOW = 24  # the tiny Mistral's sliding window (models/mistral.py): its edge falls inside a block
 
 
-def tiny_nemotron_h(family: str, path, seed: int = 0, **overrides) -> Path:
-    """A tiny Nemotron-H checkpoint whose router correction biases are not all zero (transformers'
-    init leaves them zero, and 1-D noise in make_tiny_checkpoint reaches parameters only)."""
-    path = make_tiny_checkpoint(family, path, seed=seed, **overrides)
+def routing_biases_randomised(path: Path, seed: int, suffix: str) -> Path:
+    """Rewrite checkpoint `path` so every tensor whose name ends in `suffix` (a router's bias, which
+    transformers' init leaves zero and 1-D noise in make_tiny_checkpoint does not reach: it touches
+    parameters only) is N(0, 0.3^2) drawn from `seed`."""
     tensors = load_file(str(path / "model.safetensors"))
     g = torch.Generator().manual_seed(seed)
     for name, t in tensors.items():
-        if name.endswith("e_score_correction_bias"):
+        if name.endswith(suffix):
             tensors[name] = torch.randn(t.shape, generator=g) * 0.3
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
+
+
+def tiny_nemotron_h(family: str, path, seed: int = 0, **overrides) -> Path:
+    """A tiny Nemotron-H checkpoint whose router correction biases are not all zero."""
+    path = make_tiny_checkpoint(family, path, seed=seed, **overrides)
+    return routing_biases_randomised(path, seed, "e_score_correction_bias")
 
 
 def tiny_lfm2_moe(family: str, path, seed: int = 0, **overrides) -> Path:
-    """A tiny LFM2-MoE checkpoint whose routing `expert_bias` buffers are not all zero (transformers'
-    init leaves them zero, and 1-D noise in make_tiny_checkpoint reaches parameters only)."""
+    """A tiny LFM2-MoE checkpoint whose routing `expert_bias` buffers are not all zero."""
     path = make_tiny_checkpoint(family, path, seed=seed, **overrides)
-    tensors = load_file(str(path / "model.safetensors"))
-    g = torch.Generator().manual_seed(seed)
-    for name, t in tensors.items():
-        if name.endswith("expert_bias"):
-            tensors[name] = torch.randn(t.shape, generator=g) * 0.3
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    return path
+    return routing_biases_randomised(path, seed, "expert_bias")
 
 
 def tiny_zamba(family: str, path, seed: int = 0, **overrides) -> Path:
@@ -452,3 +451,27 @@ def check_migration_mid_decode(path, hf, check_snapshot: Callable, block_size: i
     assert src.stats()["migrations"]["out"] == 2 and dst.stats()["migrations"]["in"] == 2
     assert_no_leaks(src)
     assert_no_leaks(dst)
+
+
+def generate_holding_the_window(llm, tokens: list[int], max_tokens: int):
+    """Run one request of `tokens` for `max_tokens` greedy tokens on `llm` (a model with sliding
+    layers of WINDOW beside full attention): while it decodes, its sliding group holds at most
+    ceil(WINDOW / BS) + 1 blocks (and reaches that), its full group every block so far. Returns
+    the finished output, for the caller's comparison with transformers."""
+    from engine_fixtures import greedy
+
+    mgr = llm.manager
+    sliding, full = mgr.attention_groups[WINDOW], mgr.attention_groups[None]
+    rid = llm.add_request(tokens, greedy(max_tokens))
+    peak, out = 0, None
+    while llm.has_unfinished_requests():
+        out = next((o for o in llm.step() if o.finished), out)
+        if rid in mgr.requests:
+            r = mgr.request(rid)
+            if r.num_computed_tokens > r.num_prompt_tokens:
+                assert len(sliding.held_blocks(rid)) <= -(-WINDOW // BS) + 1
+                assert len(full.held_blocks(rid)) >= -(-r.num_computed_tokens // BS)
+                peak = max(peak, len(sliding.held_blocks(rid)))
+    assert peak == -(-WINDOW // BS) + 1
+    assert out.request_id == rid and len(out.outputs[0].token_ids) == max_tokens
+    return out

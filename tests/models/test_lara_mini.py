@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from engine_fixtures import assert_no_leaks, greedy
-from family_checks import BS, WINDOW, prompt
+from engine_fixtures import assert_no_leaks
+from family_checks import WINDOW, generate_holding_the_window, prompt
 from hybridkv import LLM
 from hybridkv.config_specs import specs_from_config
 from hybridkv.models.checkpoint import CheckpointError
@@ -98,20 +98,8 @@ def test_published_fused_in_proj_with_wrong_rows_is_refused(family_models, tmp_p
 def test_long_generation_holds_the_window_in_sliding_layers(family_models):
     path, _, hf = family_models(NAME)
     llm = LLM(str(path), memory_budget_bytes=4 << 20, max_num_batched_tokens=20)
-    mgr = llm.manager
-    sliding, full = mgr.attention_groups[WINDOW], mgr.attention_groups[None]
     base = prompt(70, 64)
-    rid = llm.add_request(base, greedy(50))
-    peak, out = 0, None
-    while llm.has_unfinished_requests():
-        out = next((o for o in llm.step() if o.finished), out)
-        if rid in mgr.requests:
-            r = mgr.request(rid)
-            if r.num_computed_tokens > r.num_prompt_tokens:
-                assert len(sliding.held_blocks(rid)) <= -(-WINDOW // BS) + 1
-                assert len(full.held_blocks(rid)) >= -(-r.num_computed_tokens // BS)
-                peak = max(peak, len(sliding.held_blocks(rid)))
-    assert peak == -(-WINDOW // BS) + 1
+    out = generate_holding_the_window(llm, base, 50)
     assert assert_greedy_matches_hf(hf, base, out.outputs[0].token_ids) == 0
     assert_no_leaks(llm)
 

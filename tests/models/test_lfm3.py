@@ -11,6 +11,7 @@ from hybridkv.models.tiny import make_tiny_checkpoint
 from hybridkv.specs import RecurrentSpec
 
 from engine_fixtures import assert_no_leaks, greedy, hf_model
+from family_checks import generate_holding_the_window
 from model_harness import assert_greedy_matches_hf
 
 WINDOW, BS = 24, 16
@@ -33,20 +34,8 @@ def test_planner_specs_equal_the_model(ckpt):
 def test_long_generation_and_prefix_hit_through_three_kinds(ckpt):
     path, hf = ckpt
     llm = LLM(path, memory_budget_bytes=4 << 20, max_num_batched_tokens=20)
-    mgr = llm.manager
-    sliding, full = mgr.attention_groups[WINDOW], mgr.attention_groups[None]
     base = list(range(4, 4 + 70))
-    rid = llm.add_request(base, greedy(60))
-    peak, out = 0, None
-    while llm.has_unfinished_requests():
-        out = next((o for o in llm.step() if o.finished), out)
-        if rid in mgr.requests:
-            r = mgr.request(rid)
-            if r.num_computed_tokens > r.num_prompt_tokens:
-                assert len(sliding.held_blocks(rid)) <= -(-WINDOW // BS) + 1
-                assert len(full.held_blocks(rid)) >= -(-r.num_computed_tokens // BS)
-                peak = max(peak, len(sliding.held_blocks(rid)))
-    assert peak == -(-WINDOW // BS) + 1
+    out = generate_holding_the_window(llm, base, 60)
     assert_greedy_matches_hf(hf, base, out.outputs[0].token_ids)
     again = llm.generate([base + [9, 9]], greedy(8), use_tqdm=False)[0]
     assert again.num_cached_tokens == 64  # KV of both groups and a conv checkpoint at 64
