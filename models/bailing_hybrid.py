@@ -14,13 +14,11 @@ from hybridkv.specs import LayerSpec
 
 from .bailing_delta_attention import BailingDeltaAttentionMixer
 from .base import HybridModel
-from .decoder import HybridDecoderLayer, layer_cache_specs, run_layers
+from .decoder import layer_cache_specs, run_layers
 from .forward_batch import ForwardBatch, ModelCaches
 from .gated_latent_attention import GatedLatentAttention
-from .kimi_linear import KimiMoE, _PublishedKdaNames
-from .mlp import GatedMLP
+from .kimi_linear import KimiLinearDecoderLayer, _KimiLinearBody, _PublishedKdaNames
 from .moe import PerExpertView
-from .norms import RMSNorm
 from .rotary import RotaryEmbedding
 
 ARCHITECTURE = "BailingHybridForCausalLM"
@@ -66,42 +64,16 @@ def check_config(config) -> None:
                          f"one key and value per head")
 
 
-class BailingHybridDecoderLayer(HybridDecoderLayer):
-    """`self_attn` is a GatedLatentAttention or, on linear-attention layers, a
+class BailingHybridDecoderLayer(KimiLinearDecoderLayer):
+    """Kimi-Linear's layer with a GatedLatentAttention or, on linear-attention layers, a
     BailingDeltaAttentionMixer (transformers names both `self_attn`); `mlp` is a GatedMLP or a KimiMoE."""
 
-    mixer_norm, recurrent = "input_layernorm", "self_attn"
-    ff_norm, ff = "post_attention_layernorm", "mlp"
+    attention_class = GatedLatentAttention
 
-    def __init__(self, config, i: int):
-        super().__init__()
-        h, eps = config.hidden_size, config.rms_norm_eps
-        if config.layer_types[i] == "full_attention":
-            self.self_attn = GatedLatentAttention(h, config.num_attention_heads, config.kv_lora_rank,
-                                                  config.q_lora_rank, config.qk_nope_head_dim,
-                                                  config.qk_rope_head_dim, config.v_head_dim,
-                                                  bias=config.attention_bias)
-        else:
-            self.self_attn = BailingDeltaAttentionMixer(
-                h, config.linear_num_heads, config.linear_head_dim, config.linear_conv_kernel_dim, eps,
-                config.hidden_act, config.kda_safe_gate, config.kda_lower_bound)
-        self.mlp = (KimiMoE(config) if config.mlp_layer_types[i] == "sparse"
-                    else GatedMLP(h, config.intermediate_size, act=config.hidden_act))
-        self.input_layernorm = RMSNorm(h, eps=eps)
-        self.post_attention_layernorm = RMSNorm(h, eps=eps)
-
-    @property
-    def is_attention(self) -> bool:
-        return isinstance(self.self_attn, GatedLatentAttention)
-
-
-class _BailingHybridBody(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(BailingHybridDecoderLayer(config, i)
-                                    for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    def make_linear_mixer(self, config) -> nn.Module:
+        return BailingDeltaAttentionMixer(
+            config.hidden_size, config.linear_num_heads, config.linear_head_dim, config.linear_conv_kernel_dim,
+            config.rms_norm_eps, config.hidden_act, config.kda_safe_gate, config.kda_lower_bound)
 
 
 class _PublishedLingNames:
@@ -135,7 +107,7 @@ class BailingHybridModel(HybridModel):
     def __init__(self, config):
         check_config(config)
         super().__init__(config)
-        self.model = _BailingHybridBody(config)
+        self.model = _KimiLinearBody(config, BailingHybridDecoderLayer)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config, config.qk_rope_head_dim)
 

@@ -89,27 +89,31 @@ class KimiMoE(nn.Module):
 
 class KimiLinearDecoderLayer(HybridDecoderLayer):
     """`self_attn` is a LatentAttention or, on linear-attention layers, a KimiDeltaAttentionMixer
-    (transformers names both `self_attn`); `mlp` is a GatedMLP or a KimiMoE."""
+    (transformers names both `self_attn`); `mlp` is a GatedMLP or a KimiMoE. Subclasses change the
+    latent attention (`attention_class`, a LatentAttention) and the linear mixer (`make_linear_mixer`)."""
 
     mixer_norm, recurrent = "input_layernorm", "self_attn"
     ff_norm, ff = "post_attention_layernorm", "mlp"
+    attention_class = LatentAttention
 
     def __init__(self, config, i: int):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         if config.layer_types[i] == "full_attention":
-            self.self_attn = LatentAttention(h, config.num_attention_heads, config.kv_lora_rank,
-                                             config.q_lora_rank, config.qk_nope_head_dim,
-                                             config.qk_rope_head_dim, config.v_head_dim,
-                                             bias=config.attention_bias)
+            self.self_attn = self.attention_class(h, config.num_attention_heads, config.kv_lora_rank,
+                                                  config.q_lora_rank, config.qk_nope_head_dim,
+                                                  config.qk_rope_head_dim, config.v_head_dim,
+                                                  bias=config.attention_bias)
         else:
-            self.self_attn = KimiDeltaAttentionMixer(h, config.linear_num_heads, config.linear_head_dim,
-                                                     config.linear_conv_kernel_dim, eps,
-                                                     config.hidden_act)
+            self.self_attn = self.make_linear_mixer(config)
         self.mlp = (KimiMoE(config) if config.mlp_layer_types[i] == "sparse"
                     else GatedMLP(h, config.intermediate_size, act=config.hidden_act))
         self.input_layernorm = RMSNorm(h, eps=eps)
         self.post_attention_layernorm = RMSNorm(h, eps=eps)
+
+    def make_linear_mixer(self, config) -> nn.Module:
+        return KimiDeltaAttentionMixer(config.hidden_size, config.linear_num_heads, config.linear_head_dim,
+                                       config.linear_conv_kernel_dim, config.rms_norm_eps, config.hidden_act)
 
     @property
     def is_attention(self) -> bool:
@@ -117,11 +121,10 @@ class KimiLinearDecoderLayer(HybridDecoderLayer):
 
 
 class _KimiLinearBody(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, layer_class=KimiLinearDecoderLayer):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(KimiLinearDecoderLayer(config, i)
-                                    for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
