@@ -25,7 +25,7 @@ from .base import HybridModel
 from .checkpoint import CheckpointError
 from .decoder import HybridDecoderLayer, layer_cache_specs
 from .forward_batch import ForwardBatch, ModelCaches
-from .moe import PerExpertView, SparseMoE
+from .moe import PerExpertView, SparseMoE, published_router_name
 from .norms import RMSNorm
 from .qwen3_5 import SplitProjectionGDN
 from .rotary import RotaryEmbedding
@@ -204,9 +204,7 @@ class LaraMiniModel(HybridModel):
         self.rotary = RotaryEmbedding(config, config.head_dim) if sliding else None
 
     def checkpoint_name(self, name: str) -> str | None:
-        if ".mlp.router." in name:
-            return name.replace(".mlp.router.", ".mlp.gate.")
-        return name
+        return published_router_name(name)
 
     def load_weights(self, ckpt) -> None:
         c = self.config

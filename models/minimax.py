@@ -19,7 +19,7 @@ from .decoder import HybridDecoderLayer, layer_cache_specs, rotary_for, run_laye
 from .forward_batch import ForwardBatch, ModelCaches
 from .lightning_mixer import LightningAttentionMixer
 from .mixtral_names import MixtralExpertNames
-from .moe import PerExpertView, SparseMoE
+from .moe import PerExpertView, SparseMoE, published_router_name
 from .norms import RMSNorm
 from .slot_split import SlotSplit
 
@@ -131,9 +131,7 @@ class MiniMaxModel(HybridModel):
         self.rotary = rotary_for(config, self.model.layers)
 
     def checkpoint_name(self, name: str) -> str | None:
-        if ".mlp.router." in name:
-            return name.replace(".mlp.router.", ".mlp.gate.")
-        return name
+        return published_router_name(name)
 
     def load_weights(self, ckpt) -> None:
         super().load_weights(PerExpertView(MixtralExpertNames(ckpt)))

@@ -27,6 +27,12 @@ def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool):
     return weights, ids
 
 
+def published_router_name(name: str) -> str:
+    """The checkpoint name of parameter `name` for families whose router the checkpoint calls
+    `mlp.gate` (Qwen3-Next, Qwen3.5-MoE, MiniMax, LaraMini): SparseMoE names it `mlp.router`."""
+    return name.replace(".mlp.router.", ".mlp.gate.") if ".mlp.router." in name else name
+
+
 class StackedExperts(nn.Module):
     """The experts' weights as transformers holds them in memory: `gate_up_proj [E, 2I, H]` (gate
     rows, then up rows) and `down_proj [E, H, I]`, the layout the fused MoE kernels read."""

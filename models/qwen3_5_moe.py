@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .moe import SparseMoE
+from .moe import SparseMoE, published_router_name
 from .qwen3_5 import Qwen3_5Model
 
 ARCHITECTURE = "Qwen3_5MoeForCausalLM"
@@ -49,9 +49,7 @@ class Qwen3_5MoeModel(Qwen3_5Model):
         super().__init__(config, make_mlp=moe_mlp)
 
     def checkpoint_name(self, name: str) -> str | None:
-        if ".mlp.router." in name:
-            return name.replace(".mlp.router.", ".mlp.gate.")
-        return name
+        return published_router_name(name)
 
 
 MODEL_CLASS = Qwen3_5MoeModel

@@ -18,7 +18,7 @@ from .decoder import HybridDecoderLayer, layer_cache_specs, rotary_for, run_laye
 from .forward_batch import ForwardBatch, ModelCaches
 from .gdn_mixer import GatedDeltaNetMixer
 from .mlp import GatedMLP
-from .moe import PerExpertView, SparseMoE
+from .moe import PerExpertView, SparseMoE, published_router_name
 from .norms import RMSNorm
 
 ARCHITECTURE = "Qwen3NextForCausalLM"
@@ -114,9 +114,7 @@ class Qwen3NextModel(HybridModel):
         self.rotary = rotary_for(config, self.model.layers)
 
     def checkpoint_name(self, name: str) -> str | None:
-        if ".mlp.router." in name:
-            return name.replace(".mlp.router.", ".mlp.gate.")
-        return name
+        return published_router_name(name)
 
     def load_weights(self, ckpt) -> None:
         """Per-expert checkpoints as published, or transformers' fused expert tensors."""
