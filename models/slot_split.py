@@ -18,7 +18,7 @@ from .forward_batch import ForwardBatch
 class SlotSplit:
     """Rows of the packed batch routed to each path.
 
-    decode_rows:   [Bd] long token rows of decoding requests, or None when there are none
+    decode_rows:   [Bd] long token rows of decoding requests, or None when there are none (or all decode)
     decode_slots:  [Bd] int32 their state slots
     prefill_rows:  [Tp] long token rows of prefilling requests; None when there are none
     prefill_qsl:   [Rp+1] int32 query_start_loc re-based to the gathered prefill rows
@@ -83,7 +83,9 @@ def split_decode_prefill(batch: ForwardBatch) -> SlotSplit:
     all_prefill = len(pre_req) == batch.num_reqs
     slots = batch.state_slots
     decode_rows = decode_slots = None
-    if dec_req:
+    if all_decode:  # rows and slots as they are: no index tensor from the host (graph-capturable)
+        decode_slots = slots
+    elif dec_req:
         idx = torch.tensor(dec_req, device=dev)
         decode_rows = torch.tensor(dec_row, device=dev)
         decode_slots = slots[idx]
