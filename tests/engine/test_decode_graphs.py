@@ -1,0 +1,166 @@
+"""DecodeGraphs in its dry-run mode (the capture replaced by a direct call of the same forward on
+the same persistent buffers, the Triton kernels interpreted, NoHostSync around it) against the
+eager forward with the torch kernels, over tiny Llama, Bamba and Qwen3.5 (GDN) models.
+
+Two Harnesses with the same seed hold identical pools (filled with garbage) and block/slot
+assignments: one decodes eagerly, the other through the graphs. Steps cover padding to a bucket
+(3 requests -> 4), a block-table row gaining a block, a request finishing mid-run (rows shift,
+bucket 2), and after the run every KV block and every state slot but the null slot must match:
+padding writes nothing a request owns.
+"""
+import pytest
+import torch
+
+from hybridkv.models.loader import load_model
+from hybridkv.models.tiny import make_tiny_checkpoint
+from hybridkv.scheduler.decode_graphs import DecodeGraphs, DecodeInputs, decode_buckets
+from hybridkv.scheduler.host_sync_check import HostSyncError
+from model_harness import Harness, assert_close_rel
+
+# the smallest models that still mix each kind of layer (the interpreter is slow)
+FAMILIES = {
+    "llama": dict(num_hidden_layers=1),
+    "bamba": dict(num_hidden_layers=2, attn_layer_indices=[1]),
+    "qwen3_5": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]),
+}
+PROMPTS = [list(range(5, 21)), [30, 31, 32], [40, 41, 42, 43, 44, 45, 46]]  # 16: next token opens a block
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            path = make_tiny_checkpoint(family, tmp_path_factory.mktemp(family), **FAMILIES[family])
+            cache[family] = load_model(path)
+        return cache[family]
+
+    return get
+
+
+def twin_harnesses(model):
+    torch.manual_seed(1)
+    eager = Harness(model, seed=3)
+    torch.manual_seed(1)
+    graphed = Harness(model, seed=3)
+    return eager, graphed
+
+
+def decode_inputs(seqs, h: Harness) -> DecodeInputs:
+    """The next token of each seq (appended, not yet computed), blocks allocated as the engine would."""
+    ids, pos, kv_slots, tables = [], [], [], []
+    for s in seqs:
+        p = s.num_computed
+        while len(s.blocks) * h.bs <= p:
+            s.blocks.append(h.free_blocks.pop())
+        ids.append(s.tokens[p])
+        pos.append(p)
+        kv_slots.append(s.blocks[p // h.bs] * h.bs + p % h.bs)
+        tables.append(s.blocks)
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    return DecodeInputs(ids, pos, kv_slots, [s.slot for s in seqs], table)
+
+
+def graph_step(graphs: DecodeGraphs, h: Harness, seqs) -> torch.Tensor:
+    logits = graphs.run(decode_inputs(seqs, h))
+    for k, s in enumerate(seqs):
+        s.num_computed += 1
+        s.last_logits = logits[k]
+    return logits
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_graph_decode_matches_eager_and_padding_writes_nothing(models, family):
+    model = models(family)
+    eager, graphed = twin_harnesses(model)
+    a = [eager.add(p) for p in PROMPTS]
+    b = [graphed.add(p) for p in PROMPTS]
+    eager.prefill(a)
+    graphed.prefill(b)
+    graphs = DecodeGraphs(model, graphed.caches, max_num_seqs=8, max_model_len=64,
+                          block_size=graphed.bs, mode="dry_run")
+    graphs.capture()
+    assert graphs.buckets == [1, 2, 4, 8]
+    for step in range(3):
+        if step == 2:  # the middle request finishes: the last one moves up a row, bucket 2
+            a, b = [a[0], a[2]], [b[0], b[2]]
+        for x, y in zip(a, b):
+            tok = int(x.last_logits.argmax())
+            assert tok == int(y.last_logits.argmax()), f"step {step}: greedy tokens differ"
+            x.tokens.append(tok)
+            y.tokens.append(tok)
+        ref = eager.step([(s, 1) for s in a])
+        got = graph_step(graphs, graphed, b)
+        assert got.shape == ref.shape
+        assert_close_rel(got, ref, rtol=1e-4)
+    assert graphs.replays == 3
+    caches_e, caches_g = eager.caches, graphed.caches
+    for i in caches_e.kv:  # padding rows wrote no KV
+        torch.testing.assert_close(caches_g.kv[i], caches_e.kv[i], rtol=1e-5, atol=1e-5)
+    for pools_e, pools_g in ((caches_e.conv, caches_g.conv), (caches_e.state, caches_g.state)):
+        for i in pools_e:  # slot 0 is padding's; every other slot must match
+            torch.testing.assert_close(pools_g[i][1:], pools_e[i][1:], rtol=1e-4, atol=1e-5)
+
+
+def test_buckets():
+    assert decode_buckets(1) == [1]
+    assert decode_buckets(6) == [1, 2, 4, 6]
+    assert decode_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert decode_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    with pytest.raises(ValueError, match="max_num_seqs=0"):
+        decode_buckets(0)
+
+
+def test_planted_item_in_the_step_is_caught(models, monkeypatch):
+    model = models("llama")
+    h = Harness(model, seed=3)
+    seqs = [h.add([5, 6, 7])]
+    h.prefill(seqs)
+    graphs = DecodeGraphs(model, h.caches, max_num_seqs=2, max_model_len=64, block_size=h.bs,
+                          mode="dry_run")
+    graphs.capture()
+    norm = model.model.norm
+    original = norm.forward
+    monkeypatch.setattr(norm, "forward", lambda x: original(x) * (x.abs().max().item() > 0))
+    seqs[0].tokens.append(9)
+    with pytest.raises(HostSyncError, match=r"item forces a host sync"):
+        graphs.run(decode_inputs(seqs, h))
+
+
+def test_bad_batches_are_refused_and_change_nothing(models):
+    model = models("llama")
+    h = Harness(model, seed=3)
+    seqs = [h.add([5, 6, 7]) for _ in range(3)]
+    h.prefill(seqs)
+    graphs = DecodeGraphs(model, h.caches, max_num_seqs=2, max_model_len=64, block_size=h.bs,
+                          mode="dry_run")
+    with pytest.raises(RuntimeError, match="capture"):
+        graphs.run(decode_inputs(seqs[:1], h))
+    graphs.capture()
+    before = [t.clone() for t in h.caches.kv.values()]
+    table = graphs.block_table.clone()
+    with pytest.raises(ValueError, match="3 requests; decode graphs hold 1..2"):
+        graphs.run(decode_inputs(seqs, h))
+    wide = decode_inputs(seqs[:1], h)
+    wide.block_table = torch.zeros(1, graphs.max_blocks + 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"block_table has shape \(1, 5\)"):
+        graphs.run(wide)
+    assert graphs.replays == 0 and torch.equal(graphs.block_table, table)
+    assert all(torch.equal(x, y) for x, y in zip(before, h.caches.kv.values()))
+    h.caches.kv[0] = h.caches.kv[0].clone()  # a pool reallocated behind the graphs' back
+    with pytest.raises(RuntimeError, match="reallocated"):
+        graphs.run(decode_inputs(seqs[:1], h))
+
+
+def test_modes_refused_where_they_cannot_work(models, monkeypatch):
+    model = models("llama")
+    h = Harness(model, seed=3)
+    with pytest.raises(ValueError, match="CUDA device; it is on cpu"):
+        DecodeGraphs(model, h.caches, max_num_seqs=2, max_model_len=64, block_size=16, mode="cuda")
+    with pytest.raises(ValueError, match="mode 'eager'"):
+        DecodeGraphs(model, h.caches, max_num_seqs=2, max_model_len=64, block_size=16, mode="eager")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        DecodeGraphs(model, h.caches, max_num_seqs=2, max_model_len=64, block_size=16, mode="dry_run")
