@@ -51,17 +51,18 @@ def write_kv(k, v, kv_cache, slot_mapping, plan_cache=None):
 def causal_conv1d(x, conv_state, weight, bias, query_start_loc, slot_idx, has_initial_state,
                   activation="silu"):
     """Varlen prefill conv. x [T, dim], conv_state [S, dim, k-1], weight [dim, k] -> [T, dim]."""
-    from .conv1d_ref import causal_conv1d_ref
+    from .causal_conv_cpu import causal_conv1d_cpu  # packed torch path; conv1d_ref is the spec
 
-    fn = _pick(x, causal_conv1d_ref, "causal_conv1d_triton", "conv1d")
+    fn = _pick(x, causal_conv1d_cpu, "causal_conv1d_triton", "conv1d")
+    x = x if fn is causal_conv1d_cpu else x.contiguous()  # the torch path takes strided columns
     return fn(x, conv_state, weight, bias, query_start_loc, slot_idx, has_initial_state, activation)
 
 
 def conv1d_update(x, conv_state, weight, bias, slot_idx, activation="silu"):
     """Decode conv, one token per request. x [B, dim] -> [B, dim]; conv_state updated in place."""
-    from .conv1d_ref import conv1d_update_ref
+    from .causal_conv_cpu import conv1d_update_cpu  # in-place torch path; conv1d_ref is the spec
 
-    fn = _pick(x, conv1d_update_ref, "conv1d_update_triton", "conv1d")
+    fn = _pick(x, conv1d_update_cpu, "conv1d_update_triton", "conv1d")
     return fn(x, conv_state, weight, bias, slot_idx, activation)
 
 

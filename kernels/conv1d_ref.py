@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .slot_rows import slot_range
 from .varlen import request_spans
 
 
@@ -56,29 +55,17 @@ def conv1d_update_ref(x, conv_state, weight, bias, slot_idx, activation="silu"):
     """One decode token per request. x [B, dim]; conv_state [S, dim, k-1] (updated in place);
     weight [dim, k]; bias [dim] or None; slot_idx [B]. Returns [B, dim] in x.dtype.
 
-    The windows are shifted where they live when the slots form one range (see slot_rows), else
-    gathered once and written back once; the taps are summed oldest first, then the bias.
+    The windows are gathered, extended by x, convolved (taps summed oldest first, then the
+    bias) and the last k-1 columns written back.
     """
     _check(x, conv_state, weight)
     slots = slot_idx.long()
-    k = weight.shape[1]
-    win, order = slot_range(conv_state, slots)
-    in_place = win is not None
-    if not in_place:
-        win = conv_state.index_select(0, slots)  # [B, dim, k-1]
-    elif order is not None:  # requests permuted into slot order, the output permuted back below
-        x = x.index_select(0, order)
+    full = torch.cat([conv_state[slots].float(), x.float()[:, :, None]], dim=2)  # [B, dim, k]
     w = weight.float()
-    y = x.float() * w[:, k - 1] if k == 1 else win[:, :, 0].float() * w[:, 0]
-    for j in range(1, k):
-        y.addcmul_(win[:, :, j].float() if j < k - 1 else x.float(), w[:, j])
+    y = full[:, :, 0] * w[:, 0]
+    for j in range(1, weight.shape[1]):
+        y = y + full[:, :, j] * w[:, j]
     if bias is not None:
-        y.add_(bias.float())
-    for j in range(k - 2):  # the window moves left by one, column by column (no overlapping copy)
-        win[:, :, j].copy_(win[:, :, j + 1])
-    if k > 1:
-        win[:, :, k - 2].copy_(x)
-    if not in_place:
-        conv_state.index_copy_(0, slots, win)
-    y = _act(y, activation).to(x.dtype)
-    return y if order is None else torch.empty_like(y).index_copy_(0, order, y)
+        y = y + bias.float()
+    conv_state[slots] = full[:, :, 1:].to(conv_state.dtype)
+    return _act(y, activation).to(x.dtype)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .mamba2_ref import _discretize_dt, _gate, mamba2_chunk_scan_ref
-from .slot_rows import slot_range
+from .slot_rows import update_slot_rows
 from .varlen import check_positions_arg, request_spans
 
 
@@ -90,11 +90,11 @@ def mamba2_state_update_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, 
                             dt_limit=None):
     """Same contract as `mamba2_ref.mamba2_state_update_ref`, updating the slots where they live.
 
-    When the slots form one contiguous range (in any order) the state rows are a view of the
-    pool: decayed in place, the outer product x B^T added by one broadcast multiply-add, read
-    out by one row-times-matrix product per (request, group) with C: three passes, no copy.
-    Otherwise the rows are gathered once, updated the same way and written back once. Heads of
-    one group share B and C rows (broadcast, never repeated).
+    Over each run of consecutive slots (see slot_rows.py) the state rows are a view of the pool:
+    decayed in place, the outer product x B^T added by one broadcast multiply-add, and read out
+    with the D skip by one `baddbmm` per run (C as a row times h^T: torch's one-column matmul is
+    ~9x slower than this row form on CPU): three passes over the state, no copy. Heads of one
+    group share B and C rows (broadcast, never repeated).
     """
     slots = slot_idx.long()
     nb, H, P = x.shape
@@ -102,23 +102,16 @@ def mamba2_state_update_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, 
     hpg = H // G
     dt = _discretize_dt(dt, dt_bias, dt_softplus, dt_limit)  # [nb, H] fp32
     dA = torch.exp(dt * A.float())
-    xdt = x.float() * dt[..., None]  # [nb, H, P]
-    Bf, Cf = B.float(), C.float()  # may be strided slices of the mixer's projection: reshape
-    h, order = slot_range(ssm_state, slots) if ssm_state.dtype == torch.float32 else (None, None)
-    in_place = h is not None  # a half-precision pool is updated in fp32 on a copy
-    if not in_place:
-        h = ssm_state.index_select(0, slots)
-        h = h.float() if h.dtype != torch.float32 else h
-    elif order is not None:  # requests permuted into slot order, results permuted back below
-        dA, xdt, Bf, Cf = dA[order], xdt[order], Bf[order], Cf[order]
-    h.mul_(dA[..., None, None])
-    hg = h.view(nb, G, hpg * P, N)
-    hg.view(nb, G, hpg, P, N).addcmul_(xdt.view(nb, G, hpg, P, 1), Bf.reshape(nb, G, 1, 1, N))
-    # C as a row times h^T: torch's one-column matmul is ~9x slower than this row form on CPU
-    y = torch.bmm(Cf.reshape(nb * G, 1, N), hg.view(nb * G, hpg * P, N).transpose(1, 2))
-    y = y.view(nb, H, P)
-    if not in_place:
-        ssm_state.index_copy_(0, slots, h.to(ssm_state.dtype))
-    elif order is not None:
-        y = torch.empty_like(y).index_copy_(0, order, y)
-    return _gate(y, x, D, z).to(x.dtype)
+    xf = x.float()
+    xdt = xf * dt[..., None]  # [nb, H, P]
+    skip = xf * D.float()[:, None] if D is not None else torch.zeros_like(xf)
+
+    def update(h, dA, xdt, Bf, Cf, skip):
+        n = h.shape[0]
+        h.mul_(dA[..., None, None])
+        h.view(n, G, hpg, P, N).addcmul_(xdt.view(n, G, hpg, P, 1), Bf.reshape(n, G, 1, 1, N))
+        return torch.baddbmm(skip.reshape(n * G, 1, hpg * P), Cf.reshape(n * G, 1, N),
+                             h.view(n * G, hpg * P, N).transpose(1, 2)).view(n, H, P)
+
+    y = update_slot_rows(ssm_state, slots, (dA, xdt, B.float(), C.float(), skip), update)
+    return _gate(y, x, None, z).to(x.dtype)

@@ -94,7 +94,7 @@ class Mamba2Mixer(nn.Module):
         proj = self.in_proj(hidden * self.in_multiplier if self.in_multiplier != 1.0 else hidden)
         if self.zxbcdt_multipliers is not None:
             proj = proj * self._mup_vector(proj)
-        z, xbc, dt = proj.split([self.d_inner, self.conv_dim, self.num_heads], -1)
+        z = proj[:, :self.d_inner]
         weight = self.conv1d.weight.squeeze(1)  # [conv_dim, k]
         A = -torch.exp(self.A_log.float())
         G, N, H, P = self.n_groups, self.d_state, self.num_heads, self.head_dim
@@ -114,7 +114,7 @@ class Mamba2Mixer(nn.Module):
 
         def prefill(rows, sp):
             xbc_r, dt_r = rows[:, :self.conv_dim], rows[:, self.conv_dim:]
-            xbc_r = causal_conv1d(xbc_r.contiguous(), conv_state, weight, self.conv1d.bias,
+            xbc_r = causal_conv1d(xbc_r, conv_state, weight, self.conv1d.bias,
                                   sp.prefill_qsl, sp.prefill_slots, sp.prefill_has_init)
             x, B, C = ssm_inputs(xbc_r)
             y = mamba2_chunk_scan(ssm_state, x, dt_r, A, B, C, self.D, None, self.dt_bias,
@@ -123,6 +123,7 @@ class Mamba2Mixer(nn.Module):
                                   dt_limit=self.dt_limit)
             return y.reshape(-1, self.d_inner)
 
-        y = split.run(torch.cat([xbc, dt], -1), decode, prefill, out_dim=self.d_inner)
+        # xBC and dt are adjacent columns of proj: one view, no copy
+        y = split.run(proj[:, self.d_inner:], decode, prefill, out_dim=self.d_inner)
         y = self.norm(y, z) if self.norm is not None else y * F.silu(z)
         return self.out_proj(y.to(hidden.dtype))
