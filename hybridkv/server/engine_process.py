@@ -1,9 +1,10 @@
 """One data-parallel replica: a process that owns an `LLM` and its engine loop, driven over a pipe.
 
-    process = ctx.Process(target=replica_main, args=(index, child_conn, model, llm_kwargs, interval, level))
+    process = ctx.Process(target=replica_main, args=(index, child_conn, model, llm_kwargs, interval, level, group))
 
-The process builds its own `LLM` (which sets torch's threads as hybridkv/cpu_threads.py says)
-and runs `AsyncLLM`'s engine thread unchanged; what differs is where a request's news goes: to
+The process builds its own `LLM` (which sets torch's threads as hybridkv/cpu_threads.py says),
+joins the replicas' gloo group when given one (replica_group.py: moved snapshots travel through
+it rank to rank), and runs `AsyncLLM`'s engine thread unchanged; what differs is where a request's news goes: to
 the pipe, tagged with the request id, instead of an asyncio queue. The main thread of the
 process reads commands from the pipe; each runs on the engine thread between two steps and
 answers `("reply", call_id, ok, value)`. Messages in (parent -> replica):
@@ -12,8 +13,13 @@ answers `("reply", call_id, ok, value)`. Messages in (parent -> replica):
     ("abort", request_id)                         no answer
     ("probe", cid, token_ids, cache_salt)      -> ReplicaProbe (hit tokens, load); changes nothing
     ("stats", cid)                              -> LLM.stats()
-    ("export", cid, k)                          -> [MovedRequest]: up to k running requests leave
+    ("export", cid, k, waiting, dst)            -> [MovedRequest]: up to k requests leave: running ones
+                                                   (dst: the gloo rank their tensors go to, None: in
+                                                   the message), or waiting ones that no cached
+                                                   prefix holds here (as tokens)
     ("import", cid, MovedRequest)               -> None: the request continues here
+    ("forget", [request_id])                    no answer: moved requests settled, drop their copies
+    ("exit_on_next_add",)                       no answer: a test hook, the process dies at its next add
     ("close",)
 and out: ("ready", ReplicaFacts) | ("failed", message) once, then ("news", request_id, StepNews
 | EngineDeadError) and replies. The process exits when its engine dies or the parent goes away,
@@ -23,12 +29,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import traceback
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from .async_llm import AsyncLLM, _Stream
+from .replica_group import PendingSend, ReplicaGroup, SnapshotHeader
 
 log = logging.getLogger("hybridkv.replica")
 _DEAD_POLL_S = 0.5  # how often an idle replica checks that its engine thread still runs
@@ -61,11 +69,12 @@ class ReplicaProbe:
 
 @dataclass
 class MovedRequest:
-    """A running request in transit between replicas: its snapshot bytes (snapshot_io) and how
-    many tokens per sequence its client has been sent, so the new replica posts only new ones."""
+    """A request in transit between replicas: its snapshot (bytes from snapshot_io, or the header
+    of tensors sent over the gloo group) and how many tokens per sequence its client has been
+    sent, so the new replica posts only new ones."""
 
     request_id: str
-    snapshot: bytes
+    snapshot: Union[bytes, SnapshotHeader]
     sent: dict[int, int]
     prompt_logged: bool
 
@@ -87,8 +96,9 @@ class _PipeSink:
 class ReplicaEngine(AsyncLLM):
     """AsyncLLM whose streams are pipe sinks, plus the verbs a replica answers (engine thread)."""
 
-    def __init__(self, llm, send, log_stats_interval: float):
-        self._send = send
+    def __init__(self, llm, send, log_stats_interval: float, group: Optional[ReplicaGroup] = None):
+        self._send, self.group = send, group
+        self._outbox: dict[str, tuple[Any, Optional[PendingSend]]] = {}  # exported, not yet settled
         super().__init__(llm, log_stats_interval)
 
     def add(self, llm, rid, ids, params, priority, cache_salt) -> None:
@@ -103,29 +113,51 @@ class ReplicaEngine(AsyncLLM):
                             sum(len(s.token_ids) for s in queued), len(sched.running),
                             len(sched.waiting) + len(sched.swapped), sched.max_seqs)
 
-    def export_running(self, llm, k: int) -> list[MovedRequest]:
-        """Up to k running single-sequence requests (most tokens left first) leave this engine."""
+    def export(self, llm, k: int, waiting: bool, dst: Optional[int]) -> list[MovedRequest]:
+        """Up to k single-sequence requests leave this engine: running ones (most tokens left
+        first; their tensors go to gloo rank `dst`, or in the message when None), or waiting ones
+        that no cached prefix here holds (they lose nothing by leaving; they move as tokens)."""
         from hybridkv.scheduler.snapshot_io import snapshot_to_bytes
 
-        groups = llm.engine.groups
-        movable = [s for s in llm.engine.scheduler.running
+        groups, sched = llm.engine.groups, llm.engine.scheduler
+        movable = [s for s in (sched.waiting if waiting else sched.running)
                    if isinstance(s.request_id, str) and s.request_id in self._streams
                    and len(groups[s.request_id].seqs) == 1 and not s.finished]
-        movable.sort(key=lambda s: len(s.token_ids) - s.num_prompt_tokens - s.max_tokens)
+        if waiting:
+            movable = [s for s in movable if llm.manager.usable_prefix_tokens(s.token_ids, s.cache_salt) == 0]
+        else:
+            movable.sort(key=lambda s: len(s.token_ids) - s.num_prompt_tokens - s.max_tokens)
         moved = []
         for seq in movable[:k]:
             rid = seq.request_id
             snap = llm.export_request(rid)
             stream = self._streams.pop(rid)
-            moved.append(MovedRequest(rid, snapshot_to_bytes(snap), dict(stream.sent), stream.prompt_logged))
+            if dst is None or self.group is None:
+                sending, wire = None, snapshot_to_bytes(snap)
+            else:
+                wire, sending = self.group.send_snapshot(snap, dst)
+            self._outbox[rid] = (snap, sending)  # imported back here if the destination fails
+            moved.append(MovedRequest(rid, wire, dict(stream.sent), stream.prompt_logged))
         return moved
+
+    def forget(self, request_ids) -> None:
+        """Moved requests settled: drop their copies once their tensors left (main thread)."""
+        for rid in request_ids:
+            _, sending = self._outbox.pop(rid, (None, None))
+            if sending is not None:
+                sending.wait()
 
     def import_moved(self, llm, moved: MovedRequest) -> None:
         """Continue `moved` here; if the pools cannot take its KV and state now, it comes as tokens
         and is recomputed (never refused for lack of room)."""
         from hybridkv.scheduler.snapshot_io import snapshot_from_bytes
 
-        snap = snapshot_from_bytes(moved.snapshot)
+        wire = moved.snapshot
+        if isinstance(wire, SnapshotHeader):  # receive first: the next header's tensors follow these
+            snap = (self._outbox[moved.request_id][0] if wire.src == self.group.rank
+                    else self.group.recv_snapshot(wire))
+        else:
+            snap = snapshot_from_bytes(wire)
         try:
             llm.import_request(snap)
         except RuntimeError:
@@ -135,11 +167,10 @@ class ReplicaEngine(AsyncLLM):
 
 
 def replica_main(index: int, conn, model: str, llm_kwargs: dict, log_stats_interval: float,
-                 log_level: int = logging.WARNING) -> None:
+                 log_level: int = logging.WARNING, group: Optional[tuple] = None) -> None:
     """The body of replica process `index` (multiprocessing spawn target); logs at the parent's
-    level, each line tagged with the replica."""
-    import os
-
+    level, each line tagged with the replica. `group`: (store port, world size, join timeout,
+    receive timeout) of the replicas' gloo group to join as rank `index`, or None."""
     from hybridkv.llm import LLM
 
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s replica {index} %(name)s: %(message)s")
@@ -158,8 +189,13 @@ def replica_main(index: int, conn, model: str, llm_kwargs: dict, log_stats_inter
     except BaseException as e:
         send(("failed", f"replica {index} could not build its LLM: {e}\n{traceback.format_exc()}"))
         return
+    try:
+        peers = None if group is None else ReplicaGroup.join(group[0], index, *group[1:])
+    except BaseException as e:
+        send(("failed", f"replica {index} could not join the replicas' gloo group on 127.0.0.1:{group[0]}: {e}"))
+        return
     s = llm.stats()
-    engine = ReplicaEngine(llm, send, log_stats_interval)
+    engine = ReplicaEngine(llm, send, log_stats_interval, peers)
     send(("ready", ReplicaFacts(llm.get_tokenizer(), getattr(llm.model, "max_model_len", None),
                                 getattr(llm.model, "generation_defaults", None), llm.config.max_num_seqs,
                                 s["kv_blocks_total"], s["state_slots_total"], os.getpid())))
@@ -180,8 +216,9 @@ def _serve(engine: ReplicaEngine, conn, send) -> None:
     verbs = {"add": lambda a: lambda llm: engine.add(llm, a[2], a[0], a[1], a[3], a[4]),
              "probe": lambda a: lambda llm: engine.probe(llm, a[0], a[1]),
              "stats": lambda a: lambda llm: llm.stats(),
-             "export": lambda a: lambda llm: engine.export_running(llm, a[0]),
+             "export": lambda a: lambda llm: engine.export(llm, a[0], a[1], a[2]),
              "import": lambda a: lambda llm: engine.import_moved(llm, a[0])}
+    exit_on_next_add = False
     while engine.dead is None:
         try:
             if not conn.poll(_DEAD_POLL_S):
@@ -195,6 +232,14 @@ def _serve(engine: ReplicaEngine, conn, send) -> None:
         if verb == "abort":
             engine.abort(msg[1])
             continue
+        if verb == "forget":
+            engine.forget(msg[1])
+            continue
+        if verb == "exit_on_next_add":
+            exit_on_next_add = True
+            continue
+        if verb == "add" and exit_on_next_add:
+            os._exit(3)  # as a crash would: no reply, the pipe closes
         cid = msg[1]
         fut = engine.submit(verbs[verb](msg[2:]))
         fut.add_done_callback(lambda f, cid=cid: reply(cid, f))

@@ -1,6 +1,6 @@
 """`ReplicaSet`: N spawned engine processes (engine_process.py), their pipes, and calls to them.
 
-    replicas = ReplicaSet(model, 2, llm_kwargs, log_stats_interval, on_news=..., on_death=...)
+    replicas = ReplicaSet(model, 2, llm_kwargs, log_stats_interval, on_news=..., on_death=..., gloo=True)
     replicas.call(i, "stats").result(timeout)   # a Future of replica i's answer
     replicas.send(i, ("abort", rid))             # no answer
     replicas.alive() -> [i, ...];  replicas.dead -> {i: why};  replicas.close()
@@ -8,7 +8,9 @@
 One reader thread per replica takes what comes up its pipe: a reply resolves its Future, news
 goes to `on_news(request_id, news)`. When the pipe closes (the process died, or its engine stopped
 and it exited) the replica is marked dead, its unanswered calls fail with EngineDeadError naming
-it and its exit code, and `on_death(i, why)` runs. Knows nothing of requests.
+it and its exit code, and `on_death(i, why)` runs. Knows nothing of requests. With `gloo`, this
+process serves a TCPStore on 127.0.0.1 (a free port) where the replicas meet to join one gloo
+group, replica i as rank i (replica_group.py).
 """
 from __future__ import annotations
 
@@ -21,22 +23,28 @@ from typing import Callable
 
 from .async_llm import EngineDeadError
 from .engine_process import ReplicaFacts, replica_main
+from .replica_group import host_store
 
 log = logging.getLogger("hybridkv.replicas")
 
 
 class ReplicaSet:
-    """`size` processes each serving `LLM(model, **llm_kwargs)`; `startup_timeout` bounds the build."""
+    """`size` processes each serving `LLM(model, **llm_kwargs)`; `startup_timeout` bounds the build;
+    `gloo`: the replicas join one gloo group, whose receives `call_timeout` bounds."""
 
     def __init__(self, model: str, size: int, llm_kwargs: dict, log_stats_interval: float,
-                 on_news: Callable, on_death: Callable, startup_timeout: float = 600.0):
+                 on_news: Callable, on_death: Callable, startup_timeout: float = 600.0, gloo: bool = False,
+                 call_timeout: float = 60.0):
         self.size, self._on_news, self._on_death = size, on_news, on_death
         ctx = mp.get_context("spawn")  # a forked child would inherit torch's threads and locks
+        self.gloo = gloo
+        self._store = host_store(startup_timeout) if gloo else None
+        group = None if self._store is None else (self._store.port, size, startup_timeout, call_timeout)
         self._conns, self._procs = [], []
         for i in range(size):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=replica_main, args=(i, child, model, llm_kwargs, log_stats_interval,
-                                                       logging.getLogger().getEffectiveLevel()),
+                                                       logging.getLogger().getEffectiveLevel(), group),
                             name=f"hybridkv-replica-{i}", daemon=True)
             p.start()
             child.close()  # only the child holds its end: its death closes the pipe here

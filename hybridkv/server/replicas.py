@@ -7,10 +7,13 @@
 Each replica is a spawned process running its own LLM and engine loop (engine_process.py); a
 pipe carries commands one way and request news the other (replica_set.py); here the news goes
 to the caller's event loop. A new request goes where `PrefixRouter` says (the longest
-usable cached prefix, asked of every replica, else the least loaded). A balancer thread moves
-running requests, KV and state, from a replica with requests waiting to an idle one (snapshot
-bytes over the pipes); the client's stream goes on from the next token. A replica whose pipe
-closes (its process died) fails its requests with EngineDeadError naming it; the rest serve on.
+usable cached prefix, asked of every replica, else the least loaded). A balancer thread
+relieves a replica with requests waiting: waiting requests that no cached prefix holds there
+move as tokens to a replica with free seats; then running requests, KV and state, move to an
+idle one (tensors rank to rank over the replicas' gloo group, or snapshot bytes in the pipe);
+the client's stream goes on from the next token. An add whose replica dies meanwhile goes to the
+next best live one. A replica whose pipe closes (its process died) fails its requests with
+EngineDeadError naming it; the rest serve on.
 """
 from __future__ import annotations
 
@@ -40,14 +43,20 @@ class DataParallelLLM:
 
     `balance_interval` seconds between two looks for an overloaded and an idle replica (0 turns
     migration off); `call_timeout` bounds every wait on a replica; `startup_timeout` the build.
+    `migration_transport`: how a running request's KV and state move, "gloo" (tensors rank to
+    rank over the replicas' gloo group, the pipe carries a header) or "pipe" (snapshot bytes in
+    the pipe message); `transport` can be changed later between the two when the group exists.
     """
 
     def __init__(self, model: str, data_parallel_size: int, log_stats_interval: float = 10.0,
                  balance_interval: float = 0.05, call_timeout: float = 60.0, startup_timeout: float = 600.0,
-                 **llm_kwargs):
+                 migration_transport: str = "gloo", **llm_kwargs):
         if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size={data_parallel_size!r}: give an integer >= 1")
-        self.size, self.call_timeout = data_parallel_size, call_timeout
+        if migration_transport not in ("gloo", "pipe"):
+            raise ValueError(f"migration_transport={migration_transport!r}: give 'gloo' or 'pipe'")
+        self.size, self.call_timeout, self.transport = data_parallel_size, call_timeout, migration_transport
+        self.moves = {"running": 0, "waiting": 0}  # requests moved by the balancer, by what they were
         self._lock = threading.Lock()  # streams, router, requests in transit
         self._streams: dict[str, _Stream] = {}
         self._moving: set[str] = set()      # may be in transit between replicas: aborts wait
@@ -55,7 +64,9 @@ class DataParallelLLM:
         self._waited: set[int] = set()      # replicas with requests waiting at the last balancer look
         self.router = PrefixRouter(data_parallel_size, int(llm_kwargs.get("block_size", 16)))
         self.replicas = ReplicaSet(model, data_parallel_size, llm_kwargs, log_stats_interval, self._deliver,
-                                   self._replica_died, startup_timeout)
+                                   self._replica_died, startup_timeout,
+                                   gloo=migration_transport == "gloo" and data_parallel_size > 1,
+                                   call_timeout=call_timeout)
         self.facts: list[ReplicaFacts] = self.replicas.facts
         f = self.facts[0]
         self.tokenizer = f.tokenizer
@@ -186,7 +197,7 @@ class DataParallelLLM:
         for rid, stream in streams:
             _post(stream, EngineDeadError(f"request {rid}: {why}"))
 
-    # ---- the balancer: running requests move from a replica with a queue to an idle one ---------
+    # ---- the balancer: queued requests move to a replica with room, running ones to an idle one --
     def _balance_loop(self, interval: float) -> None:
         while not self.replicas.closing.wait(interval):
             with self._lock:
@@ -199,11 +210,13 @@ class DataParallelLLM:
                 log.debug("balancing skipped", exc_info=True)
 
     def balance_once(self) -> int:
-        """Move running requests from each replica with requests waiting to a replica with none
-        running or waiting; returns how many moved."""
+        """From each overloaded replica (requests waiting), first move waiting requests that no
+        cached prefix holds there (nothing to carry) to replicas with free seats, then running
+        requests (KV and state) to a replica with none running or waiting; returns how many moved."""
         alive = self.replicas.alive()
         futs = {i: self.replicas.call(i, "probe", [], None) for i in alive}
         probes = {i: f.result(self.call_timeout) for i, f in futs.items()}
+        room = {i: probes[i].max_num_seqs - probes[i].running - probes[i].waiting for i in alive}
         idle = [i for i in alive if probes[i].running == 0 and probes[i].waiting == 0]
         # overloaded: a queue that a full batch blocks, or one that outlived a look (not a one-step
         # burst wait for a shared prefix, which moving the leader would spoil)
@@ -211,23 +224,34 @@ class DataParallelLLM:
         moved = 0
         for a in alive:
             pa = probes[a]
-            if not pa.waiting or not idle or (pa.running < pa.max_num_seqs and a not in waited):
+            if not pa.waiting or (pa.running < pa.max_num_seqs and a not in waited):
                 continue
-            b = idle.pop(0)
-            k = min(pa.waiting, pa.running, probes[b].max_num_seqs)
-            if k > 0:
-                moved += self._migrate(a, b, k)
+            left = pa.waiting
+            for b in sorted((i for i in alive if i != a and room[i] > 0), key=lambda i: -room[i]):
+                n = self._migrate(a, b, min(left, room[b]), waiting=True)
+                left, room[b], moved = left - n, room[b] - n, moved + n
+                if n and b in idle:
+                    idle.remove(b)
+                if not left or n == 0:  # all moved, or the rest hit a cached prefix on a: they stay
+                    break
+            if left and idle:
+                b = idle.pop(0)
+                k = min(left, pa.running, probes[b].max_num_seqs)
+                if k > 0:
+                    moved += self._migrate(a, b, k)
         return moved
 
-    def _migrate(self, a: int, b: int, k: int) -> int:
-        """Export up to k running requests of replica a and continue them on b (back on a if b
-        refuses; failed with a clear error if neither can). An abort that comes meanwhile is
-        held and sent where the request lands."""
+    def _migrate(self, a: int, b: int, k: int, waiting: bool = False) -> int:
+        """Export up to k requests of replica a (running ones, or `waiting` ones that no cached
+        prefix holds there) and continue them on b (back on a if b refuses; failed with a clear
+        error if neither can). An abort that comes meanwhile is held and sent where the request
+        lands. Running requests' tensors go as `self.transport` says."""
         with self._lock:  # any of a's requests may leave: aborts wait until we know where it is
             candidates = {rid for rid in self._streams if self.router.replica_of(rid) == a}
             self._moving |= candidates
+        rank = b if self.transport == "gloo" and not waiting and self.replicas.gloo else None
         try:
-            out = self.replicas.call(a, "export", k).result(self.call_timeout)
+            out = self.replicas.call(a, "export", k, waiting, rank).result(self.call_timeout)
         except Exception as e:
             log.warning("replica %d could not export requests: %s", a, e)
             out = []
@@ -243,6 +267,9 @@ class DataParallelLLM:
                 except Exception as e:
                     log.warning("request %s could not move to replica %d: %s", m.request_id, dst, e)
             self._settle(m.request_id, landed)
+        if out:
+            self.replicas.send(a, ("forget", [m.request_id for m in out]))
+            self.moves["waiting" if waiting else "running"] += len(out)
         return len(out)
 
     def _settle(self, rid: str, replica: Optional[int]) -> None:

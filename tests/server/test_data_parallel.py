@@ -1,6 +1,8 @@
 """Data-parallel replicas (server/replicas.py): two engine processes answer as one engine does, a
 shared prefix is routed to the replica that caches it, an imbalance migrates running requests
-without losing a token, and a killed replica fails its requests (no hang) while the other serves.
+(over gloo and over the pipe) without losing a token, waiting requests move to free seats, an add
+whose replica dies goes to the other, and a killed replica fails its requests (no hang) while the
+other serves.
 
 The oracle is one offline `LLM` of the same checkpoint (greedy and seeded sampling are the same
 on any engine); the server test drives a real `hybridkv serve --data-parallel-size 2` process
@@ -22,6 +24,7 @@ import httpx
 import pytest
 
 from hybridkv import LLM, SamplingParams
+from hybridkv.server.async_llm import EngineDeadError
 from hybridkv.server.replicas import DataParallelLLM
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,6 +39,7 @@ def one_engine(checkpoints):
 
 @pytest.fixture(scope="module")
 def dp(checkpoints):
+    """Shared by the tests below in file order; the last one that uses it kills both replicas."""
     engine = DataParallelLLM(str(checkpoints["plain"]), 2, log_stats_interval=0, startup_timeout=240, **KW)
     yield engine
     engine.close()
@@ -103,23 +107,48 @@ def test_shared_prefix_lands_on_one_replica_with_one_engines_hit_rate(dp, one_en
     assert hits / sum(queried) >= one_rate, (hits, sum(queried), one_rate)
 
 
-def test_imbalance_migrates_running_requests_without_losing_a_token(dp, one_engine):
+@pytest.mark.parametrize("transport", ["gloo", "pipe"])
+def test_imbalance_migrates_running_requests_without_losing_a_token(dp, one_engine, transport):
     """A cached prefix sends 4 requests to one replica that runs 2 at a time while the other idles:
-    running requests move (KV and state) and every stream equals the offline output, once each."""
-    prompts = _prompts(3, 5, prefix_len=64)
+    running requests move (KV and state, tensors over gloo or bytes in the pipe; the waiting ones
+    stay for their cached prefix) and every stream equals the offline output, once each."""
+    prompts = _prompts(3 if transport == "gloo" else 13, 5, prefix_len=64)
     warm = SamplingParams(max_tokens=2, temperature=0.0)
-    _run(dp, prompts[:1], [warm], "warm")
+    dp.transport = transport
+    _run(dp, prompts[:1], [warm], f"warm-{transport}")
     params = [SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=48, temperature=0.8, seed=7, ignore_eos=True),
               SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)]
-    before = _stats(dp)["migrations"]
-    got = _run(dp, prompts[1:], params, "move")
+    before, moves = _stats(dp)["migrations"], dict(dp.moves)
+    got = _run(dp, prompts[1:], params, f"move-{transport}")
     after = _stats(dp)["migrations"]
     assert after["out"] > before["out"] and after["in"] - before["in"] == after["out"] - before["out"], (before, after)
+    assert dp.moves["running"] > moves["running"], (moves, dp.moves)
     ref = _offline(one_engine, prompts[1:], params)
     for (tokens, deltas), want, p in zip(got, ref, params):
         assert tokens == want and len(tokens) == p.max_tokens
+
+
+def test_waiting_requests_move_to_a_replica_with_free_seats(dp, one_engine):
+    """Four uncached prompts all routed to replica 0 (replica 1's load biased up), which runs 2 at a
+    time: waiting requests move as tokens to replica 1 and every stream equals the offline output."""
+    prompts = _prompts(7, 4)  # 12 tokens: under one block, so no cached prefix can hold them
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True) if i % 2 else
+              SamplingParams(max_tokens=24, temperature=0.8, seed=11 + i, ignore_eos=True) for i in range(4)]
+    before, moves = _stats(dp)["replicas"], dict(dp.moves)
+    with dp._lock:
+        dp.router.load[1] += 10 ** 6
+    try:
+        got = _run(dp, prompts, params, "queued")
+    finally:
+        with dp._lock:
+            dp.router.load[1] -= 10 ** 6
+    after = _stats(dp)["replicas"]
+    assert dp.moves["waiting"] > moves["waiting"], (moves, dp.moves)
+    served = [a["generated_tokens"] - b["generated_tokens"] for a, b in zip(after, before)]
+    assert served[1] > 0 and sum(served) == 4 * 24, served
+    assert [g[0] for g in got] == _offline(one_engine, prompts, params)
 
 
 def test_bad_input_is_refused_and_nothing_stays(dp):
@@ -131,6 +160,8 @@ def test_bad_input_is_refused_and_nothing_stays(dp):
         asyncio.run(asyncio.wait_for(bad(), WAIT_S))
     with pytest.raises(ValueError, match="data_parallel_size=0"):
         DataParallelLLM("unused", 0)
+    with pytest.raises(ValueError, match="migration_transport='nccl': give 'gloo' or 'pipe'"):
+        DataParallelLLM("unused", 2, migration_transport="nccl")
     s = _stats(dp)
     assert s["running"] == 0 and s["waiting"] == 0 and not dp._streams
 
@@ -151,6 +182,24 @@ def test_leaving_a_stream_early_aborts_it_on_its_replica(dp):
         assert time.monotonic() < deadline, f"the request still runs after its caller left: {s}"
         time.sleep(0.05)
     assert not dp._streams
+
+
+def test_an_add_whose_replica_dies_goes_to_the_other_then_fails_clearly_when_none_is_left(dp, one_engine):
+    """The last test on `dp`: it kills both replicas. Replica 0, the router's choice (no load, no
+    cached prefix), exits at its next add: replica 1 answers as one engine would. Then replica 1
+    exits the same way: a clear error naming both, within the time bound, nothing left behind."""
+    ids, p = _prompts(8, 1)[0], SamplingParams(max_tokens=8, temperature=0.0)
+    assert dp.router.load == [0, 0] and dp.replicas.alive() == [0, 1]
+    dp.replicas.send(0, ("exit_on_next_add",))
+    t0 = time.monotonic()
+    got = _run(dp, [ids], [p], "retry")
+    assert got[0][0] == _offline(one_engine, [ids], [p])[0]
+    assert dp.replicas.alive() == [1] and "replica 0" in dp.dead and "exit code 3" in dp.dead, dp.dead
+    dp.replicas.send(1, ("exit_on_next_add",))
+    with pytest.raises(EngineDeadError, match="(?s)no data-parallel replica is running: .*replica 0.*replica 1"):
+        _run(dp, [ids], [p], "none-left")
+    assert time.monotonic() - t0 < WAIT_S
+    assert dp.replicas.alive() == [] and not dp._streams and dp.router.load == [0, 0]
 
 
 # ---- a real `hybridkv serve --data-parallel-size 2` ---------------------------------------------
