@@ -134,6 +134,8 @@ def test_bad_batches_are_refused_and_change_nothing(models):
     h = Harness(model, seed=3)
     seqs = [h.add([5, 6, 7]) for _ in range(3)]
     h.prefill(seqs)
+    for s in seqs:
+        s.tokens.append(9)
     graphs = DecodeGraphs(model, h.caches, max_num_seqs=2, max_model_len=64, block_size=h.bs,
                           mode="dry_run")
     with pytest.raises(RuntimeError, match="capture"):
