@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from hybridkv.checkpoint_policy import DEFAULT_POLICY
 from hybridkv.eviction import DEFAULT_EVICTION
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
+CUDA_GRAPH_MODES = (False, True, "dry_run")
 
 
 @dataclass
@@ -15,7 +16,9 @@ class EngineConfig:
     """block_size: tokens per KV block. max_num_batched_tokens: token budget per step (chunked
     prefill cuts prompts to fit). max_num_seqs: cap on running sequences. memory_budget_bytes:
     bytes for KV blocks + state slots (None: derived from gpu_memory_utilization on a GPU, 1 GiB on
-    a CPU). checkpoint_share: share of the budget for prefix-cache state checkpoints."""
+    a CPU). checkpoint_share: share of the budget for prefix-cache state checkpoints. cuda_graphs:
+    decode steps replay CUDA graphs (decode_graphs.py; never run on a GPU yet, so off by default);
+    "dry_run" (tests) runs that path on a CPU with a direct call in place of capture and replay."""
 
     block_size: int = 16
     max_num_batched_tokens: int = 2048
@@ -30,8 +33,11 @@ class EngineConfig:
     preemption_mode: str = "auto"
     max_model_len: Optional[int] = None
     seed: int = 0
+    cuda_graphs: Union[bool, str] = False
 
     def __post_init__(self) -> None:
+        if self.cuda_graphs not in CUDA_GRAPH_MODES:
+            raise ValueError(f"cuda_graphs={self.cuda_graphs!r}; choose one of {CUDA_GRAPH_MODES}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode={self.preemption_mode!r}; choose one of {PREEMPTION_MODES}")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
