@@ -23,6 +23,8 @@ from hybridkv.outputs import RequestOutput
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.models import load_model
 from hybridkv.scheduler.config import EngineConfig
+from hybridkv.scheduler.decode_graphs import DecodeGraphs
+from hybridkv.scheduler.decode_graphs import check_option as check_graphs_option
 from hybridkv.scheduler.engine import Engine
 from hybridkv.scheduler.preemption import PreemptionPolicy
 from hybridkv.scheduler.profiler import Profile, profile_model
@@ -56,6 +58,8 @@ class LLM:
     checkpoints). docs/design.md and BENCHMARKS.md say what each does.
     `tensor_parallel_size` N > 1 shards the model and its pools over N ranks (this process is rank
     0; hybridkv/parallel/); `close()` stops the other ranks.
+    `cuda_graphs=True` replays decode steps as CUDA graphs (scheduler/decode_graphs.py; off by
+    default: never run on a GPU yet); refused on a CPU ('dry_run' is the tests' CPU stand-in).
     """
 
     def __init__(self, model: str, device: str = "auto", dtype="float32", block_size: int = 16,
@@ -76,6 +80,7 @@ class LLM:
                                    enable_prefix_caching=enable_prefix_caching,
                                    preemption_mode=preemption_mode, max_model_len=max_model_len,
                                    seed=seed, **kwargs)
+        graph_mode = check_graphs_option(self.config.cuda_graphs, device, tensor_parallel_size)
         self.model_path = model
         self.model = load_model(model, device=device, dtype=_dtype(dtype), max_model_len=max_model_len)
         configure_cpu_threads(self.model.device)  # measured default; HYBRIDKV_CPU_THREADS overrides
@@ -104,6 +109,8 @@ class LLM:
         policy = PreemptionPolicy(preemption_mode, specs, block_size, self.profile, enable_prefix_caching)
         scheduler = Scheduler(self.manager, policy, max_num_batched_tokens, max_num_seqs)
         self.engine = Engine(self.model, self.manager, scheduler, seed=seed)
+        if graph_mode is not None:  # decode steps replay graphs (scheduler/decode_graphs.py)
+            self.engine.decode_graphs = DecodeGraphs.for_engine(self.engine, graph_mode)
         self._ids_counter = itertools.count()
         self._parked: list[RequestOutput] = []  # add_request outputs that finished inside generate()
         s = self.engine.stats()

@@ -84,6 +84,34 @@ class DecodeInputs:
     block_table: torch.Tensor
 
 
+    @staticmethod
+    def from_chunks(chunks, manager) -> "DecodeInputs":
+        """The inputs of a step of one-token decode chunks (scheduler.ScheduledChunk) whose
+        requests `manager` (HybridCacheManager) runs."""
+        rids = [c.seq.request_id for c in chunks]
+        return DecodeInputs([c.seq.token_ids[c.start] for c in chunks], [c.start for c in chunks],
+                            [c.slot_mapping[0] for c in chunks], [manager.live_slot(r) for r in rids],
+                            manager.block_table(rids))
+
+
+def check_option(option, device: torch.device, tensor_parallel_size: int = 1) -> Optional[str]:
+    """The DecodeGraphs mode for LLM's `cuda_graphs` option (None: off); ValueError where it
+    cannot work, before anything is built."""
+    if option is False or option is None:
+        return None
+    mode = "cuda" if option is True else option
+    if mode not in MODES:
+        raise ValueError(f"cuda_graphs={option!r}; choose False, True or 'dry_run' (tests)")
+    if mode == "cuda" and torch.device(device).type != "cuda":
+        raise ValueError(f"cuda_graphs=True captures CUDA graphs, but the model runs on "
+                         f"{torch.device(device)}; leave cuda_graphs off on a CPU")
+    if tensor_parallel_size != 1:
+        raise ValueError(f"cuda_graphs with tensor_parallel_size={tensor_parallel_size}: a replay "
+                         f"skips the forward that sends each step to the other ranks; use one or "
+                         f"the other")
+    return mode
+
+
 @dataclass
 class _Bucket:
     batch: ForwardBatch
@@ -137,6 +165,26 @@ class DecodeGraphs:
         self._buckets: dict[int, _Bucket] = {}
         self._pool_ptrs: Optional[tuple[int, ...]] = None
         self.replays = 0
+
+    @classmethod
+    def for_engine(cls, engine, mode: str) -> "DecodeGraphs":
+        """Graphs over a scheduler.Engine's model and pools, captured; ValueError for a model
+        whose attention layers form several KV groups (each would need its own table buffers)."""
+        groups = engine.mgr.attention_groups
+        if len(groups) > 1:
+            raise ValueError(f"cuda_graphs: this model's attention layers form {len(groups)} KV groups "
+                             f"(windows {sorted(groups, key=str)}); decode graphs hold one block "
+                             f"table so far: leave cuda_graphs off for it")
+        graphs = cls(engine.model, engine.caches, engine.scheduler.max_seqs, engine.max_model_len,
+                     engine.mgr.block_size, mode)
+        graphs.capture()
+        return graphs
+
+    def takes(self, chunks, logits_indices) -> bool:
+        """Whether a step of these scheduler chunks replays a graph: every chunk is one token on
+        top of a state, no prompt logprobs are asked, and a bucket holds them."""
+        return (logits_indices is None and self.bucket_for(len(chunks)) is not None
+                and all(c.num_tokens == 1 and c.start > 0 for c in chunks))
 
     # ---- capture ---------------------------------------------------------------------------
     def capture(self) -> None:

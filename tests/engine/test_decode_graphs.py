@@ -166,3 +166,18 @@ def test_modes_refused_where_they_cannot_work(models, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         DecodeGraphs(model, h.caches, max_num_seqs=2, max_model_len=64, block_size=16, mode="dry_run")
+
+
+def test_option_refused_before_loading_where_it_cannot_work(tmp_path):
+    from hybridkv import LLM
+    from hybridkv.cli import llm_kwargs, parser
+
+    assert llm_kwargs(parser().parse_args(["serve", "--cuda-graphs"]))["cuda_graphs"] is True
+    assert llm_kwargs(parser().parse_args(["serve"]))["cuda_graphs"] is False
+    missing = str(tmp_path / "no-checkpoint-here")  # refused before anything looks for it
+    with pytest.raises(ValueError, match="cuda_graphs=True captures CUDA graphs, but the model runs on cpu"):
+        LLM(missing, device="cpu", cuda_graphs=True)
+    with pytest.raises(ValueError, match=r"cuda_graphs='yes'; choose one of \(False, True, 'dry_run'\)"):
+        LLM(missing, device="cpu", cuda_graphs="yes")
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        LLM(missing, device="cpu", cuda_graphs="dry_run", tensor_parallel_size=2)
