@@ -11,6 +11,12 @@
   ranks. Out_proj row-parallel + all-reduce.
 - GDN (Qwen3-Next): key heads split, each with its value heads; conv channels (q | k | v) and the
   state follow; out_proj row-parallel + all-reduce.
+- Mamba1 (Mamba, FalconMamba, Jamba): inner channels split (in_proj's x | z, conv, dt_proj's rows,
+  A, D, conv and SSM state). x_proj is row-parallel over those channels: its output dt | B | C is
+  all-reduced right away, BEFORE the dt / B / C norms (a norm of a partial sum is not the norm of
+  the sum), then every rank holds the full dt | B | C. Out_proj row-parallel + all-reduce.
+- Short conv (LFM2): channels split (in_proj's B | C | x, the depthwise conv and its window);
+  out_proj row-parallel + all-reduce.
 - Embeddings and lm_head are replicated (every rank computes the full logits; rank 0 samples).
 Row-parallel biases stay on rank 0 only (they are added once by the sum).
 Returns each cache layer's CacheShard, so pools can gather and scatter KV and state shards.
@@ -25,15 +31,18 @@ from torch import nn
 from hybridkv.models.attention import PagedAttention
 from hybridkv.models.fused_linear import FusedLinear
 from hybridkv.models.gdn_mixer import GatedDeltaNetMixer
+from hybridkv.models.mamba1_mixer import Mamba1Mixer
 from hybridkv.models.mamba2_mixer import Mamba2Mixer
 from hybridkv.models.mlp import GatedMLP
 from hybridkv.models.moe import SparseMoE
+from hybridkv.models.short_conv import ShortConv
 from hybridkv.specs import AttentionSpec
 
 from .shard_layout import CacheShard, ShardLayout, split_count
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "BambaForCausalLM", "Qwen3NextForCausalLM",
-                           "Mamba2ForCausalLM")
+                           "Mamba2ForCausalLM", "MambaForCausalLM", "FalconMambaForCausalLM",
+                           "JambaForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
 
 
 def check_supported(architecture: str, size: int) -> None:
@@ -77,6 +86,9 @@ def _rebuild_fused(module: nn.Module) -> None:
 
 
 def _reduce_output(module: nn.Module, all_reduce: Callable) -> None:
+    """Sum `module`'s output over ranks. Hooked on the attention / MLP / mixer module whose last op
+    is its row-parallel projection, not on that projection: a module may call its projection's
+    weight with F.linear (no module call, no hook)."""
     module.register_forward_hook(lambda _m, _args, out: all_reduce(out))
 
 
@@ -91,7 +103,7 @@ def shard_attention(m: PagedAttention, rank: int, size: int, all_reduce: Callabl
     _row(m.o_proj, ShardLayout.of((H, heads, D)), rank, size)
     m.num_heads, m.num_kv_heads = H // size, Hkv // kv
     _rebuild_fused(m)
-    _reduce_output(m.o_proj, all_reduce)
+    _reduce_output(m, all_reduce)
     return CacheShard(kv=ShardLayout.of((Hkv, kv)))
 
 
@@ -104,7 +116,7 @@ def shard_mlp(m: GatedMLP, rank: int, size: int, all_reduce: Callable | None) ->
     _row(m.down_proj, cols, rank, size)
     _rebuild_fused(m)
     if all_reduce is not None:
-        _reduce_output(m.down_proj, all_reduce)
+        _reduce_output(m, all_reduce)
 
 
 def shard_moe(m: SparseMoE, rank: int, size: int, all_reduce: Callable) -> None:
@@ -140,7 +152,7 @@ def shard_mamba2(m: Mamba2Mixer, rank: int, size: int, all_reduce: Callable) -> 
     m.conv_dim = m.d_inner + 2 * m.n_groups * N
     m.conv1d.in_channels = m.conv1d.out_channels = m.conv1d.groups = m.conv_dim
     m._mup = None
-    _reduce_output(m.out_proj, all_reduce)
+    _reduce_output(m, all_reduce)
     return CacheShard(conv=xbc, state=per_head)
 
 
@@ -160,8 +172,47 @@ def shard_gdn(m: GatedDeltaNetMixer, rank: int, size: int, all_reduce: Callable)
     m.key_dim, m.value_dim = m.num_k_heads * dk, m.num_v_heads * dv
     m.conv_dim = 2 * m.key_dim + m.value_dim
     m.conv1d.in_channels = m.conv1d.out_channels = m.conv1d.groups = m.conv_dim
-    _reduce_output(m.out_proj, all_reduce)
+    _reduce_output(m, all_reduce)
     return CacheShard(conv=conv, state=v_heads)
+
+
+def shard_mamba1(m: Mamba1Mixer, rank: int, size: int, all_reduce: Callable) -> CacheShard:
+    inner = m.d_inner
+    split_count("mamba intermediate_size (d_inner)", inner, size)
+    channels = ShardLayout.of((inner, size))
+    _column(m.in_proj, ShardLayout.of((inner, size), (inner, size)), rank, size)  # x | z
+    _set(m.conv1d, "weight", _keep(m.conv1d.weight.data, channels, rank, size, 0))
+    if m.conv1d.bias is not None:
+        _set(m.conv1d, "bias", _keep(m.conv1d.bias.data, channels, rank, size, 0))
+    _row(m.x_proj, channels, rank, size)
+    _reduce_output(m.x_proj, all_reduce)  # full dt | B | C before their norms
+    _column(m.dt_proj, channels, rank, size)
+    for name in ("A_log", "D"):
+        _set(m, name, _keep(getattr(m, name).data, channels, rank, size, 0))
+    _row(m.out_proj, channels, rank, size)
+    m.d_inner = inner // size
+    m.conv1d.in_channels = m.conv1d.out_channels = m.conv1d.groups = m.d_inner
+    _reduce_output(m, all_reduce)
+    return CacheShard(conv=channels, state=channels)
+
+
+def shard_short_conv(m: ShortConv, rank: int, size: int, all_reduce: Callable) -> CacheShard:
+    width = m.hidden_size
+    split_count("short-conv hidden_size", width, size)
+    channels = ShardLayout.of((width, size))
+    _column(m.in_proj, ShardLayout.of((width, size), (width, size), (width, size)), rank, size)  # B | C | x
+    _set(m.conv, "weight", _keep(m.conv.weight.data, channels, rank, size, 0))
+    if m.conv.bias is not None:
+        _set(m.conv, "bias", _keep(m.conv.bias.data, channels, rank, size, 0))
+    _row(m.out_proj, channels, rank, size)
+    m.hidden_size = width // size  # the conv width (and its window's), not the model's
+    m.conv.in_channels = m.conv.out_channels = m.conv.groups = m.hidden_size
+    _reduce_output(m, all_reduce)
+    return CacheShard(conv=channels)
+
+
+MIXER_SHARDERS = {PagedAttention: shard_attention, Mamba2Mixer: shard_mamba2, GatedDeltaNetMixer: shard_gdn,
+                  Mamba1Mixer: shard_mamba1, ShortConv: shard_short_conv}
 
 
 def shard_model(model, rank: int, size: int, all_reduce: Callable) -> dict[int, CacheShard]:
@@ -180,9 +231,8 @@ def shard_model(model, rank: int, size: int, all_reduce: Callable) -> dict[int, 
                 moe_shared.add(id(mod.shared_expert))
         elif isinstance(mod, GatedMLP) and id(mod) not in moe_shared:
             plan.append((shard_mlp, mod))
-        elif isinstance(mod, (PagedAttention, Mamba2Mixer, GatedDeltaNetMixer)):
-            plan.append(({PagedAttention: shard_attention, Mamba2Mixer: shard_mamba2,
-                          GatedDeltaNetMixer: shard_gdn}[type(mod)], mod))
+        elif type(mod) in MIXER_SHARDERS:
+            plan.append((MIXER_SHARDERS[type(mod)], mod))
             order.append(mod)
     indices = sorted(full_specs)
     if len(indices) != len(order) or any(
@@ -209,6 +259,10 @@ def _check_shapes(plan, size: int) -> None:
             split_count("mamba n_groups", m.n_groups, size, replicate=m.norm is None)
         elif fn is shard_gdn:
             split_count("linear_num_key_heads", m.num_k_heads, size)
+        elif fn is shard_mamba1:
+            split_count("mamba intermediate_size (d_inner)", m.d_inner, size)
+        elif fn is shard_short_conv:
+            split_count("short-conv hidden_size", m.hidden_size, size)
         elif fn is shard_mlp:
             split_count("intermediate_size", m.gate_proj.out_features, size)
         elif fn is shard_moe:

@@ -99,6 +99,24 @@ def test_tp2_greedy_equals_tp1(made, tmp_path_factory, family):
     assert comm["all_reduce"] > 0 and comm["broadcast"] > 0 and comm["gather"] > 0  # swaps gathered shards
 
 
+# families whose mixers joined later: chunked prefill + decode only (the shard cut of every family
+# is checked in-process by tests/parallel/test_sharding.py; here the ranks are processes)
+MORE_FAMILIES = ["falcon_mamba", "jamba", "lfm2_moe"]  # Mamba1 with B/C/dt norms; + MoE + attention; short conv
+
+
+@pytest.mark.parametrize("family", MORE_FAMILIES)
+def test_tp2_greedy_equals_tp1_more_families(tmp_path, family):
+    path = str(make_tiny_checkpoint(family, tmp_path / family))
+    got = {}
+    for tp in (1, 2):
+        llm = LLM(path, memory_budget_bytes=16 << 20, max_num_batched_tokens=16, tensor_parallel_size=tp)
+        try:
+            got[tp] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], greedy(8), use_tqdm=False)]
+        finally:
+            llm.close()
+    assert got[2] == got[1]
+
+
 def test_killed_rank_fails_with_a_clear_error(made, tmp_path_factory):
     llm = _engine(made, tmp_path_factory, "llama", 2)
     worker = llm.tensor_parallel.procs[0]
@@ -124,9 +142,9 @@ def test_bad_tensor_parallel_size_is_refused_before_anything_starts(tmp_path):
             LLM(path, tensor_parallel_size=bad)
     with pytest.raises(ValueError, match=r"num_attention_heads=4 cannot be split over tensor_parallel_size=3"):
         LLM(path, tensor_parallel_size=3)
-    mamba1 = str(make_tiny_checkpoint("mamba", tmp_path / "mamba"))
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 is not supported for MambaForCausalLM"):
-        LLM(mamba1, tensor_parallel_size=2)
+    zamba = str(make_tiny_checkpoint("zamba", tmp_path / "zamba"))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 is not supported for ZambaForCausalLM"):
+        LLM(zamba, tensor_parallel_size=2)
 
 
 def test_shard_layout_takes_and_merges_split_and_replicated_segments():

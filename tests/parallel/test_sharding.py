@@ -1,0 +1,84 @@
+"""Each family's shards, run as 2 ranks in 2 threads of this process (an all-reduce over a barrier),
+give the full model's logits through chunked prefill and decode: the cut of every weight, state and
+all-reduce is checked here in seconds; tests/engine/test_tensor_parallel.py checks the processes."""
+import random
+import threading
+
+import pytest
+import torch
+
+from hybridkv.models import load_model
+from hybridkv.models.tiny import make_tiny_checkpoint
+from hybridkv.parallel.sharding import shard_model
+
+from model_harness import Harness
+
+RNG = random.Random(3)
+PROMPTS = [[RNG.randrange(4, 128) for _ in range(n)] for n in (5, 19, 30)]
+FAMILIES = ["llama", "bamba", "qwen3_next", "mamba2", "mamba", "falcon_mamba", "jamba", "lfm2", "lfm2_moe"]
+
+
+class ThreadAllReduce:
+    """`size` ranks in threads: rank r's all_reduce(t) returns the sum of every rank's t (rank order)."""
+
+    def __init__(self, size: int):
+        self.barrier = threading.Barrier(size, timeout=60)
+        self.parts = [None] * size
+
+    def for_rank(self, rank: int):
+        def all_reduce(t: torch.Tensor) -> torch.Tensor:
+            self.parts[rank] = t
+            self.barrier.wait()
+            total = sum(self.parts[1:], self.parts[0].clone())
+            self.barrier.wait()  # every rank has read every part before any is replaced
+            return total
+        return all_reduce
+
+
+def _run(model) -> list:
+    """Logits of every step: prompts prefilled together in chunks of 8, then 6 greedy decodes."""
+    h = Harness(model, block_size=8, num_blocks=32, num_slots=8, seed=1)
+    seqs = [h.add(p) for p in PROMPTS]
+    out = []
+    while any(s.num_computed < len(s.tokens) for s in seqs):
+        out.append(h.step([(s, min(8, len(s.tokens) - s.num_computed)) for s in seqs
+                           if s.num_computed < len(s.tokens)]))
+    for _ in range(6):
+        for s in seqs:
+            s.tokens.append(int(s.last_logits.argmax()))
+        out.append(h.step([(s, 1) for s in seqs]))
+    return out
+
+
+def _sharded(path, size: int) -> list:
+    reduce = ThreadAllReduce(size)
+    models = [load_model(path) for _ in range(size)]
+    for r, m in enumerate(models):
+        shard_model(m, r, size, reduce.for_rank(r))
+    results, errors = [None] * size, []
+
+    def rank(r):
+        try:
+            torch.set_num_threads(1)
+            results[r] = _run(models[r])
+        except BaseException as e:  # reported below; the barrier's timeout frees the other rank
+            errors.append(e)
+            reduce.barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    return results
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_shards_give_the_full_models_logits(tmp_path, family):
+    path = str(make_tiny_checkpoint(family, tmp_path / family))
+    want = _run(load_model(path))
+    for r, got in enumerate(_sharded(path, 2)):
+        assert len(got) == len(want)
+        for step, (g, w) in enumerate(zip(got, want)):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=f"{family} rank {r} step {step}")
