@@ -1,11 +1,12 @@
 """Fast torch paths for Mamba2 on CPU, the varlen chunked scan and the one-token decode step:
 same contracts as `mamba2_ref.mamba2_chunk_scan_ref` / `mamba2_state_update_ref` (the spec).
 
-The reference runs each request's chunks in its own small einsums. Here all requests of a call
-are padded to whole chunks (zero dt in the padding: no decay, no input, so states are unchanged)
-and every chunk of every request goes through one set of einsums; only the chunk-to-chunk state
-recurrence loops, over the longest request's chunk count, batched over requests. B and C stay
-per group (the reference expands them to heads), so C.B is computed once per group.
+Prefill: the real chunks of every request of the call are packed together (chunk_layout.py: only
+each request's last chunk is padded, with zero dt: no decay, no input) and go through one set of
+batched matmuls in layouts that need no permute copies (heads of a group share one C.B and one
+B / C operand: broadcast, never repeated); only the chunk-to-chunk recurrence steps over chunk
+index. States at requested positions are read from the state entering their chunk plus the
+chunk's inputs up to them (no cut in the scan).
 The decode step updates the slots' states where they live (see slot_rows.py).
 Checked against the reference in tests/kernels/test_mamba2_cpu.py.
 """
@@ -13,23 +14,20 @@ from __future__ import annotations
 
 import torch
 
-from .mamba2_ref import _discretize_dt, _gate, mamba2_chunk_scan_ref
+from .chunk_layout import ChunkLayout
+from .mamba2_ref import _discretize_dt, _gate
 from .slot_rows import update_slot_rows
-from .varlen import check_positions_arg, request_spans
+from .varlen import check_positions_arg, request_spans, state_cuts
 
 
 def mamba2_chunk_scan_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_loc, slot_idx,
                           has_initial_state, chunk_size=256, dt_softplus=True,
                           return_states_at=None, dt_limit=None):
     """Inputs and outputs as `mamba2_chunk_scan_ref`: ssm_state [S, H, P, N] (final states written
-    in place); x [T, H, P]; dt [T, H]; A [H]; B, C [T, G, N]; returns y [T, H, P] in x.dtype.
-
-    Calls asking for intermediate states (`return_states_at`) go to the reference.
+    in place); x [T, H, P]; dt [T, H]; A [H]; B, C [T, G, N]; D [H] or None; z [T, H, P] or None;
+    return_states_at: None or per request positions 1..len. Returns y [T, H, P] in x.dtype, or
+    (y, states) with states per request [n_pos, H, P, N] in ssm_state.dtype.
     """
-    if return_states_at is not None:
-        return mamba2_chunk_scan_ref(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_loc,
-                                     slot_idx, has_initial_state, chunk_size, dt_softplus,
-                                     return_states_at, dt_limit=dt_limit)
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     spans = request_spans(query_start_loc, ssm_state.shape[0], slot_idx, has_initial_state)
@@ -38,52 +36,74 @@ def mamba2_chunk_scan_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_
     G, N = B.shape[1], B.shape[2]
     if H % G:
         raise ValueError(f"{H} heads cannot be split into {G} B/C groups; heads must be a multiple of groups")
-    if not spans:
-        return torch.empty_like(x)
-    R, cs, hpg = len(spans), chunk_size, H // G
-    nc = max(max(-(-(e - s) // cs) for s, e, _, _ in spans), 1)
-    # token row of each padded position; row T is an appended zero row
-    idx = torch.full((R, nc * cs), T, dtype=torch.long)
+    wanted = [[int(p) for p in ps] for ps in return_states_at] if return_states_at is not None \
+        else [[] for _ in spans]
     for r, (s, e, _, _) in enumerate(spans):
-        idx[r, :e - s] = torch.arange(s, e)
-    idx = idx.to(x.device)
-
-    def padded(t):
-        t = torch.cat([t.float(), t.new_zeros((1, *t.shape[1:]), dtype=torch.float32)])
-        return t[idx].view(R * nc, cs, *t.shape[1:])  # [c, l, ...], c = request-major chunks
-
+        state_cuts(e - s, wanted[r], r)  # positions outside 1..len are refused before any write
+    lay = ChunkLayout(spans, chunk_size, x.device)
+    if lay.num_chunks == 0:  # no tokens: requests without a state are zeroed, as the reference does
+        fresh = lay.slots[~lay.init]
+        ssm_state.index_fill_(0, fresh, 0)
+        out = torch.zeros_like(x)
+        return out if return_states_at is None else (out, [ssm_state.new_zeros(0, H, P, N)] * len(spans))
+    nc, cs, hpg = lay.num_chunks, chunk_size, H // G
     dtf = _discretize_dt(dt, dt_bias, dt_softplus, dt_limit)
-    xdt = padded(x.float() * dtf[..., None])  # [c, l, H, P]
-    dtp, Bp, Cp = padded(dtf), padded(B), padded(C)  # [c, l, H], [c, l, G, N]
-    acum = (dtp * A.float()).cumsum(1)  # [c, l, H] log-decay from chunk start to l (inclusive)
-    causal = torch.ones(cs, cs, dtype=torch.bool, device=x.device).tril()
-    seg = acum[:, :, None, :] - acum[:, None, :, :]  # [c, l, s, H]
-    decay = torch.exp(seg.masked_fill(~causal[None, :, :, None], float("-inf")))
-    cb = torch.einsum("clgn,csgn->clsg", Cp, Bp).repeat_interleave(hpg, dim=-1)  # [c, l, s, H]
-    y = torch.einsum("clsh,cshp->clhp", cb * decay, xdt)
-    to_end = torch.exp(acum[:, -1:, :] - acum)  # [c, l, H]
-    xg = (xdt * to_end[..., None]).view(R * nc, cs, G, hpg, P)
-    chunk_states = torch.einsum("clgn,clgkp->cgkpn", Bp, xg).reshape(R, nc, H, P, N)
-    chunk_decay = torch.exp(acum[:, -1, :]).view(R, nc, H, 1, 1)
-    init = torch.tensor([i for _, _, _, i in spans], device=x.device)
-    slots = torch.tensor([s for _, _, s, _ in spans], device=x.device)
-    h = ssm_state[slots].float()
-    h = torch.where(init.view(R, 1, 1, 1), h, torch.zeros_like(h))  # old slot contents ignored
-    starts = []
-    for k in range(nc):
-        starts.append(h)
-        h = chunk_decay[:, k] * h + chunk_states[:, k]
-    starts = torch.stack(starts, 1).view(R * nc, G, hpg, P, N)  # state entering each chunk
-    y_in = torch.einsum("clgn,cgkpn->clgkp", Cp, starts).reshape(R * nc, cs, H, P)
-    y = (y + y_in * torch.exp(acum)[..., None]).reshape(R, nc * cs, H, P)
-    out = torch.empty((T, H, P), dtype=torch.float32, device=x.device)
-    keep = idx < T
-    out[idx[keep]] = y[keep]
+    xdt = lay.pad((x.float() * dtf[..., None]).reshape(T, H * P)).view(nc, cs, H, P)
+    dtp = lay.pad(dtf).view(nc, cs, H)
+    Bp = lay.pad(B.reshape(T, G * N)).view(nc, cs, G, N)
+    Cp = lay.pad(C.reshape(T, G * N)).view(nc, cs, G, N)
+    acum = (dtp * A.float()).cumsum(1)  # [c, l, H] log-decay from the chunk start to l (inclusive)
+    acum_h = acum.transpose(1, 2).contiguous()  # [c, H, l]
+    # inside a chunk: y_l = sum_{s<=l} exp(acum_l - acum_s) (C_l . B_s) xdt_s
+    decay = (acum_h[..., :, None] - acum_h[..., None, :]).masked_fill_(lay.upper, float("-inf")).exp_()
+    cb = torch.matmul(Cp.transpose(1, 2), Bp.permute(0, 2, 3, 1))  # [c, G, l, s]: once per group
+    scores = decay.view(nc, G, hpg, cs, cs).mul_(cb[:, :, None])
+    y = torch.matmul(scores.view(nc, H, cs, cs), xdt.transpose(1, 2))  # [c, H, l, P]
+    # each chunk's own inputs carried to its end, per group: (xdt e^(end - l))^T B -> [c, H, P, N]
+    xs = (xdt * torch.exp(acum[:, -1:, :] - acum)[..., None]).view(nc, cs, G, hpg * P)
+    ends = torch.matmul(xs.permute(0, 2, 3, 1), Bp.transpose(1, 2)).view(nc, H, P, N)
+    h0 = ssm_state.index_select(0, lay.slots).float()
+    h0 = torch.where(lay.init.view(-1, 1, 1, 1), h0, torch.zeros((), device=x.device))
+    starts, finals = lay.chain(ends, torch.exp(acum[:, -1, :]), h0)  # state entering each chunk
+    # the entering state read with C, decayed to l: [c, G, l, hpg, P], plus the intra-chunk part
+    y_in = torch.matmul(Cp.transpose(1, 2), starts.view(nc, G, hpg * P, N).transpose(-1, -2))
+    y_in = y_in.view(nc, G, cs, hpg, P).mul_(torch.exp(acum).view(nc, cs, G, hpg, 1).transpose(1, 2))
+    y_in.add_(y.view(nc, G, hpg, cs, P).transpose(2, 3))
+    y = y_in.permute(0, 2, 1, 3, 4)[lay.token_chunk, lay.token_pos].reshape(-1, H, P)
+    if not (lay.identity and T == lay.num_tokens):
+        y = torch.zeros((T, H, P), device=x.device).index_copy_(0, lay.rows, y)
+    states = None
+    if return_states_at is not None:
+        states = _states_at(lay, wanted, starts, acum, xdt, Bp, hpg, ssm_state.dtype)
     write = [r for r, (s, e, _, i) in enumerate(spans) if e > s or not i]
     if write:
         w = torch.tensor(write, device=x.device)
-        ssm_state[slots[w]] = h[w].to(ssm_state.dtype)
-    return _gate(out, x, D, z).to(x.dtype)
+        ssm_state.index_copy_(0, lay.slots[w], finals[w].to(ssm_state.dtype))
+    out = _gate(y, x, D, z).to(x.dtype)
+    return out if return_states_at is None else (out, states)
+
+
+def _states_at(lay, wanted, starts, acum, xdt, Bp, hpg, dtype):
+    """The state after each requested position: the state entering its chunk, decayed to it, plus
+    the chunk's inputs up to it. Returns per request [n_pos, H, P, N] in `dtype`."""
+    where = [lay.position(r, p) for r, ps in enumerate(wanted) for p in ps]
+    _, H, P, N = starts.shape
+    if not where:
+        return [starts.new_zeros(0, H, P, N, dtype=dtype) for _ in wanted]
+    c = torch.tensor([w[0] for w in where], device=starts.device)
+    j = torch.tensor([w[1] for w in where], device=starts.device)
+    G, cs = Bp.shape[2], lay.chunk
+    at = acum[c, j]  # [Q, H]
+    seg = (at[:, None, :] - acum[c]).masked_fill_(  # [Q, l, H]: decay from l to the position
+        torch.arange(cs, device=c.device)[None, :, None] > j[:, None, None], float("-inf")).exp_()
+    xs = (xdt[c] * seg[..., None]).view(-1, cs, G, hpg * P)
+    h = torch.matmul(xs.permute(0, 2, 3, 1), Bp[c].transpose(1, 2)).view(-1, H, P, N)
+    h.add_(starts[c] * torch.exp(at)[..., None, None])
+    out, q = [], 0
+    for ps in wanted:
+        out.append(h[q:q + len(ps)].to(dtype))
+        q += len(ps)
+    return out
 
 
 def mamba2_state_update_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, dt_softplus=True,

@@ -13,13 +13,13 @@ def rel_err(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
-def case(lengths, init, seed=0, with_z=True):
+def case(lengths, init, seed=0, with_z=True, groups=G):
     g = torch.Generator().manual_seed(seed)
     T = sum(lengths)
     args = dict(
         x=torch.randn(T, H, P, generator=g), dt=torch.randn(T, H, generator=g),
-        A=-torch.exp(torch.randn(H, generator=g) * 0.5), B=torch.randn(T, G, N, generator=g),
-        C=torch.randn(T, G, N, generator=g), D=torch.randn(H, generator=g),
+        A=-torch.exp(torch.randn(H, generator=g) * 0.5), B=torch.randn(T, groups, N, generator=g),
+        C=torch.randn(T, groups, N, generator=g), D=torch.randn(H, generator=g),
         z=torch.randn(T, H, P, generator=g) if with_z else None, dt_bias=torch.randn(H, generator=g) * 0.5)
     qsl = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
     slots = (torch.randperm(SLOTS - 1, generator=g)[:len(lengths)] + 1).to(torch.int32)
@@ -63,14 +63,33 @@ def test_single_request_without_gate_and_dispatch(monkeypatch):
     assert calls == [1] and rel_err(got, want) < 1e-5 and rel_err(cpu_pool, ref_pool) < 1e-5
 
 
-def test_states_at_positions_go_to_reference():
-    args, qsl, slots, has_init, pool = case([20, 9], [False, True], seed=2)
+@pytest.mark.parametrize("groups", [1, 2])
+def test_states_at_positions_match_reference(groups):
+    """Ragged lengths around the chunk (1, chunk - 1, chunk, chunk + 1, several chunks), states
+    asked at chunk ends, mid-chunk, the first and the last token, and not at all."""
+    lengths = [1, 7, 8, 9, 20, 17]
+    init = [False, True, True, False, True, True]
+    args, qsl, slots, has_init, pool = case(lengths, init, seed=2 + groups, groups=groups)
+    at = [[1], [3, 7], [], [8, 9], [1, 8, 13, 16, 20], [17, 5]]
     a, b = pool.clone(), pool.clone()
-    y1, s1 = mamba2_chunk_scan_ref(a, **args, query_start_loc=qsl, slot_idx=slots, has_initial_state=has_init,
-                                   chunk_size=8, return_states_at=[[8, 20], [3]])
-    y2, s2 = mamba2_chunk_scan_cpu(b, **args, query_start_loc=qsl, slot_idx=slots, has_initial_state=has_init,
-                                   chunk_size=8, return_states_at=[[8, 20], [3]])
-    assert torch.equal(y1, y2) and all(torch.equal(u, v) for u, v in zip(s1, s2))
+    kw = dict(query_start_loc=qsl, slot_idx=slots, has_initial_state=has_init, chunk_size=8,
+              return_states_at=at)
+    y1, s1 = mamba2_chunk_scan_ref(a, **args, **kw)
+    y2, s2 = mamba2_chunk_scan_cpu(b, **args, **kw)
+    assert rel_err(y2, y1) < 1e-5
+    assert [tuple(t.shape) for t in s1] == [tuple(t.shape) for t in s2]
+    assert all(rel_err(v, u) < 1e-5 for u, v in zip(s1, s2) if u.numel())
+    touched = slots.long()
+    assert rel_err(b[touched], a[touched]) < 1e-5
+
+
+def test_bad_position_changes_nothing():
+    args, qsl, slots, has_init, pool = case([5, 3], [True, True], seed=4)
+    before = pool.clone()
+    with pytest.raises(ValueError, match="position 4 of request 1 is outside 1..3"):
+        mamba2_chunk_scan_cpu(pool, **args, query_start_loc=qsl, slot_idx=slots,
+                              has_initial_state=has_init, chunk_size=4, return_states_at=[[5], [4]])
+    assert torch.equal(pool, before)
 
 
 SLOT_LAYOUTS = {  # scattered: gather + write back; a range (sorted or not): a view of the pool
