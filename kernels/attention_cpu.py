@@ -68,8 +68,12 @@ class _Group:
     rows: [R*Lmax] query rows (padding points at row 0); out_rows: [n] rows written back and
     keep: [n] their positions in the flat (request, query) output, or None when all are kept;
     blocks: [R*nblk] pool blocks to gather; hidden: [R, Lmax, S] masked keys or None; tail:
-    flat (request, key) indices whose V rows are zeroed, or None; sdpa: run through SDPA over
-    the first n_keys gathered keys only (an additive mask cannot hide a non-finite key).
+    flat (request, key) indices whose V rows are zeroed, or None; n_keys: when every request
+    reads the same keys (one request, decodes of equal length), only the first n_keys gathered
+    keys are attended (0: all, masked); sdpa: run through SDPA (one request; over the first
+    n_keys keys only, since an additive mask cannot hide a non-finite key);
+    first_row: when the query rows are first_row, first_row + 1, ... in order (a prefill chunk,
+    sorted decodes), q is sliced there instead of gathered.
     """
 
     n_reqs: int
@@ -83,6 +87,7 @@ class _Group:
     tail: Optional[torch.Tensor]
     sdpa: bool = False
     n_keys: int = 0
+    first_row: Optional[int] = None
 
 
 def _group(block_table, n_pool_blocks, bs, reqs, starts, qlens, lens, causal, window, sdpa):
@@ -104,24 +109,28 @@ def _group(block_table, n_pool_blocks, bs, reqs, starts, qlens, lens, causal, wi
         flat = [r * lmax + i for r, n in enumerate(qlens) for i in range(n)]
         keep = None if len(flat) == r_n * lmax else torch.tensor(flat, device=dev)
     out_rows = rows if keep is None else rows[keep]
+    in_order = r_n == 1 or (lmax == 1 and starts == list(range(starts[0], starts[0] + r_n)))
+    first_row = starts[0] if in_order else None
     s_n = nblk * bs
     seq = torch.tensor(lens, device=dev).view(-1, 1, 1)
     ql = torch.tensor(qlens, device=dev).view(-1, 1, 1)
     pos = seq - ql + torch.arange(lmax, device=dev).view(1, -1, 1)  # [R, L, 1]
     key = (first * bs).view(-1, 1, 1) + torch.arange(s_n, device=dev).view(1, 1, -1)  # [R, 1, S]
     hidden = ~_visible(pos, key, seq, causal, window).expand(r_n, lmax, s_n)  # [R, L, S]
-    if sdpa:  # one request: keep only its real keys
+    if sdpa or len(set(zip(lens, qlens, firsts))) == 1:
+        # every request reads the same keys (one request, equal decodes): attend to exactly those,
+        # so no tail of another owner's data is read (no V rows to zero, often no mask at all)
         n_keys = lens[0] - firsts[0] * bs
         hidden = hidden[:, :, :n_keys]
         return _Group(r_n, lmax, nblk, rows, out_rows, keep, blocks,
-                      hidden if bool(hidden.any()) else None, None, True, n_keys)
+                      hidden if bool(hidden.any()) else None, None, sdpa, n_keys, first_row)
     hidden = hidden if bool(hidden.any()) else None
     # keys past seq_len (a block's unwritten tail, padding columns) hold another owner's data: a
     # zero weight times a non-finite value there would still be NaN, so zero those V rows (only
     # those: a broadcast mask over all of V costs more than the attention)
     tail = (key[:, 0] >= seq[:, 0]).view(-1).nonzero().squeeze(1)
     return _Group(r_n, lmax, nblk, rows, out_rows, keep, blocks, hidden,
-                  tail if tail.numel() else None)
+                  tail if tail.numel() else None, first_row=first_row)
 
 
 def attention_plan(query_start_loc, seq_lens, block_table, bs, n_pool_blocks, causal=True,
@@ -162,16 +171,21 @@ def _attend(q, kv_cache, grp: _Group, scale, soft_cap, sinks=None):
     # one index_select of whole blocks from the pool viewed as [2, Hkv, blocks, bs, D]
     kv = kv_cache.permute(1, 3, 0, 2, 4).index_select(2, grp.blocks).view(2, hkv * r_n, s_n, d)
     k, v = (kv[0], kv[1]) if kv.dtype == torch.float32 else (kv[0].float(), kv[1].float())
-    qr = q.index_select(0, grp.rows).float().view(r_n, lmax, hkv, g, d)
+    if grp.first_row is None:
+        qr = q.index_select(0, grp.rows)
+    else:  # may be a view of q: nothing below writes into qr
+        qr = q[grp.first_row:grp.first_row + r_n * lmax]
+    qr = qr.float().reshape(r_n, lmax, hkv, g, d)
     qr = qr.permute(2, 0, 3, 1, 4).reshape(hkv * r_n, g * lmax, d)  # rows are (group, query)
+    if grp.n_keys:  # the same keys for every request: exactly those
+        k, v, s_n = k[:, :grp.n_keys], v[:, :grp.n_keys], grp.n_keys
     if grp.tail is not None:
         v.view(hkv, r_n * s_n, d).index_fill_(1, grp.tail, 0.0)
     if grp.sdpa:  # one request: SDPA with a boolean mask (True = visible)
         mask = None if grp.hidden is None else ~grp.hidden[0].repeat(g, 1)
-        k, v = k[:, :grp.n_keys], v[:, :grp.n_keys]
         o = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, scale=scale)
     else:
-        logits = torch.bmm(qr.mul_(scale), k.transpose(1, 2))  # [Hkv*R, G*L, S]
+        logits = torch.bmm(qr * scale, k.transpose(1, 2))  # [Hkv*R, G*L, S]
         if soft_cap is not None:
             logits.div_(soft_cap).tanh_().mul_(soft_cap)
         if grp.hidden is not None:
@@ -205,6 +219,8 @@ def paged_attention_cpu(q, kv_cache, query_start_loc, seq_lens, block_table, sca
                               kv_cache.shape[0], causal, sliding_window, soft_cap, sinks is not None)
         if plan_cache is not None:
             plan_cache[key] = plan
+    if len(plan) == 1 and plan[0].first_row == 0 and plan[0].out_rows.shape[0] == q.shape[0]:
+        return _attend(q, kv_cache, plan[0], scale, soft_cap, sinks).to(q.dtype)  # every row, in order
     out = torch.zeros_like(q)
     for grp in plan:
         out.index_copy_(0, grp.out_rows, _attend(q, kv_cache, grp, scale, soft_cap, sinks).to(q.dtype))

@@ -85,7 +85,7 @@ class PagedAttention(nn.Module):
         block_table, slot_mapping, plans = batch.kv_tables(self.sliding_window)  # this layer's KV group
         kernels.write_kv(k, v, kv_cache, slot_mapping, plan_cache=plans)
         out = kernels.paged_attention(
-            q.contiguous(), kv_cache, batch.query_start_loc, batch.seq_lens, block_table,
+            q, kv_cache, batch.query_start_loc, batch.seq_lens, block_table,
             self.scale, causal=True, sliding_window=self.sliding_window, soft_cap=self.soft_cap,
             max_query_len=max(batch.query_lens_cpu) if batch.query_lens_cpu else None,
             max_seq_len=max(batch.seq_lens_cpu) if batch.seq_lens_cpu else None,
@@ -95,4 +95,4 @@ class PagedAttention(nn.Module):
         out = out.reshape(T, self.num_heads * self.head_dim)
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return self.o_proj(out)
+        return F.linear(out, self.o_proj.weight, self.o_proj.bias)

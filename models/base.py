@@ -66,8 +66,9 @@ class HybridModel(nn.Module):
         """hidden [T, H] (after the final norm) -> float32 logits [R, T or N, vocab]."""
         if batch.logits_indices is not None:
             hidden = hidden[batch.logits_indices]
-        elif not batch.return_all_logits:
-            hidden = hidden[batch.query_start_loc[1:].long() - 1]
+        elif not batch.return_all_logits and not (
+                hidden.shape[0] == len(batch.query_lens_cpu) and max(batch.query_lens_cpu, default=0) == 1):
+            hidden = hidden[batch.query_start_loc[1:].long() - 1]  # (all-decode steps are already one row each)
         return lm_head(hidden).float()
 
     def checkpoint_name(self, name: str) -> str | None:

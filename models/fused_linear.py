@@ -31,18 +31,11 @@ class FusedLinear:
         self.sizes = [lin.out_features for lin in linears]
         self._weight: Optional[torch.Tensor] = None
         self._bias: Optional[torch.Tensor] = None
+        self._ptrs: tuple = ()  # the parameters' data_ptr()s right after fusing
 
-    @staticmethod
-    def _is_row_views(buffer: Optional[torch.Tensor], parts: list) -> bool:
-        if buffer is None:
-            return False
-        row = buffer.stride(0) * buffer.element_size() if buffer.dim() > 1 else buffer.element_size()
-        at = buffer.data_ptr()
-        for p in parts:
-            if p.data_ptr() != at or p.dtype != buffer.dtype or p.device != buffer.device:
-                return False
-            at += p.shape[0] * row
-        return True
+    def _current_ptrs(self) -> tuple:
+        ptrs = tuple(lin.weight.data_ptr() for lin in self.linears)
+        return ptrs if self._bias is None else ptrs + tuple(lin.bias.data_ptr() for lin in self.linears)
 
     def _fuse(self) -> None:
         with torch.inference_mode(False), torch.no_grad():
@@ -54,12 +47,13 @@ class FusedLinear:
                 self._bias = torch.cat([lin.bias.detach() for lin in self.linears])
                 for lin, part in zip(self.linears, self._bias.split(self.sizes)):
                     lin.bias.data = part
+            self._ptrs = self._current_ptrs()
 
     def weight_bias(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The fused (weight, bias), rebuilt when a parameter no longer views the buffer."""
-        ok = self._is_row_views(self._weight, [lin.weight for lin in self.linears])
-        if ok and self._bias is not None:
-            ok = self._is_row_views(self._bias, [lin.bias for lin in self.linears])
-        if not ok:
+        # A parameter replaced (new load, .to()) no longer points into the buffer; the buffer is
+        # held here, so its addresses cannot be reused by another tensor. One call per parameter:
+        # this runs for every projection of every step.
+        if self._weight is None or self._current_ptrs() != self._ptrs:
             self._fuse()
         return self._weight, self._bias

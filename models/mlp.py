@@ -20,7 +20,10 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = ACT2FN[act]
         self.gate_up = FusedLinear((self.gate_proj, self.up_proj))  # one matmul per step
+        # silu (most checkpoints) as the plain function: the same op without a module call
+        self._act = F.silu if act == "silu" else self.act_fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, *self.gate_up.weight_bias()).split(self.gate_up.sizes, -1)
-        return self.down_proj(self.act_fn(gate) * up)
+        down = self.down_proj
+        return F.linear(self._act(gate).mul_(up), down.weight, down.bias)

@@ -63,8 +63,9 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D] (any strides) rotated on its first rotary_dim = cos.shape[-1] dims; the rest
     pass through. Returns a new [T, H, D] tensor: x1 * cos - x2 * sin | x2 * cos + x1 * sin."""
-    cos = cos.to(x.dtype)[:, None, :]
-    sin = sin.to(x.dtype)[:, None, :]
+    if cos.dtype != x.dtype:
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     rot = cos.shape[-1]
     half = rot // 2
     x_rot = x[..., :rot]

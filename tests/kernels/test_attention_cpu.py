@@ -153,3 +153,41 @@ def test_blocks_no_request_owns_may_hold_nan():
     want = paged_attention_ref(q, kv, qsl, seq_lens, table, 0.2)
     got = paged_attention_cpu(q, kv, qsl, seq_lens, table, 0.2, plan_cache={})
     assert torch.isfinite(got).all() and rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("reqs", [[(1, 37)], [(1, 40)] * 3, [(9, 9)], [(1, 16)] * 2])
+@pytest.mark.parametrize("opts", [dict(), dict(sliding_window=7), dict(soft_cap=3.0)])
+def test_one_group_in_order_returns_its_rows(reqs, opts):
+    """Batch-1 decodes, equal-length decodes and a lone prefill with no padding rows: the fast
+    path attends to exactly the requests' keys and returns the group's rows as the output; the
+    unwritten tail of each last block and every block no request owns hold NaN."""
+    q, kv, qsl, seq_lens, table = paged_batch(reqs, 16, 2, 2, 32, seed=len(reqs), pad_rows=0)
+    used = {int(table[r, i]) for r, (_, s) in enumerate(reqs) for i in range(-(-s // 16))}
+    for b in range(kv.shape[0]):
+        if b not in used:
+            kv[b] = float("nan")
+    for r, (_, s) in enumerate(reqs):
+        kv[int(table[r, (s - 1) // 16]), :, s % 16 or 16:] = float("nan")
+    q_before = q.clone()
+    want = paged_attention_ref(q, kv, qsl, seq_lens, table, 0.2, **opts)
+    plans = {}
+    got = paged_attention_cpu(q, kv, qsl, seq_lens, table, 0.2, plan_cache=plans, **opts)
+    assert torch.isfinite(got).all() and rel_err(got, want) < 1e-5
+    assert torch.equal(q, q_before)  # q may be read in place, never written
+    (plan,) = plans.values()
+    assert len(plan) == 1 and plan[0].first_row == 0 and plan[0].tail is None and plan[0].n_keys
+
+
+def test_write_kv_cpu_non_contiguous_pool():
+    """A pool that is a strided view (not one buffer of rows) takes the indexed-write path."""
+    from hybridkv.kernels.attention_ref import write_kv_ref
+    from hybridkv.kernels.write_kv_cpu import write_kv_cpu
+
+    g = torch.Generator().manual_seed(8)
+    pool = torch.randn(9, 2, 8, 2, 24, generator=g)[..., :16]
+    slots = torch.randperm(9 * 8, generator=g)[:12]
+    k, v = torch.randn(2, 12, 2, 16, generator=g)
+    want = write_kv_ref(k, v, pool.clone(), slots)
+    plans = {}
+    got = write_kv_cpu(k, v, pool, slots, plan_cache=plans)
+    assert not pool.is_contiguous() and torch.equal(got, want)
