@@ -33,7 +33,8 @@ class ChunkLayout:
         self.first = torch.tensor(first, dtype=torch.long, device=device)
         self.count = torch.tensor(count, dtype=torch.long, device=device)
         self.slots = torch.tensor([s for _, _, s, _ in spans], dtype=torch.long, device=device)
-        self.init = torch.tensor([i for *_, i in spans], dtype=torch.bool, device=device)
+        self.init_list = [bool(i) for *_, i in spans]
+        self.init = torch.tensor(self.init_list, dtype=torch.bool, device=device)
         lens = torch.tensor(lengths, dtype=torch.long, device=device)
         starts = torch.tensor([s for s, _, _, _ in spans], dtype=torch.long, device=device)
         req = torch.repeat_interleave(torch.arange(len(spans), device=device), lens)
@@ -60,17 +61,21 @@ class ChunkLayout:
 
         ends [C, ...] (each chunk's own inputs at its end; overwritten with E); decay [C, H]
         (the chunk's total decay, broadcast over the state's trailing dims); h0 [R, ...].
-        Returns (starts [C, ...]: the state entering each chunk, finals [R, ...]: the state after
-        each request's last chunk, h0 for a request without tokens).
+        h0 must be zero for requests without an initial state (`init` False): their first chunk
+        is not touched. Returns (starts [C, ...]: the state entering each chunk, finals [R, ...]:
+        the state after each request's last chunk, h0 for a request without tokens).
         """
         tail = (1,) * (ends.dim() - decay.dim())
         d = decay.view(*decay.shape, *tail)
         has = [r for r, n in enumerate(self.count_list) if n]
-        for k, cur in enumerate(self._steps):
-            if k == 0:  # a copy: updated in place below
-                prev = h0.index_select(0, torch.tensor(has, device=h0.device))
-            else:
-                prev = ends.index_select(0, cur - 1)
+        # the first chunk of a request that starts from zeros needs nothing: E_0 = ends_0
+        warm = [r for r in has if self.init_list[r]]
+        if warm:
+            cur = self.first[torch.tensor(warm, device=h0.device)]
+            prev = h0.index_select(0, torch.tensor(warm, device=h0.device))
+            ends.index_copy_(0, cur, prev.mul_(d.index_select(0, cur)).add_(ends.index_select(0, cur)))
+        for cur in self._steps[1:]:
+            prev = ends.index_select(0, cur - 1)
             ends.index_copy_(0, cur, prev.mul_(d.index_select(0, cur)).add_(ends.index_select(0, cur)))
         starts = torch.empty_like(ends)
         if self.num_chunks > 1:
