@@ -19,7 +19,7 @@ one (32 x 64) print their decode-step forward ratio (the issue's goal: <= 1.5x).
 
 Part 2 (overhead): 256 running requests decode with the model forward replaced by a stub that
 returns zero logits of the right shape, so a step is only Python bookkeeping: `schedule()`,
-the batch build (`_batch`) and the manager's `commit`; median per step, and the whole `step()`.
+the batch build (`BatchBuilder.build`) and the manager's `commit`; median per step, and the whole `step()`.
 """
 from __future__ import annotations
 
@@ -298,7 +298,7 @@ def part_overhead(args) -> dict:
     sched, batch, mgr, whole = [], [], [], []
     for _ in range(steps):
         acc_s, acc_b, acc_m = [0.0], [0.0], [0.0]
-        with _timed(eng.scheduler, "schedule", acc_s), _timed(eng, "_batch", acc_b), \
+        with _timed(eng.scheduler, "schedule", acc_s), _timed(eng.batch_builder, "build", acc_b), \
                 _timed(eng.mgr, "commit", acc_m), _timed(eng.mgr, "checkpoint", acc_m):
             t0 = time.perf_counter()
             outs = eng.step()

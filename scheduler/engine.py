@@ -1,4 +1,5 @@
-"""The engine step: schedule, build the packed batch, run the model, sample, advance the manager.
+"""The engine step: schedule, build the packed batch (batch_builder.py), run the model, sample,
+advance the manager.
 
 Request-level API for a server: `add_request`, `step`, `abort`, `export_request` /
 `import_request` (migration), `stats`. A request id names a `SequenceGroup`: a prompt and its n
@@ -26,12 +27,13 @@ from typing import Hashable, Optional
 import torch
 
 from hybridkv.cache_manager import HybridCacheManager
-from hybridkv.models.forward_batch import ForwardBatch, KVGroupTables, ModelCaches
+from hybridkv.models.forward_batch import ModelCaches
 from hybridkv.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.snapshot import RequestSnapshot
 
 from . import migration
+from .batch_builder import BatchBuilder
 from .door import Door
 from .logit_rows import PromptSpan, plan_logit_rows, prompt_logprobs
 from .sampler import SampleRow, Sampler
@@ -52,6 +54,7 @@ class Engine:
         self.tokenizer = getattr(model, "tokenizer", None)
         self.eos_ids = set(model.eos_token_ids)
         self.max_model_len = model.max_model_len
+        self.batch_builder = BatchBuilder(manager, self.device)
         self.caches = ModelCaches(kv=manager.kv_caches, conv=manager.conv_states,
                                   state=manager.ssm_states, block_size=manager.block_size)
         self.door = Door(model.vocab_size, model.max_model_len, scheduler.max_seqs, manager.check_fits)
@@ -231,9 +234,7 @@ class Engine:
         logit_rows = plan_logit_rows(chunks, self._collects_prompt_logprobs)
         try:
             with torch.inference_mode():  # no autograd graph (it would also chain the pools across steps)
-                batch = self._batch(chunks)
-                if logit_rows.indices is not None:
-                    batch.logits_indices = torch.tensor(logit_rows.indices, dtype=torch.long, device=self.device)
+                batch = self.batch_builder.build(chunks, logit_rows.indices)
                 logits = self.model(batch, self.caches)
                 finite = logit_rows.finite(logits)
         except Exception as e:  # the batch cannot be told apart: each of its requests fails
@@ -328,33 +329,6 @@ class Engine:
             return
         self._fail_group(head, f"the scheduler could not fit it in the pools; stats: {self.mgr.stats()}",
                          touched)
-
-    def _batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
-        ids, pos, slots, qsl, seq_lens = [], [], [], [0], []
-        for c in chunks:
-            ids.extend(c.seq.token_ids[c.start:c.start + c.num_tokens])
-            pos.extend(range(c.start, c.start + c.num_tokens))
-            slots.extend(c.slot_mapping)
-            qsl.append(qsl[-1] + c.num_tokens)
-            seq_lens.append(c.start + c.num_tokens)
-        rids = [c.seq.request_id for c in chunks]
-        dev, i32 = self.device, torch.int32
-        kv_groups = {}
-        if len(self.mgr.attention_groups) > 1:  # full and sliding layers: a table per group, built once
-            p, q = torch.tensor(pos, dtype=torch.long), torch.tensor(qsl, dtype=i32)
-            for w, table in self.mgr.block_tables(rids).items():
-                g = KVGroupTables.from_table(table, p, q, self.mgr.block_size)
-                kv_groups[w] = KVGroupTables(g.block_table.to(dev), g.slot_mapping.to(dev))
-        return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(pos, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=i32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=i32, device=dev),
-            block_table=self.mgr.block_table(rids).to(dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            state_slots=torch.tensor([self.mgr.live_slot(r) for r in rids], dtype=i32, device=dev),
-            has_initial_state=torch.tensor([c.start > 0 for c in chunks], device=dev),
-            query_lens_cpu=[c.num_tokens for c in chunks], seq_lens_cpu=seq_lens, kv_groups=kv_groups)
 
     def _collects_prompt_logprobs(self, seq: Sequence) -> bool:
         g = self.groups.get(seq.group_id)

@@ -1,0 +1,119 @@
+"""The packed batch of a step: one `ForwardBatch` built from the scheduled chunks.
+
+Every integer the model reads (token ids, positions, slot mappings, query starts, lengths, state
+slots, the block table of every attention group, the logits indices) is written into ONE
+preallocated int64 host buffer (pinned when the model is on CUDA), moved to the device in one
+copy, and cut there into the batch's fields (the int32 and bool fields are cast on the device).
+Positions and lengths come from the chunks' starts with numpy, and each group's slot mapping is
+derived from its block table (`block * block_size + pos % block_size`), not read from lists.
+On the CPU the one copy is a clone: no batch aliases the buffer that the next step rewrites.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from hybridkv.models.forward_batch import ForwardBatch, KVGroupTables
+
+
+class BatchBuilder:
+    """Builds each step's ForwardBatch for `manager`'s requests on `device` (see module doc)."""
+
+    def __init__(self, manager, device: torch.device | str):
+        self.mgr = manager
+        self.device = torch.device(device)
+        self._pinned = self.device.type == "cuda"
+        self._host = torch.empty(0, dtype=torch.long)
+        self._host_np = self._host.numpy()
+        self._copied: Optional[torch.cuda.Event] = None  # set while a copy may still read _host
+
+    def build(self, chunks: Sequence, logits_indices: Optional[Sequence[int]] = None) -> ForwardBatch:
+        """chunks: the step's ScheduledChunks in batch order (seq, start, num_tokens), every
+        sequence running in the manager with its blocks allocated for the chunk.
+        logits_indices: token indices whose logits come back (None: the model's default rule).
+        Returns the batch on the builder's device; T tokens over R = len(chunks) requests."""
+        mgr, bs = self.mgr, self.mgr.block_size
+        num_reqs = len(chunks)
+        counts = [c.num_tokens for c in chunks]
+        starts = [c.start for c in chunks]
+        rids = [c.seq.request_id for c in chunks]
+        if all(n == 1 for n in counts):  # every chunk a decode: one token each
+            ids = [c.seq.token_ids[c.start] for c in chunks]
+        else:
+            ids = []
+            for c in chunks:
+                ids.extend(c.seq.token_ids[c.start:c.start + c.num_tokens])
+        num_tokens = len(ids)
+        start = np.array(starts, dtype=np.int64)
+        count = np.array(counts, dtype=np.int64)
+        qsl = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(count, out=qsl[1:])
+        if num_tokens == num_reqs:
+            rows, positions = np.arange(num_reqs), start
+        else:  # token t of request r sits at start[r] + (t - qsl[r])
+            rows = np.repeat(np.arange(num_reqs), count)
+            positions = np.arange(num_tokens) + (start - qsl[:-1])[rows]
+
+        def slots(table: np.ndarray) -> np.ndarray:
+            return table[rows, positions // bs].astype(np.int64) * bs + positions % bs
+
+        groups = mgr.block_tables(rids) if len(mgr.attention_groups) > 1 else {}
+        if groups:
+            lead = next(groups[w] for w, g in mgr.attention_groups.items() if g is mgr.attention).numpy()
+        else:
+            lead = mgr.block_table(rids).numpy()
+        lead_slots = slots(lead) if mgr.attention is not None else np.full(num_tokens, -1, dtype=np.int64)
+        state_slots = [mgr.live_slot(r) for r in rids]
+
+        parts: list = [ids, positions, lead_slots, qsl, start + count, state_slots, start > 0, lead]
+        for table in groups.values():
+            table = table.numpy()
+            parts += [table, slots(table)]
+        if logits_indices is not None:
+            parts.append(logits_indices)
+        packed, views = self._transfer(parts)
+        i32 = torch.int32
+        batch = ForwardBatch(
+            input_ids=views[0], positions=views[1], slot_mapping=views[2],
+            query_start_loc=views[3].to(i32), seq_lens=views[4].to(i32), state_slots=views[5].to(i32),
+            has_initial_state=views[6].to(torch.bool), block_table=views[7].view(lead.shape).to(i32),
+            logits_indices=views[-1] if logits_indices is not None else None,
+            query_lens_cpu=counts, seq_lens_cpu=[s + n for s, n in zip(starts, counts)])
+        for k, (w, table) in enumerate(groups.items()):
+            t, s = views[8 + 2 * k], views[9 + 2 * k]
+            batch.kv_groups[w] = KVGroupTables(t.view(table.shape).to(i32), s)
+        return batch
+
+    def _transfer(self, parts: list) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Write `parts` (lists or arrays of integers) one after another into the host buffer,
+        move it to the device in one copy; returns (the device tensor, a flat int64 view per part)."""
+        sizes = [np.size(p) for p in parts]
+        total = sum(sizes)
+        host = self._host_buffer(total)
+        offsets = [0]
+        for p, n in zip(parts, sizes):
+            o = offsets[-1]
+            if n:
+                host[o:o + n] = np.ravel(p) if isinstance(p, np.ndarray) else p
+            offsets.append(o + n)
+        src = self._host[:total]
+        if self._pinned:
+            packed = src.to(self.device, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        else:
+            packed = src.clone()
+        return packed, [packed[offsets[k]:offsets[k + 1]] for k in range(len(parts))]
+
+    def _host_buffer(self, n: int) -> np.ndarray:
+        """A numpy view of >= n int64 host elements no pending copy still reads."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's transfer may still be reading it
+            self._copied = None
+        if self._host.numel() < n:
+            self._host = torch.empty(max(n, 2 * self._host.numel(), 4096), dtype=torch.long,
+                                     pin_memory=self._pinned)
+            self._host_np = self._host.numpy()
+        return self._host_np
