@@ -15,6 +15,9 @@
   A, D, conv and SSM state). x_proj is row-parallel over those channels: its output dt | B | C is
   all-reduced right away, BEFORE the dt / B / C norms (a norm of a partial sum is not the norm of
   the sum), then every rank holds the full dt | B | C. Out_proj row-parallel + all-reduce.
+- Plain MLPs of other families (Nemotron-H's relu2 up/down, GraniteMoeHybrid's input_linear
+  a | b / output_linear) and Nemotron-H's MoE (stacked up/down experts split like SparseMoE's; its
+  latent fc1 replicated, fc2 applied to the partial sum with its bias on rank 0) likewise.
 - Short conv (LFM2): channels split (in_proj's B | C | x, the depthwise conv and its window);
   out_proj row-parallel + all-reduce.
 - Embeddings and lm_head are replicated (every rank computes the full logits; rank 0 samples).
@@ -31,10 +34,12 @@ from torch import nn
 from hybridkv.models.attention import PagedAttention
 from hybridkv.models.fused_linear import FusedLinear
 from hybridkv.models.gdn_mixer import GatedDeltaNetMixer
+from hybridkv.models.granitemoehybrid import SharedMLP
 from hybridkv.models.mamba1_mixer import Mamba1Mixer
 from hybridkv.models.mamba2_mixer import Mamba2Mixer
 from hybridkv.models.mlp import GatedMLP
 from hybridkv.models.moe import SparseMoE
+from hybridkv.models.nemotron_h import NemotronHMLP, NemotronHMoE
 from hybridkv.models.short_conv import ShortConv
 from hybridkv.specs import AttentionSpec
 
@@ -42,7 +47,8 @@ from .shard_layout import CacheShard, ShardLayout, split_count
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "BambaForCausalLM", "Qwen3NextForCausalLM",
                            "Mamba2ForCausalLM", "MambaForCausalLM", "FalconMambaForCausalLM",
-                           "JambaForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
+                           "JambaForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM",
+                           "NemotronHForCausalLM", "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM")
 
 
 def check_supported(architecture: str, size: int) -> None:
@@ -128,6 +134,37 @@ def shard_moe(m: SparseMoE, rank: int, size: int, all_reduce: Callable) -> None:
     _set(e, "down_proj", _keep(e.down_proj.data, ShardLayout.of((inter, size)), rank, size, 2))
     if m.shared_expert is not None:
         shard_mlp(m.shared_expert, rank, size, None)  # summed with the routed experts below
+    _reduce_output(m, all_reduce)
+
+
+def shard_up_down_mlp(m: NemotronHMLP, rank: int, size: int, all_reduce: Callable | None) -> None:
+    inter = m.up_proj.out_features
+    split_count("intermediate_size", inter, size)
+    cols = ShardLayout.of((inter, size))
+    _column(m.up_proj, cols, rank, size)
+    _row(m.down_proj, cols, rank, size)
+    if all_reduce is not None:
+        _reduce_output(m, all_reduce)
+
+
+def shard_shared_mlp(m: SharedMLP, rank: int, size: int, all_reduce: Callable) -> None:
+    inter = m.output_linear.in_features
+    split_count("shared_intermediate_size", inter, size)
+    _column(m.input_linear, ShardLayout.of((inter, size), (inter, size)), rank, size)  # a | b
+    _row(m.output_linear, ShardLayout.of((inter, size)), rank, size)
+    _reduce_output(m, all_reduce)
+
+
+def shard_nemotron_moe(m: NemotronHMoE, rank: int, size: int, all_reduce: Callable) -> None:
+    e = m.experts
+    inter = e.up_proj.shape[1]
+    split_count("moe_intermediate_size", inter, size)
+    cols = ShardLayout.of((inter, size))
+    _set(e, "up_proj", _keep(e.up_proj.data, cols, rank, size, 1))
+    _set(e, "down_proj", _keep(e.down_proj.data, cols, rank, size, 2))
+    if m.fc2_latent_proj is not None and m.fc2_latent_proj.bias is not None and rank != 0:
+        _set(m.fc2_latent_proj, "bias", torch.zeros_like(m.fc2_latent_proj.bias.data))
+    shard_up_down_mlp(m.shared_experts, rank, size, None)  # summed with the routed experts below
     _reduce_output(m, all_reduce)
 
 
@@ -229,22 +266,34 @@ def shard_model(model, rank: int, size: int, all_reduce: Callable) -> dict[int, 
             plan.append((shard_moe, mod))
             if mod.shared_expert is not None:
                 moe_shared.add(id(mod.shared_expert))
+        elif isinstance(mod, NemotronHMoE):
+            plan.append((shard_nemotron_moe, mod))
+            moe_shared.add(id(mod.shared_experts))
         elif isinstance(mod, GatedMLP) and id(mod) not in moe_shared:
             plan.append((shard_mlp, mod))
+        elif isinstance(mod, NemotronHMLP) and id(mod) not in moe_shared:
+            plan.append((shard_up_down_mlp, mod))
+        elif isinstance(mod, SharedMLP):
+            plan.append((shard_shared_mlp, mod))
         elif type(mod) in MIXER_SHARDERS:
             plan.append((MIXER_SHARDERS[type(mod)], mod))
             order.append(mod)
-    indices = sorted(full_specs)
-    if len(indices) != len(order) or any(
-            isinstance(full_specs[i], AttentionSpec) != isinstance(m, PagedAttention) for i, m in zip(indices, order)):
-        raise ValueError(f"{model.architecture}: its cache layers do not map one to one onto its "
-                         f"attention and mixer modules; tensor_parallel_size={size} is not supported")
+    # the k-th attention module holds the k-th attention cache layer (by index), the k-th mixer
+    # the k-th recurrent one (Falcon-H1 numbers its Mamba layers after all its attention layers)
+    cache_layer = {}
+    for is_attention in (True, False):
+        indices = sorted(i for i, spec in full_specs.items() if isinstance(spec, AttentionSpec) == is_attention)
+        mods = [m for m in order if isinstance(m, PagedAttention) == is_attention]
+        if len(indices) != len(mods):
+            raise ValueError(f"{model.architecture}: its cache layers do not map one to one onto its "
+                             f"attention and mixer modules; tensor_parallel_size={size} is not supported")
+        cache_layer.update({id(m): i for m, i in zip(mods, indices)})
     _check_shapes(plan, size)
     layouts = {}
     for fn, mod in plan:
         out = fn(mod, rank, size, all_reduce)
         if out is not None:
-            layouts[indices[order.index(mod)]] = out
+            layouts[cache_layer[id(mod)]] = out
     return layouts
 
 
@@ -265,5 +314,14 @@ def _check_shapes(plan, size: int) -> None:
             split_count("short-conv hidden_size", m.hidden_size, size)
         elif fn is shard_mlp:
             split_count("intermediate_size", m.gate_proj.out_features, size)
+        elif fn is shard_up_down_mlp:
+            split_count("intermediate_size", m.up_proj.out_features, size)
+        elif fn is shard_shared_mlp:
+            split_count("shared_intermediate_size", m.output_linear.in_features, size)
+        elif fn is shard_nemotron_moe:
+            split_count("moe_intermediate_size", m.experts.up_proj.shape[1], size)
+            split_count("moe_shared_expert_intermediate_size", m.shared_experts.up_proj.out_features, size)
         elif fn is shard_moe:
             split_count("moe_intermediate_size", m.experts.down_proj.shape[2], size)
+            if m.shared_expert is not None:
+                split_count("shared_expert_intermediate_size", m.shared_expert.gate_proj.out_features, size)

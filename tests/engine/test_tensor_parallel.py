@@ -99,9 +99,11 @@ def test_tp2_greedy_equals_tp1(made, tmp_path_factory, family):
     assert comm["all_reduce"] > 0 and comm["broadcast"] > 0 and comm["gather"] > 0  # swaps gathered shards
 
 
-# families whose mixers joined later: chunked prefill + decode only (the shard cut of every family
-# is checked in-process by tests/parallel/test_sharding.py; here the ranks are processes)
-MORE_FAMILIES = ["falcon_mamba", "jamba", "lfm2_moe"]  # Mamba1 with B/C/dt norms; + MoE + attention; short conv
+# families whose mixers joined later: chunked prefill + decode only, one family per new sharder
+# (Mamba1 in Jamba, short conv, Nemotron-H's MLP / MoE, Granite's shared MLP, Falcon-H1's two caches
+# per layer); each spawn costs seconds, so Mamba, FalconMamba and LFM2 are checked, with every other
+# family, in-process by tests/parallel/test_sharding.py (2 ranks as 2 threads)
+MORE_FAMILIES = ["jamba", "lfm2_moe", "nemotron_h", "granitemoehybrid", "falcon_h1"]
 
 
 @pytest.mark.parametrize("family", MORE_FAMILIES)
