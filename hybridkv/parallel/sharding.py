@@ -9,7 +9,7 @@
 - Mamba2: heads split (z, x, dt, A, D, conv channels, norm weight and SSM state with them); B/C
   groups split with them, or replicated when one group serves all heads and no grouped norm spans
   ranks. Out_proj row-parallel + all-reduce.
-- GDN (Qwen3-Next): key heads split, each with its value heads; conv channels (q | k | v) and the
+- GDN (Qwen3-Next, Qwen3.5): key heads split, each with its value heads; conv channels (q | k | v) and the
   state follow; out_proj row-parallel + all-reduce.
 - Mamba1 (Mamba, FalconMamba, Jamba): inner channels split (in_proj's x | z, conv, dt_proj's rows,
   A, D, conv and SSM state). x_proj is row-parallel over those channels: its output dt | B | C is
@@ -40,6 +40,7 @@ from hybridkv.models.mamba2_mixer import Mamba2Mixer
 from hybridkv.models.mlp import GatedMLP
 from hybridkv.models.moe import SparseMoE
 from hybridkv.models.nemotron_h import NemotronHMLP, NemotronHMoE
+from hybridkv.models.qwen3_5 import SplitProjectionGDN
 from hybridkv.models.short_conv import ShortConv
 from hybridkv.specs import AttentionSpec
 
@@ -48,7 +49,8 @@ from .shard_layout import CacheShard, ShardLayout, split_count
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "BambaForCausalLM", "Qwen3NextForCausalLM",
                            "Mamba2ForCausalLM", "MambaForCausalLM", "FalconMambaForCausalLM",
                            "JambaForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM",
-                           "NemotronHForCausalLM", "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM")
+                           "NemotronHForCausalLM", "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM",
+                           "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 
 
 def check_supported(architecture: str, size: int) -> None:
@@ -197,9 +199,15 @@ def shard_gdn(m: GatedDeltaNetMixer, rank: int, size: int, all_reduce: Callable)
     HK, HV, dk, dv = m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
     k = split_count("linear_num_key_heads", HK, size)
     r = HV // HK
-    _column(m.in_proj_qkvz, ShardLayout.of((HK, k, 2 * dk + 2 * r * dv)), rank, size)
-    _column(m.in_proj_ba, ShardLayout.of((HK, k, 2 * r)), rank, size)
     conv = ShardLayout.of((HK, k, dk), (HK, k, dk), (HV, k, dv))
+    if isinstance(m, SplitProjectionGDN):  # Qwen3.5: q | k | v (the conv's order), z, b, a apart
+        _column(m.in_proj_qkv, conv, rank, size)
+        _column(m.in_proj_z, ShardLayout.of((HV, k, dv)), rank, size)
+        _column(m.in_proj_b, ShardLayout.of((HV, k)), rank, size)
+        _column(m.in_proj_a, ShardLayout.of((HV, k)), rank, size)
+    else:  # Qwen3-Next: [q k v z] and [b a] interleaved per key head
+        _column(m.in_proj_qkvz, ShardLayout.of((HK, k, 2 * dk + 2 * r * dv)), rank, size)
+        _column(m.in_proj_ba, ShardLayout.of((HK, k, 2 * r)), rank, size)
     _set(m.conv1d, "weight", _keep(m.conv1d.weight.data, conv, rank, size, 0))
     v_heads = ShardLayout.of((HV, k))
     for name in ("dt_bias", "A_log"):
@@ -249,7 +257,7 @@ def shard_short_conv(m: ShortConv, rank: int, size: int, all_reduce: Callable) -
 
 
 MIXER_SHARDERS = {PagedAttention: shard_attention, Mamba2Mixer: shard_mamba2, GatedDeltaNetMixer: shard_gdn,
-                  Mamba1Mixer: shard_mamba1, ShortConv: shard_short_conv}
+                  SplitProjectionGDN: shard_gdn, Mamba1Mixer: shard_mamba1, ShortConv: shard_short_conv}
 
 
 def shard_model(model, rank: int, size: int, all_reduce: Callable) -> dict[int, CacheShard]:
