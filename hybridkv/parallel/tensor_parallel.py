@@ -31,9 +31,9 @@ def check_size(size, device: torch.device) -> None:
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"tensor_parallel_size={size!r} must be a positive integer (1: one device)")
     if size > 1 and mp.current_process().daemon:
-        raise ValueError(f"tensor_parallel_size={size} inside a daemon process (a data-parallel replica) "
-                         f"is not supported: its ranks would be child processes of a daemon; use "
-                         f"tensor_parallel_size=1 with data_parallel_size, or one engine with tensor parallelism")
+        raise ValueError(f"tensor_parallel_size={size} inside a daemon process is not supported: its ranks "
+                         f"would be child processes of a daemon; build the engine in a non-daemon process "
+                         f"(data-parallel replicas with tensor_parallel_size > 1 are started as such)")
     if device.type == "cuda" and size > 1:
         have = torch.cuda.device_count() - (device.index or 0)
         if have < size:

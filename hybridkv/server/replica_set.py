@@ -14,11 +14,14 @@ group, replica i as rank i (replica_group.py).
 """
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import itertools
 import logging
 import multiprocessing as mp
 import threading
+import time
+from multiprocessing import connection as mp_connection
 from typing import Callable
 
 from .async_llm import EngineDeadError
@@ -40,36 +43,55 @@ class ReplicaSet:
         self.gloo = gloo
         self._store = host_store(startup_timeout) if gloo else None
         group = None if self._store is None else (self._store.port, size, startup_timeout, call_timeout)
+        # a replica with tensor-parallel ranks starts processes of its own, which a daemon may not;
+        # then close() runs at exit, before multiprocessing would wait for it
+        daemon = int(llm_kwargs.get("tensor_parallel_size", 1) or 1) == 1
         self._conns, self._procs = [], []
         for i in range(size):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=replica_main, args=(i, child, model, llm_kwargs, log_stats_interval,
                                                        logging.getLogger().getEffectiveLevel(), group),
-                            name=f"hybridkv-replica-{i}", daemon=True)
+                            name=f"hybridkv-replica-{i}", daemon=daemon)
             p.start()
             child.close()  # only the child holds its end: its death closes the pipe here
             self._conns.append(parent)
             self._procs.append(p)
         self.closing = threading.Event()
+        if not daemon:
+            atexit.register(self.close)
         self.dead: dict[int, str] = {}
         self._lock = threading.Lock()  # pending calls and dead replicas change together
         self._send_locks = [threading.Lock() for _ in range(size)]
         self._pending: list[dict[int, concurrent.futures.Future]] = [{} for _ in range(size)]
         self._ids = itertools.count()
-        self.facts: list[ReplicaFacts] = [self._wait_ready(i, startup_timeout) for i in range(size)]
+        self.facts: list[ReplicaFacts] = self._wait_ready(startup_timeout)
         for i in range(size):
             threading.Thread(target=self._read, args=(i,), name=f"hybridkv-replica-{i}-reader", daemon=True).start()
 
-    def _wait_ready(self, i: int, timeout: float) -> ReplicaFacts:
-        conn = self._conns[i]
-        try:
-            msg = conn.recv() if conn.poll(timeout) else ("failed", f"no answer within {timeout:.0f} s")
-        except (EOFError, OSError):
-            msg = ("failed", f"the process exited (code {self._procs[i].exitcode})")
-        if msg[0] != "ready":
-            self.close()
-            raise RuntimeError(f"data-parallel replica {i} did not start: {msg[1]}")
-        return msg[1]
+    def _wait_ready(self, timeout: float) -> list[ReplicaFacts]:
+        """Every replica's facts; RuntimeError (all stopped) at the first that fails or after
+        `timeout`. Waits on all at once: the others wait for a failed one in the gloo rendezvous."""
+        deadline, facts = time.monotonic() + timeout, {}
+        while len(facts) < self.size:
+            waiting = [c for i, c in enumerate(self._conns) if i not in facts]
+            ready = mp_connection.wait(waiting, max(0.0, deadline - time.monotonic()))
+            if not ready:
+                i = next(i for i in range(self.size) if i not in facts)
+                ready, msg = [], ("failed", f"no answer within {timeout:.0f} s")
+            for conn in ready:
+                i = self._conns.index(conn)
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    self._procs[i].join(2.0)
+                    msg = ("failed", f"the process exited (code {self._procs[i].exitcode})")
+                if msg[0] != "ready":
+                    break
+                facts[i] = msg[1]
+            if msg[0] != "ready":
+                self.close()
+                raise RuntimeError(f"data-parallel replica {i} did not start: {msg[1]}")
+        return [facts[i] for i in range(self.size)]
 
     def alive(self) -> list[int]:
         return [i for i in range(self.size) if i not in self.dead]

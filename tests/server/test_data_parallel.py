@@ -202,6 +202,35 @@ def test_an_add_whose_replica_dies_goes_to_the_other_then_fails_clearly_when_non
     assert dp.replicas.alive() == [] and not dp._streams and dp.router.load == [0, 0]
 
 
+def test_a_replica_starts_tensor_parallel_ranks_of_its_own(checkpoints, one_engine):
+    """tensor_parallel_size=2 inside a data-parallel replica (one, to spare the 2 cores): the
+    replica process (not a daemon) starts its rank, answers greedy and seeded requests as one
+    engine does, and close() leaves neither process behind."""
+    engine = DataParallelLLM(str(checkpoints["plain"]), 1, log_stats_interval=0, startup_timeout=240,
+                             tensor_parallel_size=2, **KW)
+    replica = engine.replicas._procs[0]
+    try:
+        ranks = _replica_pids(replica.pid)
+        assert len(ranks) == 1 and not replica.daemon, ranks
+        prompts = _prompts(9, 2)
+        params = [SamplingParams(max_tokens=8, temperature=0.0),
+                  SamplingParams(max_tokens=8, temperature=0.9, seed=5)]
+        assert [g[0] for g in _run(engine, prompts, params, "tp")] == _offline(one_engine, prompts, params)
+    finally:
+        engine.close()
+    deadline = time.monotonic() + WAIT_S
+    while any(map(_running, [replica.pid, *ranks])):
+        assert time.monotonic() < deadline, "a replica or its tensor-parallel rank outlived close()"
+        time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 # ---- a real `hybridkv serve --data-parallel-size 2` ---------------------------------------------
 def _free_port() -> int:
     import socket
