@@ -4,8 +4,8 @@
 
 The process builds its own `LLM` (which sets torch's threads as hybridkv/cpu_threads.py says),
 joins the replicas' gloo group when given one (replica_group.py: moved snapshots travel through
-it rank to rank), and runs `AsyncLLM`'s engine thread unchanged; what differs is where a request's news goes: to
-the pipe, tagged with the request id, instead of an asyncio queue. The main thread of the
+it rank to rank), and runs `AsyncLLM`'s engine thread unchanged; what differs is where a
+request's news goes: to the pipe, tagged with the request id, instead of an asyncio queue. The main thread of the
 process reads commands from the pipe; each runs on the engine thread between two steps and
 answers `("reply", call_id, ok, value)`. Messages in (parent -> replica):
 
