@@ -175,8 +175,11 @@ def _attend(q, kv_cache, grp: _Group, scale, soft_cap, sinks=None):
         qr = q.index_select(0, grp.rows)
     else:  # may be a view of q: nothing below writes into qr
         qr = q[grp.first_row:grp.first_row + r_n * lmax]
-    qr = qr.float().reshape(r_n, lmax, hkv, g, d)
-    qr = qr.permute(2, 0, 3, 1, 4).reshape(hkv * r_n, g * lmax, d)  # rows are (group, query)
+    qr = qr if qr.dtype == torch.float32 else qr.float()
+    if r_n * lmax == 1:  # one decode: its heads are already (kv head, group) rows
+        qr = qr.reshape(hkv, g, d)
+    else:
+        qr = qr.reshape(r_n, lmax, hkv, g, d).permute(2, 0, 3, 1, 4).reshape(hkv * r_n, g * lmax, d)
     if grp.n_keys:  # the same keys for every request: exactly those
         k, v, s_n = k[:, :grp.n_keys], v[:, :grp.n_keys], grp.n_keys
     if grp.tail is not None:
@@ -195,6 +198,8 @@ def _attend(q, kv_cache, grp: _Group, scale, soft_cap, sinks=None):
             lse = torch.logsumexp(logits.view(hkv, r_n, g, lmax, s_n), dim=-1)
             share = torch.sigmoid(lse - sinks.float().view(hkv, 1, g, 1))
             o = o * share.view(hkv * r_n, g * lmax, 1)
+    if r_n * lmax == 1:
+        return o.reshape(1, hq, d)
     o = o.view(hkv, r_n, g, lmax, d).permute(1, 3, 0, 2, 4).reshape(r_n * lmax, hq, d)
     return o if grp.keep is None else o.index_select(0, grp.keep)
 
@@ -220,7 +225,8 @@ def paged_attention_cpu(q, kv_cache, query_start_loc, seq_lens, block_table, sca
         if plan_cache is not None:
             plan_cache[key] = plan
     if len(plan) == 1 and plan[0].first_row == 0 and plan[0].out_rows.shape[0] == q.shape[0]:
-        return _attend(q, kv_cache, plan[0], scale, soft_cap, sinks).to(q.dtype)  # every row, in order
+        out = _attend(q, kv_cache, plan[0], scale, soft_cap, sinks)  # every row, in order
+        return out if out.dtype == q.dtype else out.to(q.dtype)
     out = torch.zeros_like(q)
     for grp in plan:
         out.index_copy_(0, grp.out_rows, _attend(q, kv_cache, grp, scale, soft_cap, sinks).to(q.dtype))
