@@ -13,7 +13,9 @@ rewritten after each, so a crash or a timeout keeps what was measured:
    varlen prefill batch in TFLOP/s; the decode state updates at batch 256 in bytes/s;
 5. one Mamba2 and one attention layer at Bamba-9B width (gpu_layer_case.py): 4096-token prefill
    checked against the torch backend, decode step GPU vs host CPU time at batch 1 and 64;
-6. a tiny Bamba through the engine, Triton backend against torch backend (identical tokens).
+6. a tiny Bamba through the engine, Triton backend against torch backend (identical tokens);
+7. decode steps with CUDA graphs on vs off (gpu_model_case.graph_decode_rows): batch 1 and 64,
+   host CPU and GPU time per step, the graph's logits checked against the eager step's.
 Prints a table last; writes gpu_kernels.json under $OUT (or --out) when set. Exits 1 on a wrong
 result (a check FAIL / ERROR) or a section that raised.
 
@@ -218,6 +220,9 @@ def print_table(copy_bw, checks, timings):
         if r.get("status") == "MISSING":
             print(f"{r['case']:<40} MISSING")
             continue
+        if "ms" not in r:  # a check row among the timings
+            print(f"{r['case']:<40} {r.get('status', '-')}")
+            continue
         pct = f"{100 * r['of_copy_bw']:.0f}" if "of_copy_bw" in r else "-"
         gbs = f"{r['GB/s']:.0f}" if "GB/s" in r else "-"
         tf = f"{r['TFLOP/s']:.1f}" if "TFLOP/s" in r else "-"
@@ -336,6 +341,8 @@ def main():
     report["timings"] += section("bamba9b_layers", lambda: gpu_layer_case.bamba9b_layer_rows(
         dev, small=dry)) or []
     report["timings"] += section("tiny_bamba_engine", lambda: gpu_model_case.bamba_rows(
+        dev, small=dry)) or []
+    report["timings"] += section("graph_decode", lambda: gpu_model_case.graph_decode_rows(
         dev, small=dry)) or []
     print_table(copy_bw, report["checks"], report["timings"])
     print(f"device {report['versions'] and report['versions']['device']}, timing dtype {dtype}, "

@@ -34,6 +34,7 @@ from hybridkv.snapshot import RequestSnapshot
 
 from . import migration
 from .batch_builder import BatchBuilder
+from .decode_graphs import DecodeInputs
 from .door import Door
 from .logit_rows import PromptSpan, plan_logit_rows, prompt_logprobs
 from .sampler import SampleRow, Sampler
@@ -55,6 +56,7 @@ class Engine:
         self.eos_ids = set(model.eos_token_ids)
         self.max_model_len = model.max_model_len
         self.batch_builder = BatchBuilder(manager, self.device)
+        self.decode_graphs = None  # a DecodeGraphs (decode_graphs.py) replays decode-only steps
         self.caches = ModelCaches(kv=manager.kv_caches, conv=manager.conv_states,
                                   state=manager.ssm_states, block_size=manager.block_size)
         self.door = Door(model.vocab_size, model.max_model_len, scheduler.max_seqs, manager.check_fits)
@@ -234,8 +236,12 @@ class Engine:
         logit_rows = plan_logit_rows(chunks, self._collects_prompt_logprobs)
         try:
             with torch.inference_mode():  # no autograd graph (it would also chain the pools across steps)
-                batch = self.batch_builder.build(chunks, logit_rows.indices)
-                logits = self.model(batch, self.caches)
+                graphs = self.decode_graphs
+                if graphs is not None and graphs.takes(chunks, logit_rows.indices):
+                    logits = graphs.run(DecodeInputs.from_chunks(chunks, self.mgr))
+                else:
+                    batch = self.batch_builder.build(chunks, logit_rows.indices)
+                    logits = self.model(batch, self.caches)
                 finite = logit_rows.finite(logits)
         except Exception as e:  # the batch cannot be told apart: each of its requests fails
             log.exception("the forward pass failed; its %d requests end with an error", len(chunks))

@@ -181,3 +181,38 @@ def test_option_refused_before_loading_where_it_cannot_work(tmp_path):
         LLM(missing, device="cpu", cuda_graphs="yes")
     with pytest.raises(ValueError, match="tensor_parallel_size=2"):
         LLM(missing, device="cpu", cuda_graphs="dry_run", tensor_parallel_size=2)
+
+
+def test_which_steps_replay_a_graph(models):
+    from types import SimpleNamespace as Chunk
+
+    h = Harness(models("llama"), seed=3)
+    graphs = DecodeGraphs(h.model, h.caches, max_num_seqs=4, max_model_len=64, block_size=16,
+                          mode="dry_run")
+    decode = Chunk(num_tokens=1, start=7)
+    assert graphs.takes([decode] * 3, None)
+    assert not graphs.takes([decode, Chunk(num_tokens=5, start=0)], None)  # mixed: eager
+    assert not graphs.takes([Chunk(num_tokens=1, start=0)], None)  # a one-token prompt: eager
+    assert not graphs.takes([decode], torch.tensor([0]))  # prompt logprobs: eager
+    assert not graphs.takes([decode] * 5, None)  # wider than the largest bucket: eager
+    assert not graphs.takes([], None)
+
+
+def test_engine_generates_the_eager_tokens_through_graphs(tmp_path):
+    """LLM(cuda_graphs="dry_run") against LLM(): greedy tokens equal, logprobs close; requests
+    finish after 2, 3 and 4 tokens, so decode batches of 3 (padded to 4), 2 and 1 replay."""
+    from hybridkv import LLM, SamplingParams
+
+    path = str(make_tiny_checkpoint("bamba", tmp_path, **FAMILIES["bamba"]))
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0)
+              for n in (4, 2, 3)]
+    kw = dict(device="cpu", max_num_seqs=4, max_num_batched_tokens=64, memory_budget_bytes=8 << 20)
+    want = LLM(path, **kw).generate(PROMPTS, params, use_tqdm=False)
+    graphed = LLM(path, cuda_graphs="dry_run", **kw)
+    got = graphed.generate(PROMPTS, params, use_tqdm=False)
+    assert graphed.engine.decode_graphs.replays == 3
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for lg, lw in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            (tg, vg), (tw, vw) = next(iter(lg.items())), next(iter(lw.items()))
+            assert tg == tw and vg.logprob == pytest.approx(vw.logprob, abs=1e-4)
