@@ -132,10 +132,14 @@ class ReplicaEngine(AsyncLLM):
             rid = seq.request_id
             snap = llm.export_request(rid)
             stream = self._streams.pop(rid)
-            if dst is None or self.group is None:
-                sending, wire = None, snapshot_to_bytes(snap)
-            else:
-                wire, sending = self.group.send_snapshot(snap, dst)
+            wire, sending = None, None
+            if dst is not None and self.group is not None:
+                try:
+                    wire, sending = self.group.send_snapshot(snap, dst)
+                except Exception as e:  # noqa: BLE001 - the destination is gone: bytes in the message
+                    log.warning("request %s: gloo send to rank %d failed (%s); sending its bytes", rid, dst, e)
+            if wire is None:
+                wire = snapshot_to_bytes(snap)
             self._outbox[rid] = (snap, sending)  # imported back here if the destination fails
             moved.append(MovedRequest(rid, wire, dict(stream.sent), stream.prompt_logged))
         return moved

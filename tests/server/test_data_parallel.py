@@ -186,8 +186,10 @@ def test_leaving_a_stream_early_aborts_it_on_its_replica(dp):
 
 def test_an_add_whose_replica_dies_goes_to_the_other_then_fails_clearly_when_none_is_left(dp, one_engine):
     """The last test on `dp`: it kills both replicas. Replica 0, the router's choice (no load, no
-    cached prefix), exits at its next add: replica 1 answers as one engine would. Then replica 1
-    exits the same way: a clear error naming both, within the time bound, nothing left behind."""
+    cached prefix), exits at its next add: replica 1 answers as one engine would. A running request
+    on replica 1 then moved to the dead replica 0 (as if it died after the balancer's look) stays on
+    replica 1 and loses no token. Then replica 1 exits at its next add: a clear error naming both,
+    within the time bound, nothing left behind."""
     ids, p = _prompts(8, 1)[0], SamplingParams(max_tokens=8, temperature=0.0)
     assert dp.router.load == [0, 0] and dp.replicas.alive() == [0, 1]
     dp.replicas.send(0, ("exit_on_next_add",))
@@ -195,6 +197,22 @@ def test_an_add_whose_replica_dies_goes_to_the_other_then_fails_clearly_when_non
     got = _run(dp, [ids], [p], "retry")
     assert got[0][0] == _offline(one_engine, [ids], [p])[0]
     assert dp.replicas.alive() == [1] and "replica 0" in dp.dead and "exit code 3" in dp.dead, dp.dead
+
+    long_ids, long_p = _prompts(10, 1, suffix_len=20)[0], SamplingParams(max_tokens=24, temperature=0.0,
+                                                                         ignore_eos=True)
+    dp.transport = "gloo"
+
+    async def moved_to_a_dead_replica():
+        tokens, moved = [], None
+        async for d in dp.generate(long_ids, long_p, "to-the-dead"):
+            tokens += d.token_ids
+            if moved is None:
+                moved = await asyncio.get_running_loop().run_in_executor(None, dp._migrate, 1, 0, 1)
+                assert moved == 1 and dp.router.replica_of("to-the-dead") == 1
+        return tokens
+
+    assert asyncio.run(asyncio.wait_for(moved_to_a_dead_replica(), WAIT_S)) == _offline(one_engine, [long_ids],
+                                                                                       [long_p])[0]
     dp.replicas.send(1, ("exit_on_next_add",))
     with pytest.raises(EngineDeadError, match="(?s)no data-parallel replica is running: .*replica 0.*replica 1"):
         _run(dp, [ids], [p], "none-left")
