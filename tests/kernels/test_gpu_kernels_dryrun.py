@@ -34,3 +34,8 @@ def test_cpu_dry_run_prints_table_and_json(tmp_path):
     for part in ("mamba2", "attention"):  # Bamba-9B-width layers, shrunk: triton vs torch
         assert cases[f"B9B {part} prefill 40 tok, triton"]["status"] == "PASS"
         assert cases[f"B9B {part} decode step, batch 3"]["cpu_ms"] > 0
+    for b in (1, 2):  # CUDA-graph decode (dry-run mode: no capture) against the eager step
+        assert cases[f"graph decode check, batch {b}"]["status"] == "PASS"
+        assert cases[f"graph decode check, batch {b}"]["rel_err_vs_eager"] < 1e-4
+        for graphs in ("on", "off"):
+            assert cases[f"decode step graphs {graphs}, batch {b}"]["cpu_ms"] > 0
