@@ -116,15 +116,18 @@ class ReplicaEngine(AsyncLLM):
     def export(self, llm, k: int, waiting: bool, dst: Optional[int]) -> list[MovedRequest]:
         """Up to k single-sequence requests leave this engine: running ones (most tokens left
         first; their tensors go to gloo rank `dst`, or in the message when None), or waiting ones
-        that no cached prefix here holds (they lose nothing by leaving; they move as tokens)."""
+        that neither a cached prefix here nor a running request computing their prefix (burst
+        rule) would serve (they lose nothing by leaving; they move as tokens)."""
         from hybridkv.scheduler.snapshot_io import snapshot_to_bytes
 
         groups, sched = llm.engine.groups, llm.engine.scheduler
         movable = [s for s in (sched.waiting if waiting else sched.running)
                    if isinstance(s.request_id, str) and s.request_id in self._streams
                    and len(groups[s.request_id].seqs) == 1 and not s.finished]
-        if waiting:
-            movable = [s for s in movable if llm.manager.usable_prefix_tokens(s.token_ids, s.cache_salt) == 0]
+        if waiting:  # only those with nothing here to gain: no cached prefix, no running leader computing it
+            mgr = llm.manager
+            movable = [s for s in movable if mgr.usable_prefix_tokens(s.token_ids, s.cache_salt) == 0
+                       and mgr.bursts.leader_for(s.request_id, s.token_ids, s.cache_salt)[0] is None]
         else:
             movable.sort(key=lambda s: len(s.token_ids) - s.num_prompt_tokens - s.max_tokens)
         moved = []
