@@ -165,6 +165,7 @@ class DecodeGraphs:
         self._buckets: dict[int, _Bucket] = {}
         self._pool_ptrs: Optional[tuple[int, ...]] = None
         self.replays = 0
+        self.rows_uploaded = 0  # block-table rows copied to the device by the last run
 
     @classmethod
     def for_engine(cls, engine, mode: str) -> "DecodeGraphs":
@@ -274,6 +275,7 @@ class DecodeGraphs:
         longs[:, r:size] = _LONG_PADDING  # token 0 at position 0, no KV write
         ints[:, r:size] = _INT_PADDING    # the null state slot; one key read
         changed = self._changed_rows(table, r, size)
+        self.rows_uploaded = len(changed)
         blocking = self._staged is None
         self._longs[:, :size].copy_(self._longs_host[:, :size], non_blocking=not blocking)
         self._ints[:, :size].copy_(self._ints_host[:, :size], non_blocking=not blocking)
