@@ -115,9 +115,9 @@ def gdn_state_update(state, q, k, v, g, beta, slot_idx, scale=None, use_qk_l2nor
 def gdn_chunk_scan(state, q, k, v, g, beta, query_start_loc, slot_idx, has_initial_state,
                    scale=None, use_qk_l2norm=True, chunk_size=64, return_states_at=None):
     """Varlen chunked gated delta rule from each slot's state; leaves the final state in the slot."""
-    from .gdn_ref import gdn_chunk_scan_ref
+    from .gdn_cpu import gdn_chunk_scan_cpu  # packed-chunk torch path; gdn_ref is the spec
 
-    fn = _pick(v, gdn_chunk_scan_ref, "gdn_chunk_scan_triton", "gdn_prefill")
+    fn = _pick(v, gdn_chunk_scan_cpu, "gdn_chunk_scan_triton", "gdn_prefill")
     return fn(state, q, k, v, g, beta, query_start_loc, slot_idx, has_initial_state, scale,
               use_qk_l2norm, chunk_size, return_states_at)
 

@@ -17,7 +17,8 @@ class ChunkLayout:
     num_chunks C; token_chunk / token_pos [T] long: where packed token t sits;
     dest [T]: its row in the padded [C * chunk] layout; first [R] / count [R]: each request's
     first chunk and chunk count; slots [R] long, init [R] bool; upper [chunk, chunk] bool
-    (True strictly above the diagonal: s > l, the future inside a chunk).
+    (True strictly above the diagonal: s > l, the future inside a chunk); _steps[k] the chunk ids
+    of index k of every request that has one, step_requests[k] those requests (None: all).
     """
 
     def __init__(self, spans, chunk: int, device):
@@ -45,6 +46,9 @@ class ChunkLayout:
         self.token_pos = offset % chunk
         self.dest = self.token_chunk * chunk + self.token_pos
         self.upper = torch.ones(chunk, chunk, dtype=torch.bool, device=device).triu(1)
+        self.step_requests = [None if all(n > k for n in count) else
+                              torch.tensor([r for r, n in enumerate(count) if n > k], dtype=torch.long,
+                                           device=device) for k in range(max(count, default=0))]
         self._steps = [torch.tensor([f + k for f, n in zip(first, count) if n > k], dtype=torch.long,
                                     device=device) for k in range(max(count, default=0))]
 
@@ -55,6 +59,15 @@ class ChunkLayout:
                           device=t.device)
         src = t if self.identity and t.shape[0] == self.num_tokens else t[self.rows]
         return out.index_copy_(0, self.dest, src.float())
+
+    def pad_heads(self, t: torch.Tensor) -> torch.Tensor:
+        """t [T_all, Hd, F] packed tokens -> fp32 [C, Hd, chunk, F], heads first, zeros in the
+        padding (one copy: the tokens are written straight into the chunk layout)."""
+        out = torch.zeros(self.num_chunks, t.shape[1], self.chunk, t.shape[2], dtype=torch.float32,
+                          device=t.device)
+        src = t if self.identity and t.shape[0] == self.num_tokens else t[self.rows]
+        out[self.token_chunk, :, self.token_pos] = src.float()
+        return out
 
     def chain(self, ends: torch.Tensor, decay: torch.Tensor, h0: torch.Tensor):
         """The chunk-to-chunk recurrence E_c = decay_c E_(c-1) + ends_c, E_(-1) = h0 of the request.

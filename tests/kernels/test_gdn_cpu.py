@@ -65,3 +65,60 @@ def test_dispatch_routes_cpu_here(monkeypatch):
     slots = torch.tensor([4, 1], dtype=torch.int32)
     want = gdn_state_update_ref(pool.clone(), q, k, v, gate, beta, slots)
     assert rel_err(K.gdn_state_update(pool, q, k, v, gate, beta, slots), want) < 1e-5 and calls == [1]
+
+
+def prefill_case(lengths, init, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, gate, beta = inputs(g, sum(lengths))
+    pool = torch.randn(SLOTS, HV, KD, VD, generator=g)
+    slots = (torch.randperm(SLOTS - 1, generator=g)[:len(lengths)] + 1).to(torch.int32)
+    pool[slots[~torch.tensor(init)].long()] = float("nan")  # never read without an initial state
+    qsl = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    return (q, k, v, gate, beta), pool, qsl, slots, torch.tensor(init)
+
+
+@pytest.mark.parametrize("chunk_size", [4, 8])
+@pytest.mark.parametrize("l2norm,scale", [(True, None), (False, 0.3)])
+def test_chunk_scan_matches_reference(chunk_size, l2norm, scale):
+    """Ragged requests (1, chunk - 1, chunk, chunk + 1, several chunks), fresh and continued,
+    with states asked mid-chunk, at chunk ends, at the first and the last token, and not at all."""
+    from hybridkv.kernels.gdn_cpu import gdn_chunk_scan_cpu
+    from hybridkv.kernels.gdn_ref import gdn_chunk_scan_ref
+
+    lengths = [1, chunk_size - 1, chunk_size, chunk_size + 1, 3 * chunk_size + 2]
+    init = [True, False, True, False, True]
+    args, pool, qsl, slots, has_init = prefill_case(lengths, init, seed=chunk_size)
+    at = [[1], [2, chunk_size - 1], [], [chunk_size, chunk_size + 1], [1, chunk_size + 3, 3 * chunk_size + 2]]
+    ref_pool, cpu_pool = pool.clone(), pool.clone()
+    kw = dict(scale=scale, use_qk_l2norm=l2norm, chunk_size=chunk_size, return_states_at=at)
+    want, want_s = gdn_chunk_scan_ref(ref_pool, *args, qsl, slots, has_init, **kw)
+    got, got_s = gdn_chunk_scan_cpu(cpu_pool, *args, qsl, slots, has_init, **kw)
+    assert rel_err(got, want) < 1e-5
+    assert [tuple(s.shape) for s in got_s] == [tuple(s.shape) for s in want_s]
+    assert all(rel_err(a, b) < 1e-5 for a, b in zip(got_s, want_s) if b.numel())
+    touched = slots.long()
+    assert rel_err(cpu_pool[touched], ref_pool[touched]) < 1e-5
+    others = torch.ones(SLOTS, dtype=torch.bool)
+    others[touched] = False
+    assert torch.equal(cpu_pool[others], pool[others])
+    # without positions: the same outputs and final states
+    again = pool.clone()
+    plain = gdn_chunk_scan_cpu(again, *args, qsl, slots, has_init, scale=scale, use_qk_l2norm=l2norm,
+                               chunk_size=chunk_size)
+    assert torch.equal(plain, got) and rel_err(again[touched], ref_pool[touched]) < 1e-5
+
+
+def test_chunk_scan_bad_position_changes_nothing_and_dispatch(monkeypatch):
+    monkeypatch.delenv("HYBRIDKV_BACKEND", raising=False)
+    import hybridkv.kernels.gdn_cpu as mod
+
+    args, pool, qsl, slots, has_init = prefill_case([5, 3], [True, True], seed=1)
+    before = pool.clone()
+    with pytest.raises(ValueError, match="position 4 of request 1 is outside 1..3"):
+        mod.gdn_chunk_scan_cpu(pool, *args, qsl, slots, has_init, return_states_at=[[5], [4]])
+    assert torch.equal(pool, before)
+    calls = []
+    real = mod.gdn_chunk_scan_cpu
+    monkeypatch.setattr(mod, "gdn_chunk_scan_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    K.gdn_chunk_scan(pool, *args, qsl, slots, has_init, chunk_size=4)
+    assert calls == [1]
