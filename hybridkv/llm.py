@@ -70,7 +70,7 @@ class LLM:
                  **kwargs):
         _check_keywords(kwargs)
         from hybridkv.models.loader import resolve_device
-        from hybridkv.parallel import TensorParallel, check_size
+        from hybridkv.parallel import ShardLoad, TensorParallel, check_size
 
         device = resolve_device(device)  # "auto" -> cuda when torch sees a GPU, else cpu
         check_size(tensor_parallel_size, device)  # before anything loads
@@ -82,13 +82,16 @@ class LLM:
                                    seed=seed, **kwargs)
         graph_mode = check_graphs_option(self.config.cuda_graphs, device, tensor_parallel_size)
         self.model_path = model
-        self.model = load_model(model, device=device, dtype=_dtype(dtype), max_model_len=max_model_len)
+        shard = ShardLoad(0, tensor_parallel_size) if tensor_parallel_size != 1 else None  # rank 0's rows only
+        self.model = load_model(model, device=device, dtype=_dtype(dtype), max_model_len=max_model_len,
+                                shard=shard)
         configure_cpu_threads(self.model.device)  # measured default; HYBRIDKV_CPU_THREADS overrides
         self.tensor_parallel = None  # ranks 1..N-1 hold the other shards (hybridkv/parallel/)
         if tensor_parallel_size != 1:
             self.tensor_parallel = TensorParallel(
                 self.model, model, tensor_parallel_size, dtype=_dtype(dtype), max_model_len=max_model_len,
-                block_size=block_size, profile_tokens=(min(256, max_num_batched_tokens), max_num_batched_tokens))
+                block_size=block_size, profile_tokens=(min(256, max_num_batched_tokens), max_num_batched_tokens),
+                shard=shard)
         if max_model_len is not None:
             self.model.max_model_len = min(self.model.max_model_len or max_model_len, max_model_len)
         self.tokenizer = self.model.tokenizer

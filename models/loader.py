@@ -161,19 +161,22 @@ def load_tokenizer(path: Path):
         raise
 
 
-def build_model(config, device="cpu", dtype=torch.float32) -> HybridModel:
+def build_model(config, device="cpu", dtype=torch.float32, cut=None) -> HybridModel:
     """The family's model for `config`, parameters allocated but NOT initialised (meta -> device).
 
     Family modules must not compute non-parameter tensors on the default device in __init__
     (it is `meta` here): use an explicit device="cpu" and move lazily, as rotary.py does.
+    `cut(model)`, when given, runs on the meta model before allocation (a tensor-parallel shard).
     """
     arch = (getattr(config, "architectures", None) or [None])[0]
     module = family_module(arch)
     with torch.device("meta"):
         model = module.MODEL_CLASS(config)
-    model = model.to(dtype=dtype).to_empty(device=torch.device(device))
+    model = model.to(dtype=dtype)
     model.architecture = module.ARCHITECTURE
-    return model
+    if cut is not None:
+        cut(model)
+    return model.to_empty(device=torch.device(device))
 
 
 def _check_max_model_len(max_model_len) -> None:
@@ -185,12 +188,13 @@ def _check_max_model_len(max_model_len) -> None:
 
 
 def load_model(path: str | Path, device="cpu", dtype: DType = torch.float32,
-               max_model_len: Optional[int] = None) -> HybridModel:
+               max_model_len: Optional[int] = None, shard=None) -> HybridModel:
     """Checkpoint directory (or a model id in the local Hugging Face cache: `resolve_checkpoint`)
     -> HybridModel in eval mode on `device` ("auto": cuda if available) with parameters in `dtype`.
 
     dtype: a torch.dtype, a name in DTYPES, or "auto" (config.json's dtype, float32 when it names
-    none). max_model_len: caps the checkpoint's own limit (None keeps it).
+    none). max_model_len: caps the checkpoint's own limit (None keeps it). shard: a tensor-parallel
+    rank's hybridkv.parallel.ShardLoad (its `cut` on the meta model, its `load` for the weights).
     Sets `generation_defaults` (GenerationDefaults from generation_config.json) on the model.
     Raises FileNotFoundError (no directory / config.json), UnsupportedArchitectureError (listing
     the supported ones), ValueError for a bad dtype or max_model_len, and CheckpointError naming
@@ -211,10 +215,13 @@ def load_model(path: str | Path, device="cpu", dtype: DType = torch.float32,
         dtype = checkpoint_dtype(raw, path / "config.json")
         log.info("dtype='auto': computing in %s, the dtype config.json names (float32 when none)", dtype)
     try:
-        model = build_model(config, device=device, dtype=dtype)
+        model = build_model(config, device=device, dtype=dtype, cut=shard and shard.cut)
     except ValueError as e:  # a family refusing its config (heads that do not divide, ...)
         raise CheckpointError(f"{path / 'config.json'}: {e}") from e
-    model.load_weights(ckpt)
+    if shard is None:
+        model.load_weights(ckpt)
+    else:
+        shard.load(model, ckpt)
     if max_model_len is not None:
         model.max_model_len = min(model.max_model_len or max_model_len, max_model_len)
     model.tokenizer = load_tokenizer(path)

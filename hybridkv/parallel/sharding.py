@@ -26,7 +26,8 @@ Returns each cache layer's CacheShard, so pools can gather and scatter KV and st
 """
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -60,30 +61,51 @@ def check_supported(architecture: str, size: int) -> None:
                          f"tensor_parallel_size=1 for this family)")
 
 
-def _set(module: nn.Module, name: str, value: torch.Tensor) -> None:
-    setattr(module, name, nn.Parameter(value.contiguous(), requires_grad=False))
+@dataclass(frozen=True)
+class Cut:
+    """How a parameter was cut from the full one: rows `layout` gives the rank along `dim`, or,
+    with `zeroed`, a row-parallel bias that only rank 0 adds (zeros elsewhere). Kept on the new
+    parameter as `tp_cut`, so a loader can read just the shard (shard_loading.py)."""
+
+    layout: Optional[ShardLayout] = None
+    dim: int = 0
+    zeroed: bool = False
 
 
-def _keep(t: torch.Tensor, layout: ShardLayout, rank: int, size: int, dim: int) -> torch.Tensor:
+def _set(module: nn.Module, name: str, value: torch.Tensor, cut: Cut) -> None:
+    param = nn.Parameter(value.contiguous(), requires_grad=False)
+    param.tp_cut = cut
+    setattr(module, name, param)
+
+
+def _keep(module: nn.Module, name: str, layout: ShardLayout, rank: int, size: int, dim: int) -> None:
+    """Replace parameter `name` of `module` by the rows `layout` gives `rank` along `dim`."""
+    t = getattr(module, name).data
     if t.shape[dim] != layout.full:
         raise ValueError(f"tensor of shape {tuple(t.shape)} does not match the shard layout "
                          f"({layout.full} at dim {dim})")
-    return layout.take(t, rank, size, dim)
+    _set(module, name, layout.take(t, rank, size, dim), Cut(layout, dim))
+
+
+def _zero_unless_rank0(module: nn.Module, name: str, rank: int) -> None:
+    """A bias added after a sum over ranks: rank 0 keeps it, the others hold zeros."""
+    if rank != 0:
+        _set(module, name, torch.zeros_like(getattr(module, name).data), Cut(zeroed=True))
 
 
 def _column(lin: nn.Linear, layout: ShardLayout, rank: int, size: int) -> None:
     """Keep the output rows `layout` gives this rank."""
-    _set(lin, "weight", _keep(lin.weight.data, layout, rank, size, 0))
+    _keep(lin, "weight", layout, rank, size, 0)
     if lin.bias is not None:
-        _set(lin, "bias", _keep(lin.bias.data, layout, rank, size, 0))
+        _keep(lin, "bias", layout, rank, size, 0)
     lin.out_features = lin.weight.shape[0]
 
 
 def _row(lin: nn.Linear, layout: ShardLayout, rank: int, size: int) -> None:
     """Keep the input columns `layout` gives this rank; the bias is added on rank 0 only."""
-    _set(lin, "weight", _keep(lin.weight.data, layout, rank, size, 1))
-    if lin.bias is not None and rank != 0:
-        _set(lin, "bias", torch.zeros_like(lin.bias.data))
+    _keep(lin, "weight", layout, rank, size, 1)
+    if lin.bias is not None:
+        _zero_unless_rank0(lin, "bias", rank)
     lin.in_features = lin.weight.shape[1]
 
 
@@ -131,9 +153,8 @@ def shard_moe(m: SparseMoE, rank: int, size: int, all_reduce: Callable) -> None:
     e = m.experts
     inter = e.down_proj.shape[2]
     split_count("moe_intermediate_size", inter, size)
-    _set(e, "gate_up_proj", _keep(e.gate_up_proj.data, ShardLayout.of((inter, size), (inter, size)),
-                                  rank, size, 1))
-    _set(e, "down_proj", _keep(e.down_proj.data, ShardLayout.of((inter, size)), rank, size, 2))
+    _keep(e, "gate_up_proj", ShardLayout.of((inter, size), (inter, size)), rank, size, 1)
+    _keep(e, "down_proj", ShardLayout.of((inter, size)), rank, size, 2)
     if m.shared_expert is not None:
         shard_mlp(m.shared_expert, rank, size, None)  # summed with the routed experts below
     _reduce_output(m, all_reduce)
@@ -162,10 +183,10 @@ def shard_nemotron_moe(m: NemotronHMoE, rank: int, size: int, all_reduce: Callab
     inter = e.up_proj.shape[1]
     split_count("moe_intermediate_size", inter, size)
     cols = ShardLayout.of((inter, size))
-    _set(e, "up_proj", _keep(e.up_proj.data, cols, rank, size, 1))
-    _set(e, "down_proj", _keep(e.down_proj.data, cols, rank, size, 2))
-    if m.fc2_latent_proj is not None and m.fc2_latent_proj.bias is not None and rank != 0:
-        _set(m.fc2_latent_proj, "bias", torch.zeros_like(m.fc2_latent_proj.bias.data))
+    _keep(e, "up_proj", cols, rank, size, 1)
+    _keep(e, "down_proj", cols, rank, size, 2)
+    if m.fc2_latent_proj is not None and m.fc2_latent_proj.bias is not None:
+        _zero_unless_rank0(m.fc2_latent_proj, "bias", rank)
     shard_up_down_mlp(m.shared_experts, rank, size, None)  # summed with the routed experts below
     _reduce_output(m, all_reduce)
 
@@ -177,14 +198,14 @@ def shard_mamba2(m: Mamba2Mixer, rank: int, size: int, all_reduce: Callable) -> 
     xbc = ShardLayout.of((H, heads, P), (G, groups, N), (G, groups, N))
     zxbcdt = ShardLayout.of((H, heads, P), (H, heads, P), (G, groups, N), (G, groups, N), (H, heads))
     _column(m.in_proj, zxbcdt, rank, size)
-    _set(m.conv1d, "weight", _keep(m.conv1d.weight.data, xbc, rank, size, 0))
+    _keep(m.conv1d, "weight", xbc, rank, size, 0)
     if m.conv1d.bias is not None:
-        _set(m.conv1d, "bias", _keep(m.conv1d.bias.data, xbc, rank, size, 0))
+        _keep(m.conv1d, "bias", xbc, rank, size, 0)
     per_head = ShardLayout.of((H, heads))
     for name in ("dt_bias", "A_log", "D"):
-        _set(m, name, _keep(getattr(m, name).data, per_head, rank, size, 0))
+        _keep(m, name, per_head, rank, size, 0)
     if m.norm is not None:
-        _set(m.norm, "weight", _keep(m.norm.weight.data, ShardLayout.of((H, heads, P)), rank, size, 0))
+        _keep(m.norm, "weight", ShardLayout.of((H, heads, P)), rank, size, 0)
     _row(m.out_proj, ShardLayout.of((H, heads, P)), rank, size)
     m.num_heads, m.n_groups = H // size, G // groups
     m.d_inner = m.num_heads * P
@@ -208,10 +229,10 @@ def shard_gdn(m: GatedDeltaNetMixer, rank: int, size: int, all_reduce: Callable)
     else:  # Qwen3-Next: [q k v z] and [b a] interleaved per key head
         _column(m.in_proj_qkvz, ShardLayout.of((HK, k, 2 * dk + 2 * r * dv)), rank, size)
         _column(m.in_proj_ba, ShardLayout.of((HK, k, 2 * r)), rank, size)
-    _set(m.conv1d, "weight", _keep(m.conv1d.weight.data, conv, rank, size, 0))
+    _keep(m.conv1d, "weight", conv, rank, size, 0)
     v_heads = ShardLayout.of((HV, k))
     for name in ("dt_bias", "A_log"):
-        _set(m, name, _keep(getattr(m, name).data, v_heads, rank, size, 0))
+        _keep(m, name, v_heads, rank, size, 0)
     _row(m.out_proj, ShardLayout.of((HV, k, dv)), rank, size)
     m.num_k_heads, m.num_v_heads = HK // size, HV // size
     m.key_dim, m.value_dim = m.num_k_heads * dk, m.num_v_heads * dv
@@ -226,14 +247,14 @@ def shard_mamba1(m: Mamba1Mixer, rank: int, size: int, all_reduce: Callable) -> 
     split_count("mamba intermediate_size (d_inner)", inner, size)
     channels = ShardLayout.of((inner, size))
     _column(m.in_proj, ShardLayout.of((inner, size), (inner, size)), rank, size)  # x | z
-    _set(m.conv1d, "weight", _keep(m.conv1d.weight.data, channels, rank, size, 0))
+    _keep(m.conv1d, "weight", channels, rank, size, 0)
     if m.conv1d.bias is not None:
-        _set(m.conv1d, "bias", _keep(m.conv1d.bias.data, channels, rank, size, 0))
+        _keep(m.conv1d, "bias", channels, rank, size, 0)
     _row(m.x_proj, channels, rank, size)
     _reduce_output(m.x_proj, all_reduce)  # full dt | B | C before their norms
     _column(m.dt_proj, channels, rank, size)
     for name in ("A_log", "D"):
-        _set(m, name, _keep(getattr(m, name).data, channels, rank, size, 0))
+        _keep(m, name, channels, rank, size, 0)
     _row(m.out_proj, channels, rank, size)
     m.d_inner = inner // size
     m.conv1d.in_channels = m.conv1d.out_channels = m.conv1d.groups = m.d_inner
@@ -246,9 +267,9 @@ def shard_short_conv(m: ShortConv, rank: int, size: int, all_reduce: Callable) -
     split_count("short-conv hidden_size", width, size)
     channels = ShardLayout.of((width, size))
     _column(m.in_proj, ShardLayout.of((width, size), (width, size), (width, size)), rank, size)  # B | C | x
-    _set(m.conv, "weight", _keep(m.conv.weight.data, channels, rank, size, 0))
+    _keep(m.conv, "weight", channels, rank, size, 0)
     if m.conv.bias is not None:
-        _set(m.conv, "bias", _keep(m.conv.bias.data, channels, rank, size, 0))
+        _keep(m.conv, "bias", channels, rank, size, 0)
     _row(m.out_proj, channels, rank, size)
     m.hidden_size = width // size  # the conv width (and its window's), not the model's
     m.conv.in_channels = m.conv.out_channels = m.conv.groups = m.hidden_size

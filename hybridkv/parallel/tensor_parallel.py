@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 
 from .group import RankFailedError, TensorParallelGroup, free_port
 from .mirrored_pools import Journal, mirror_pools, pool_plan
+from .shard_loading import ShardLoad
 from .sharding import check_supported, shard_model
 from .worker import MESSAGE_KEY, READY_KEY, WorkerArgs, batch_fields, run_worker
 
@@ -50,16 +51,25 @@ class TensorParallel:
     """Rank 0's side of `size` ranks over torch.distributed (gloo on CPU, NCCL on CUDA)."""
 
     def __init__(self, model, path: str, size: int, *, dtype, max_model_len: Optional[int],
-                 block_size: int, profile_tokens: tuple[int, int], timeout_s: float = STEP_TIMEOUT_S):
+                 block_size: int, profile_tokens: tuple[int, int], timeout_s: float = STEP_TIMEOUT_S,
+                 shard: Optional[ShardLoad] = None):
         """profile_tokens: (num_tokens, peak_tokens) of rank 0's profile_model call, which every
-        rank repeats (its forwards meet in the same all-reduces)."""
+        rank repeats (its forwards meet in the same all-reduces). shard: the ShardLoad `model` was
+        loaded with (rank 0's rows only); None: `model` is whole and is cut here, in place."""
         check_size(size, model.device)
         check_supported(model.architecture, size)
         self.size = size
         self.model = model
-        self.full_specs = model.cache_specs()
-        # cut rank 0 first: a shape that cannot split is refused before any process starts
-        self.layouts = shard_model(model, 0, size, lambda t: self.group.all_reduce(t))
+        if shard is not None:
+            if (shard.rank, shard.size) != (0, size):
+                raise ValueError(f"rank 0 of tensor_parallel_size={size} was loaded as rank {shard.rank} "
+                                 f"of {shard.size}")
+            self.full_specs, self.layouts = shard.full_specs, shard.layouts
+            shard.bind(lambda t: self.group.all_reduce(t))
+        else:
+            self.full_specs = model.cache_specs()
+            # cut rank 0 first: a shape that cannot split is refused before any process starts
+            self.layouts = shard_model(model, 0, size, lambda t: self.group.all_reduce(t))
         port = free_port()
         dev = model.device
         ctx = mp.get_context("spawn")

@@ -1,4 +1,5 @@
-"""Ranks 1..N-1 of a tensor-parallel engine: load the shard, then apply rank 0's messages forever.
+"""Ranks 1..N-1 of a tensor-parallel engine: load the shard (only its rows of the checkpoint:
+shard_loading.py), then apply rank 0's messages forever.
 
 A worker owns no scheduler and no bookkeeping. Each message from rank 0 is a list of operations,
 applied in order: journaled pool moves (mirrored_pools.py), reads answered to rank 0, and
@@ -77,7 +78,7 @@ def run_worker(args: WorkerArgs) -> None:
 
     from .group import TensorParallelGroup
     from .mirrored_pools import ShardedPools
-    from .sharding import shard_model
+    from .shard_loading import ShardLoad
 
     torch.set_num_threads(args.num_threads)
     parent = os.getppid()
@@ -87,8 +88,10 @@ def run_worker(args: WorkerArgs) -> None:
     group = TensorParallelGroup(args.rank, args.size, args.port, device, args.timeout_s)
     ready = READY_KEY.format(rank=args.rank)
     try:
-        model = load_model(args.path, device=device, dtype=args.dtype, max_model_len=args.max_model_len)
-        layouts = shard_model(model, args.rank, args.size, group.all_reduce)
+        shard = ShardLoad(args.rank, args.size, group.all_reduce)  # reads only this rank's rows
+        model = load_model(args.path, device=device, dtype=args.dtype, max_model_len=args.max_model_len,
+                           shard=shard)
+        layouts = shard.layouts
     except BaseException as e:
         group.store.set(ready, f"error: {type(e).__name__}: {e}")
         raise

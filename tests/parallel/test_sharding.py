@@ -9,7 +9,7 @@ import torch
 
 from hybridkv.models import load_model
 from hybridkv.models.tiny import make_tiny_checkpoint
-from hybridkv.parallel.sharding import shard_model
+from hybridkv.parallel.shard_loading import ShardLoad
 
 from model_harness import Harness
 
@@ -55,9 +55,8 @@ def _run(model) -> list:
 
 def _sharded(path, size: int) -> list:
     reduce = ThreadAllReduce(size)
-    models = [load_model(path) for _ in range(size)]
-    for r, m in enumerate(models):
-        shard_model(m, r, size, reduce.for_rank(r))
+    # each rank reads only its shard (safetensors slices), as a worker does
+    models = [load_model(path, shard=ShardLoad(r, size, reduce.for_rank(r))) for r in range(size)]
     results, errors = [None] * size, []
 
     def rank(r):
