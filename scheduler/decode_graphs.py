@@ -37,7 +37,7 @@ import torch
 from hybridkv.kernels.dispatch import backend_for
 from hybridkv.models.forward_batch import ForwardBatch, ModelCaches
 
-from .host_sync_check import NoHostSync
+from .host_sync_check import HostSyncError, NoHostSync
 
 MODES = ("cuda", "dry_run")
 _LONG_PADDING = np.array([[0], [0], [-1]])  # a padding row's token id, position, KV write slot
@@ -200,8 +200,12 @@ class DecodeGraphs:
                 continue
             graph = torch.cuda.CUDAGraph()
             with torch.inference_mode():
-                with NoHostSync():  # a sync names its op here instead of failing the capture
-                    self.model(batch, self.caches)  # warm-up: Triton compiles, the allocator settles
+                try:  # warm-up: Triton compiles, the allocator settles; a sync names its op here
+                    with NoHostSync():
+                        self.model(batch, self.caches)
+                except HostSyncError as e:
+                    raise ValueError(f"cuda_graphs: a {self.model.architecture} decode step cannot be "
+                                     f"captured ({e}); leave cuda_graphs off for this model") from e
                 torch.cuda.synchronize(self.model.device)
                 with torch.cuda.graph(graph, pool=pool):
                     logits = self.model(batch, self.caches)
