@@ -281,8 +281,9 @@ class DecodeGraphs:
         changed = self._changed_rows(table, r, size)
         self.rows_uploaded = len(changed)
         blocking = self._staged is None
-        self._longs[:, :size].copy_(self._longs_host[:, :size], non_blocking=not blocking)
-        self._ints[:, :size].copy_(self._ints_host[:, :size], non_blocking=not blocking)
+        # whole buffers (a few KiB): contiguous on both sides, so the copy is one async DMA
+        self._longs.copy_(self._longs_host, non_blocking=not blocking)
+        self._ints.copy_(self._ints_host, non_blocking=not blocking)
         if changed:
             k = len(changed)
             width = int(self._rows_host.shape[1])
