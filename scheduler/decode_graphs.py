@@ -83,7 +83,6 @@ class DecodeInputs:
     state_slots: list[int]
     block_table: torch.Tensor
 
-
     @staticmethod
     def from_chunks(chunks, manager) -> "DecodeInputs":
         """The inputs of a step of one-token decode chunks (scheduler.ScheduledChunk) whose
