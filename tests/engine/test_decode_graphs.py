@@ -218,3 +218,12 @@ def test_engine_generates_the_eager_tokens_through_graphs(tmp_path):
         for lg, lw in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
             (tg, vg), (tw, vw) = next(iter(lg.items())), next(iter(lw.items()))
             assert tg == tw and vg.logprob == pytest.approx(vw.logprob, abs=1e-4)
+
+
+def test_several_attention_groups_are_refused(tmp_path):
+    from hybridkv import LLM
+
+    path = str(make_tiny_checkpoint("gpt_oss", tmp_path))  # sliding and full attention layers
+    with pytest.raises(ValueError, match=r"attention layers form 2 KV groups .*leave cuda_graphs off"):
+        LLM(path, device="cpu", cuda_graphs="dry_run", max_num_batched_tokens=32,
+            memory_budget_bytes=8 << 20)
