@@ -5,9 +5,9 @@ replays the graph of the smallest bucket B >= R (1, 2, 4, 8, then every 16 up to
 as nano-vllm). Prefill and mixed steps, and steps wider than the largest bucket, run eagerly.
 
 Before a replay the step's inputs are copied in place into the buffers the graph was captured
-on: one host-to-device copy for the int64 rows (input ids, positions, KV write slots), one for
-the int32 rows (state slots, seq lens), and only the block-table rows that changed since the
-last step (a decode row changes when it gains a block or another request takes its row).
+on: one host-to-device copy for the int64 rows (input ids, positions, KV write slots, and each
+attention group's write slots when there are several), one for the int32 rows (state slots, seq
+lens), and only the block-table rows that changed (device_block_table.py), per group.
 Rows R..B-1 are padding that no request owns: KV write slot -1 (nothing written), state slot 0
 (the null slot), seq len 1 reading key 0 of a valid block; their logits are dropped.
 
@@ -28,20 +28,20 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 import torch
 
 from hybridkv.kernels.dispatch import backend_for
-from hybridkv.models.forward_batch import ForwardBatch, ModelCaches
+from hybridkv.models.forward_batch import ForwardBatch, KVGroupTables, ModelCaches
 
+from .device_block_table import DeviceBlockTable
 from .host_sync_check import HostSyncError, NoHostSync
 
 MODES = ("cuda", "dry_run")
-_LONG_PADDING = np.array([[0], [0], [-1]])  # a padding row's token id, position, KV write slot
-_INT_PADDING = np.array([[0], [1]])         # its state slot (the null slot) and seq len
+_INT_PADDING = np.array([[0], [1]])  # a padding row's state slot (the null slot) and seq len
 
 
 @contextlib.contextmanager
@@ -74,7 +74,8 @@ class DecodeInputs:
     """One decode step on the host, R requests in batch order (seq len = position + 1).
 
     token_ids, positions, slot_mapping (KV write slot, -1: none), state_slots: R ints each;
-    block_table: int32 CPU tensor [R, W], W <= ceil(max_model_len / block_size).
+    block_table: int32 CPU tensor [R, W], W <= ceil(max_model_len / block_size); group_tables:
+    {window: [R, W'] int32} when the attention layers form several groups (else empty).
     """
 
     token_ids: list[int]
@@ -82,15 +83,17 @@ class DecodeInputs:
     slot_mapping: list[int]
     state_slots: list[int]
     block_table: torch.Tensor
+    group_tables: dict = field(default_factory=dict)
 
     @staticmethod
     def from_chunks(chunks, manager) -> "DecodeInputs":
         """The inputs of a step of one-token decode chunks (scheduler.ScheduledChunk) whose
         requests `manager` (HybridCacheManager) runs."""
         rids = [c.seq.request_id for c in chunks]
+        groups = manager.block_tables(rids) if len(manager.attention_groups) > 1 else {}
         return DecodeInputs([c.seq.token_ids[c.start] for c in chunks], [c.start for c in chunks],
                             [c.slot_mapping[0] for c in chunks], [manager.live_slot(r) for r in rids],
-                            manager.block_table(rids))
+                            manager.block_table(rids), groups)
 
 
 def check_option(option, device: torch.device, tensor_parallel_size: int = 1) -> Optional[str]:
@@ -122,11 +125,12 @@ class DecodeGraphs:
     """Owns the persistent decode inputs and one captured forward per bucket for `model`.
 
     model: a HybridModel; caches: its pools (never reallocated after `capture`); max_num_seqs:
-    the largest bucket; max_model_len / block_size: the block table's width.
+    the largest bucket; max_model_len / block_size: the block tables' width; windows: the
+    attention groups' windows (None: full) when there are several, each with its own table.
     """
 
     def __init__(self, model, caches: ModelCaches, max_num_seqs: int, max_model_len: int,
-                 block_size: int, mode: str = "cuda"):
+                 block_size: int, mode: str = "cuda", windows=()):
         if mode not in MODES:
             raise ValueError(f"decode graph mode {mode!r}; choose one of {MODES}")
         dev = model.device
@@ -143,23 +147,24 @@ class DecodeGraphs:
             raise ValueError(f"max_model_len={max_model_len!r}: decode graphs need the longest context")
         self.model, self.caches, self.mode = model, caches, mode
         self.buckets = decode_buckets(max_num_seqs)
-        self.max_model_len = int(max_model_len)
+        self.max_model_len, self.block_size = int(max_model_len), block_size
         self.max_blocks = -(-self.max_model_len // block_size)
+        self.windows = list(windows)
         n = self.buckets[-1]
         pin = mode == "cuda"
         i32, i64 = torch.int32, torch.long
-        # device buffers the graphs read; rows of one dtype are one tensor, so one copy fills them
-        self._longs = torch.zeros(3, n, dtype=i64, device=dev)      # ids, positions, KV slots
+        # device buffers the graphs read; rows of one dtype are one tensor, so one copy fills them:
+        # ids, positions, KV write slots, then each group's write slots
+        self._longs = torch.zeros(3 + len(self.windows), n, dtype=i64, device=dev)
         self._ints = torch.zeros(2, n, dtype=i32, device=dev)       # state slots, seq lens
-        self.block_table = torch.zeros(n, self.max_blocks, dtype=i32, device=dev)
         self._query_start = torch.arange(n + 1, dtype=i32, device=dev)
         self._has_initial = torch.ones(n, dtype=torch.bool, device=dev)
-        # host staging (pinned on a GPU) and what the device's block table holds, row by row
-        self._longs_host = torch.zeros(3, n, dtype=i64, pin_memory=pin)
+        self.tables = DeviceBlockTable(n, self.max_blocks, dev, pin)
+        self.group_tables = {w: DeviceBlockTable(n, self.max_blocks, dev, pin) for w in self.windows}
+        # host staging (pinned on a GPU)
+        self._longs_host = torch.zeros(3 + len(self.windows), n, dtype=i64, pin_memory=pin)
         self._ints_host = torch.zeros(2, n, dtype=i32, pin_memory=pin)
-        self._rows_host = torch.zeros(n, self.max_blocks + 1, dtype=i32, pin_memory=pin)
-        self._rows_dev = torch.zeros(n, self.max_blocks + 1, dtype=i32, device=dev)
-        self._table_mirror = np.zeros((n, self.max_blocks), dtype=np.int32)
+        self._long_padding = np.array([[0], [0]] + [[-1]] * (1 + len(self.windows)))
         self._staged = torch.cuda.Event() if pin else None  # staging is free once this fires
         self._buckets: dict[int, _Bucket] = {}
         self._pool_ptrs: Optional[tuple[int, ...]] = None
@@ -168,15 +173,11 @@ class DecodeGraphs:
 
     @classmethod
     def for_engine(cls, engine, mode: str) -> "DecodeGraphs":
-        """Graphs over a scheduler.Engine's model and pools, captured; ValueError for a model
-        whose attention layers form several KV groups (each would need its own table buffers)."""
+        """Graphs over a scheduler.Engine's model and pools (a table per attention group),
+        captured."""
         groups = engine.mgr.attention_groups
-        if len(groups) > 1:
-            raise ValueError(f"cuda_graphs: this model's attention layers form {len(groups)} KV groups "
-                             f"(windows {sorted(groups, key=str)}); decode graphs hold one block "
-                             f"table so far: leave cuda_graphs off for it")
         graphs = cls(engine.model, engine.caches, engine.scheduler.max_seqs, engine.max_model_len,
-                     engine.mgr.block_size, mode)
+                     engine.mgr.block_size, mode, windows=list(groups) if len(groups) > 1 else ())
         graphs.capture()
         return graphs
 
@@ -190,7 +191,8 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture (cuda) or prepare (dry_run) every bucket, largest first, sharing one memory
         pool. Padding rows fill the buffers meanwhile, so capture writes no request's memory."""
-        self._fill(DecodeInputs([], [], [], [], torch.zeros(0, 1, dtype=torch.int32)), self.buckets[-1])
+        none = torch.zeros(0, 1, dtype=torch.int32)
+        self._fill(DecodeInputs([], [], [], [], none, {w: none for w in self.windows}), self.buckets[-1])
         pool = None
         for size in reversed(self.buckets):
             batch = self._batch(size)
@@ -216,13 +218,20 @@ class DecodeGraphs:
     def _batch(self, size: int) -> ForwardBatch:
         """The bucket's ForwardBatch: views of the persistent buffers, host facts fixed at
         capture (every row a one-token decode; the longest context max_model_len)."""
+        groups = {w: KVGroupTables(self.group_tables[w].table[:size], self._longs[3 + k, :size])
+                  for k, w in enumerate(self.windows)}
         return ForwardBatch(
             input_ids=self._longs[0, :size], positions=self._longs[1, :size],
             query_start_loc=self._query_start[:size + 1], seq_lens=self._ints[1, :size],
-            block_table=self.block_table[:size], slot_mapping=self._longs[2, :size],
+            block_table=self.tables.table[:size], slot_mapping=self._longs[2, :size],
             state_slots=self._ints[0, :size], has_initial_state=self._has_initial[:size],
             return_all_logits=True, query_lens_cpu=[1] * size,
-            seq_lens_cpu=[self.max_model_len] * size)
+            seq_lens_cpu=[self.max_model_len] * size, kv_groups=groups)
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        """The device block table [max_num_seqs, max_blocks] (the lead group's)."""
+        return self.tables.table
 
     def _pool_addresses(self) -> tuple[int, ...]:
         c = self.caches
@@ -259,49 +268,37 @@ class DecodeGraphs:
         return bucket.logits[:num_reqs]
 
     def _fill(self, inputs: DecodeInputs, size: int) -> None:
-        """Copy the step's inputs into the buffers' first `size` rows (rows past R: padding)."""
+        """Copy the step's inputs into the buffers' first `size` rows (rows past R: padding).
+        Every input is checked before anything is written."""
         r = len(inputs.token_ids)
-        table = inputs.block_table.numpy()
-        if table.shape[0] != r or table.shape[1] > self.max_blocks:
-            raise ValueError(f"block_table has shape {tuple(table.shape)}; expected [{r}, <= "
-                             f"{self.max_blocks}] (max_model_len / block_size)")
         if not (len(inputs.positions) == len(inputs.slot_mapping) == len(inputs.state_slots) == r):
             raise ValueError(f"decode inputs disagree on the batch size: {r} tokens, "
                              f"{len(inputs.positions)} positions, {len(inputs.slot_mapping)} KV "
                              f"slots, {len(inputs.state_slots)} state slots")
+        table = inputs.block_table.numpy()
+        self.tables.check(table, r)
+        if sorted(inputs.group_tables, key=str) != sorted(self.windows, key=str):
+            raise ValueError(f"decode inputs bring tables for attention groups "
+                             f"{sorted(inputs.group_tables, key=str)}; the graphs have {self.windows}")
+        groups = [inputs.group_tables[w].numpy() for w in self.windows]
+        for w, t in zip(self.windows, groups):
+            self.group_tables[w].check(t, r)
         if self._staged is not None:
             self._staged.synchronize()  # last step's copies have left the staging buffers
         longs, ints = self._longs_host.numpy(), self._ints_host.numpy()
         longs[0, :r], longs[1, :r], longs[2, :r] = inputs.token_ids, inputs.positions, inputs.slot_mapping
+        pos, bs = longs[1, :r], self.block_size
+        for k, t in enumerate(groups):  # each group's write slot, derived from its table
+            longs[3 + k, :r] = t[np.arange(r), pos // bs].astype(np.int64) * bs + pos % bs
         ints[0, :r] = inputs.state_slots
-        ints[1, :r] = longs[1, :r] + 1
-        longs[:, r:size] = _LONG_PADDING  # token 0 at position 0, no KV write
-        ints[:, r:size] = _INT_PADDING    # the null state slot; one key read
-        changed = self._changed_rows(table, r, size)
-        self.rows_uploaded = len(changed)
-        blocking = self._staged is None
+        ints[1, :r] = pos + 1
+        longs[:, r:size] = self._long_padding  # token 0 at position 0, no KV write
+        ints[:, r:size] = _INT_PADDING         # the null state slot; one key read
+        nb = self._staged is not None
         # whole buffers (a few KiB): contiguous on both sides, so the copy is one async DMA
-        self._longs.copy_(self._longs_host, non_blocking=not blocking)
-        self._ints.copy_(self._ints_host, non_blocking=not blocking)
-        if changed:
-            k = len(changed)
-            width = int(self._rows_host.shape[1])
-            self._rows_dev[:k].copy_(self._rows_host[:k], non_blocking=not blocking)
-            self.block_table.index_copy_(0, self._rows_dev[:k, 0].long(), self._rows_dev[:k, 1:width])
+        self._longs.copy_(self._longs_host, non_blocking=nb)
+        self._ints.copy_(self._ints_host, non_blocking=nb)
+        self.rows_uploaded = self.tables.update(table, size, nb) + sum(
+            self.group_tables[w].update(t, size, nb) for w, t in zip(self.windows, groups))
         if self._staged is not None:
             self._staged.record()
-
-    def _changed_rows(self, table: np.ndarray, r: int, size: int) -> list[int]:
-        """Stage the block-table rows whose device copy differs from `table` (plus padding rows
-        whose first entry is no block) into _rows_host: [row, *entries]; returns the rows."""
-        width = table.shape[1]
-        mirror = self._table_mirror
-        rows = np.flatnonzero((mirror[:r, :width] != table).any(axis=1)).tolist()
-        mirror[rows, :width] = table[rows]
-        pads = [p for p in range(r, size) if mirror[p, 0] < 0]  # a padding row reads entry 0
-        mirror[pads, 0] = 0
-        staged = self._rows_host.numpy()
-        for k, row in enumerate(rows + pads):
-            staged[k, 0] = row
-            staged[k, 1:] = mirror[row]
-        return rows + pads

@@ -220,10 +220,23 @@ def test_engine_generates_the_eager_tokens_through_graphs(tmp_path):
             assert tg == tw and vg.logprob == pytest.approx(vw.logprob, abs=1e-4)
 
 
-def test_several_attention_groups_are_refused(tmp_path):
-    from hybridkv import LLM
+def test_engine_with_two_attention_groups_generates_the_eager_tokens(tmp_path):
+    """LFM3 (conv, sliding window 24, full): a table and write slots per group; a 40-token
+    prompt decodes past its first block's leaving the window (a -1 entry in the sliding table)."""
+    from hybridkv import LLM, SamplingParams
 
-    path = str(make_tiny_checkpoint("gpt_oss", tmp_path))  # sliding and full attention layers
-    with pytest.raises(ValueError, match=r"attention layers form 2 KV groups .*leave cuda_graphs off"):
-        LLM(path, device="cpu", cuda_graphs="dry_run", max_num_batched_tokens=32,
-            memory_budget_bytes=8 << 20)
+    path = str(make_tiny_checkpoint("lfm3", tmp_path, num_hidden_layers=3,
+                                    layer_types=["conv", "sliding_attention", "full_attention"]))
+    prompts = [list(range(4, 44)), [50, 51, 52]]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0) for n in (3, 2)]
+    kw = dict(device="cpu", max_num_seqs=4, max_num_batched_tokens=64, memory_budget_bytes=8 << 20)
+    want = LLM(path, **kw).generate(prompts, params, use_tqdm=False)
+    graphed = LLM(path, cuda_graphs="dry_run", **kw)
+    assert sorted(graphed.engine.decode_graphs.windows, key=str) == sorted([None, 24], key=str)
+    got = graphed.generate(prompts, params, use_tqdm=False)
+    assert graphed.engine.decode_graphs.replays == 2
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for lg, lw in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            (tg, vg), (tw, vw) = next(iter(lg.items())), next(iter(lw.items()))
+            assert tg == tw and vg.logprob == pytest.approx(vw.logprob, abs=1e-4)
