@@ -107,11 +107,12 @@ class CutOnCopy:
 
 class SliceRead:
     """A checkpoint tensor not read yet: `shape` is the stored one; `read` loads only the rows a
-    Cut keeps, through safetensors' get_slice (one contiguous run of rows at a time)."""
+    Cut keeps, through safetensors' get_slice (one contiguous run of rows at a time), from a
+    handle opened for this read alone: its mapping of the file, and the file pages it touched,
+    leave this process's resident memory when it closes."""
 
-    def __init__(self, tensor_slice):
-        self.slice = tensor_slice
-        self.shape = torch.Size(tensor_slice.get_shape())
+    def __init__(self, file: str, name: str, shape):
+        self.file, self.name, self.shape = file, name, torch.Size(shape)
 
     def to(self, device=None, dtype=None) -> "SliceRead":
         return self  # the rows are cast when copied (CutOnCopy)
@@ -126,7 +127,10 @@ class SliceRead:
                 runs.append((rows[start], rows[k - 1] + 1))
                 start = k
         lead = (slice(None),) * cut.dim
-        return torch.cat([self.slice[lead + (slice(a, b),)] for a, b in runs], dim=cut.dim)
+        with safe_open(self.file, framework="pt", device="cpu") as handle:
+            rows_of = handle.get_slice(self.name)
+            parts = [rows_of[lead + (slice(a, b),)] for a, b in runs]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=cut.dim)
 
 
 class SliceReader:
@@ -137,11 +141,12 @@ class SliceReader:
     def __init__(self, ckpt, cut_targets: dict):
         self.ckpt = ckpt
         self.targets = cut_targets  # checkpoint name -> the CutOnCopy it fills
-        self._files = {}
-        for f in ckpt.files():
-            handle = safe_open(str(f), framework="pt", device="cpu")
-            for name in handle.keys():
-                self._files[name] = handle
+        self._files, self._shapes = {}, {}
+        for f in ckpt.files():  # headers only: no tensor data is touched
+            with safe_open(str(f), framework="pt", device="cpu") as handle:
+                for name in handle.keys():
+                    self._files[name] = str(f)
+                    self._shapes[name] = handle.get_slice(name).get_shape()
 
     def __contains__(self, name: str) -> bool:
         return name in self.ckpt
@@ -152,7 +157,7 @@ class SliceReader:
             return self.ckpt.get(name)
         if target.cut.zeroed:  # rank 0 adds this bias; others hold zeros: nothing to read
             return _Unread(target.shape)
-        return SliceRead(self._files[name].get_slice(name))
+        return SliceRead(self._files[name], name, self._shapes[name])
 
     def __getattr__(self, attr):  # names(), files(), identity() ... as the checkpoint's
         return getattr(self.ckpt, attr)
