@@ -66,17 +66,18 @@ class PagedAttention(nn.Module):
         """
         T, Hq, Hkv, D = hidden.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = F.linear(hidden, *self.qkv.weight_bias())
-        q, k, v = qkv.split(self.qkv.sizes, -1)
-        v = v.view(T, Hkv, D)
         gate = None
-        if self.output_gate:
-            q, gate = q.reshape(T, Hq, 2 * D).chunk(2, dim=-1)
-            gate = gate.reshape(T, -1)
-        if self.q_norm is None and gate is None and rope is not None:
+        if self.q_norm is None and not self.output_gate and rope is not None:
             # q and k are neighbouring columns of the fused output: rotate them in one pass
-            qk = apply_rotary(qkv[:, :(Hq + Hkv) * D].unflatten(-1, (Hq + Hkv, D)), *rope)
+            qk = apply_rotary(qkv[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D), *rope)
             q, k = qk[:, :Hq], qk[:, Hq:]
+            v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
         else:
+            q, k, v = qkv.split(self.qkv.sizes, -1)
+            v = v.view(T, Hkv, D)
+            if self.output_gate:
+                q, gate = q.reshape(T, Hq, 2 * D).chunk(2, dim=-1)
+                gate = gate.reshape(T, -1)
             q, k = q.reshape(T, Hq, D), k.reshape(T, Hkv, D)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)

@@ -68,7 +68,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     rot = cos.shape[-1]
     half = rot // 2
-    x_rot = x[..., :rot]
+    x_rot = x if rot == x.shape[-1] else x[..., :rot]
     y = x_rot * cos
     y[..., :half].addcmul_(x_rot[..., half:], sin[..., :half], value=-1.0)
     y[..., half:].addcmul_(x_rot[..., :half], sin[..., half:])
