@@ -2,6 +2,7 @@
 
     python benchmarks/bench_cpu_kernels.py              # 7 repeats
     python benchmarks/bench_cpu_kernels.py --repeats 5 --quick
+    python benchmarks/bench_cpu_kernels.py --recurrent-only --repeats 5   # the second table only
 
 "before" is the kernel file as it stood at BASELINE (loaded from git, so the script needs the
 repository's history); "after" is the installed one. Shapes are those of bench_engine.py's model
@@ -15,6 +16,10 @@ at 32 x 2048; the Mamba2 decode state update at batch 32 with slots 1..32 (a fre
 of the pool) and with 32 slots scattered over 128 (gather + write back); and one whole Mamba2 layer
 (`Mamba2Mixer.forward`: in_proj, conv1d_update, state update, gated norm, out_proj) decoding 32
 requests, with the baseline's conv1d_update and state update patched in for "before".
+Second table (before = BASELINE_PREFILL): the Mamba2 decode update and layer at batch 32 over slots
+in three runs (1..19, 38..49, 62: a batch seen in bench_engine.py once checkpoints hold slots), the
+Mamba2 layer prefilling 1 x 2048 tokens and 14 prompts of 32-256 (conv + chunked SSD), and the
+gated-delta-rule chunked prefill (before: the reference, which the dispatcher ran then).
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-import hybridkv.kernels.conv1d_ref as conv1d_mod
+import hybridkv.kernels.causal_conv_cpu as conv_mod
 import hybridkv.kernels.mamba2_cpu as mamba2_mod
 from hybridkv.kernels.attention_cpu import paged_attention_cpu
 from hybridkv.kernels.mamba2_cpu import mamba2_state_update_cpu
@@ -37,17 +42,24 @@ from hybridkv.models.forward_batch import ForwardBatch
 from hybridkv.models.mamba2_mixer import Mamba2Mixer
 
 BASELINE = "2fd806b"  # main before the bucketed attention and the in-place Mamba2 decode
+BASELINE_PREFILL = "a75a51a"  # main before the varlen SSD / GDN prefill, packed conv, slot runs
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def baseline_module(name: str):
-    """kernels/<name>.py at BASELINE, imported inside hybridkv.kernels (relative imports work)."""
-    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{BASELINE}:kernels/{name}.py"],
+def baseline_module(name: str, commit: str = BASELINE, deps: tuple = ()):
+    """kernels/<name>.py at `commit`, imported inside hybridkv.kernels (relative imports work);
+    the sibling modules named in `deps` are taken at `commit` too."""
+    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{commit}:kernels/{name}.py"],
                          check=True, capture_output=True, text=True).stdout
-    spec = importlib.util.spec_from_loader(f"hybridkv.kernels._baseline_{name}", loader=None)
+    for dep in deps:
+        alias = baseline_module(dep, commit).__name__.rsplit(".", 1)[1]
+        src = src.replace(f"from .{dep} import", f"from .{alias} import")
+    full = f"hybridkv.kernels._baseline_{name}_{commit}"
+    spec = importlib.util.spec_from_loader(full, loader=None)
     mod = importlib.util.module_from_spec(spec)
     mod.__package__ = "hybridkv.kernels"
-    exec(compile(src, f"{BASELINE}:kernels/{name}.py", "exec"), mod.__dict__)
+    sys.modules[full] = mod
+    exec(compile(src, f"{commit}:kernels/{name}.py", "exec"), mod.__dict__)
     return mod
 
 
@@ -81,31 +93,41 @@ def mamba2_case(slots, num_slots, nb=32, H=8, P=64, G=1, N=64, seed=0):
     return torch.randn(num_slots, H, P, N, generator=g) * 0.1, args
 
 
-def mixer_case(nb=32, slots=None):
-    """A Mamba2 layer of bench_engine.py's model and a batch of `nb` decodes at slots 1..nb."""
+def mixer_case(nb=32, slots=None, prompt_lens=None):
+    """A Mamba2 layer of bench_engine.py's model and a batch of `nb` decodes at slots 1..nb, or
+    (prompt_lens) one prefill chunk of fresh prompts of these lengths."""
     torch.manual_seed(0)
     mixer = Mamba2Mixer(256, num_heads=8, head_dim=64, n_groups=1, d_state=64, d_conv=4,
                         chunk_size=64, eps=1e-5).eval()
+    qlens = [1] * nb if prompt_lens is None else list(prompt_lens)
+    nb = len(qlens)
+    slens = [65] * nb if prompt_lens is None else qlens
     slots = torch.arange(1, nb + 1) if slots is None else slots
+    T = sum(qlens)
     batch = ForwardBatch(
-        input_ids=torch.zeros(nb, dtype=torch.long), positions=torch.full((nb,), 64),
-        query_start_loc=torch.arange(nb + 1, dtype=torch.int32),
-        seq_lens=torch.full((nb,), 65, dtype=torch.int32),
-        block_table=torch.zeros(nb, 1, dtype=torch.int32), slot_mapping=torch.full((nb,), -1),
-        state_slots=slots.to(torch.int32), has_initial_state=torch.ones(nb, dtype=torch.bool),
-        query_lens_cpu=[1] * nb, seq_lens_cpu=[65] * nb)
+        input_ids=torch.zeros(T, dtype=torch.long), positions=torch.zeros(T, dtype=torch.long),
+        query_start_loc=torch.tensor([0] + qlens).cumsum(0).to(torch.int32),
+        seq_lens=torch.tensor(slens, dtype=torch.int32),
+        block_table=torch.zeros(nb, 1, dtype=torch.int32), slot_mapping=torch.full((T,), -1),
+        state_slots=slots.to(torch.int32),
+        has_initial_state=torch.full((nb,), prompt_lens is None, dtype=torch.bool),
+        query_lens_cpu=qlens, seq_lens_cpu=slens)
     n = int(slots.max()) + 1
     conv = torch.randn(n, mixer.conv_dim, 3) * 0.1
     state = torch.randn(n, 8, 64, 64) * 0.1
-    return mixer, batch, torch.randn(nb, 256), conv, state
+    return mixer, batch, torch.randn(T, 256), conv, state
 
 
 class baseline_kernels:
-    """Within the block, the dispatcher's CPU conv1d_update and Mamba2 decode are BASELINE's."""
+    """Within the block, the dispatcher's CPU conv (decode and prefill) and Mamba2 kernels are the
+    given baseline modules' (the mixer's own code stays the current one)."""
 
     def __init__(self, old_conv, old_m2):
-        self.patch = [(conv1d_mod, "conv1d_update_ref", old_conv.conv1d_update_ref),
-                      (mamba2_mod, "mamba2_state_update_cpu", old_m2.mamba2_state_update_cpu)]
+        self.patch = [(conv_mod, "conv1d_update_cpu", old_conv.conv1d_update_ref),
+                      (conv_mod, "causal_conv1d_cpu", old_conv.causal_conv1d_ref),
+                      (mamba2_mod, "mamba2_state_update_cpu", old_m2.mamba2_state_update_cpu),
+                      (mamba2_mod, "mamba2_chunk_scan_cpu", getattr(
+                          old_m2, "mamba2_chunk_scan_cpu", mamba2_mod.mamba2_chunk_scan_cpu))]
 
     def __enter__(self):
         self.saved = [getattr(m, name) for m, name, _ in self.patch]
@@ -132,6 +154,75 @@ def alternate(fns: dict, repeats: int, inner) -> dict:
     return times
 
 
+def row(label, t, err):
+    ratio = statistics.median(t["before"]) / statistics.median(t["after"])
+    print(f"| {label} | {fmt(t['before'])} | {fmt(t['after'])} | {ratio:.2f}x | {err:.1e} |")
+
+
+RUNS = torch.cat([torch.arange(1, 20), torch.arange(38, 50), torch.tensor([62])])  # seen in the engine
+
+
+def recurrent_section(args, results):
+    """Issue 12 items 1-3 on the recurrent side: BASELINE_PREFILL's kernels against the current ones."""
+    old_m2, old_conv = (baseline_module(n, BASELINE_PREFILL, ("slot_rows",))
+                        for n in ("mamba2_cpu", "conv1d_ref"))
+    from hybridkv.kernels.gdn_cpu import gdn_chunk_scan_cpu
+    from hybridkv.kernels.gdn_ref import gdn_chunk_scan_ref
+
+    print(f"\n# recurrent kernels: before = {BASELINE_PREFILL}, after = this tree")
+    print("| case | before | after | before / after | max rel err |")
+    print("| --- | --- | --- | --- | --- |")
+    pool, kw = mamba2_case(RUNS, 64)
+    pools = {"before": pool.clone(), "after": pool.clone()}
+    err = rel_err(mamba2_state_update_cpu(pools["after"], **kw),
+                  old_m2.mamba2_state_update_cpu(pools["before"], **kw))
+    t = alternate({"before": lambda: old_m2.mamba2_state_update_cpu(pools["before"], **kw),
+                   "after": lambda: mamba2_state_update_cpu(pools["after"], **kw)},
+                  args.repeats, 3 if args.quick else 50)
+    row("Mamba2 decode update, batch 32, slots 1..19, 38..49, 62", t, err)
+    rng = torch.Generator().manual_seed(1)
+    mixed = torch.randint(32, 257, (14,), generator=rng).tolist()
+    for label, slots, lens in [
+            ("Mamba2 layer decode, batch 32, slots 1..19, 38..49, 62", RUNS, None),
+            ("Mamba2 layer prefill, 1 x 2048 tokens", None, [2048]),
+            (f"Mamba2 layer prefill, 14 prompts of 32-256 ({sum(mixed)} tokens)", None, mixed)]:
+        mixer, batch, hidden, conv, state = mixer_case(slots=slots, prompt_lens=lens)
+        pools = {"before": (conv.clone(), state.clone()), "after": (conv.clone(), state.clone())}
+
+        def before():
+            with baseline_kernels(old_conv, old_m2):
+                return mixer(hidden, batch, *pools["before"])
+
+        def after():
+            return mixer(hidden, batch, *pools["after"])
+
+        with torch.no_grad():
+            err = max(rel_err(after(), before()), rel_err(pools["after"][1], pools["before"][1]),
+                      rel_err(pools["after"][0], pools["before"][0]))
+            inner = 1 if args.quick or lens else 50
+            t = alternate({"before": before, "after": after}, args.repeats, inner)
+        results[label] = t
+        row(label, t, err)
+    g = torch.Generator().manual_seed(2)
+    lens = [700, 512, 300, 536]
+    T, H, HV, D = sum(lens), 2, 4, 64
+    q, k = torch.randn(2, T, H, D, generator=g)
+    v = torch.randn(T, HV, D, generator=g)
+    gate = -torch.rand(T, HV, generator=g) * 0.5
+    beta = torch.rand(T, HV, generator=g)
+    qsl = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    slots, init = torch.arange(1, 5, dtype=torch.int32), torch.tensor([True, False, True, False])
+    pool = torch.randn(6, HV, D, D, generator=g) * 0.1
+    pools = {"before": pool.clone(), "after": pool.clone()}
+    call = (q, k, v, gate, beta, qsl, slots, init)
+    err = rel_err(gdn_chunk_scan_cpu(pools["after"].clone(), *call),
+                  gdn_chunk_scan_ref(pools["before"].clone(), *call))
+    t = alternate({"before": lambda: gdn_chunk_scan_ref(pools["before"], *call),
+                   "after": lambda: gdn_chunk_scan_cpu(pools["after"], *call)}, args.repeats, 1)
+    row(f"GDN chunked prefill, 4 prompts, {T} tokens, 4 value heads of 64 (before: the reference)",
+        t, err)
+
+
 def fmt(ts):
     return (f"{statistics.median(ts) * 1e3:.3f} ms ({min(ts) * 1e3:.3f}-{max(ts) * 1e3:.3f})")
 
@@ -140,8 +231,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="fewer calls per repeat (a smoke run)")
+    ap.add_argument("--recurrent-only", action="store_true", help="only the second table")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.recurrent_only:
+        recurrent_section(args, {})
+        return 0
     old_attn, old_m2 = baseline_module("attention_cpu"), baseline_module("mamba2_cpu")
     old_conv = baseline_module("conv1d_ref")
     print(f"# {platform.machine()} {platform.processor() or ''}, torch {torch.__version__}, "
@@ -201,6 +296,7 @@ def main():
         results[label] = t
         ratio = statistics.median(t["before"]) / statistics.median(t["after"])
         print(f"| {label} | {fmt(t['before'])} | {fmt(t['after'])} | {ratio:.2f}x | {err:.1e} |")
+    recurrent_section(args, results)
     short = statistics.median(results["attention decode 32 x 64"]["after"])
     skew = statistics.median(results["attention decode 31 x 64 + 1 x 2048"]["after"])
     short_old = statistics.median(results["attention decode 32 x 64"]["before"])
