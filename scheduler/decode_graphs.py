@@ -194,6 +194,9 @@ class DecodeGraphs:
         none = torch.zeros(0, 1, dtype=torch.int32)
         self._fill(DecodeInputs([], [], [], [], none, {w: none for w in self.windows}), self.buckets[-1])
         pool = None
+        if self.mode == "cuda":  # one-time set-up outside the check (constants moved to the
+            with torch.inference_mode():  # device, Triton compiles), as the engine's first step does
+                self.model(self._batch(self.buckets[-1]), self.caches)
         for size in reversed(self.buckets):
             batch = self._batch(size)
             if self.mode == "dry_run":
@@ -201,7 +204,7 @@ class DecodeGraphs:
                 continue
             graph = torch.cuda.CUDAGraph()
             with torch.inference_mode():
-                try:  # warm-up: Triton compiles, the allocator settles; a sync names its op here
+                try:  # warm-up: the allocator settles; a sync names its op here, not in the capture
                     with NoHostSync():
                         self.model(batch, self.caches)
                 except HostSyncError as e:

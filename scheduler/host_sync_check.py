@@ -54,14 +54,14 @@ def why_it_syncs(func, args, kwargs) -> str | None:
     if func in _INDEX_OPS and any(isinstance(t, torch.Tensor) and t.dtype == torch.bool
                                   for t in _leaves(args[1:2])):
         return f"{func} with a boolean mask (output shape depends on values)"
-    if func is aten._to_copy.default:
-        src, dst = args[0], kwargs.get("device")
-        if dst is not None and torch.device(dst).type == "cpu" and src.device.type != "cpu":
-            return f"a copy to the CPU from {src.device} (.cpu() / .to('cpu'))"
+    if func is aten._to_copy.default and kwargs.get("device") is not None:
+        src, dst = args[0].device, torch.device(kwargs["device"])
+        if (src.type == "cpu") != (dst.type == "cpu"):
+            return f"a copy from {src} to {dst} (.to() / .cpu() between host and device)"
     if func in (aten.copy_.default, aten.copy.default):
-        dst, src = args[0], args[1]
-        if dst.device.type == "cpu" and src.device.type != "cpu":
-            return f"a copy into a CPU tensor from {src.device}"
+        dst, src = args[0].device, args[1].device
+        if (src.type == "cpu") != (dst.type == "cpu"):
+            return f"a copy into a {dst} tensor from a {src} one (between host and device)"
     return None
 
 

@@ -25,6 +25,8 @@ PLANTED = {
     "host data": lambda: X + torch.tensor([1.0, 2.0, 3.0, 4.0]),
     "device to host copy": lambda: torch.empty(4, device="meta").to("cpu"),
     "device to host copy_": lambda: torch.empty(4).copy_(torch.empty(4, device="meta")),
+    "host to device copy": lambda: X.to("meta"),
+    "host to device copy_": lambda: torch.empty(4, device="meta").copy_(X),
 }
 
 
