@@ -4,7 +4,7 @@ A model's layers fall into kinds of memory (hybridkv/memory/): full-attention KV
 KV, recurrent state. Each kind implements the same verbs for its own pool; this class runs each
 verb over the model's kinds and is the one place that says how their answers combine:
 - a prefix is usable only as far as EVERY kind can resume it: the hit is the largest m that all
-  kinds accept (the minimum, iterated until no kind lowers it further);
+  kinds accept (the minimum, iterated until no kind lowers it further; prefix_match.py);
 - a verb that can be refused (admit, allocate, fork, resume, import) asks every kind first and
   changes nothing unless all agree; kinds that can refuse for lack of a slot are asked first;
 - one budget is planned across kinds (`plan()`), each pool sized exactly, none padded.
@@ -12,6 +12,8 @@ Attention layers form one group per window (full attention, each sliding window)
 one memory object with its own pool share and block tables (`attention_groups`, keyed by the
 window, None for full attention); the model gets one block table and slot mapping per group.
 It also keeps, per request, the tokens (the owner's list), progress and block hashes.
+The kinds are made from the specs in memory/kinds.py; snapshots are checked and gathered in
+snapshot_transfer.py.
 Invariant at every step boundary: every kind holds the request's memory of exactly
 `num_computed_tokens` tokens (a live state after them; KV covering them, or the window of them).
 
@@ -51,24 +53,22 @@ from typing import Hashable, Mapping, Optional, Sequence
 
 import torch
 
+from hybridkv import snapshot_transfer
 from hybridkv.block_hash import extend_hashes, extra_key
 from hybridkv.checkpoint_policy import DEFAULT_POLICY, CheckpointPolicy
 from hybridkv.eviction import DEFAULT_EVICTION
-from hybridkv.errors import MemoryBudgetError, RequestStateError, RequestTooLargeError, SnapshotMismatchError
+from hybridkv.errors import MemoryBudgetError, RequestStateError, RequestTooLargeError
 from hybridkv.manager_stats import ManagerStats
 from hybridkv.memory.burst import BurstRule
 from hybridkv.memory.full_attention import FullAttentionMemory
+from hybridkv.memory.kinds import make_kinds
 from hybridkv.memory.layer_memory import LayerMemory
 from hybridkv.memory.recurrent import RecurrentMemory
-from hybridkv.memory.sliding_window import SlidingWindowMemory
-from hybridkv.plan import attention_groups, lead_group, plan
+from hybridkv.plan import plan
+from hybridkv.prefix_match import NO_MATCH, PrefixHitCounter, PrefixMatch, match_prefix
 from hybridkv.request_state import PREEMPTED, RUNNING, SWAPPED, RequestState
 from hybridkv.snapshot import RequestSnapshot
-from hybridkv.specs import AttentionSpec, LayerSpec
-
-MISS_NO_KV = "no_kv_match"
-MISS_NO_CHECKPOINT = "kv_match_no_checkpoint"
-MISS_CACHING_OFF = "caching_off"
+from hybridkv.specs import LayerSpec
 
 
 class HybridCacheManager:
@@ -82,53 +82,24 @@ class HybridCacheManager:
                  flops_per_token: Optional[float] = None, max_num_batched_tokens: Optional[int] = None):
         if not isinstance(block_size, int) or block_size <= 0:
             raise MemoryBudgetError(f"block_size={block_size!r} must be a positive integer (e.g. 16)")
-        if not specs:
-            raise MemoryBudgetError("specs are empty: the model declares no attention and no recurrent layer")
-        attn_layers = attention_groups(specs)  # raises TypeError on a spec of no kind
-        recurrent_layers = {i: s for i, s in sorted(specs.items()) if RecurrentMemory.handles(s)}
-        # num_blocks: one count for every attention group, or {window: count} per group
-        blocks = dict(num_blocks) if isinstance(num_blocks, Mapping) else {w: num_blocks for w in attn_layers}
-        for w in attn_layers:
-            n = blocks.get(w, 0)
-            if not isinstance(n, int) or n < 1:
-                group = "full-attention" if w is None else f"sliding-window {w}"
-                raise MemoryBudgetError(
-                    f"num_blocks={n!r} for the {group} layers: a model with attention layers needs >= 1 KV "
-                    f"block per group (groups: {[('full' if k is None else k) for k in attn_layers]})")
-        if recurrent_layers and num_slots < 2:
-            raise MemoryBudgetError(
-                f"num_slots={num_slots}: a model with recurrent layers needs >= 2 slots (null slot 0 + one live)")
+        kinds = make_kinds(specs, block_size, num_blocks, num_slots, device, checkpoint_eviction,
+                           flops_per_token, max_num_batched_tokens)
         self.specs = dict(specs)
         self.block_size = block_size
         self.fingerprint = fingerprint
         self.enable_prefix_caching = enable_prefix_caching
         self.policy = CheckpointPolicy(checkpoint_policy, block_size, checkpoint_every_n)
-        self.recurrent: Optional[RecurrentMemory] = None
-        # one memory per attention group, full attention first; `attention` is the lead group
-        # (full attention, else the widest window): it answers what the KV as a whole knows
-        self.attention_groups: dict[Optional[int], FullAttentionMemory] = {
-            w: FullAttentionMemory(layers, block_size, blocks[w], device) if w is None else
-            SlidingWindowMemory(layers, block_size, blocks[w], device, max_chunk_tokens=max_num_batched_tokens)
-            for w, layers in attn_layers.items()}
-        self.attention: Optional[FullAttentionMemory] = (
-            self.attention_groups[lead_group(attn_layers)] if attn_layers else None)
-        if recurrent_layers:
-            attn = [s for s in specs.values() if isinstance(s, AttentionSpec)]
-            # Prefill FLOPs saved by a checkpoint at p: linear part plus attention's p^2 term.
-            quad = 4.0 * sum(s.num_kv_heads * s.head_dim for s in attn)
-            lin = float(flops_per_token) if flops_per_token else 0.0
-            self.recurrent = RecurrentMemory(
-                recurrent_layers, block_size, num_slots, device, eviction=checkpoint_eviction,
-                saved_flops=lambda p: lin * p + quad * p * p + p,
-                reachable=self.attention.is_cached if self.attention else (lambda h: True),
-                branches=self.attention.num_children if self.attention else (lambda h: 0))
-        # Kinds that can refuse for lack of a slot are asked first.
-        self.kinds: list[LayerMemory] = [k for k in (self.recurrent, *self.attention_groups.values())
-                                         if k is not None]
-        self.bursts = BurstRule(block_size, self._prompt_hashes, lambda hashes, n: self._match(hashes, n)[0])
+        self.attention_groups: dict[Optional[int], FullAttentionMemory] = kinds.attention_groups
+        self.attention: Optional[FullAttentionMemory] = kinds.attention  # the lead attention group
+        self.recurrent: Optional[RecurrentMemory] = kinds.recurrent
+        self.kinds: list[LayerMemory] = kinds.all  # those that can refuse for lack of a slot first
+        # the kinds whose pools change per token (a recurrent state is written in place): the
+        # per-step verbs skip the others, whose allocate and commit do nothing
+        self._allocating = [k for k in self.kinds if type(k).allocate is not LayerMemory.allocate]
+        self._committing = [k for k in self.kinds if type(k).commit is not LayerMemory.commit]
+        self.bursts = BurstRule(block_size, self._prompt_hashes, lambda hashes, n: self._match(hashes, n).blocks)
         self._reqs: dict[Hashable, RequestState] = {}
-        self._hit_tokens = self._query_tokens = self._queries = 0
-        self._misses = {MISS_NO_KV: 0, MISS_NO_CHECKPOINT: 0, MISS_CACHING_OFF: 0}
+        self.hits = PrefixHitCounter()
         self._preemptions = {"recompute": 0, "swap": 0}
 
     @classmethod
@@ -205,23 +176,9 @@ class HybridCacheManager:
                       self.block_size)
         return r.block_hashes
 
-    def _match(self, hashes: Sequence[bytes], num_tokens: int) -> tuple[int, int, Optional[str], bool]:
-        """(hit blocks, blocks the KV alone matches, miss reason, the KV match ends at a junction).
-        The hit never covers the whole prompt: one token is always left to compute."""
-        limit = min(len(hashes), (num_tokens - 1) // self.block_size)
-        kv = self.attention.usable_prefix(hashes, limit) if self.attention else limit
-        m = kv
-        while True:  # the largest position every kind accepts
-            before = m
-            for kind in self.kinds:
-                m = kind.usable_prefix(hashes, m)
-            if m == before:
-                break
-        if not self.attention:
-            kv = m  # no KV to tell where known prefixes run
-        miss = None if m else (MISS_NO_KV if kv == 0 else MISS_NO_CHECKPOINT)
-        branches = self.attention is not None and self.attention.branches(hashes, kv)
-        return m, kv, miss, branches
+    def _match(self, hashes: Sequence[bytes], num_tokens: int) -> PrefixMatch:
+        """The hit every kind accepts (prefix_match.py); one token is always left to compute."""
+        return match_prefix(self.kinds, self.attention, hashes, num_tokens, self.block_size)
 
     # ---- admission -------------------------------------------------------------------------
     def check_fits(self, num_tokens: int, max_tokens: int = 0) -> None:
@@ -263,11 +220,8 @@ class HybridCacheManager:
 
     def _start(self, r: RequestState, num_new_tokens: Optional[int], dry_run: bool = False) -> Optional[int]:
         bs, n_tok = self.block_size, len(r.token_ids)
-        if self.enable_prefix_caching:
-            m, kv, miss, branches = self._match(self._hashes(r), n_tok)
-        else:
-            m, kv, miss, branches = 0, 0, MISS_CACHING_OFF, False
-        hit = m * bs
+        match = self._match(self._hashes(r), n_tok) if self.enable_prefix_caching else NO_MATCH
+        m, hit = match.blocks, match.blocks * bs
         end = n_tok if num_new_tokens is None else hit + num_new_tokens
         if not all(k.can_admit(r.block_hashes, m, end) for k in self.kinds):
             return None
@@ -277,13 +231,9 @@ class HybridCacheManager:
             kind.admit(r.req_id, r.block_hashes, m)
         r.num_computed_tokens, r.num_hashed_blocks, r.resumed_from = hit, m, hit
         # Only a real junction (another cached continuation), not the end of a cached sequence.
-        r.branch_point = kv * bs if kv > m and branches else None
+        r.branch_point = match.kv_blocks * bs if match.kv_blocks > m and match.branches else None
         r.status = RUNNING
-        self._queries += 1
-        self._query_tokens += n_tok
-        self._hit_tokens += hit
-        if miss:
-            self._misses[miss] += 1
+        self.hits.record(n_tok, hit, match.miss)
         if self.enable_prefix_caching:  # this request now computes its prompt's uncached blocks
             planned = self.bursts.admitted(r.req_id, r.block_hashes[m:(r.num_prompt_tokens - 1) // bs], hit)
             if self.recurrent is not None:
@@ -320,7 +270,7 @@ class HybridCacheManager:
         (no stats, no LRU touch): the data-parallel router asks every replica this."""
         if not self.enable_prefix_caching or len(token_ids) <= self.block_size:
             return 0
-        return self._match(self._prompt_hashes(token_ids, cache_salt), len(token_ids))[0] * self.block_size
+        return self._match(self._prompt_hashes(token_ids, cache_salt), len(token_ids)).blocks * self.block_size
 
     def _prompt_hashes(self, token_ids: Sequence[int], cache_salt: Optional[str]) -> list[bytes]:
         hashes: list[bytes] = []
@@ -344,9 +294,11 @@ class HybridCacheManager:
             return []
         start = r.num_computed_tokens
         end = start + num_new_tokens
-        if not all(k.can_allocate(req_id, start, end) for k in self.kinds):
-            return None
-        for kind in self.kinds:
+        kinds = self._allocating
+        for kind in kinds:
+            if not kind.can_allocate(req_id, start, end):
+                return None
+        for kind in kinds:
             kind.allocate(req_id, start, end)
         if self.attention is None:
             return [-1] * num_new_tokens
@@ -363,12 +315,13 @@ class HybridCacheManager:
                 f"commit of {num_new_tokens} tokens for {req_id!r} reaches {new}, past its "
                 f"{len(r.token_ids)} known tokens or {held} allocated token slots: allocate() first")
         r.num_computed_tokens = new
-        full = new // self.block_size if self.enable_prefix_caching else 0
-        if full > r.num_hashed_blocks:
+        hashed = r.num_hashed_blocks
+        full = max(new // self.block_size if self.enable_prefix_caching else 0, hashed)
+        if full > hashed:
             extend_hashes(r.block_hashes, r.token_ids, full, r.extra_key, self.block_size)
-        for kind in self.kinds:
-            kind.commit(req_id, r.block_hashes, r.num_hashed_blocks, max(full, r.num_hashed_blocks), new)
-        r.num_hashed_blocks = max(full, r.num_hashed_blocks)
+        for kind in self._committing:
+            kind.commit(req_id, r.block_hashes, hashed, full, new)
+        r.num_hashed_blocks = full
         if new >= r.num_prompt_tokens:  # its prompt is computed: no follower can wait for it now
             self.bursts.drop(req_id)
 
@@ -387,8 +340,8 @@ class HybridCacheManager:
     # ---- checkpoints -----------------------------------------------------------------------
     def checkpoint_due(self, req_id: Hashable, start: int, end: int) -> Optional[int]:
         """The first block boundary in (start, end] where the policy wants the state kept, else None."""
-        if self.recurrent is None or not self.enable_prefix_caching:
-            return None
+        if self.recurrent is None or not self.enable_prefix_caching or end // self.block_size == start // self.block_size:
+            return None  # every checkpoint sits at a block boundary: none in (start, end] here
         r = self._reqs[req_id]
         return self.policy.due(start, end, r.num_prompt_tokens, r.branch_point, r.shared, r.resumed_from)
 
@@ -511,49 +464,24 @@ class HybridCacheManager:
                         sampling_state=None) -> RequestSnapshot:
         """Copy a running request's memory of [0, num_computed_tokens) (KV, or the window of it,
         and the live state) to `device`."""
-        r = self._running(req_id)
-        parts: dict = {"kv": {}, "kv_start": {}, "conv": {}, "ssm": {}}
-        for kind in self.kinds:
-            for field_name, value in kind.export(req_id, r.num_computed_tokens, device).items():
-                parts[field_name].update(value)
-        return RequestSnapshot(r.req_id, list(r.token_ids), r.num_prompt_tokens, r.num_computed_tokens,
-                               r.max_tokens, parts["kv"], parts["conv"], parts["ssm"], self.fingerprint,
-                               self.block_size, r.cache_salt, r.adapter_id, r.mm_hashes, sampling_state,
-                               self._layer_shapes(), kv_start=parts["kv_start"])
+        return snapshot_transfer.export_snapshot(self._running(req_id), self.kinds, self.fingerprint,
+                                                 self.block_size, device, sampling_state)
 
     def import_snapshot(self, snap: RequestSnapshot, req_id: Optional[Hashable] = None,
                         num_new_tokens: Optional[int] = None, token_ids: Optional[list[int]] = None) -> bool:
         """Continue an exported request here (any block size). token_ids: the owner's list equal to
         snap.token_ids (None: the manager keeps a copy). False if the pools cannot take it now;
-        SnapshotMismatchError if it was taken on another model."""
-        if snap.fingerprint != self.fingerprint:
-            raise SnapshotMismatchError(
-                f"snapshot fingerprint {snap.fingerprint!r} != this model's {self.fingerprint!r}: a request "
-                f"can only move between engines serving the same model and weights")
-        mine = self._layer_shapes()
-        if snap.layer_shapes != mine:
-            raise SnapshotMismatchError(
-                f"snapshot layers {snap.layer_shapes} differ from this model's {mine}: same fingerprint, "
-                f"different layer specs; check the model config")
+        SnapshotMismatchError if it was taken on another model or is malformed (nothing changes)."""
+        snapshot_transfer.check_snapshot(snap, self.kinds, self.fingerprint, self.check_fits)
         rid = snap.req_id if req_id is None else req_id
         if rid in self._reqs:
             raise RequestStateError(f"request id {rid!r} is already known to the manager")
-        nc, n_tok = snap.num_computed_tokens, len(snap.token_ids)
-        if not 1 <= snap.num_prompt_tokens <= n_tok or not 0 <= nc <= n_tok:
-            raise SnapshotMismatchError(
-                f"snapshot positions are inconsistent: {n_tok} tokens, num_prompt_tokens="
-                f"{snap.num_prompt_tokens}, num_computed_tokens={nc} (need 1 <= prompt <= tokens, computed <= tokens)")
-        self.check_fits(snap.num_prompt_tokens, snap.max_tokens)
-        part = {"kv": snap.kv, "kv_start": snap.kv_start, "conv": snap.conv, "ssm": snap.ssm}
-        for kind in self.kinds:  # before anything is allocated: a refused import changes nothing
-            kind.check_import(part, nc)
-        end = n_tok if num_new_tokens is None else nc + num_new_tokens
+        nc, part = snap.num_computed_tokens, snapshot_transfer.snapshot_parts(snap)
+        end = len(snap.token_ids) if num_new_tokens is None else nc + num_new_tokens
         if not all(k.can_import(part, nc, end) for k in self.kinds):
             return False
         key = extra_key(self.fingerprint, snap.adapter_id, tuple(snap.mm_hashes), snap.cache_salt)
-        r = RequestState(rid, list(snap.token_ids) if token_ids is None else token_ids, snap.num_prompt_tokens,
-                         snap.max_tokens, key, snap.cache_salt, snap.adapter_id, tuple(snap.mm_hashes),
-                         RUNNING, nc, resumed_from=nc)
+        r = snapshot_transfer.imported_state(snap, rid, token_ids, key, RUNNING)
         hashes: list[bytes] = []
         if self.enable_prefix_caching:
             hashes = self._hashes(r)
@@ -562,13 +490,6 @@ class HybridCacheManager:
             kind.import_(rid, part, hashes, nc)
         self._reqs[rid] = r
         return True
-
-    def _layer_shapes(self) -> dict[int, tuple]:
-        """{layer: per-token KV shape or (conv shape, state shape)} with dtypes, to refuse mismatched imports."""
-        out: dict[int, tuple] = {}
-        for kind in self.kinds:
-            out.update(kind.layer_shapes())
-        return dict(sorted(out.items()))
 
     # ---- statistics ------------------------------------------------------------------------
     def stats(self) -> ManagerStats:
@@ -585,8 +506,9 @@ class HybridCacheManager:
             kv_blocks_used=used, kv_blocks_cached=a.get("blocks_cached", 0), kv_blocks_free=a.get("blocks_free", 0),
             kv_blocks_total=a.get("blocks_total", 0), slots_live=s.get("slots_live", 0),
             slots_checkpoint=s.get("slots_checkpoint", 0), slots_free=s.get("slots_free", 0),
-            slots_total=s.get("slots_total", 0), prefix_hit_tokens=self._hit_tokens,
-            prefix_query_tokens=self._query_tokens, prefix_queries=self._queries, prefix_misses=dict(self._misses),
+            slots_total=s.get("slots_total", 0), prefix_hit_tokens=self.hits.hit_tokens,
+            prefix_query_tokens=self.hits.query_tokens, prefix_queries=self.hits.queries,
+            prefix_misses=dict(self.hits.misses),
             preemptions=dict(self._preemptions),
             fragmentation=max(0.0, waste / (used * self.block_size)) if used else 0.0,
             running_requests=len(running), burst_waits=self.bursts.waits, kinds=kinds)

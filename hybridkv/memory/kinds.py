@@ -1,0 +1,76 @@
+"""The kinds of layer memory a model's layer specs make, each with its own pool, sized as given.
+
+Attention layers form one group per window (None: full attention), each a `FullAttentionMemory`
+or `SlidingWindowMemory`; the lead group (full attention, else the widest window) answers what
+the KV as a whole knows. Recurrent layers share one `RecurrentMemory`, which asks the lead group
+whether a checkpoint's block is still reachable and how many continuations it has.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+import torch
+
+from hybridkv.errors import MemoryBudgetError
+from hybridkv.plan import attention_groups, lead_group
+from hybridkv.specs import AttentionSpec, LayerSpec
+
+from .full_attention import FullAttentionMemory
+from .layer_memory import LayerMemory
+from .recurrent import RecurrentMemory
+from .sliding_window import SlidingWindowMemory
+
+
+@dataclass
+class ModelKinds:
+    """attention_groups: {window: memory}, full attention first; attention: the lead group (None
+    without attention layers); recurrent: None without recurrent layers; all: every kind, those
+    that can refuse for lack of a slot first (the coordinator asks them in this order)."""
+
+    attention_groups: dict[Optional[int], FullAttentionMemory]
+    attention: Optional[FullAttentionMemory]
+    recurrent: Optional[RecurrentMemory]
+
+    @property
+    def all(self) -> list[LayerMemory]:
+        return [k for k in (self.recurrent, *self.attention_groups.values()) if k is not None]
+
+
+def make_kinds(specs: Mapping[int, LayerSpec], block_size: int, num_blocks: int | Mapping[Optional[int], int],
+               num_slots: int, device: torch.device | str, checkpoint_eviction: str,
+               flops_per_token: Optional[float], max_num_batched_tokens: Optional[int]) -> ModelKinds:
+    """num_blocks: one count for every attention group, or {window: count}; num_slots: state slots
+    including the null slot 0. Raises MemoryBudgetError naming the pool that is too small."""
+    if not specs:
+        raise MemoryBudgetError("specs are empty: the model declares no attention and no recurrent layer")
+    attn_layers = attention_groups(specs)  # raises TypeError on a spec of no kind
+    recurrent_layers = {i: s for i, s in sorted(specs.items()) if RecurrentMemory.handles(s)}
+    blocks = dict(num_blocks) if isinstance(num_blocks, Mapping) else {w: num_blocks for w in attn_layers}
+    for w in attn_layers:
+        n = blocks.get(w, 0)
+        if not isinstance(n, int) or n < 1:
+            group = "full-attention" if w is None else f"sliding-window {w}"
+            raise MemoryBudgetError(
+                f"num_blocks={n!r} for the {group} layers: a model with attention layers needs >= 1 KV "
+                f"block per group (groups: {[('full' if k is None else k) for k in attn_layers]})")
+    if recurrent_layers and num_slots < 2:
+        raise MemoryBudgetError(
+            f"num_slots={num_slots}: a model with recurrent layers needs >= 2 slots (null slot 0 + one live)")
+    groups: dict[Optional[int], FullAttentionMemory] = {
+        w: FullAttentionMemory(layers, block_size, blocks[w], device) if w is None else
+        SlidingWindowMemory(layers, block_size, blocks[w], device, max_chunk_tokens=max_num_batched_tokens)
+        for w, layers in attn_layers.items()}
+    lead = groups[lead_group(attn_layers)] if attn_layers else None
+    recurrent = None
+    if recurrent_layers:
+        attn = [s for s in specs.values() if isinstance(s, AttentionSpec)]
+        # Prefill FLOPs saved by a checkpoint at p: linear part plus attention's p^2 term.
+        quad = 4.0 * sum(s.num_kv_heads * s.head_dim for s in attn)
+        lin = float(flops_per_token) if flops_per_token else 0.0
+        recurrent = RecurrentMemory(
+            recurrent_layers, block_size, num_slots, device, eviction=checkpoint_eviction,
+            saved_flops=lambda p: lin * p + quad * p * p + p,
+            reachable=lead.is_cached if lead else (lambda h: True),
+            branches=lead.num_children if lead else (lambda h: 0))
+    return ModelKinds(groups, lead, recurrent)
