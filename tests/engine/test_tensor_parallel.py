@@ -18,6 +18,7 @@ from hybridkv.parallel.shard_layout import ShardLayout
 from hybridkv.parallel.sharding import shard_model
 
 from engine_fixtures import assert_no_leaks, greedy, tight_budget
+from family_checks import mamba2_scans_that_matter
 
 FAMILIES = ["llama", "bamba", "qwen3_next", "mamba2"]
 OVERRIDES = {"llama": {"num_key_value_heads": 1}}  # fewer KV heads than ranks: replicated on both
@@ -41,6 +42,8 @@ def _engine(made, tmp_path_factory, family: str, tp: int) -> LLM:
         path = tmp_path_factory.getbasetemp() / f"tp-{family}"
         if not (path / "config.json").exists():
             make_tiny_checkpoint(family, path, **OVERRIDES.get(family, {}))
+            if family == "bamba":  # a wrong SSM state shard changes the greedy tokens
+                mamba2_scans_that_matter(path, seed=0)
         model = load_model(str(path))
         if tp > 1:
             shard_model(model, 0, tp, lambda t: t)  # rank 0's shard: the specs each rank's pools hold
@@ -97,6 +100,41 @@ def test_tp2_greedy_equals_tp1(made, tmp_path_factory, family):
     assert hits > 0 and (blocks == 0 or preemptions["recompute"] > 0 and swaps > 0), got["stats"]
     comm = two.tensor_parallel.communication_bytes()
     assert comm["all_reduce"] > 0 and comm["broadcast"] > 0 and comm["gather"] > 0  # swaps gathered shards
+
+
+DECODE_PROMPTS = [[RNG.randrange(4, 128) for _ in range(n)] for n in (5, 9, 12, 7, 11, 6)]  # 6 > 4 seats
+
+
+def _preempting_run(llm, mode: str) -> tuple[list, int, int, int]:
+    """6 short prompts, 24 tokens each, on 4 seats and a few KV blocks: KV grows while decoding, so
+    running requests are preempted mid-decode. Returns (tokens, preemptions in `mode`, swaps, the
+    preempted requests seen holding generated tokens), counted over this run only."""
+    llm.engine.scheduler.policy.mode = mode
+    before = llm.stats()
+    ids = [llm.add_request(p, greedy(24)) for p in DECODE_PROMPTS]
+    tokens, mid_decode = {}, 0
+    while llm.has_unfinished_requests():
+        for o in llm.step():
+            if o.finished:
+                tokens[o.request_id] = o.outputs[0].token_ids
+        sched = llm.engine.scheduler
+        mid_decode += sum(len(s.token_ids) > s.num_prompt_tokens for q in (sched.swapped, sched.waiting) for s in q)
+    after = llm.stats()
+    assert_no_leaks(llm)
+    return ([tokens[i] for i in ids], after["preemptions"][mode] - before["preemptions"][mode],
+            after["swaps"] - before["swaps"], mid_decode)
+
+
+def test_tp2_bamba_preempted_mid_decode_equals_tp1(made, tmp_path_factory):
+    """Recompute and swap of a Bamba request mid-decode: a swap gathers and scatters every rank's KV
+    and Mamba state shards, a recompute rebuilds them; tokens as on one device."""
+    one, two = _engine(made, tmp_path_factory, "bamba", 1), _engine(made, tmp_path_factory, "bamba", 2)
+    for mode in ("recompute", "swap"):
+        want, got = _preempting_run(one, mode), _preempting_run(two, mode)
+        assert got[0] == want[0], mode
+        preempted, swaps, mid_decode = got[1:]
+        assert preempted > 0 and mid_decode > 0, (mode, got[1:])
+        assert (swaps > 0) == (mode == "swap"), (mode, got[1:])
 
 
 # families whose mixers joined later: chunked prefill + decode only, one family per new sharder
