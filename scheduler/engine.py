@@ -253,6 +253,7 @@ class Engine:
         self.counters["steps"] += 1
         self.counters["processed_tokens"] += sum(c.num_tokens for c in chunks)
         rows, row_seqs = [], []
+        commit, last, spans = self.mgr.commit, logit_rows.last, logit_rows.spans
         for i, c in enumerate(chunks):
             seq = c.seq
             if seq.finished:
@@ -262,22 +263,26 @@ class Engine:
                                  touched, discard=True)  # its new KV and state are suspect: cache none
                 continue
             try:
-                self.mgr.commit(seq.request_id, c.num_tokens)
+                commit(seq.request_id, c.num_tokens)
             except Exception as e:
                 self._fail_group(seq, e, touched, discard=True)
                 continue
             try:
                 if c.checkpoint:
                     self.mgr.checkpoint(seq.request_id)
-                if logit_rows.spans[i].count:
-                    self._record_prompt_logprobs(seq, logits, logit_rows.spans[i])
-                if c.start + c.num_tokens < seq.num_tokens:
+                if spans and i in spans:
+                    self._record_prompt_logprobs(seq, logits, spans[i])
+                if c.start + c.num_tokens < len(seq.token_ids):
                     continue  # a prefill chunk short of the end: nothing to sample yet
+                if seq.params.n == 1:  # no forks: the sequence samples alone
+                    rows.append(last[i])
+                    row_seqs.append(seq)
+                    continue
                 children = self._fork_children(seq)
             except Exception as e:
                 self._fail_group(seq, e, touched)
                 continue
-            rows.extend([logit_rows.last[i]] * len(children))
+            rows.extend([last[i]] * len(children))
             row_seqs.extend(children)
         if rows:
             self._sample(logits[rows], row_seqs, touched)
@@ -384,11 +389,11 @@ class Engine:
             if finished_only and not done:
                 continue
             try:
-                out = self._output(g)
+                out = self._output(g, done)
             except Exception as e:  # building its output failed: it ends, the others still report
                 for s in g.seqs:
                     self.scheduler.fail(s, e)
-                out = self._output(g)
+                out = self._output(g, g.finished)
             if g.owned:
                 if out.finished:
                     self.owned_done[g.key] = out
@@ -396,13 +401,12 @@ class Engine:
                 outs.append(out)
         return outs
 
-    def _output(self, g: SequenceGroup) -> RequestOutput:
+    def _output(self, g: SequenceGroup, done: bool) -> RequestOutput:
         outs = [CompletionOutput(s.seq_index, s.output_token_ids, s.finish_reason,
                                  list(s.output_logprobs) if s.params.logprobs is not None else None,
                                  self.tokenizer, tuple(s.params.stop), error=s.error,
                                  stop_reason=s.stop_reason)
                 for s in g.seqs]
-        done = g.finished
         first = g.seqs[0]
         prompt_done = done or first.num_output_tokens > 0
         prompt_logprobs = list(g.prompt_logprobs) if g.prompt_logprobs is not None and prompt_done else None

@@ -30,33 +30,39 @@ class PromptSpan:
 @dataclass
 class LogitRows:
     """indices: the batch's token indices whose logits come back (None: the last of each chunk,
-    the model's default); last: per chunk, the logits row of its last token; spans: per chunk,
-    its prompt-logprob rows (count 0 when none)."""
+    the model's default); last: per chunk, the logits row of its last token; spans: {chunk index:
+    its prompt-logprob rows} for the chunks that have some (most steps: none)."""
 
     indices: Optional[list[int]]
     last: list[int]
-    spans: list[PromptSpan]
+    spans: dict[int, PromptSpan]
 
     def finite(self, logits: torch.Tensor) -> list[bool]:
         """Per chunk: are all its rows finite (one host copy of [N] bools)."""
         rows = torch.isfinite(logits).all(dim=-1).tolist()
-        return [rows[last] and all(rows[s.row0:s.row0 + s.count]) for last, s in zip(self.last, self.spans)]
+        if not self.spans:
+            return [rows[last] for last in self.last]
+        return [rows[last] and (s is None or all(rows[s.row0:s.row0 + s.count]))
+                for last, s in zip(self.last, (self.spans.get(i) for i in range(len(self.last))))]
 
 
 def plan_logit_rows(chunks, wants_prompt_logprobs: Callable[[object], bool]) -> LogitRows:
     """chunks: the step's ScheduledChunks in batch order (seq, start, num_tokens);
-    wants_prompt_logprobs(seq): whether that sequence's prompt logprobs are being collected."""
-    indices, last, spans, offset = [], [], [], 0
-    for c in chunks:
+    wants_prompt_logprobs(seq): whether that sequence's prompt logprobs are being collected
+    (asked only of chunks that cover prompt positions before the last)."""
+    asking = {i for i, c in enumerate(chunks)
+              if c.start < min(c.start + c.num_tokens, c.seq.num_prompt_tokens - 1) and wants_prompt_logprobs(c.seq)}
+    if not asking:  # the model's default rows: the last token of each chunk
+        return LogitRows(None, list(range(len(chunks))), {})
+    indices, last, spans, offset = [], [], {}, 0
+    for i, c in enumerate(chunks):
         end = min(c.start + c.num_tokens, c.seq.num_prompt_tokens - 1)
-        count = end - c.start if end > c.start and wants_prompt_logprobs(c.seq) else 0
-        spans.append(PromptSpan(len(indices), c.start, count))
-        indices.extend(range(offset, offset + count))
+        if i in asking:
+            spans[i] = PromptSpan(len(indices), c.start, end - c.start)
+            indices.extend(range(offset, offset + end - c.start))
         offset += c.num_tokens
         last.append(len(indices))
         indices.append(offset - 1)
-    if not any(s.count for s in spans):
-        return LogitRows(None, list(range(len(chunks))), spans)
     return LogitRows(indices, last, spans)
 
 

@@ -15,6 +15,7 @@ alone with "error" (`fail`, listed in `SchedulerOutput.failed`); the scan goes o
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Optional
@@ -28,7 +29,7 @@ from .sequence_queue import SequenceQueue
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     """`num_tokens` tokens of `seq` from position `start`; `checkpoint` if a state checkpoint is
     due once they are computed."""
@@ -111,12 +112,11 @@ class Scheduler:
         budget = self.max_tokens
         # Decodes (one token left to compute) before prefills; within each, by priority/arrival.
         reqs = self.mgr.requests
-        order = []
-        for seq in self.running:  # run order
+        decodes, prefills = [], []
+        for seq in self.running:  # run order, kept within decodes and within prefills
             start = reqs[seq.request_id].num_computed_tokens
-            order.append((seq.num_tokens - start > 1, start, seq))
-        order.sort(key=lambda x: x[0])  # stable: keeps the run order within decodes and prefills
-        for _, start, seq in order:
+            (decodes if len(seq.token_ids) - start <= 1 else prefills).append((start, seq))
+        for start, seq in itertools.chain(decodes, prefills):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:

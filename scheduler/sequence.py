@@ -117,10 +117,14 @@ class SequenceGroup:
         self.prompt_logprobs: Optional[list] = None
         self.params = params
         self.seqs: list[Sequence] = seqs or []
+        self._prompt_token_ids: Optional[list[int]] = None
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.seqs[0].prompt_token_ids
+        """The prompt, copied once (every step's output of this request carries the same list)."""
+        if self._prompt_token_ids is None:
+            self._prompt_token_ids = self.seqs[0].prompt_token_ids
+        return self._prompt_token_ids
 
     @property
     def forks_pending(self) -> int:
@@ -129,4 +133,9 @@ class SequenceGroup:
 
     @property
     def finished(self) -> bool:
-        return (self.failed or self.forks_pending == 0) and all(s.finished for s in self.seqs)
+        if not self.failed and self.forks_pending:
+            return False
+        for s in self.seqs:
+            if s.status is not SequenceStatus.FINISHED:
+                return False
+        return True

@@ -38,7 +38,8 @@ def token_text(tokenizer, token_id: int) -> str:
 def check_stop(seq: Sequence, eos_ids: set[int], max_model_len: int, tokenizer) -> Optional[Stop]:
     """Why the sequence ends after its last appended token, or None to go on."""
     p, last = seq.params, seq.token_ids[-1]
-    if seq.num_output_tokens >= p.min_tokens:
+    num_output = len(seq.token_ids) - seq.num_prompt_tokens
+    if num_output >= p.min_tokens:
         if last in p.stop_token_ids:
             return Stop("stop", last)
         if not p.ignore_eos and last in eos_ids:
@@ -46,11 +47,11 @@ def check_stop(seq: Sequence, eos_ids: set[int], max_model_len: int, tokenizer) 
         if p.stop and tokenizer is not None:
             # Only the tail can hold a stop string the last token completed (earlier ones ended the
             # sequence at their own step); tokens decode to >= 1 character, plus a margin.
-            keep = min(max(map(len, p.stop)) + 8, seq.num_output_tokens)
+            keep = min(max(map(len, p.stop)) + 8, num_output)
             tail = decode(tokenizer, seq.token_ids[-keep:])
             found = [(tail.find(s), i) for i, s in enumerate(p.stop) if s in tail]
             if found:  # the one the text is cut at: the earliest in the text
                 return Stop("stop", p.stop[min(found)[1]])
-    if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= max_model_len:
+    if num_output >= p.max_tokens or len(seq.token_ids) >= max_model_len:
         return Stop("length")
     return None

@@ -9,6 +9,9 @@ written while shared, a lost swap, a bad import) shows as a wrong value. After e
 block refcounts equal the block tables' references, every slot is free, live for one running
 request or one checkpoint, every running request reads back its own values (a sliding-window
 request: those of its window), and a sliding-window request holds at most ceil(w / bs) + 1 blocks.
+Every chunk's batch (scheduler/batch_builder.py) derives the same write slots from the block tables
+as allocate() and each group's memory hand out; a prefix probe answers the largest position every
+kind accepts (a brute-force search over positions, against prefix_match.py's iteration).
 """
 from collections import Counter
 
@@ -19,8 +22,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.errors import RequestTooLargeError
+from hybridkv.sampling_params import SamplingParams
 from hybridkv.memory.full_attention import NO_BLOCK
 from hybridkv.request_state import PREEMPTED, RUNNING, SWAPPED
+from hybridkv.scheduler.batch_builder import BatchBuilder
+from hybridkv.scheduler.scheduler import ScheduledChunk
+from hybridkv.scheduler.sequence import Sequence
 from hybridkv.specs import AttentionSpec, RecurrentSpec
 from hybridkv.state_pool import CHECKPOINT, FREE, LIVE, NULL
 
@@ -163,6 +170,7 @@ class ManagerMachine(RuleBasedStateMachine):
                   fingerprint="sm", checkpoint_every_n=2)
         self.mgr = HybridCacheManager(specs, bs, num_blocks, num_slots, **kw)
         self.other = HybridCacheManager(specs, other_bs, num_blocks * bs, 3, **kw)
+        self.batches = BatchBuilder(self.mgr, "cpu")
         self.next_id = 0
         self.expected_ckpt = {}  # block hash -> state value of that prefix
 
@@ -195,12 +203,45 @@ class ManagerMachine(RuleBasedStateMachine):
         assert len(slots) == end - start
         ids = mgr.block_ids(rid)
         EVENTS["copy-on-write"] += bool(start % mgr.block_size and ids) and ids[start // mgr.block_size] not in before[0][0]
+        self.check_batch(rid, start, end, slots)
         write_step(mgr, rid, slots, start, end)
         mgr.commit(rid, end - start)
         self.record_prefix_states(r)
         if due is not None:
             EVENTS["checkpoint stored"] += mgr.checkpoint(rid)
         return True
+
+    def check_batch(self, rid, start, end, slots):
+        """The packed batch of this one chunk: positions, lengths, and every group's slots derived
+        from its block table equal the slots the manager's memories hand out."""
+        mgr, r = self.mgr, self.mgr.request(rid)
+        seq = Sequence(rid, r.token_ids, SamplingParams())
+        batch = self.batches.build([ScheduledChunk(seq, start, end - start, slots)])
+        assert batch.input_ids.tolist() == r.token_ids[start:end]
+        assert batch.positions.tolist() == list(range(start, end)) and batch.seq_lens.tolist() == [end]
+        assert batch.slot_mapping.tolist() == slots
+        assert batch.has_initial_state.tolist() == [start > 0]
+        assert batch.state_slots.tolist() == [mgr.live_slot(rid)]
+        if len(mgr.attention_groups) > 1:
+            for w, g in mgr.attention_groups.items():
+                assert batch.kv_groups[w].slot_mapping.tolist() == g.slot_mapping(rid, start, end)
+                EVENTS["batch slots checked per group"] += 1
+
+    def probe_prefix(self, prompt, salt):
+        """usable_prefix_tokens is the largest block count every kind accepts, and changes nothing."""
+        mgr = self.mgr
+        before = mgr.stats()
+        got = mgr.usable_prefix_tokens(prompt, salt)
+        assert mgr.stats() == before
+        want = 0
+        if mgr.enable_prefix_caching and len(prompt) > mgr.block_size:
+            hashes = mgr._prompt_hashes(prompt, salt)
+            limit = min(len(hashes), (len(prompt) - 1) // mgr.block_size)
+            want = max(m for m in range(limit + 1) if all(k.usable_prefix(hashes, m) == m for k in mgr.kinds))
+            want *= mgr.block_size
+        assert got == want, (got, want)
+        EVENTS["probe found a prefix"] += got > 0
+        return got
 
     @rule(base=st.integers(0, 1), plen=st.integers(1, 20), suffix=st.lists(st.integers(0, 3), max_size=3),
           max_tokens=st.integers(0, 12), salt=st.sampled_from([None, None, "t2"]), first=st.integers(1, 12),
@@ -211,6 +252,7 @@ class ManagerMachine(RuleBasedStateMachine):
         rid = self.next_id
         self.next_id += 1
         num_new = first if limit_new else None
+        probed = self.probe_prefix(prompt, salt)
         try:
             can = mgr.can_admit(prompt, max_tokens=max_tokens, cache_salt=salt, num_new_tokens=num_new)
         except RequestTooLargeError:
@@ -222,6 +264,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if hit is None:
             return
         assert 0 <= hit < len(prompt) and hit % mgr.block_size == 0
+        assert hit == probed, "admit takes the hit the probe announced"
         EVENTS["prefix hit"] += hit > 0
         check_request_data(mgr, mgr.request(rid))  # the hit's blocks and copied state are this prefix's
         assert self.run_chunk(rid, min(first if limit_new else len(prompt), len(prompt) - hit)), \
@@ -338,5 +381,5 @@ def test_manager_state_machine():
     assert EVENTS["rule"] >= 10_000, EVENTS
     for what in ["prefix hit", "allocate refused", "copy-on-write", "checkpoint stored", "resumed after swap",
                  "resumed by recompute", "imported elsewhere", "fork", "sliding window held blocks bounded",
-                 "checked with two attention groups"]:
+                 "checked with two attention groups", "batch slots checked per group", "probe found a prefix"]:
         assert EVENTS[what] > 0, f"the random runs never exercised {what}: {EVENTS}"
