@@ -42,7 +42,7 @@ def _engine(made, tmp_path_factory, family: str, tp: int) -> LLM:
         path = tmp_path_factory.getbasetemp() / f"tp-{family}"
         if not (path / "config.json").exists():
             make_tiny_checkpoint(family, path, **OVERRIDES.get(family, {}))
-            if family == "bamba":  # a wrong SSM state shard changes the greedy tokens
+            if family in ("bamba", "mamba2"):  # a wrong SSM state shard changes the greedy tokens
                 mamba2_scans_that_matter(path, seed=0)
         model = load_model(str(path))
         if tp > 1:
@@ -137,11 +137,12 @@ def test_tp2_bamba_preempted_mid_decode_equals_tp1(made, tmp_path_factory):
         assert (swaps > 0) == (mode == "swap"), (mode, got[1:])
 
 
-# families whose mixers joined later: chunked prefill + decode only, one family per new sharder
-# (Mamba1 in Jamba, short conv, Nemotron-H's MLP / MoE, Granite's shared MLP, Falcon-H1's two caches
-# per layer); each spawn costs seconds, so Mamba, FalconMamba and LFM2 are checked, with every other
-# family, in-process by tests/parallel/test_sharding.py (2 ranks as 2 threads)
-MORE_FAMILIES = ["jamba", "lfm2_moe", "nemotron_h", "granitemoehybrid", "falcon_h1"]
+# families whose mixers joined later: chunked prefill + decode only, one family per new kind of
+# rank state or cut (Mamba1 in Jamba, LFM2's conv-only state, Nemotron-H's MLP / MoE, Falcon-H1's
+# two caches per layer); each spawn costs seconds, so Mamba, FalconMamba, LFM2, GraniteMoeHybrid
+# and Qwen3.5 are checked, with every other family, in-process by tests/parallel/test_sharding.py
+# (2 ranks as 2 threads, each loading its shard as a worker does)
+MORE_FAMILIES = ["jamba", "lfm2_moe", "nemotron_h", "falcon_h1"]
 
 
 @pytest.mark.parametrize("family", MORE_FAMILIES)
