@@ -176,13 +176,21 @@ def write_latent(latent, kv_cache, slot_mapping):
     """latent [T, D] into latent pages kv_cache [N, 1, bs, 1, D] at flat slots (-1 skipped)."""
     from .latent_attention_ref import write_latent_ref
 
-    return write_latent_ref(latent, kv_cache, slot_mapping)
+    fn = _pick(latent, write_latent_ref, "write_latent_triton", "latent_write_kernel")
+    return fn(latent, kv_cache, slot_mapping)
 
 
 def latent_paged_attention(q, kv_cache, kv_b_weight, query_start_loc, seq_lens, block_table, scale,
-                           nope_dim, v_dim):
-    """MLA over latent pages: q [T, H, nope + rope] -> o [T, H, v_dim]; see latent_attention_ref."""
+                           nope_dim, v_dim, max_query_len=None):
+    """MLA over latent pages: q [T, H, nope + rope] -> o [T, H, v_dim]; see latent_attention_ref.
+    max_query_len=1 (a host fact: every request decodes one token) on the Triton backend runs
+    latent_attention_decode, which has no host sync; everything else runs the reference."""
     from .latent_attention_ref import latent_paged_attention_ref
 
+    if max_query_len == 1 and q.shape[0] == seq_lens.shape[0] and backend_for(q) == "triton":
+        from .latent_attention_decode import latent_decode_attention
+
+        return latent_decode_attention(q, kv_cache, kv_b_weight, seq_lens, block_table, scale,
+                                       nope_dim, v_dim)
     return latent_paged_attention_ref(q, kv_cache, kv_b_weight, query_start_loc, seq_lens,
                                       block_table, scale, nope_dim, v_dim)

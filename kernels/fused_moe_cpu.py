@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .dispatch import backend_for
 from .fused_moe_ref import activation_fn, check_expert_ids, check_fused_moe_inputs, check_moe_extras, clamped_swiglu
 from .moe_sort import expert_counts
 
@@ -34,7 +35,8 @@ def fused_moe_torch(hidden, w_gate_up, w_down, topk_weights, topk_ids, activatio
     optional gate_up_bias [E, 2I], down_bias [E, H], swiglu=(alpha, limit) (GPT-OSS)."""
     check_fused_moe_inputs(hidden, w_gate_up, w_down, topk_weights, topk_ids, gated)
     check_moe_extras(w_gate_up, w_down, gate_up_bias, down_bias, swiglu, gated)
-    if not hidden.is_cuda:  # free on CPU; on a GPU it would be a host sync
+    # free on the CPU; a host sync on a GPU and in a decode graph's dry run (Triton backend forced)
+    if backend_for(hidden) == "torch" and not hidden.is_cuda:
         check_expert_ids(topk_ids, w_gate_up.shape[0])
     T, H = hidden.shape
     k = topk_ids.shape[1]

@@ -47,6 +47,7 @@ class GatedLatentAttention(LatentAttention):
                              batch.slot_mapping)
         out = kernels.latent_paged_attention(
             q, kv_cache, self.kv_b_proj.weight, batch.query_start_loc, batch.seq_lens,
-            batch.block_table, self.scale, self.nope_dim, self.v_dim)  # [T, heads, v_dim]
+            batch.block_table, self.scale, self.nope_dim, self.v_dim,
+            max_query_len=max(batch.query_lens_cpu) if batch.query_lens_cpu else None)  # [T, heads, v_dim]
         gate = torch.sigmoid(self.g_proj(hidden).float()).to(out.dtype)
         return self.o_proj((out * gate[..., None]).reshape(T, self.num_heads * self.v_dim))

@@ -69,5 +69,6 @@ class LatentAttention(nn.Module):
         out = kernels.latent_paged_attention(
             q.view(T, self.num_heads, self.qk_dim), kv_cache, self.kv_b_proj.weight,
             batch.query_start_loc, batch.seq_lens, batch.block_table, self.scale, self.nope_dim,
-            self.v_dim)
+            self.v_dim,
+            max_query_len=max(batch.query_lens_cpu) if batch.query_lens_cpu else None)
         return self.o_proj(out.reshape(T, self.num_heads * self.v_dim))

@@ -1,6 +1,8 @@
 """DecodeGraphs in its dry-run mode (the capture replaced by a direct call of the same forward on
 the same persistent buffers, the Triton kernels interpreted, NoHostSync around it) against the
-eager forward with the torch kernels, over tiny Llama, Bamba and Qwen3.5 (GDN) models.
+eager forward with the torch kernels, over tiny Llama, Bamba and Qwen3.5 (GDN) models, and the
+latent-attention (MLA) families Kimi-Linear (KDA + MLA) and Ling 3 (gated MLA), and GPT-OSS (MoE
+with biases, attention sinks), whose decode steps once synced on the host.
 
 Two Harnesses with the same seed hold identical pools (filled with garbage) and block/slot
 assignments: one decodes eagerly, the other through the graphs. Steps cover padding to a bucket
@@ -22,6 +24,11 @@ FAMILIES = {
     "llama": dict(num_hidden_layers=1),
     "bamba": dict(num_hidden_layers=2, attn_layer_indices=[1]),
     "qwen3_5": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]),
+    "kimi_linear": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                        mlp_layer_types=["dense", "sparse"]),
+    "bailing_hybrid": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                           mlp_layer_types=["dense", "sparse"]),
+    "gpt_oss": dict(num_hidden_layers=1, layer_types=["full_attention"]),  # one attention group
 }
 PROMPTS = [list(range(5, 21)), [30, 31, 32], [40, 41, 42, 43, 44, 45, 46]]  # 16: next token opens a block
 
