@@ -78,7 +78,8 @@ class _Group:
     keys are attended (0: all, masked); sdpa: run through SDPA (one request; over the first
     n_keys keys only, since an additive mask cannot hide a non-finite key);
     first_row: when the query rows are first_row, first_row + 1, ... in order (a prefill chunk,
-    sorted decodes), q is sliced there instead of gathered.
+    sorted decodes), q is sliced there instead of gathered; causal_only: a prefill chunk with no
+    cached context whose window (if any) spans the chunk: SDPA's own causal mask is the whole mask.
     """
 
     n_reqs: int
@@ -93,6 +94,7 @@ class _Group:
     sdpa: bool = False
     n_keys: int = 0
     first_row: Optional[int] = None
+    causal_only: bool = False
 
 
 def _group(block_table, n_pool_blocks, bs, reqs, starts, qlens, lens, causal, window, sdpa):
@@ -127,8 +129,10 @@ def _group(block_table, n_pool_blocks, bs, reqs, starts, qlens, lens, causal, wi
         # so no tail of another owner's data is read (no V rows to zero, often no mask at all)
         n_keys = lens[0] - firsts[0] * bs
         hidden = hidden[:, :, :n_keys]
+        causal_only = sdpa and causal and lens[0] == qlens[0] and (window is None or lmax <= window)
         return _Group(r_n, lmax, nblk, rows, out_rows, keep, blocks,
-                      hidden if bool(hidden.any()) else None, None, sdpa, n_keys, first_row)
+                      hidden if not causal_only and bool(hidden.any()) else None, None, sdpa, n_keys,
+                      first_row, causal_only)
     hidden = hidden if bool(hidden.any()) else None
     # keys past seq_len (a block's unwritten tail, padding columns) hold another owner's data: a
     # zero weight times a non-finite value there would still be NaN, so zero those V rows (only
@@ -189,7 +193,11 @@ def _attend(q, kv_cache, grp: _Group, scale, soft_cap, sinks=None):
         k, v, s_n = k[:, :grp.n_keys], v[:, :grp.n_keys], grp.n_keys
     if grp.tail is not None:
         v.view(hkv, r_n * s_n, d).index_fill_(1, grp.tail, 0.0)
-    if grp.sdpa:  # one request: SDPA with a boolean mask (True = visible)
+    if grp.causal_only:  # SDPA's causal kernel, K/V broadcast over the group (~1.9x the masked call)
+        o = F.scaled_dot_product_attention(
+            qr.view(hkv, g, lmax, d), k[:, None].expand(hkv, g, s_n, d),
+            v[:, None].expand(hkv, g, s_n, d), is_causal=True, scale=scale).reshape(hkv, g * lmax, d)
+    elif grp.sdpa:  # one request: SDPA with a boolean mask (True = visible)
         mask = None if grp.hidden is None else ~grp.hidden[0].repeat(g, 1)
         o = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, scale=scale)
     else:

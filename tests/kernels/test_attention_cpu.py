@@ -193,3 +193,17 @@ def test_write_kv_cpu_non_contiguous_pool():
     plans = {}
     got = write_kv_cpu(k, v, pool, slots, plan_cache=plans)
     assert not pool.is_contiguous() and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("window", [None, 25, 12, 11])
+def test_prefill_from_position_0_matches_reference(window):
+    """Chunks with no cached context take SDPA's causal kernel while the window spans the chunk
+    (12 tokens under a window of 12 or more), the masked call otherwise (window 11)."""
+    reqs = [(12, 12), (1, 30), (12, 12)]
+    q, kv, qsl, seq_lens, table = paged_batch(reqs, 8, 2, 2, 16, seed=3)
+    want = paged_attention_ref(q, kv, qsl, seq_lens, table, 0.3, sliding_window=window)
+    plans = {}
+    got = paged_attention_cpu(q, kv, qsl, seq_lens, table, 0.3, sliding_window=window, plan_cache=plans)
+    assert rel_err(got, want) < 1e-5
+    (plan,) = plans.values()
+    assert [grp.causal_only for grp in plan if grp.lmax > 1] == [window != 11] * 2
