@@ -48,25 +48,32 @@ def _load(path: str, warm_path: str, way: str, rank: int, size: int, out) -> Non
     out.put((way, rank, base, peak, params, _rss_mib("RssAnon") - anon, _rss_mib("RssFile") - file))
 
 
+def _make_checkpoints(tmp: str, h: int) -> None:
+    from hybridkv.models.tiny import make_tiny_checkpoint
+
+    make_tiny_checkpoint("bamba", Path(tmp) / "bamba", hidden_size=h, intermediate_size=4 * h,
+                         num_attention_heads=16, num_key_value_heads=4, mamba_n_heads=32, mamba_d_head=2 * h // 32)
+    make_tiny_checkpoint("bamba", Path(tmp) / "warm")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=1024)
     args = ap.parse_args()
-    from hybridkv.models.tiny import make_tiny_checkpoint
-
-    h = args.hidden
+    ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
-        path = str(make_tiny_checkpoint("bamba", Path(tmp) / "bamba", hidden_size=h, intermediate_size=4 * h,
-                                        num_attention_heads=16, num_key_value_heads=4, mamba_n_heads=32,
-                                        mamba_d_head=2 * h // 32))
-        warm = str(make_tiny_checkpoint("bamba", Path(tmp) / "warm"))
+        # built in a child: a spawned process starts with its parent's peak RSS as its own
+        # (ru_maxrss survives fork + exec), so this process must stay small (no torch here)
+        maker = ctx.Process(target=_make_checkpoints, args=(tmp, args.hidden))
+        maker.start()
+        maker.join()
+        path, warm = str(Path(tmp) / "bamba"), str(Path(tmp) / "warm")
         ckpt_mib = sum(f.stat().st_size for f in Path(path).glob("*.safetensors")) / 2**20
         print(f"checkpoint: {ckpt_mib:.0f} MiB of safetensors; tensor_parallel_size={args.size}")
         print("| way | rank | shard params MiB | RSS before the load MiB | peak RSS MiB | peak - before MiB "
               "| after the load: + anon MiB | + file-mapped MiB |")
         print("|---|---|---|---|---|---|---|---|")
-        ctx = mp.get_context("spawn")
         for way in ("whole then cut", "shard only"):
             for rank in range(args.size):
                 q = ctx.Queue()
