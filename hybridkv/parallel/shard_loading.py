@@ -54,22 +54,22 @@ class ShardLoad:
     def load(self, model, ckpt) -> None:
         """Fill `model`'s shard from `ckpt` (a CheckpointTensors) through the family's own
         load_weights (its names, views, shape checks), each cut parameter standing in full size."""
-        cut_params = {name: p for name, p in model.named_parameters() if name in self._cuts}
-        stand_ins = {}
-        for name, p in cut_params.items():
+        swapped = []  # (module, attribute, the real parameter), put back after loading
+        by_source = {}  # checkpoint name -> the stand-in it fills when loaded under that name
+        for name, p in list(model.named_parameters()):
+            if name not in self._cuts:
+                continue
             owner, leaf = _owner(model, name)
-            stand_ins[name] = (owner, leaf, p)
-            owner._parameters[leaf] = CutOnCopy(p, *self._cuts[name], self.rank, self.size)
-        reads = {}
-        for name in cut_params:
+            stand_in = CutOnCopy(p, *self._cuts[name], self.rank, self.size)
+            swapped.append((owner, leaf, p))
+            owner._parameters[leaf] = stand_in
             source = model.checkpoint_name(name)
             if source is not None:
-                reads[source] = name
+                by_source[source] = stand_in
         try:
-            model.load_weights(SliceReader(ckpt, {s: stand_ins[n][0]._parameters[stand_ins[n][1]]
-                                                  for s, n in reads.items()}))
+            model.load_weights(SliceReader(ckpt, by_source))
         finally:
-            for owner, leaf, p in stand_ins.values():
+            for owner, leaf, p in swapped:
                 owner._parameters[leaf] = p
 
 
