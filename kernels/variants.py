@@ -79,6 +79,14 @@ def write_kv_inputs(dims, dtype, device, gen):
             slots), {}
 
 
+def write_latent_inputs(dims, dtype, device, gen):
+    """Latent pages [blocks, 1, bs, 1, kv_lora_rank + rope_dim] (MLA: Kimi-Linear, Ling 3)."""
+    d, bs, t = dims["dim"], dims["block_size"], 5
+    slots = torch.randperm(4 * bs, generator=gen, device=device)[:t]
+    slots[1] = -1
+    return (_randn(gen, device, dtype, t, d), _randn(gen, device, dtype, 4, 1, bs, 1, d), slots), {}
+
+
 def _conv_common(dims, dtype, device, gen, batch):
     dim, kw = dims["dim"], dims["width"]
     conv_state = _randn(gen, device, dtype, batch + 2, dim, kw - 1)
@@ -215,6 +223,7 @@ def fused_moe_inputs(dims, dtype, device, gen):
 INPUTS: dict[str, Callable] = {  # public op -> (dims, dtype, device, gen) -> (args, kwargs)
     "paged_attention": paged_attention_inputs,
     "write_kv": write_kv_inputs,
+    "write_latent": write_latent_inputs,
     "causal_conv1d": causal_conv1d_inputs,
     "conv1d_update": conv1d_update_inputs,
     "mamba1_state_update": mamba1_state_update_inputs,
@@ -257,6 +266,8 @@ ENGINE_KERNELS = [
                   "block_size": 32})),
     Entry("write_kv", "write_kv_kernel", "write_kv_triton",
           {"head_dim": (128, 64, 256), "kv_heads": (8, 1, 2, 32), "block_size": (16, 32)}),
+    Entry("write_latent", "latent_write_kernel", "write_latent_triton",
+          {"dim": (576, 80), "block_size": (16, 32)}),  # 512 + 64: Kimi-Linear's latent
     Entry("causal_conv1d", "conv1d", "causal_conv1d_triton", _CONV_AXES),
     Entry("conv1d_update", "conv1d", "conv1d_update_triton", _CONV_AXES),
     Entry("mamba1_state_update", "mamba1", "mamba1_state_update_triton",
