@@ -2,11 +2,13 @@
 
 The cost follows the tokens held, not (requests x longest context). One-token decodes are sorted
 by the number of blocks they read and cut into buckets whose padding is at most a quarter of their
-work (or 16 blocks), so one long request runs in its own bucket instead of making every short one pay for its length.
-A bucket gathers its whole blocks with one `index_select` straight into a `[Hkv, R, S, D]` layout
-and attends with two batched matmuls, the GQA group folded into the query rows (no copy of K or V
-per query head). Prefill chunks (query_len > 1) run one request at a time through
-`F.scaled_dot_product_attention` on the same gather; soft-capped layers take the batched matmul
+work (or 16 blocks), so one long request runs in its own bucket instead of making every short one
+pay for its length. A bucket gathers its whole blocks with one `index_select` straight into a
+`[Hkv, R, S, D]` layout and attends with two batched matmuls, the GQA group folded into the query
+rows (no copy of K or V per query head); when its requests read the same keys (one decode, equal
+lengths) it attends to exactly those (no mask, no V tail to zero). Prefill chunks (query_len > 1)
+run one request at a time through `F.scaled_dot_product_attention` on the same gather: its causal
+kernel when the chunk has no cached context, a boolean mask otherwise; soft-capped layers take the batched matmul
 path for prefill too (SDPA has no soft cap), and so do layers with attention sinks: their output
 is scaled by sigmoid(logsumexp - sink), the sink's share of the denominator. Under a sliding window only the blocks from the first
 query's window on are gathered: blocks before it may already belong to another request.
