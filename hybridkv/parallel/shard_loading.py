@@ -94,6 +94,9 @@ class CutOnCopy:
     def data(self) -> "CutOnCopy":
         return self
 
+    def detach(self) -> "CutOnCopy":  # state_dict() without keep_vars (Zamba2 lists tied names so)
+        return self
+
     def copy_(self, src) -> None:
         if self.cut.zeroed:
             self.param.data.zero_()

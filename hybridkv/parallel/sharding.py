@@ -43,6 +43,7 @@ from hybridkv.models.moe import SparseMoE
 from hybridkv.models.nemotron_h import NemotronHMLP, NemotronHMoE
 from hybridkv.models.qwen3_5 import SplitProjectionGDN
 from hybridkv.models.short_conv import ShortConv
+from hybridkv.models.zamba2_shared import Zamba2SharedAttention, Zamba2SharedMLP
 from hybridkv.specs import AttentionSpec
 
 from .shard_layout import CacheShard, ShardLayout, split_count
@@ -51,7 +52,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "BambaForCausalLM", "Qwen3NextFor
                            "Mamba2ForCausalLM", "MambaForCausalLM", "FalconMambaForCausalLM",
                            "JambaForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM",
                            "NemotronHForCausalLM", "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM",
-                           "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+                           "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Zamba2ForCausalLM")
 
 
 def check_supported(architecture: str, size: int) -> None:
@@ -242,6 +243,34 @@ def shard_gdn(m: GatedDeltaNetMixer, rank: int, size: int, all_reduce: Callable)
     return CacheShard(conv=conv, state=v_heads)
 
 
+def shard_zamba2_attention(m: Zamba2SharedAttention, rank: int, size: int, all_reduce: Callable) -> CacheShard:
+    """A shared block's attention: as any attention, plus each site's q/k/v adapter (down
+    replicated, up column-parallel by the heads it adds to)."""
+    heads = split_count("num_attention_heads", m.num_heads, size)
+    kv = split_count("num_key_value_heads", m.num_kv_heads, size, replicate=True)
+    q_rows = ShardLayout.of((m.num_heads, heads, m.q_proj.out_features // m.num_heads))
+    kv_rows = ShardLayout.of((m.num_kv_heads, kv, m.head_dim))
+    if m.use_adapters:
+        for adapters, rows in ((m.linear_q_adapter_list, q_rows), (m.linear_k_adapter_list, kv_rows),
+                               (m.linear_v_adapter_list, kv_rows)):
+            for adapter in adapters:
+                if isinstance(adapter, nn.Sequential):
+                    _column(adapter[1], rows, rank, size)
+    return shard_attention(m, rank, size, all_reduce)
+
+
+def shard_zamba2_mlp(m: Zamba2SharedMLP, rank: int, size: int, all_reduce: Callable) -> None:
+    inter = m.down_proj.in_features
+    split_count("intermediate_size", inter, size)
+    gate_up = ShardLayout.of((inter, size), (inter, size))
+    _column(m.gate_up_proj, gate_up, rank, size)
+    for adapter in m.gate_up_proj_adapter_list:
+        if isinstance(adapter, nn.Sequential):
+            _column(adapter[1], gate_up, rank, size)
+    _row(m.down_proj, ShardLayout.of((inter, size)), rank, size)
+    _reduce_output(m, all_reduce)
+
+
 def shard_mamba1(m: Mamba1Mixer, rank: int, size: int, all_reduce: Callable) -> CacheShard:
     inner = m.d_inner
     split_count("mamba intermediate_size (d_inner)", inner, size)
@@ -278,7 +307,8 @@ def shard_short_conv(m: ShortConv, rank: int, size: int, all_reduce: Callable) -
 
 
 MIXER_SHARDERS = {PagedAttention: shard_attention, Mamba2Mixer: shard_mamba2, GatedDeltaNetMixer: shard_gdn,
-                  SplitProjectionGDN: shard_gdn, Mamba1Mixer: shard_mamba1, ShortConv: shard_short_conv}
+                  SplitProjectionGDN: shard_gdn, Mamba1Mixer: shard_mamba1, ShortConv: shard_short_conv,
+                  Zamba2SharedAttention: shard_zamba2_attention}
 
 
 def shard_model(model, rank: int, size: int, all_reduce: Callable) -> dict[int, CacheShard]:
@@ -304,32 +334,49 @@ def shard_model(model, rank: int, size: int, all_reduce: Callable) -> dict[int, 
             plan.append((shard_up_down_mlp, mod))
         elif isinstance(mod, SharedMLP):
             plan.append((shard_shared_mlp, mod))
+        elif isinstance(mod, Zamba2SharedMLP):
+            plan.append((shard_zamba2_mlp, mod))
         elif type(mod) in MIXER_SHARDERS:
             plan.append((MIXER_SHARDERS[type(mod)], mod))
             order.append(mod)
     # the k-th attention module holds the k-th attention cache layer (by index), the k-th mixer
-    # the k-th recurrent one (Falcon-H1 numbers its Mamba layers after all its attention layers)
-    cache_layer = {}
+    # the k-th recurrent one (Falcon-H1 numbers its Mamba layers after all its attention layers);
+    # a shared block's attention (Zamba2) holds the KV cache of each of its use sites
+    cache_layers = {id(m): list(keys) for m, keys in _shared_attention_sites(model)}
     for is_attention in (True, False):
-        indices = sorted(i for i, spec in full_specs.items() if isinstance(spec, AttentionSpec) == is_attention)
-        mods = [m for m in order if isinstance(m, PagedAttention) == is_attention]
+        shared = {i for keys in cache_layers.values() for i in keys} if is_attention else set()
+        indices = sorted(i for i, spec in full_specs.items()
+                         if isinstance(spec, AttentionSpec) == is_attention and i not in shared)
+        mods = [m for m in order if isinstance(m, PagedAttention) == is_attention and id(m) not in cache_layers]
         if len(indices) != len(mods):
             raise ValueError(f"{model.architecture}: its cache layers do not map one to one onto its "
                              f"attention and mixer modules; tensor_parallel_size={size} is not supported")
-        cache_layer.update({id(m): i for m, i in zip(mods, indices)})
+        cache_layers.update({id(m): [i] for m, i in zip(mods, indices)})
     _check_shapes(plan, size)
     layouts = {}
     for fn, mod in plan:
         out = fn(mod, rank, size, all_reduce)
         if out is not None:
-            layouts[cache_layer[id(mod)]] = out
+            layouts.update({i: out for i in cache_layers[id(mod)]})
     return layouts
+
+
+def _shared_attention_sites(model) -> list[tuple[nn.Module, list[int]]]:
+    """[(a shared block's attention module, the KV cache keys of its use sites)] (Zamba2's hybrid
+    layers: `shared_transformer` and `kv_key`); empty for other families."""
+    sites: dict[int, tuple[nn.Module, list[int]]] = {}
+    for mod in model.modules():
+        block, key = getattr(mod, "shared_transformer", None), getattr(mod, "kv_key", None)
+        if block is not None and key is not None:
+            attn = block.self_attn
+            sites.setdefault(id(attn), (attn, []))[1].append(key)
+    return list(sites.values())
 
 
 def _check_shapes(plan, size: int) -> None:
     """Refuse before any weight is cut: every module's heads / groups / widths must split."""
     for fn, m in plan:
-        if fn is shard_attention:
+        if fn in (shard_attention, shard_zamba2_attention):
             split_count("num_attention_heads", m.num_heads, size)
             split_count("num_key_value_heads", m.num_kv_heads, size, replicate=True)
         elif fn is shard_mamba2:
@@ -345,6 +392,8 @@ def _check_shapes(plan, size: int) -> None:
             split_count("intermediate_size", m.gate_proj.out_features, size)
         elif fn is shard_up_down_mlp:
             split_count("intermediate_size", m.up_proj.out_features, size)
+        elif fn is shard_zamba2_mlp:
+            split_count("intermediate_size", m.down_proj.in_features, size)
         elif fn is shard_shared_mlp:
             split_count("shared_intermediate_size", m.output_linear.in_features, size)
         elif fn is shard_nemotron_moe:

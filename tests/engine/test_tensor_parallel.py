@@ -139,10 +139,11 @@ def test_tp2_bamba_preempted_mid_decode_equals_tp1(made, tmp_path_factory):
 
 # families whose mixers joined later: chunked prefill + decode only, one family per new kind of
 # rank state or cut (Mamba1 in Jamba, LFM2's conv-only state, Nemotron-H's MLP / MoE, Falcon-H1's
-# two caches per layer); each spawn costs seconds, so Mamba, FalconMamba, LFM2, GraniteMoeHybrid
-# and Qwen3.5 are checked, with every other family, in-process by tests/parallel/test_sharding.py
-# (2 ranks as 2 threads, each loading its shard as a worker does)
-MORE_FAMILIES = ["jamba", "lfm2_moe", "nemotron_h", "falcon_h1"]
+# two caches per layer, Zamba2's shared block with one KV cache per use site); each spawn costs
+# seconds, so Mamba, FalconMamba, LFM2, GraniteMoeHybrid and Qwen3.5 are checked, with every other
+# family, in-process by tests/parallel/test_sharding.py (2 ranks as 2 threads, each loading its
+# shard as a worker does)
+MORE_FAMILIES = ["jamba", "lfm2_moe", "nemotron_h", "falcon_h1", "zamba2"]
 
 
 @pytest.mark.parametrize("family", MORE_FAMILIES)

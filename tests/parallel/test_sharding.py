@@ -17,8 +17,8 @@ from model_harness import Harness
 RNG = random.Random(3)
 PROMPTS = [[RNG.randrange(4, 128) for _ in range(n)] for n in (5, 19, 30)]
 FAMILIES = ["llama", "bamba", "qwen3_next", "mamba2", "mamba", "falcon_mamba", "jamba", "lfm2", "lfm2_moe",
-            "nemotron_h", "granitemoehybrid", "falcon_h1", "qwen3_5", "qwen3_5_moe"]
-MAMBA2_FAMILIES = ("bamba", "mamba2", "nemotron_h", "granitemoehybrid", "falcon_h1")
+            "nemotron_h", "granitemoehybrid", "falcon_h1", "qwen3_5", "qwen3_5_moe", "zamba2"]
+MAMBA2_FAMILIES = ("bamba", "mamba2", "nemotron_h", "granitemoehybrid", "falcon_h1", "zamba2")
 # Nemotron-H's MoE in a latent width, with biases (fc2's bias must be added once)
 OVERRIDES = {"nemotron_h_latent": ("nemotron_h", {"moe_latent_size": 32, "mlp_bias": True})}
 
