@@ -118,11 +118,21 @@ class FullAttentionMemory(LayerMemory):
         cow = bool(start % bs) and start // bs < len(blocks) and self.pool.refcount[blocks[start // bs]] > 1
         return need, cow
 
+    def _has_room(self, rid: Hashable, start: int, end: int) -> bool:
+        """[start, end) lies in rid's blocks and none it writes is shared: nothing to add or copy
+        (most decodes; the same answer as _missing's (0, False), without building it)."""
+        blocks, bs = self._blocks[rid], self.block_size
+        return end <= len(blocks) * bs and (not start % bs or self.pool.refcount[blocks[start // bs]] <= 1)
+
     def can_allocate(self, rid: Hashable, start: int, end: int) -> bool:
+        if self._has_room(rid, start, end):
+            return True
         need, cow = self._missing(rid, start, end)
         return need + cow <= self.pool.num_free
 
     def allocate(self, rid: Hashable, start: int, end: int) -> None:
+        if self._has_room(rid, start, end):
+            return
         need, cow = self._missing(rid, start, end)
         if not need and not cow:
             return
