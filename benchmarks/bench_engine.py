@@ -150,7 +150,10 @@ class Ours:
     def run(self, prompts, max_tokens):
         self.forwards.clear()
         self.steps.clear()
-        params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
+        # EOS suppressed for every token, as transformers' min_new_tokens does on the other side, so
+        # the greedy tokens can be compared (ignore_eos alone would let EOS be picked and go on)
+        params = [SamplingParams(max_tokens=m, min_tokens=m, temperature=0.0, ignore_eos=True)
+                  for m in max_tokens]
         t0, c0 = time.perf_counter(), time.process_time()
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
