@@ -162,6 +162,25 @@ def row(label, t, err):
 RUNS = torch.cat([torch.arange(1, 20), torch.arange(38, 50), torch.tensor([62])])  # seen in the engine
 
 
+def time_mixer(slots, prompt_lens, old_conv, old_m2, repeats: int, inner: int):
+    """One Mamba2 mixer forward with the baseline kernels ("before") and this tree's ("after"),
+    alternating on twin pools: (times, max relative error over output, SSM state and conv state)."""
+    mixer, batch, hidden, conv, state = mixer_case(slots=slots, prompt_lens=prompt_lens)
+    pools = {"before": (conv.clone(), state.clone()), "after": (conv.clone(), state.clone())}
+
+    def before():
+        with baseline_kernels(old_conv, old_m2):
+            return mixer(hidden, batch, *pools["before"])
+
+    def after():
+        return mixer(hidden, batch, *pools["after"])
+
+    with torch.no_grad():
+        err = max(rel_err(after(), before()), rel_err(pools["after"][1], pools["before"][1]),
+                  rel_err(pools["after"][0], pools["before"][0]))
+        return alternate({"before": before, "after": after}, repeats, inner), err
+
+
 def recurrent_section(args, results):
     """Issue 12 items 1-3 on the recurrent side: BASELINE_PREFILL's kernels against the current ones."""
     old_m2, old_conv = (baseline_module(n, BASELINE_PREFILL, ("slot_rows",))
@@ -186,21 +205,7 @@ def recurrent_section(args, results):
             ("Mamba2 layer decode, batch 32, slots 1..19, 38..49, 62", RUNS, None),
             ("Mamba2 layer prefill, 1 x 2048 tokens", None, [2048]),
             (f"Mamba2 layer prefill, 14 prompts of 32-256 ({sum(mixed)} tokens)", None, mixed)]:
-        mixer, batch, hidden, conv, state = mixer_case(slots=slots, prompt_lens=lens)
-        pools = {"before": (conv.clone(), state.clone()), "after": (conv.clone(), state.clone())}
-
-        def before():
-            with baseline_kernels(old_conv, old_m2):
-                return mixer(hidden, batch, *pools["before"])
-
-        def after():
-            return mixer(hidden, batch, *pools["after"])
-
-        with torch.no_grad():
-            err = max(rel_err(after(), before()), rel_err(pools["after"][1], pools["before"][1]),
-                      rel_err(pools["after"][0], pools["before"][0]))
-            inner = 1 if args.quick or lens else 50
-            t = alternate({"before": before, "after": after}, args.repeats, inner)
+        t, err = time_mixer(slots, lens, old_conv, old_m2, args.repeats, 1 if args.quick or lens else 50)
         results[label] = t
         row(label, t, err)
     g = torch.Generator().manual_seed(2)
@@ -278,21 +283,7 @@ def main():
     for label, slots in [("Mamba2 layer decode (mixer forward), batch 32, slots 1..32", None),
                          ("Mamba2 layer decode (mixer forward), batch 32, slots scattered",
                           torch.randperm(127)[:32] + 1)]:
-        mixer, batch, hidden, conv, state = mixer_case(slots=slots)
-        pools = {"before": (conv.clone(), state.clone()), "after": (conv.clone(), state.clone())}
-
-        def before():
-            with baseline_kernels(old_conv, old_m2):
-                return mixer(hidden, batch, *pools["before"])
-
-        def after():
-            return mixer(hidden, batch, *pools["after"])
-
-        with torch.no_grad():
-            err = rel_err(after(), before())
-            err = max(err, rel_err(pools["after"][1], pools["before"][1]),
-                      rel_err(pools["after"][0], pools["before"][0]))
-            t = alternate({"before": before, "after": after}, args.repeats, 3 if args.quick else 50)
+        t, err = time_mixer(slots, None, old_conv, old_m2, args.repeats, 3 if args.quick else 50)
         results[label] = t
         ratio = statistics.median(t["before"]) / statistics.median(t["after"])
         print(f"| {label} | {fmt(t['before'])} | {fmt(t['after'])} | {ratio:.2f}x | {err:.1e} |")

@@ -93,22 +93,27 @@ def _run_part(part, mixer, attn, hidden, batch, pools, fresh=False):
         return attn(hidden, None, batch, kv)
 
 
+def step_times(fn, dev):
+    """(host CPU ms of issuing fn (process_time, no sync inside), GPU ms by CUDA events or None)."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    c0 = time.process_time()
+    fn()
+    cpu = (time.process_time() - c0) * 1e3
+    if dev.type != "cuda":
+        return cpu, None
+    end.record()
+    torch.cuda.synchronize()
+    return cpu, start.elapsed_time(end)
+
+
 def _gpu_and_cpu_ms(fn, dev, repeats=5):
     """(GPU ms by CUDA events or None on CPU, host CPU ms by process_time), medians."""
     fn()
-    gpu, cpu = [], []
-    for _ in range(repeats):
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        c0 = time.process_time()
-        fn()
-        cpu.append((time.process_time() - c0) * 1e3)
-        if dev.type == "cuda":
-            end.record()
-            torch.cuda.synchronize()
-            gpu.append(start.elapsed_time(end))
+    cpu, gpu = zip(*(step_times(fn, dev) for _ in range(repeats)))
+    gpu = [g for g in gpu if g is not None]
     return (statistics.median(gpu) if gpu else None), statistics.median(cpu)
 
 

@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from gpu_layer_case import step_times  # the benchmarks folder is on sys.path (gpu_kernels.py)
+
 
 def _generate(path, dev, dtype, prompts, max_tokens, backend):
     from hybridkv import LLM, SamplingParams
@@ -145,22 +147,6 @@ def _eager_step(model, caches, inputs, dev):
         return model(batch, caches)
 
 
-def _step_times(fn, dev):
-    """(host CPU ms of issuing fn (process_time, no sync inside), GPU ms by CUDA events or None)."""
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-    c0 = time.process_time()
-    fn()
-    cpu = (time.process_time() - c0) * 1e3
-    if dev.type != "cuda":
-        return cpu, None
-    end.record()
-    torch.cuda.synchronize()
-    return cpu, start.elapsed_time(end)
-
-
 def _spread(xs):
     xs = [x for x in xs if x is not None]
     return (statistics.median(xs), min(xs), max(xs)) if xs else (None, None, None)
@@ -200,7 +186,7 @@ def graph_decode_rows(dev: torch.device, small: bool) -> list[dict]:
             steps[name]()
         for _ in range(repeats):  # alternating, so a load change on the host hits both
             for name in ("off", "on"):
-                times[name].append(_step_times(steps[name], dev))
+                times[name].append(step_times(steps[name], dev))
         for name in ("off", "on"):
             cpu, cpu_lo, cpu_hi = _spread([c for c, _ in times[name]])
             gpu, gpu_lo, gpu_hi = _spread([g for _, g in times[name]])

@@ -207,6 +207,15 @@ def test_which_steps_replay_a_graph(models):
     assert not graphs.takes([], None)
 
 
+def assert_same_generation(got, want):
+    """Greedy tokens equal and each token's logprob within 1e-4, request by request."""
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for lg, lw in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            (tg, vg), (tw, vw) = next(iter(lg.items())), next(iter(lw.items()))
+            assert tg == tw and vg.logprob == pytest.approx(vw.logprob, abs=1e-4)
+
+
 def test_engine_generates_the_eager_tokens_through_graphs(tmp_path):
     """LLM(cuda_graphs="dry_run") against LLM(): greedy tokens equal, logprobs close; requests
     finish after 2, 3 and 4 tokens, so decode batches of 3 (padded to 4), 2 and 1 replay."""
@@ -220,11 +229,7 @@ def test_engine_generates_the_eager_tokens_through_graphs(tmp_path):
     graphed = LLM(path, cuda_graphs="dry_run", **kw)
     got = graphed.generate(PROMPTS, params, use_tqdm=False)
     assert graphed.engine.decode_graphs.replays == 3
-    for g, w in zip(got, want):
-        assert g.outputs[0].token_ids == w.outputs[0].token_ids
-        for lg, lw in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
-            (tg, vg), (tw, vw) = next(iter(lg.items())), next(iter(lw.items()))
-            assert tg == tw and vg.logprob == pytest.approx(vw.logprob, abs=1e-4)
+    assert_same_generation(got, want)
 
 
 def test_engine_with_two_attention_groups_generates_the_eager_tokens(tmp_path):
@@ -242,8 +247,4 @@ def test_engine_with_two_attention_groups_generates_the_eager_tokens(tmp_path):
     assert sorted(graphed.engine.decode_graphs.windows, key=str) == sorted([None, 24], key=str)
     got = graphed.generate(prompts, params, use_tqdm=False)
     assert graphed.engine.decode_graphs.replays == 2
-    for g, w in zip(got, want):
-        assert g.outputs[0].token_ids == w.outputs[0].token_ids
-        for lg, lw in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
-            (tg, vg), (tw, vw) = next(iter(lg.items())), next(iter(lw.items()))
-            assert tg == tw and vg.logprob == pytest.approx(vw.logprob, abs=1e-4)
+    assert_same_generation(got, want)
