@@ -207,3 +207,58 @@ def test_prefill_from_position_0_matches_reference(window):
     assert rel_err(got, want) < 1e-5
     (plan,) = plans.values()
     assert [grp.causal_only for grp in plan if grp.lmax > 1] == [window != 11] * 2
+
+
+# (query_len, seq_len): chunks over cached context (C = seq_len - query_len > 0) that start and
+# end mid-block, on a block edge and across several blocks, next to chunks from position 0 and
+# decodes (q = 1)
+RAGGED = [(5, 21), (1, 9), (16, 16), (9, 41), (1, 33), (3, 3), (24, 56), (7, 23), (2, 18)]
+
+
+@pytest.mark.parametrize("group", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_chunks_over_cached_context_merge_two_pieces(group, dtype):
+    """Causal chunks with cached context attend as cached-unmasked + own-causal pieces merged by
+    their log-sum-exp; chunks from 0 keep the causal kernel and one-token rows the decode path.
+    Unwritten tails and unowned blocks hold NaN."""
+    q, kv, qsl, seq_lens, table = paged_batch(RAGGED, 8, 2, group, 32, dtype=dtype, seed=20 + group)
+    used = {int(table[r, i]) for r, (_, s) in enumerate(RAGGED) for i in range(-(-s // 8))}
+    for b in range(kv.shape[0]):
+        if b not in used:
+            kv[b] = float("nan")
+    for r, (_, s) in enumerate(RAGGED):
+        kv[int(table[r, (s - 1) // 8]), :, s % 8 or 8:] = float("nan")
+    want = paged_attention_ref(q, kv, qsl, seq_lens, table, 0.25)
+    plans = {}
+    got = paged_attention_cpu(q, kv, qsl, seq_lens, table, 0.25, plan_cache=plans)
+    assert torch.isfinite(got).all()
+    assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 2e-3)
+    (plan,) = plans.values()
+    prefill = [(grp.cached, grp.causal_only, grp.hidden is None) for grp in plan if grp.lmax > 1]
+    assert prefill == [(s - ql, s == ql, True) for ql, s in RAGGED if ql > 1]
+    decodes = [grp for grp in plan if grp.lmax == 1]
+    assert decodes and all(not grp.sdpa and grp.cached == 0 for grp in decodes)
+
+
+@pytest.mark.parametrize("opts", [dict(sliding_window=10), dict(soft_cap=3.0), dict(causal=False)])
+def test_chunks_over_context_keep_the_old_path_outside_plain_causal(opts):
+    """A window, a soft cap or non-causal attention never takes the two-piece merge."""
+    q, kv, qsl, seq_lens, table = paged_batch(RAGGED, 8, 2, 2, 32, seed=31)
+    want = paged_attention_ref(q, kv, qsl, seq_lens, table, 0.25, **opts)
+    plans = {}
+    assert rel_err(paged_attention_cpu(q, kv, qsl, seq_lens, table, 0.25, plan_cache=plans, **opts),
+                   want) < 1e-5
+    assert all(grp.cached == 0 for plan in plans.values() for grp in plan)
+
+
+def test_without_the_flash_lse_op_chunks_keep_the_mask(monkeypatch):
+    """Older torch (no _scaled_dot_product_flash_attention_for_cpu): the boolean-mask SDPA call."""
+    import hybridkv.kernels.attention_cpu as mod
+
+    monkeypatch.setattr(mod, "_FLASH_WITH_LSE", None)
+    q, kv, qsl, seq_lens, table = paged_batch(RAGGED, 8, 2, 2, 32, seed=32)
+    want = paged_attention_ref(q, kv, qsl, seq_lens, table, 0.25)
+    plans = {}
+    assert rel_err(paged_attention_cpu(q, kv, qsl, seq_lens, table, 0.25, plan_cache=plans), want) < 1e-5
+    masked = [grp for plan in plans.values() for grp in plan if grp.sdpa and not grp.causal_only]
+    assert len(masked) == 5 and all(grp.cached == 0 and grp.hidden is not None for grp in masked)
