@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from .async_llm import AsyncLLM, _Stream
+from .balancing import requests_free_to_leave
 from .replica_group import PendingSend, ReplicaGroup, SnapshotHeader
 
 log = logging.getLogger("hybridkv.replica")
@@ -117,21 +118,11 @@ class ReplicaEngine(AsyncLLM):
         """Up to k single-sequence requests leave this engine: running ones (most tokens left
         first; their tensors go to gloo rank `dst`, or in the message when None), or waiting ones
         that neither a cached prefix here nor a running request computing their prefix (burst
-        rule) would serve (they lose nothing by leaving; they move as tokens)."""
+        rule) would serve (they move as tokens): balancing.requests_free_to_leave."""
         from hybridkv.scheduler.snapshot_io import snapshot_to_bytes
 
-        groups, sched = llm.engine.groups, llm.engine.scheduler
-        movable = [s for s in (sched.waiting if waiting else sched.running)
-                   if isinstance(s.request_id, str) and s.request_id in self._streams
-                   and len(groups[s.request_id].seqs) == 1 and not s.finished]
-        if waiting:  # only those with nothing here to gain: no cached prefix, no running leader computing it
-            mgr = llm.manager
-            movable = [s for s in movable if mgr.usable_prefix_tokens(s.token_ids, s.cache_salt) == 0
-                       and mgr.bursts.leader_for(s.request_id, s.token_ids, s.cache_salt)[0] is None]
-        else:
-            movable.sort(key=lambda s: len(s.token_ids) - s.num_prompt_tokens - s.max_tokens)
         moved = []
-        for seq in movable[:k]:
+        for seq in requests_free_to_leave(llm, self._streams, waiting)[:k]:
             rid = seq.request_id
             snap = llm.export_request(rid)
             stream = self._streams.pop(rid)

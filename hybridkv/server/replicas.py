@@ -7,11 +7,10 @@
 Each replica is a spawned process running its own LLM and engine loop (engine_process.py); a
 pipe carries commands one way and request news the other (replica_set.py); here the news goes
 to the caller's event loop. A new request goes where `PrefixRouter` says (the longest
-usable cached prefix, asked of every replica, else the least loaded). A balancer thread
-relieves a replica with requests waiting: waiting requests that no cached prefix holds there
-move as tokens to a replica with free seats; then running requests, KV and state, move to an
-idle one (tensors rank to rank over the replicas' gloo group, or snapshot bytes in the pipe);
-the client's stream goes on from the next token. An add whose replica dies meanwhile goes to the
+usable cached prefix, asked of every replica, else the least loaded). A balancer thread moves
+requests off a replica with requests waiting as `Balancer` (balancing.py) decides: running ones
+carry KV and state (tensors rank to rank over the replicas' gloo group, or snapshot bytes in
+the pipe); the client's stream goes on from the next token. An add whose replica dies meanwhile goes to the
 next best live one. A replica whose pipe closes (its process died) fails its requests with
 EngineDeadError naming it; the rest serve on.
 """
@@ -26,6 +25,7 @@ from typing import Optional
 from hybridkv.sampling_params import SamplingParams
 
 from .async_llm import EngineDeadError, RequestStream, _Stream
+from .balancing import Balancer
 from .engine_process import ReplicaFacts
 from .replica_set import ReplicaSet
 from .router import PrefixRouter
@@ -61,7 +61,7 @@ class DataParallelLLM:
         self._streams: dict[str, _Stream] = {}
         self._moving: set[str] = set()      # may be in transit between replicas: aborts wait
         self._aborted: set[str] = set()     # aborted while in transit
-        self._waited: set[int] = set()      # replicas with requests waiting at the last balancer look
+        self.balancer = Balancer()          # which requests move where (balancing.py)
         self.router = PrefixRouter(data_parallel_size, int(llm_kwargs.get("block_size", 16)))
         self.replicas = ReplicaSet(model, data_parallel_size, llm_kwargs, log_stats_interval, self._deliver,
                                    self._replica_died, startup_timeout,
@@ -210,40 +210,16 @@ class DataParallelLLM:
                 log.debug("balancing skipped", exc_info=True)
 
     def balance_once(self) -> int:
-        """From each overloaded replica (requests waiting), first move waiting requests that no
-        cached prefix holds there (nothing to carry) to replicas with free seats, then running
-        requests (KV and state) to a replica with none running or waiting; returns how many moved."""
-        alive = self.replicas.alive()
-        futs = {i: self.replicas.call(i, "probe", [], None) for i in alive}
+        """One look of the balancer at every live replica's load (balancing.Balancer: waiting
+        requests with nothing to gain where they are go to free seats, then running ones to an
+        idle replica); returns how many moved."""
+        futs = {i: self.replicas.call(i, "probe", [], None) for i in self.replicas.alive()}
         probes = {i: f.result(self.call_timeout) for i, f in futs.items()}
-        room = {i: probes[i].max_num_seqs - probes[i].running - probes[i].waiting for i in alive}
-        idle = [i for i in alive if probes[i].running == 0 and probes[i].waiting == 0]
-        # overloaded: a queue that a full batch blocks, or one that outlived a look (not a one-step
-        # burst wait for a shared prefix, which moving the leader would spoil)
-        waited, self._waited = self._waited, {i for i in alive if probes[i].waiting}
-        moved = 0
-        for a in alive:
-            pa = probes[a]
-            if not pa.waiting or (pa.running < pa.max_num_seqs and a not in waited):
-                continue
-            left = pa.waiting
-            for b in sorted((i for i in alive if i != a and room[i] > 0), key=lambda i: -room[i]):
-                n = self._migrate(a, b, min(left, room[b]), waiting=True)
-                left, room[b], moved = left - n, room[b] - n, moved + n
-                if n and b in idle:
-                    idle.remove(b)
-                if not left or n == 0:  # all moved, or the rest hit a cached prefix on a: they stay
-                    break
-            if left and idle:
-                b = idle.pop(0)
-                k = min(left, pa.running, probes[b].max_num_seqs)
-                if k > 0:
-                    moved += self._migrate(a, b, k)
-        return moved
+        return self.balancer.look(probes, self._migrate)
 
     def _migrate(self, a: int, b: int, k: int, waiting: bool = False) -> int:
-        """Export up to k requests of replica a (running ones, or `waiting` ones that no cached
-        prefix holds there) and continue them on b (back on a if b refuses; failed with a clear
+        """Export up to k requests of replica a (running ones, or `waiting` ones that gain nothing
+        by staying: balancing.requests_free_to_leave) and continue them on b (back on a if b refuses; failed with a clear
         error if neither can). An abort that comes meanwhile is held and sent where the request
         lands. Running requests' tensors go as `self.transport` says."""
         with self._lock:  # any of a's requests may leave: aborts wait until we know where it is
