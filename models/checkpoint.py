@@ -17,6 +17,15 @@ class CheckpointError(ValueError):
     shape or a config value no model can have; the message names the file and what is wrong."""
 
 
+def renamed(name: str, renames: dict[str, str]) -> str:
+    """`name` with the first of `renames`' keys found in it replaced by its value (our module
+    name -> the checkpoint's); unchanged when none occurs."""
+    for ours, theirs in renames.items():
+        if ours in name:
+            return name.replace(ours, theirs)
+    return name
+
+
 def read_json(file: Path) -> dict:
     """The JSON object in `file`; CheckpointError naming the file, the line and column when it is
     not valid JSON or not an object (a dict)."""

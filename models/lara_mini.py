@@ -126,12 +126,7 @@ class LaraMiniDecoderLayer(HybridDecoderLayer):
         h, eps = config.hidden_size, config.rms_norm_eps
         self.kind = config.layer_types[i]
         if self.kind == "linear_attention":
-            self.linear_attn = SplitProjectionGDN(h, config.linear_num_key_heads,
-                                                  config.linear_num_value_heads,
-                                                  config.linear_key_head_dim,
-                                                  config.linear_value_head_dim,
-                                                  config.linear_conv_kernel_dim, eps=eps,
-                                                  activation=config.hidden_act)
+            self.linear_attn = SplitProjectionGDN.from_config(config)
         else:
             self.self_attn = PagedAttention(
                 h, config.num_attention_heads, config.num_key_value_heads, config.head_dim,

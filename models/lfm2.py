@@ -8,6 +8,7 @@ from hybridkv.specs import LayerSpec
 
 from .attention import PagedAttention
 from .base import HybridModel
+from .checkpoint import renamed
 from .decoder import HybridDecoderLayer, layer_cache_specs, rotary_for, run_layers
 from .forward_batch import ForwardBatch, ModelCaches
 from .mlp import GatedMLP
@@ -107,6 +108,7 @@ class Lfm2Model(HybridModel):
     (attention out_proj / q,k_layernorm, feed-forward w1 / w3 / w2)."""
 
     architecture = ARCHITECTURE
+    checkpoint_renames = _RENAMES  # ours -> the checkpoint's (renamed())
     layer_class = Lfm2DecoderLayer
 
     def __init__(self, config):
@@ -116,10 +118,7 @@ class Lfm2Model(HybridModel):
         self.rotary = rotary_for(config, self.model.layers)
 
     def checkpoint_name(self, name: str) -> str | None:
-        for ours, theirs in _RENAMES.items():
-            if ours in name:
-                return name.replace(ours, theirs)
-        return name
+        return renamed(name, self.checkpoint_renames)
 
     def cache_specs(self) -> dict[int, LayerSpec]:
         return layer_cache_specs(self.model.layers, self.dtype)

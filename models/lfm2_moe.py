@@ -118,12 +118,7 @@ class Lfm2MoeModel(Lfm2Model):
 
     architecture = ARCHITECTURE
     layer_class = Lfm2MoeDecoderLayer
-
-    def checkpoint_name(self, name: str) -> str | None:
-        for ours, theirs in _RENAMES.items():
-            if ours in name:
-                return name.replace(ours, theirs)
-        return name
+    checkpoint_renames = _RENAMES
 
     def load_weights(self, ckpt) -> None:
         super().load_weights(_ExpertsView(ckpt))

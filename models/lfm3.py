@@ -18,10 +18,12 @@ from hybridkv.specs import LayerSpec
 
 from .attention import PagedAttention
 from .base import HybridModel
+from .checkpoint import renamed
 from .decoder import HybridDecoderLayer, layer_cache_specs
 from .forward_batch import ForwardBatch, ModelCaches
 from .mlp import GatedMLP
 from .norms import RMSNorm
+from .rotary import RotaryEmbedding
 from .short_conv import ShortConv
 from .slot_split import SlotSplit, split_decode_prefill
 
@@ -48,13 +50,13 @@ def tiny_config(**overrides):
     return Lfm3Config(**kw)
 
 
-class LayerTypeRotary(nn.Module):
+class LayerTypeRotary(RotaryEmbedding):
     """positions [T] -> (cos, sin) [T, head_dim] for one layer type's rope, as transformers builds
     it (`ROPE_INIT_FUNCTIONS[type](config, layer_type=...)`; proportional rope leaves the
     unrotated angles at cos 1, sin 0)."""
 
     def __init__(self, config, layer_type: str, head_dim: int):
-        super().__init__()
+        nn.Module.__init__(self)  # RotaryEmbedding's forward on this layer type's inv_freq
         params = config.rope_parameters[layer_type]
         if params["rope_type"] == "default":
             inv = 1.0 / (params["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim))
@@ -67,13 +69,7 @@ class LayerTypeRotary(nn.Module):
             with torch.device("cpu"):  # models are built under the meta device
                 inv, scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, torch.device("cpu"), layer_type=layer_type)
         self._inv_freq, self.scaling = inv.float().cpu(), float(scaling)
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._inv_freq.device != positions.device:
-            self._inv_freq = self._inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * self._inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos() * self.scaling, emb.sin() * self.scaling
+        self.rotary_dim = 2 * self._inv_freq.numel()
 
 
 class Lfm3DecoderLayer(HybridDecoderLayer):
@@ -138,10 +134,7 @@ class Lfm3Model(HybridModel):
         self.rotary = {k: LayerTypeRotary(config, k, config.head_dim) for k in sorted(kinds)}
 
     def checkpoint_name(self, name: str) -> str | None:
-        for ours, theirs in _RENAMES.items():
-            if ours in name:
-                return name.replace(ours, theirs)
-        return name
+        return renamed(name, _RENAMES)
 
     def cache_specs(self) -> dict[int, LayerSpec]:
         return layer_cache_specs(self.model.layers, self.dtype)

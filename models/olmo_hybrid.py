@@ -19,6 +19,7 @@ from hybridkv.specs import LayerSpec
 
 from .attention import PagedAttention
 from .base import HybridModel
+from .checkpoint import renamed
 from .forward_batch import ForwardBatch, ModelCaches
 from .gdn_mixer import GatedDeltaNetMixer
 from .mlp import GatedMLP
@@ -196,10 +197,7 @@ class OlmoHybridModel(HybridModel):
         self.rotary = RotaryEmbedding(config, attn.head_dim) if attn is not None and _has_rope(config) else None
 
     def checkpoint_name(self, name: str) -> str | None:
-        for ours, theirs in _RENAMES.items():
-            if ours in name:
-                return name.replace(ours, theirs)
-        return name
+        return renamed(name, _RENAMES)
 
     def load_weights(self, ckpt) -> None:
         """Published names (PublishedNamesView) or transformers' in-memory ones."""

@@ -72,6 +72,13 @@ class SplitProjectionGDN(GatedDeltaNetMixer):
     """Qwen3-Next's GDN mixer with Qwen3.5's projections: `in_proj_qkv` [q | k | v] (the conv's
     channel order), `in_proj_z` [v_heads x dv], `in_proj_b` and `in_proj_a` [v_heads]."""
 
+    @classmethod
+    def from_config(cls, config) -> "SplitProjectionGDN":
+        """The mixer a config's `linear_*` fields describe (Qwen3.5 and the families that reuse it)."""
+        return cls(config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads,
+                   config.linear_key_head_dim, config.linear_value_head_dim,
+                   config.linear_conv_kernel_dim, eps=config.rms_norm_eps, activation=config.hidden_act)
+
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
                  head_v_dim: int, conv_kernel: int, eps: float, activation: str = "silu"):
         super().__init__(hidden_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim,
@@ -108,12 +115,7 @@ class Qwen3_5DecoderLayer(HybridDecoderLayer):
                 qkv_bias=config.attention_bias, o_bias=config.attention_bias,
                 qk_norm=lambda dim: RMSNorm(dim, eps=eps, zero_centered=True), output_gate=True)
         else:
-            self.linear_attn = SplitProjectionGDN(h, config.linear_num_key_heads,
-                                                  config.linear_num_value_heads,
-                                                  config.linear_key_head_dim,
-                                                  config.linear_value_head_dim,
-                                                  config.linear_conv_kernel_dim, eps=eps,
-                                                  activation=config.hidden_act)
+            self.linear_attn = SplitProjectionGDN.from_config(config)
         self.mlp = make_mlp(config, i)
         self.input_layernorm = RMSNorm(h, eps=eps, zero_centered=True)
         self.post_attention_layernorm = RMSNorm(h, eps=eps, zero_centered=True)
