@@ -1,0 +1,73 @@
+"""kernels/native_cpu.py: compile at first use, cache by content, fall back to torch when it cannot."""
+import ctypes
+import logging
+
+import pytest
+import torch
+
+from hybridkv.kernels import native_cpu
+
+SCALE_SRC = r"""
+#include <stdint.h>
+void scale_rows(float *x, int64_t rows, int64_t cols, int64_t row_stride, const float *factor) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++)
+            x[r * row_stride + c] *= factor[r];
+}
+"""
+
+
+@pytest.fixture
+def scale_lib(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRIDKV_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(native_cpu, "_loaded", {})
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "scale.c").write_text(SCALE_SRC)
+    return src
+
+
+def test_builds_once_and_computes_like_torch(scale_lib, tmp_path):
+    lib = native_cpu.library("scale", scale_lib)
+    if native_cpu._compiler() is None:
+        pytest.fail("these machines have a C compiler; the native kernels must build here")
+    assert lib is not None
+    x = torch.randn(5, 12)[:, :7]  # strided rows: the row stride is 12
+    factor = torch.rand(5) + 0.5
+    want = x * factor[:, None]
+    fn = lib.scale_rows
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    fn(x.data_ptr(), 5, 7, x.stride(0), factor.data_ptr())
+    torch.testing.assert_close(x, want, rtol=0, atol=0)
+    built = sorted((tmp_path / "cache" / "native").glob("scale-*.so"))
+    assert len(built) == 1
+    assert native_cpu.library("scale", scale_lib) is lib  # once per process
+    native_cpu._loaded.clear()
+    assert native_cpu.library("scale", scale_lib) is not None  # a new process: loads, does not rebuild
+    assert sorted((tmp_path / "cache" / "native").glob("scale-*.so")) == built
+    (scale_lib / "scale.c").write_text(SCALE_SRC + "\n/* edited */\n")
+    native_cpu._loaded.clear()
+    native_cpu.library("scale", scale_lib)
+    assert len(list((tmp_path / "cache" / "native").glob("scale-*.so"))) == 2  # edited source: rebuilt
+
+
+def test_forced_off_gives_none(scale_lib):
+    with native_cpu.forced_off():
+        assert not native_cpu.enabled()
+        assert native_cpu.library("scale", scale_lib) is None
+    assert native_cpu.enabled() == (__import__("os").environ.get(native_cpu.ENV_VAR, "1") != "0")
+
+
+def test_no_compiler_warns_and_gives_none(scale_lib, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with caplog.at_level(logging.WARNING, logger=native_cpu.__name__):
+        assert native_cpu.library("scale", scale_lib) is None
+    assert "no C compiler" in caplog.text and "/nonexistent/cc" in caplog.text
+
+
+def test_compile_error_warns_and_gives_none(scale_lib, caplog):
+    (scale_lib / "broken.c").write_text("this is not C;")
+    with caplog.at_level(logging.WARNING, logger=native_cpu.__name__):
+        assert native_cpu.library("broken", scale_lib) is None
+    assert "broken" in caplog.text and "failed" in caplog.text
+    assert not list((scale_lib.parent / "cache" / "native").glob("*.tmp.so"))  # no half-built file left
