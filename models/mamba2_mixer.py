@@ -2,7 +2,8 @@
 
 Prefill chunks go through the varlen kernels (`causal_conv1d`, `mamba2_chunk_scan`), decodes
 through the one-token kernels (`conv1d_update`, `mamba2_state_update`); both read and write the
-layer's pools in place through the requests' state slots.
+layer's pools in place through the requests' state slots. A step of decodes only runs, on CPU in
+fp32, everything between in_proj and out_proj in one C call (`mamba2_mixer_decode_native`).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.kernels import causal_conv1d, conv1d_update, mamba2_chunk_scan, mamba2_state_update
+from hybridkv.kernels.mamba2_native import mamba2_mixer_decode_native
 from hybridkv.specs import RecurrentSpec
 
 from .forward_batch import ForwardBatch
@@ -94,9 +96,13 @@ class Mamba2Mixer(nn.Module):
         proj = self.in_proj(hidden * self.in_multiplier if self.in_multiplier != 1.0 else hidden)
         if self.zxbcdt_multipliers is not None:
             proj = proj * self._mup_vector(proj)
-        z = proj[:, :self.d_inner]
         weight = self.conv1d.weight.squeeze(1)  # [conv_dim, k]
         A = -torch.exp(self.A_log.float())
+        if split.all_decode:  # conv, SSM step and gated norm in one C call per step, if it can run
+            y = self._decode_native(proj, conv_state, ssm_state, split.decode_slots, weight, A)
+            if y is not None:
+                return self.out_proj(y.to(hidden.dtype))
+        z = proj[:, :self.d_inner]
         G, N, H, P = self.n_groups, self.d_state, self.num_heads, self.head_dim
 
         def ssm_inputs(rows_xbc):
@@ -127,3 +133,13 @@ class Mamba2Mixer(nn.Module):
         y = split.run(proj[:, self.d_inner:], decode, prefill, out_dim=self.d_inner)
         y = self.norm(y, z) if self.norm is not None else y * F.silu(z)
         return self.out_proj(y.to(hidden.dtype))
+
+    def _decode_native(self, proj, conv_state, ssm_state, slots, weight, A):
+        """The decode between in_proj and out_proj in C (kernels/mamba2_native.py): y [B, d_inner]
+        fp32, or None when it cannot run here (the torch path then runs)."""
+        norm = self.norm
+        return mamba2_mixer_decode_native(
+            proj, conv_state, ssm_state, slots, self.num_heads, self.head_dim, self.n_groups, weight,
+            self.conv1d.bias, A, self.dt_bias, self.D, None if norm is None else norm.weight,
+            self.d_inner if norm is None else norm.group_size, 0.0 if norm is None else norm.eps,
+            0 if norm is None else 2 if norm.norm_before_gate else 1)

@@ -1,0 +1,146 @@
+"""The Mamba2 decode kernels in C (kernels/native/mamba2_decode.c), called through ctypes.
+
+Why: torch updates a decode state in three passes over it (decay, rank-1 add, read-out by C) and
+spends tens of microseconds of dispatch on each of the layer's small steps (conv window shift,
+dt, skip, gate, norm); the C loop reads and writes each state once and does the rest in the same
+pass over the request. Same contracts as the torch paths (mamba2_cpu.py, causal_conv_cpu.py, the
+gated RMSNorm of models/norms.py).
+
+Each function returns None when it cannot run here and the caller runs its torch path: native
+kernels off (`HYBRIDKV_CPU_NATIVE=0`, `native_cpu.forced_off()`) or not built, a tensor that is
+not fp32 on the CPU, a layout the kernel does not take (inner dims not contiguous), or slots
+that repeat or fall outside the pool (the torch path defines those cases).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import native_cpu
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "conv1d_update": [_P, _I, _P, _I, _I, _I, _P, _I, _P, _P, ctypes.c_int, _P, _I],
+    "mamba2_state_update": [_P, _I, _P, _I, _I, _I, _I, _I, _P, _I, _P, _I, _P, _I, _P, _I, _P, _I,
+                            _P, _P, _P, ctypes.c_int, ctypes.c_int, _F, _F, _P],
+    "mamba2_mixer_decode": [_P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P,
+                            _I, _F, ctypes.c_int, _P, _P],
+}
+_functions: dict = {}
+
+
+def _fn(symbol: str):
+    """The C function, or None when native kernels are off or not built."""
+    if not native_cpu.enabled():
+        return None
+    if symbol not in _functions:
+        _functions[symbol] = native_cpu.function("mamba2_decode", symbol, _SIGNATURES[symbol], ctypes.c_int)
+    return _functions[symbol]
+
+
+def _fp32_cpu(*ts) -> bool:
+    return all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu") for t in ts)
+
+
+def _ptr(t) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _rows(t: torch.Tensor, inner: tuple[int, ...]) -> bool:
+    """t [n, *inner] with everything but the row stride contiguous (a column slice of a matrix)."""
+    if tuple(t.shape[1:]) != inner:
+        return False
+    expect = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if size != 1 and stride != expect:
+            return False
+        expect *= size
+    return True
+
+
+def _slots(slot_idx: torch.Tensor) -> torch.Tensor:
+    return slot_idx if slot_idx.dtype == torch.int32 and slot_idx.is_contiguous() else \
+        slot_idx.to(torch.int32).contiguous()
+
+
+def conv1d_update_native(x, conv_state, weight, bias, slot_idx, activation="silu"):
+    """As `conv1d_update_cpu`: x [B, dim]; conv_state [S, dim, k-1] (updated in place);
+    weight [dim, k]; bias [dim] or None -> [B, dim] fp32, or None (see the module docstring)."""
+    fn = _fn("conv1d_update")
+    if fn is None or activation not in (None, "silu", "swish") or x.ndim != 2:
+        return None
+    if not (_fp32_cpu(x, conv_state, weight, bias) and conv_state.is_contiguous()
+            and weight.is_contiguous() and (bias is None or bias.is_contiguous())):
+        return None
+    nb, dim = x.shape
+    k = weight.shape[1]
+    if not _rows(x, (dim,)):
+        x = x.contiguous()
+    y = torch.empty(nb, dim)
+    rc = fn(conv_state.data_ptr(), conv_state.shape[0], _slots(slot_idx).data_ptr(), nb, dim, k,
+            x.data_ptr(), x.stride(0), weight.data_ptr(), _ptr(bias), activation is not None,
+            y.data_ptr(), dim)
+    return y if rc == 0 else None
+
+
+def mamba2_state_update_native(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, dt_softplus=True,
+                               dt_limit=None):
+    """As `mamba2_state_update_ref`: ssm_state [S, H, P, N] (updated in place); x [B, H, P];
+    dt [B, H]; A [H]; B, C [B, G, N]; D [H] or None; z [B, H, P] or None; dt_bias [H] or None
+    -> y [B, H, P] fp32, or None (see the module docstring)."""
+    fn = _fn("mamba2_state_update")
+    if fn is None or not _fp32_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias):
+        return None
+    nb, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    if H % G or not ssm_state.is_contiguous() or tuple(ssm_state.shape[1:]) != (H, P, N):
+        return None
+    x, dt, B, C = (t if _rows(t, inner) else t.contiguous()
+                   for t, inner in ((x, (H, P)), (dt, (H,)), (B, (G, N)), (C, (G, N))))
+    if z is not None and not _rows(z, (H, P)):
+        z = z.contiguous()
+    A, D, dt_bias = (None if t is None else t.contiguous() for t in (A, D, dt_bias))
+    lo, hi = (float(dt_limit[0]), float(dt_limit[1])) if dt_limit is not None else (0.0, 0.0)
+    y = torch.empty(nb, H, P)
+    rc = fn(ssm_state.data_ptr(), ssm_state.shape[0], _slots(slot_idx).data_ptr(), nb, H, P, N, G,
+            x.data_ptr(), x.stride(0), dt.data_ptr(), dt.stride(0), B.data_ptr(), B.stride(0),
+            C.data_ptr(), C.stride(0), _ptr(z), 0 if z is None else z.stride(0),
+            A.data_ptr(), _ptr(dt_bias), _ptr(D), bool(dt_softplus), dt_limit is not None, lo, hi,
+            y.data_ptr())
+    return y if rc == 0 else None
+
+
+def mamba2_mixer_decode_native(proj, conv_state, ssm_state, slot_idx, num_heads, head_dim, n_groups,
+                               conv_weight, conv_bias, A, dt_bias, D, norm_weight, norm_group, eps,
+                               norm_mode):
+    """The Mamba2 mixer's decode between in_proj and out_proj, one token per request.
+
+    proj [B, H P + conv_dim + H]: in_proj's output rows [z | xBC | dt]; conv_state
+    [S, conv_dim, k-1] and ssm_state [S, H, P, N] updated in place at slot_idx [B];
+    conv_weight [conv_dim, k]; conv_bias [conv_dim] or None; A, dt_bias, D [H] (dt: + bias,
+    softplus, no clamp); norm_mode 1: norm(y silu(z)) w, 2: norm(y) w silu(z) (RMS over groups
+    of norm_group with eps; norm_weight [H P]), 0: y silu(z) (norm_weight None).
+    Returns y [B, H P] fp32 (out_proj's input), or None (see the module docstring).
+    """
+    fn = _fn("mamba2_mixer_decode")
+    if fn is None or not _fp32_cpu(proj, conv_state, ssm_state, conv_weight, conv_bias, A, dt_bias, D,
+                                   norm_weight):
+        return None
+    nb = proj.shape[0]
+    H, P, G = num_heads, head_dim, n_groups
+    N = ssm_state.shape[-1]
+    conv_dim, k = conv_weight.shape
+    if not (conv_state.is_contiguous() and ssm_state.is_contiguous() and conv_weight.is_contiguous()
+            and _rows(proj, (H * P + conv_dim + H,))):
+        return None
+    if conv_state.shape[0] != ssm_state.shape[0] or tuple(conv_state.shape[1:]) != (conv_dim, k - 1):
+        return None
+    params = [None if t is None else t.contiguous() for t in (conv_bias, A, dt_bias, D, norm_weight)]
+    xbc = torch.empty(conv_dim)
+    y = torch.empty(nb, H * P)
+    rc = fn(proj.data_ptr(), proj.stride(0), conv_state.data_ptr(), ssm_state.data_ptr(),
+            ssm_state.shape[0], _slots(slot_idx).data_ptr(), nb, H, P, N, G, k,
+            conv_weight.data_ptr(), *(_ptr(t) for t in params), norm_group, eps, norm_mode,
+            xbc.data_ptr(), y.data_ptr())
+    return y if rc == 0 else None

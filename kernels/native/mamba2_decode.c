@@ -1,0 +1,199 @@
+/* The one-token decode of a Mamba2 layer on the CPU, in one pass over each state (fp32).
+ *
+ * conv1d_update:        the depthwise conv window of each slot shifted by the new column, the
+ *                       k taps summed (oldest first, then the bias), optionally silu.
+ * mamba2_state_update:  per slot, head h (group g = h / (H / G)) and row p of the head:
+ *                         s = s * exp(dt A_h) + (dt x_p) B_g ;  y_p = s . C_g + D_h x_p
+ *                       (dt = clamp(softplus(dt + dt_bias))), state read and written once.
+ * mamba2_mixer_decode:  both of the above and the gated RMSNorm, request by request, from the
+ *                       in_proj output row [z | xBC | dt] to the input row of out_proj.
+ *
+ * Slots index the pools directly (in place). Every function first checks the slots (in range,
+ * none repeated) and returns 1 (repeated) or 2 (out of range) before writing anything: the
+ * caller then runs the torch path, which defines those cases. Returns 0 on success.
+ * Row strides are in elements; inside a row the data is contiguous. Called from
+ * kernels/mamba2_native.py, which checks dtypes and layouts.
+ */
+/* Floating-point compares do not trap here, so the clamps below are selects that vectorize. */
+#pragma GCC optimize("no-trapping-math")
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int check_slots(const int32_t *slots, int64_t nb, int64_t num_slots) {
+    for (int64_t i = 0; i < nb; i++)
+        if (slots[i] < 0 || slots[i] >= num_slots) return 2;
+    if (nb <= 64) {
+        for (int64_t i = 0; i < nb; i++)
+            for (int64_t j = i + 1; j < nb; j++)
+                if (slots[i] == slots[j]) return 1;
+        return 0;
+    }
+    unsigned char *seen = calloc((size_t)num_slots, 1);
+    if (!seen) return 1;  /* no memory for the check: the torch path runs */
+    int rc = 0;
+    for (int64_t i = 0; i < nb && !rc; i++) {
+        if (seen[slots[i]]) rc = 1;
+        seen[slots[i]] = 1;
+    }
+    free(seen);
+    return rc;
+}
+
+/* exp for the gates, in a form the compiler vectorizes (libm's expf is a call per element):
+ * e^x = 2^n e^r, n = round(x / ln 2), |r| <= ln 2 / 2, e^r by Cephes' degree-6 polynomial;
+ * relative error ~1e-7 over the clamped range [-87, 88] (outside it, the gates saturate). */
+static inline float exp_vec(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    x = x > 88.0f ? 88.0f : x;
+    const float n = (x * 1.44269504089f + 12582912.0f) - 12582912.0f;  /* round to nearest */
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;  /* 2^n */
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+static inline float silu(float v) { return v / (1.0f + exp_vec(-v)); }
+
+/* softplus as torch's F.softplus (beta 1, threshold 20) */
+static inline float softplus(float v) { return v > 20.0f ? v : log1pf(expf(v)); }
+
+/* one request's window win [dim, k-1] shifted by x [dim]; y [dim] = taps . weight + bias */
+static void conv_row(float *win, const float *x, const float *w, const float *bias, int64_t dim,
+                     int64_t k, int act, float *y) {
+    const int64_t km1 = k - 1;
+    for (int64_t c = 0; c < dim; c++) {
+        float *wc = win + c * km1;
+        const float *tap = w + c * k;
+        const float xc = x[c];
+        float acc = km1 ? wc[0] * tap[0] : xc * tap[0];
+        for (int64_t j = 1; j < km1; j++) acc += wc[j] * tap[j];
+        if (km1) acc += xc * tap[km1];
+        if (bias) acc += bias[c];
+        for (int64_t j = 0; j + 1 < km1; j++) wc[j] = wc[j + 1];
+        if (km1) wc[km1 - 1] = xc;
+        y[c] = acc;
+    }
+    if (act) {
+#pragma omp simd
+        for (int64_t c = 0; c < dim; c++) y[c] = silu(y[c]);
+    }
+}
+
+int conv1d_update(float *conv_state, int64_t num_slots, const int32_t *slots, int64_t nb,
+                  int64_t dim, int64_t k, const float *x, int64_t x_row, const float *weight,
+                  const float *bias, int act, float *y, int64_t y_row) {
+    int rc = check_slots(slots, nb, num_slots);
+    if (rc) return rc;
+    for (int64_t r = 0; r < nb; r++)
+        conv_row(conv_state + (int64_t)slots[r] * dim * (k - 1), x + r * x_row, weight, bias, dim,
+                 k, act, y + r * y_row);
+    return 0;
+}
+
+/* one request: state [H, P, N] updated in place; y [H, P] */
+static void ssm_row(float *state, int64_t H, int64_t P, int64_t N, int64_t G, const float *x,
+                    const float *dt_in, const float *B, const float *C, const float *A,
+                    const float *dt_bias, const float *D, int dt_softplus, int has_limit,
+                    float dt_min, float dt_max, float *y) {
+    const int64_t hpg = H / G;
+    for (int64_t h = 0; h < H; h++) {
+        float dt = dt_in[h] + (dt_bias ? dt_bias[h] : 0.0f);
+        if (dt_softplus) dt = softplus(dt);
+        if (has_limit) dt = fminf(fmaxf(dt, dt_min), dt_max);
+        const float dA = expf(dt * A[h]);
+        const float d = D ? D[h] : 0.0f;
+        const float *Bg = B + (h / hpg) * N, *Cg = C + (h / hpg) * N;
+        const float *xh = x + h * P;
+        float *yh = y + h * P;
+        for (int64_t p = 0; p < P; p++) {
+            float *s = state + (h * P + p) * N;
+            const float xdt = dt * xh[p];
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t n = 0; n < N; n++) {
+                const float v = s[n] * dA + xdt * Bg[n];
+                s[n] = v;
+                acc += v * Cg[n];
+            }
+            yh[p] = acc + d * xh[p];
+        }
+    }
+}
+
+int mamba2_state_update(float *state, int64_t num_slots, const int32_t *slots, int64_t nb,
+                        int64_t H, int64_t P, int64_t N, int64_t G, const float *x, int64_t x_row,
+                        const float *dt, int64_t dt_row, const float *B, int64_t B_row,
+                        const float *C, int64_t C_row, const float *z, int64_t z_row,
+                        const float *A, const float *dt_bias, const float *D, int dt_softplus,
+                        int has_limit, float dt_min, float dt_max, float *y) {
+    int rc = check_slots(slots, nb, num_slots);
+    if (rc) return rc;
+    const int64_t HP = H * P;
+    for (int64_t r = 0; r < nb; r++) {
+        float *yr = y + r * HP;
+        ssm_row(state + (int64_t)slots[r] * HP * N, H, P, N, G, x + r * x_row, dt + r * dt_row,
+                B + r * B_row, C + r * C_row, A, dt_bias, D, dt_softplus, has_limit, dt_min,
+                dt_max, yr);
+        if (z) {
+            const float *zr = z + r * z_row;
+#pragma omp simd
+            for (int64_t i = 0; i < HP; i++) yr[i] *= silu(zr[i]);
+        }
+    }
+    return 0;
+}
+
+/* y [dim] in place: norm_mode 1: norm(y silu(z)) w; 2: norm(y) w silu(z); 0: y silu(z).
+ * The RMS is taken over consecutive groups of `group` elements. */
+static void gated_norm_row(float *y, const float *z, const float *w, int64_t dim, int64_t group,
+                           float eps, int norm_mode) {
+    if (norm_mode != 2) {
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) y[i] *= silu(z[i]);
+    }
+    if (norm_mode == 0) return;
+    for (int64_t g0 = 0; g0 < dim; g0 += group) {
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = g0; i < g0 + group; i++) ss += y[i] * y[i];
+        const float inv = 1.0f / sqrtf(ss / (float)group + eps);
+#pragma omp simd
+        for (int64_t i = g0; i < g0 + group; i++) y[i] = w[i] * (y[i] * inv);
+    }
+    if (norm_mode == 2) {
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) y[i] *= silu(z[i]);
+    }
+}
+
+int mamba2_mixer_decode(const float *proj, int64_t proj_row, float *conv_state, float *ssm_state,
+                        int64_t num_slots, const int32_t *slots, int64_t nb, int64_t H, int64_t P,
+                        int64_t N, int64_t G, int64_t k, const float *conv_w, const float *conv_b,
+                        const float *A, const float *dt_bias, const float *D, const float *norm_w,
+                        int64_t norm_group, float eps, int norm_mode, float *xbc, float *y) {
+    int rc = check_slots(slots, nb, num_slots);
+    if (rc) return rc;
+    const int64_t HP = H * P, conv_dim = HP + 2 * G * N;
+    for (int64_t r = 0; r < nb; r++) {
+        const float *row = proj + r * proj_row;  /* [z (HP) | xBC (conv_dim) | dt (H)] */
+        const int64_t slot = slots[r];
+        conv_row(conv_state + slot * conv_dim * (k - 1), row + HP, conv_w, conv_b, conv_dim, k, 1,
+                 xbc);
+        float *yr = y + r * HP;
+        ssm_row(ssm_state + slot * HP * N, H, P, N, G, xbc, row + HP + conv_dim, xbc + HP,
+                xbc + HP + G * N, A, dt_bias, D, 1, 0, 0.0f, 0.0f, yr);
+        gated_norm_row(yr, row, norm_w, HP, norm_group, eps, norm_mode);
+    }
+    return 0;
+}
