@@ -24,8 +24,7 @@ _SIGNATURES = {
     "conv1d_update": [_P, _I, _P, _I, _I, _I, _P, _I, _P, _P, ctypes.c_int, _P, _I],
     "mamba2_state_update": [_P, _I, _P, _I, _I, _I, _I, _I, _P, _I, _P, _I, _P, _I, _P, _I, _P, _I,
                             _P, _P, _P, ctypes.c_int, ctypes.c_int, _F, _F, _P],
-    "mamba2_mixer_decode": [_P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P,
-                            _I, _F, ctypes.c_int, _P, _P],
+    "mamba2_mixer_decode": [_P],  # a struct mamba2_mixer_args * (_MixerArgs below)
 }
 _functions: dict = {}
 
@@ -111,36 +110,64 @@ def mamba2_state_update_native(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_id
     return y if rc == 0 else None
 
 
-def mamba2_mixer_decode_native(proj, conv_state, ssm_state, slot_idx, num_heads, head_dim, n_groups,
-                               conv_weight, conv_bias, A, dt_bias, D, norm_weight, norm_group, eps,
-                               norm_mode):
-    """The Mamba2 mixer's decode between in_proj and out_proj, one token per request.
+class _MixerArgs(ctypes.Structure):
+    """struct mamba2_mixer_args of kernels/native/mamba2_decode.c, field for field."""
+    _fields_ = [("proj", _P), ("proj_row", _I), ("nb", _I), ("slots", _P), ("y", _P),
+                ("conv_state", _P), ("ssm_state", _P), ("num_slots", _I), ("H", _I), ("P", _I),
+                ("N", _I), ("G", _I), ("k", _I), ("conv_w", _P), ("conv_b", _P), ("A_log", _P),
+                ("dt_bias", _P), ("D", _P), ("norm_w", _P), ("norm_group", _I), ("eps", _F),
+                ("norm_mode", ctypes.c_int32), ("xbc", _P), ("A", _P)]
 
-    proj [B, H P + conv_dim + H]: in_proj's output rows [z | xBC | dt]; conv_state
-    [S, conv_dim, k-1] and ssm_state [S, H, P, N] updated in place at slot_idx [B];
-    conv_weight [conv_dim, k]; conv_bias [conv_dim] or None; A, dt_bias, D [H] (dt: + bias,
-    softplus, no clamp); norm_mode 1: norm(y silu(z)) w, 2: norm(y) w silu(z) (RMS over groups
-    of norm_group with eps; norm_weight [H P]), 0: y silu(z) (norm_weight None).
-    Returns y [B, H P] fp32 (out_proj's input), or None (see the module docstring).
+
+class Mamba2MixerDecode:
+    """One Mamba2 layer's decode between in_proj and out_proj in C, over given pools and weights.
+
+    conv_state [S, conv_dim, k-1] and ssm_state [S, H, P, N]: the layer's pools (updated in place);
+    conv_weight [conv_dim, k]; conv_bias [conv_dim] or None; A_log, dt_bias, D [H] (A = -exp(A_log);
+    dt: + bias, softplus, no clamp); norm_mode 1: norm(y silu(z)) w, 2: norm(y) w silu(z) (RMS over
+    groups of norm_group with eps; norm_weight [H P]), 0: y silu(z) (norm_weight None).
+    Built once per layer and pools: dtypes, layouts and shapes are checked once and the static
+    arguments kept (a call with ~25 ctypes arguments costs more than the work at batch 1); a call
+    sets only the step's rows and slots. `key(...)` of the same tensors tells whether it still fits.
     """
-    fn = _fn("mamba2_mixer_decode")
-    if fn is None or not _fp32_cpu(proj, conv_state, ssm_state, conv_weight, conv_bias, A, dt_bias, D,
-                                   norm_weight):
-        return None
-    nb = proj.shape[0]
-    H, P, G = num_heads, head_dim, n_groups
-    N = ssm_state.shape[-1]
-    conv_dim, k = conv_weight.shape
-    if not (conv_state.is_contiguous() and ssm_state.is_contiguous() and conv_weight.is_contiguous()
-            and _rows(proj, (H * P + conv_dim + H,))):
-        return None
-    if conv_state.shape[0] != ssm_state.shape[0] or tuple(conv_state.shape[1:]) != (conv_dim, k - 1):
-        return None
-    params = [None if t is None else t.contiguous() for t in (conv_bias, A, dt_bias, D, norm_weight)]
-    xbc = torch.empty(conv_dim)
-    y = torch.empty(nb, H * P)
-    rc = fn(proj.data_ptr(), proj.stride(0), conv_state.data_ptr(), ssm_state.data_ptr(),
-            ssm_state.shape[0], _slots(slot_idx).data_ptr(), nb, H, P, N, G, k,
-            conv_weight.data_ptr(), *(_ptr(t) for t in params), norm_group, eps, norm_mode,
-            xbc.data_ptr(), y.data_ptr())
-    return y if rc == 0 else None
+
+    def __init__(self, conv_state, ssm_state, num_heads, head_dim, n_groups, conv_weight, conv_bias,
+                 A_log, dt_bias, D, norm_weight, norm_group, eps, norm_mode):
+        H, P, G = num_heads, head_dim, n_groups
+        N = ssm_state.shape[-1]
+        conv_dim, k = conv_weight.shape
+        self.width = H * P + conv_dim + H
+        tensors = (conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_bias, D, norm_weight)
+        self._keep = tensors  # the pointers below stay valid while this object lives
+        self.usable = (_fp32_cpu(*tensors) and all(t is None or t.is_contiguous() for t in tensors)
+                       and conv_state.shape[0] == ssm_state.shape[0] and H % G == 0
+                       and tuple(conv_state.shape[1:]) == (conv_dim, k - 1)
+                       and tuple(ssm_state.shape[1:]) == (H, P, N) and conv_dim == H * P + 2 * G * N)
+        self._xbc, self._A = torch.empty(conv_dim), torch.empty(H)
+        a = self._args = _MixerArgs()
+        a.conv_state, a.ssm_state, a.num_slots = conv_state.data_ptr(), ssm_state.data_ptr(), ssm_state.shape[0]
+        a.H, a.P, a.N, a.G, a.k = H, P, N, G, k
+        a.conv_w, a.conv_b, a.A_log, a.dt_bias, a.D, a.norm_w = (_ptr(t) for t in tensors[2:])
+        a.norm_group, a.eps, a.norm_mode = norm_group, eps, norm_mode
+        a.xbc, a.A = self._xbc.data_ptr(), self._A.data_ptr()
+        self.key = self.key_of(*tensors)
+
+    @staticmethod
+    def key_of(*tensors) -> tuple:
+        """What a built call depends on: the tensors' storage (a moved or re-typed weight is new)."""
+        return tuple(None if t is None else t.data_ptr() for t in tensors)
+
+    def __call__(self, proj: torch.Tensor, slot_idx: torch.Tensor) -> torch.Tensor | None:
+        """proj [B, H P + conv_dim + H] (in_proj's rows [z | xBC | dt]); slot_idx [B] ->
+        y [B, H P] fp32 (out_proj's input), or None (see the module docstring)."""
+        fn = _fn("mamba2_mixer_decode")
+        if fn is None or not self.usable or proj.dtype != torch.float32 or proj.device.type != "cpu" \
+                or proj.dim() != 2 or proj.shape[1] != self.width or proj.stride(1) != 1:
+            return None
+        nb = proj.shape[0]
+        slots = _slots(slot_idx)
+        y = torch.empty(nb, self._args.H * self._args.P)
+        a = self._args
+        a.proj, a.proj_row, a.nb, a.slots, a.y = proj.data_ptr(), proj.stride(0), nb, slots.data_ptr(), y.data_ptr()
+        rc = fn(ctypes.byref(a))
+        return y if rc == 0 else None

@@ -3,7 +3,7 @@
 Prefill chunks go through the varlen kernels (`causal_conv1d`, `mamba2_chunk_scan`), decodes
 through the one-token kernels (`conv1d_update`, `mamba2_state_update`); both read and write the
 layer's pools in place through the requests' state slots. A step of decodes only runs, on CPU in
-fp32, everything between in_proj and out_proj in one C call (`mamba2_mixer_decode_native`).
+fp32, everything between in_proj and out_proj in one C call (`Mamba2MixerDecode`).
 """
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.kernels import causal_conv1d, conv1d_update, mamba2_chunk_scan, mamba2_state_update
-from hybridkv.kernels.mamba2_native import mamba2_mixer_decode_native
+from hybridkv.kernels import native_cpu
+from hybridkv.kernels.mamba2_native import Mamba2MixerDecode
 from hybridkv.specs import RecurrentSpec
 
 from .forward_batch import ForwardBatch
@@ -68,6 +69,7 @@ class Mamba2Mixer(nn.Module):
         self.zxbcdt_multipliers = (None if zxbcdt_multipliers is None
                                    else [float(m) for m in zxbcdt_multipliers])
         self._mup: Optional[torch.Tensor] = None  # built lazily: the model is built on `meta`
+        self._native_decode: Optional[Mamba2MixerDecode] = None  # built at the first decode step
 
     def _mup_vector(self, like: torch.Tensor) -> torch.Tensor:
         """[d_inner + conv_dim + H] per-column multipliers of in_proj's output, on like's device/dtype."""
@@ -96,12 +98,12 @@ class Mamba2Mixer(nn.Module):
         proj = self.in_proj(hidden * self.in_multiplier if self.in_multiplier != 1.0 else hidden)
         if self.zxbcdt_multipliers is not None:
             proj = proj * self._mup_vector(proj)
-        weight = self.conv1d.weight.squeeze(1)  # [conv_dim, k]
-        A = -torch.exp(self.A_log.float())
         if split.all_decode:  # conv, SSM step and gated norm in one C call per step, if it can run
-            y = self._decode_native(proj, conv_state, ssm_state, split.decode_slots, weight, A)
+            y = self._decode_native(proj, conv_state, ssm_state, split.decode_slots)
             if y is not None:
                 return self.out_proj(y.to(hidden.dtype))
+        weight = self.conv1d.weight.squeeze(1)  # [conv_dim, k]
+        A = -torch.exp(self.A_log.float())
         z = proj[:, :self.d_inner]
         G, N, H, P = self.n_groups, self.d_state, self.num_heads, self.head_dim
 
@@ -134,12 +136,20 @@ class Mamba2Mixer(nn.Module):
         y = self.norm(y, z) if self.norm is not None else y * F.silu(z)
         return self.out_proj(y.to(hidden.dtype))
 
-    def _decode_native(self, proj, conv_state, ssm_state, slots, weight, A):
+    def _decode_native(self, proj, conv_state, ssm_state, slots):
         """The decode between in_proj and out_proj in C (kernels/mamba2_native.py): y [B, d_inner]
-        fp32, or None when it cannot run here (the torch path then runs)."""
+        fp32, or None when it cannot run here (the torch path then runs). The call is built once
+        for this layer's pools and weights and rebuilt when one of them is another tensor."""
+        if not native_cpu.enabled():
+            return None
         norm = self.norm
-        return mamba2_mixer_decode_native(
-            proj, conv_state, ssm_state, slots, self.num_heads, self.head_dim, self.n_groups, weight,
-            self.conv1d.bias, A, self.dt_bias, self.D, None if norm is None else norm.weight,
-            self.d_inner if norm is None else norm.group_size, 0.0 if norm is None else norm.eps,
-            0 if norm is None else 2 if norm.norm_before_gate else 1)
+        tensors = (conv_state, ssm_state, self.conv1d.weight, self.conv1d.bias, self.A_log, self.dt_bias,
+                   self.D, None if norm is None else norm.weight)
+        call = self._native_decode
+        if call is None or call.key != Mamba2MixerDecode.key_of(*tensors):
+            call = self._native_decode = Mamba2MixerDecode(
+                conv_state, ssm_state, self.num_heads, self.head_dim, self.n_groups,
+                self.conv1d.weight.squeeze(1), *tensors[3:7], tensors[7],
+                self.d_inner if norm is None else norm.group_size, 0.0 if norm is None else norm.eps,
+                0 if norm is None else 2 if norm.norm_before_gate else 1)
+        return call(proj, slots)

@@ -177,23 +177,43 @@ static void gated_norm_row(float *y, const float *z, const float *w, int64_t dim
     }
 }
 
-int mamba2_mixer_decode(const float *proj, int64_t proj_row, float *conv_state, float *ssm_state,
-                        int64_t num_slots, const int32_t *slots, int64_t nb, int64_t H, int64_t P,
-                        int64_t N, int64_t G, int64_t k, const float *conv_w, const float *conv_b,
-                        const float *A, const float *dt_bias, const float *D, const float *norm_w,
-                        int64_t norm_group, float eps, int norm_mode, float *xbc, float *y) {
-    int rc = check_slots(slots, nb, num_slots);
+/* The arguments of mamba2_mixer_decode: set once per layer and pools by the caller (ctypes
+ * Structure in kernels/mamba2_native.py, same field order), except the per-step ones. */
+struct mamba2_mixer_args {
+    const float *proj;      /* [nb, proj_row...]: in_proj's rows [z (H P) | xBC (conv_dim) | dt (H)] */
+    int64_t proj_row, nb;
+    const int32_t *slots;   /* [nb] */
+    float *y;               /* [nb, H P] out_proj's input */
+    float *conv_state;      /* [num_slots, conv_dim, k-1] */
+    float *ssm_state;       /* [num_slots, H, P, N] */
+    int64_t num_slots, H, P, N, G, k;
+    const float *conv_w;    /* [conv_dim, k] */
+    const float *conv_b;    /* [conv_dim] or NULL */
+    const float *A_log;     /* [H]: A = -exp(A_log) */
+    const float *dt_bias, *D;  /* [H] or NULL */
+    const float *norm_w;    /* [H P] or NULL (norm_mode 0) */
+    int64_t norm_group;
+    float eps;
+    int32_t norm_mode;
+    float *xbc;             /* [conv_dim] scratch */
+    float *A;               /* [H] scratch */
+};
+
+int mamba2_mixer_decode(const struct mamba2_mixer_args *a) {
+    int rc = check_slots(a->slots, a->nb, a->num_slots);
     if (rc) return rc;
+    const int64_t H = a->H, P = a->P, N = a->N, G = a->G, k = a->k;
     const int64_t HP = H * P, conv_dim = HP + 2 * G * N;
-    for (int64_t r = 0; r < nb; r++) {
-        const float *row = proj + r * proj_row;  /* [z (HP) | xBC (conv_dim) | dt (H)] */
-        const int64_t slot = slots[r];
-        conv_row(conv_state + slot * conv_dim * (k - 1), row + HP, conv_w, conv_b, conv_dim, k, 1,
-                 xbc);
-        float *yr = y + r * HP;
-        ssm_row(ssm_state + slot * HP * N, H, P, N, G, xbc, row + HP + conv_dim, xbc + HP,
-                xbc + HP + G * N, A, dt_bias, D, 1, 0, 0.0f, 0.0f, yr);
-        gated_norm_row(yr, row, norm_w, HP, norm_group, eps, norm_mode);
+    for (int64_t h = 0; h < H; h++) a->A[h] = -expf(a->A_log[h]);
+    for (int64_t r = 0; r < a->nb; r++) {
+        const float *row = a->proj + r * a->proj_row;
+        const int64_t slot = a->slots[r];
+        conv_row(a->conv_state + slot * conv_dim * (k - 1), row + HP, a->conv_w, a->conv_b, conv_dim,
+                 k, 1, a->xbc);
+        float *yr = a->y + r * HP;
+        ssm_row(a->ssm_state + slot * HP * N, H, P, N, G, a->xbc, row + HP + conv_dim, a->xbc + HP,
+                a->xbc + HP + G * N, a->A, a->dt_bias, a->D, 1, 0, 0.0f, 0.0f, yr);
+        gated_norm_row(yr, row, a->norm_w, HP, a->norm_group, a->eps, a->norm_mode);
     }
     return 0;
 }

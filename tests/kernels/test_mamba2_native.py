@@ -8,7 +8,7 @@ from hybridkv.kernels import native_cpu
 from hybridkv.kernels.causal_conv_cpu import conv1d_update_cpu
 from hybridkv.kernels.conv1d_ref import conv1d_update_ref
 from hybridkv.kernels.mamba2_cpu import mamba2_state_update_cpu
-from hybridkv.kernels.mamba2_native import (conv1d_update_native, mamba2_mixer_decode_native,
+from hybridkv.kernels.mamba2_native import (Mamba2MixerDecode, conv1d_update_native,
                                             mamba2_state_update_native)
 from hybridkv.kernels.mamba2_ref import mamba2_state_update_ref
 
@@ -120,11 +120,13 @@ def test_mixer_decode_matches_references(groups, mode):
     k, HP, GN = 4, H * P, groups * N
     conv_dim = HP + 2 * GN
     w, cb = torch.randn(conv_dim, k, generator=g), torch.randn(conv_dim, generator=g)
-    A = -torch.exp(torch.randn(H, generator=g) * 0.5)
-    dt_bias, D = torch.randn(H, generator=g) * 0.5, torch.randn(H, generator=g)
-    norm_w = torch.randn(HP, generator=g) if mode else None
     slots = torch.tensor([7, 2, 3, 10], dtype=torch.int32)
     conv, ssm = torch.randn(SLOTS, conv_dim, k - 1, generator=g), torch.randn(SLOTS, H, P, N, generator=g)
+    A_log = torch.randn(H, generator=g) * 0.5
+    A = -torch.exp(A_log)
+    dt_bias, D = torch.randn(H, generator=g) * 0.5, torch.randn(H, generator=g)
+    norm_w = torch.randn(HP, generator=g) if mode else None
+    call = Mamba2MixerDecode(conv, ssm, H, P, groups, w, cb, A_log, dt_bias, D, norm_w, HP // groups, 1e-5, mode)
     ref_conv, ref_ssm = conv.clone(), ssm.clone()
     for step in range(3):
         proj = torch.randn(4, 3 + HP + conv_dim + H, generator=g)[:, 3:] * 2  # strided rows
@@ -136,10 +138,11 @@ def test_mixer_decode_matches_references(groups, mode):
         y = mamba2_state_update_ref(ref_ssm, x.reshape(-1, H, P), dt, A, B.reshape(-1, groups, N),
                                     C.reshape(-1, groups, N), D, None, dt_bias, slots).reshape(-1, HP)
         want = gated_norm_ref(y, z, norm_w, HP // groups, 1e-5, mode)
-        got = mamba2_mixer_decode_native(proj, conv, ssm, slots, H, P, groups, w, cb, A, dt_bias, D,
-                                         norm_w, HP // groups, 1e-5, mode)
+        got = call(proj, slots)
         assert rel_err(got, want) < 1e-5
         assert rel_err(ssm, ref_ssm) < 1e-5 and rel_err(conv, ref_conv) < 1e-6
+    before = ssm.clone()
+    assert call(proj, torch.tensor([1, 2, 1, 3], dtype=torch.int32)) is None  # a repeated slot
+    assert call(proj.double(), slots) is None and torch.equal(ssm, before)
     with native_cpu.forced_off():
-        assert mamba2_mixer_decode_native(proj, conv, ssm, slots, H, P, groups, w, cb, A, dt_bias, D,
-                                          norm_w, HP // groups, 1e-5, mode) is None
+        assert call(proj, slots) is None

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hybridkv.kernels import native_cpu
-from hybridkv.models import mamba2_mixer as mixer_mod
+from hybridkv.kernels.mamba2_native import Mamba2MixerDecode
 from hybridkv.models.forward_batch import ForwardBatch
 from hybridkv.models.mamba2_mixer import Mamba2Mixer
 
@@ -42,9 +42,8 @@ def test_native_decode_matches_torch_path(kw, monkeypatch):
     if native_cpu.library("mamba2_decode") is None:
         pytest.fail("kernels/native/mamba2_decode.c must build on these machines")
     ran = []
-    native = mixer_mod.mamba2_mixer_decode_native
-    monkeypatch.setattr(mixer_mod, "mamba2_mixer_decode_native",
-                        lambda *a: ran.append(native(*a)) or ran[-1])
+    native = Mamba2MixerDecode.__call__
+    monkeypatch.setattr(Mamba2MixerDecode, "__call__", lambda *a: ran.append(native(*a)) or ran[-1])
     mixer = random_mixer(3, **kw)
     pools = {}
     for name in ("native", "torch"):
@@ -66,5 +65,4 @@ def test_native_decode_matches_torch_path(kw, monkeypatch):
             assert (got - want).abs().max() <= 1e-5 * want.abs().max()
             for a, w in zip(pools["native"], pools["torch"]):
                 assert (a - w).abs().max() <= 1e-5 * w.abs().max()
-    # the three decode-only steps: in C, then (forced off) on the torch path
-    assert len(ran) == 6 and all(y is not None for y in ran[::2]) and all(y is None for y in ran[1::2])
+    assert len(ran) == 3 and all(y is not None for y in ran)  # the three decode-only steps ran in C
