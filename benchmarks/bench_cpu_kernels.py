@@ -3,6 +3,7 @@
     python benchmarks/bench_cpu_kernels.py              # 7 repeats
     python benchmarks/bench_cpu_kernels.py --repeats 5 --quick
     python benchmarks/bench_cpu_kernels.py --recurrent-only --repeats 5   # the second table only
+    python benchmarks/bench_cpu_kernels.py --native-only --repeats 5      # the third table only
 
 "before" is the kernel file as it stood at BASELINE (loaded from git, so the script needs the
 repository's history); "after" is the installed one. Shapes are those of bench_engine.py's model
@@ -20,6 +21,10 @@ Second table (before = BASELINE_PREFILL): the Mamba2 decode update and layer at 
 in three runs (1..19, 38..49, 62: a batch seen in bench_engine.py once checkpoints hold slots), the
 Mamba2 layer prefilling 1 x 2048 tokens and 14 prompts of 32-256 (conv + chunked SSD), and the
 gated-delta-rule chunked prefill (before: the reference, which the dispatcher ran then).
+Third table: the Mamba2 decode with the C kernels (kernels/mamba2_native.py) against the torch
+paths of this tree (`native_cpu.forced_off()`, as HYBRIDKV_CPU_NATIVE=0), alternating: the state
+update at batch 32 (slots 1..32, three runs, scattered) and the mixer forward at batch 32 and 1.
+Note that since the C kernels, "after" in the first two tables is the C path where it runs.
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ import torch
 
 import hybridkv.kernels.causal_conv_cpu as conv_mod
 import hybridkv.kernels.mamba2_cpu as mamba2_mod
+from hybridkv.kernels import native_cpu
 from hybridkv.kernels.attention_cpu import paged_attention_cpu
 from hybridkv.kernels.mamba2_cpu import mamba2_state_update_cpu
 from hybridkv.models.forward_batch import ForwardBatch
@@ -228,6 +234,46 @@ def recurrent_section(args, results):
         t, err)
 
 
+def native_section(args):
+    """The C decode kernels (kernels/mamba2_native.py) against the torch paths they replace
+    (`native_cpu.forced_off()`), alternating on twin pools of the same inputs."""
+    print("\n# Mamba2 decode: torch path (native kernels forced off) vs the C kernels")
+    print("| case | torch | C | torch / C | max rel err |")
+    print("| --- | --- | --- | --- | --- |")
+    inner = 3 if args.quick else 50
+
+    def off(fn):
+        def run():
+            with native_cpu.forced_off():
+                return fn("torch")
+        return run
+
+    for label, slots, num_slots in [("state update, batch 32, slots 1..32", torch.arange(1, 33), 33),
+                                    ("state update, batch 32, slots 1..19, 38..49, 62", RUNS, 64),
+                                    ("state update, batch 32, slots scattered over 128",
+                                     torch.randperm(127, generator=torch.Generator().manual_seed(0))[:32] + 1,
+                                     128)]:
+        pool, kw = mamba2_case(slots, num_slots)
+        pools = {"torch": pool.clone(), "C": pool.clone()}
+        update = lambda name: mamba2_state_update_cpu(pools[name], **kw)  # noqa: E731
+        err = rel_err(update("C"), off(update)())
+        err = max(err, rel_err(pools["C"], pools["torch"]))
+        t = alternate({"before": off(update), "after": lambda: update("C")}, args.repeats, inner)
+        row(label, t, err)
+    for label, nb, slots in [("layer decode (mixer forward), batch 32, slots 1..32", 32, None),
+                             ("layer decode (mixer forward), batch 32, slots 1..19, 38..49, 62", 32, RUNS),
+                             ("layer decode (mixer forward), batch 1", 1, None)]:
+        mixer, batch, hidden, conv, state = mixer_case(nb=nb, slots=slots)
+        pools = {"torch": (conv.clone(), state.clone()), "C": (conv.clone(), state.clone())}
+        layer = lambda name: mixer(hidden, batch, *pools[name])  # noqa: E731
+        with torch.no_grad():
+            err = rel_err(layer("C"), off(layer)())
+            err = max(err, rel_err(pools["C"][1], pools["torch"][1]), rel_err(pools["C"][0], pools["torch"][0]))
+            t = alternate({"before": off(layer), "after": lambda: layer("C")}, args.repeats,
+                          inner if nb > 1 else 10 * inner)
+        row(label, t, err)
+
+
 def fmt(ts):
     return (f"{statistics.median(ts) * 1e3:.3f} ms ({min(ts) * 1e3:.3f}-{max(ts) * 1e3:.3f})")
 
@@ -237,8 +283,13 @@ def main():
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="fewer calls per repeat (a smoke run)")
     ap.add_argument("--recurrent-only", action="store_true", help="only the second table")
+    ap.add_argument("--native-only", action="store_true",
+                    help="only the third table: the C Mamba2 decode kernels vs the torch paths")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.native_only:
+        native_section(args)
+        return 0
     if args.recurrent_only:
         recurrent_section(args, {})
         return 0
@@ -288,6 +339,7 @@ def main():
         ratio = statistics.median(t["before"]) / statistics.median(t["after"])
         print(f"| {label} | {fmt(t['before'])} | {fmt(t['after'])} | {ratio:.2f}x | {err:.1e} |")
     recurrent_section(args, results)
+    native_section(args)
     short = statistics.median(results["attention decode 32 x 64"]["after"])
     skew = statistics.median(results["attention decode 31 x 64 + 1 x 2048"]["after"])
     short_old = statistics.median(results["attention decode 32 x 64"]["before"])
