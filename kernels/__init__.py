@@ -14,12 +14,22 @@ from __future__ import annotations
 from .dispatch import backend_for
 
 
-def _pick(t, ref, triton_name, module):
-    if backend_for(t) == "triton":
+def _pick(t, ref, triton_name, module, plan_cache=None):
+    if _backend(t, plan_cache) == "triton":
         import importlib
 
         return getattr(importlib.import_module(f"{__name__}.{module}"), triton_name)
     return ref
+
+
+def _backend(t, plan_cache=None) -> str:
+    """backend_for(t), looked up once per step when the step's plan_cache (a dict) is given."""
+    if plan_cache is None:
+        return backend_for(t)
+    backend = plan_cache.get("backend")
+    if backend is None:
+        backend = plan_cache["backend"] = backend_for(t)
+    return backend
 
 
 def paged_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale, causal=True,
@@ -30,7 +40,7 @@ def paged_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale, 
     sinks: [Hq] per-head sink logits in the softmax denominator (GPT-OSS), or None."""
     from .attention_cpu import paged_attention_cpu  # batched torch path; attention_ref is the spec
 
-    fn = _pick(q, paged_attention_cpu, "paged_attention_triton", "paged_attention_kernel")
+    fn = _pick(q, paged_attention_cpu, "paged_attention_triton", "paged_attention_kernel", plan_cache)
     kw = {"plan_cache": plan_cache} if fn is paged_attention_cpu else {}
     if sinks is not None:  # only then: kernels without the option keep their signature
         kw["sinks"] = sinks
@@ -43,9 +53,20 @@ def write_kv(k, v, kv_cache, slot_mapping, plan_cache=None):
     """k, v [T, Hkv, D] into kv_cache at flat slots `slot_mapping [T]` (-1 skipped)."""
     from .write_kv_cpu import write_kv_cpu  # one indexed write; attention_ref.write_kv_ref is the spec
 
-    fn = _pick(k, write_kv_cpu, "write_kv_triton", "write_kv_kernel")
+    fn = _pick(k, write_kv_cpu, "write_kv_triton", "write_kv_kernel", plan_cache)
     return fn(k, v, kv_cache, slot_mapping, plan_cache) if fn is write_kv_cpu else \
         fn(k, v, kv_cache, slot_mapping)
+
+
+def rope_write_kv(qkv, rope, num_heads, num_kv_heads, head_dim, kv_cache, slot_mapping, plan_cache=None):
+    """qkv [T, (Hq + 2 Hkv) * D], rope (cos, sin) [T, rot] or None -> q [T, Hq, D] rotated, k
+    (rotated) and v written into kv_cache at slot_mapping, as apply_rotary + write_kv; one C loop
+    on CPU. None where no such kernel runs (other devices, dtypes, backends): the caller runs those two."""
+    if _backend(qkv, plan_cache) != "torch":
+        return None
+    from .write_kv_cpu import rope_write_kv_cpu
+
+    return rope_write_kv_cpu(qkv, rope, num_heads, num_kv_heads, head_dim, kv_cache, slot_mapping)
 
 
 def causal_conv1d(x, conv_state, weight, bias, query_start_loc, slot_idx, has_initial_state,

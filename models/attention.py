@@ -64,27 +64,15 @@ class PagedAttention(nn.Module):
         Writes this step's K/V at the slot mapping of the layer's KV group (its window), then
         attends over each request's seq_lens[r] tokens through that group's block table.
         """
-        T, Hq, Hkv, D = hidden.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = F.linear(hidden, *self.qkv.weight_bias())
-        gate = None
-        if self.q_norm is None and not self.output_gate and rope is not None:
-            # q and k are neighbouring columns of the fused output: rotate them in one pass
-            qk = apply_rotary(qkv[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D), *rope)
-            q, k = qk[:, :Hq], qk[:, Hq:]
-            v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
-        else:
-            q, k, v = qkv.split(self.qkv.sizes, -1)
-            v = v.view(T, Hkv, D)
-            if self.output_gate:
-                q, gate = q.reshape(T, Hq, 2 * D).chunk(2, dim=-1)
-                gate = gate.reshape(T, -1)
-            q, k = q.reshape(T, Hq, D), k.reshape(T, Hkv, D)
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            if rope is not None:
-                q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         block_table, slot_mapping, plans = batch.kv_tables(self.sliding_window)  # this layer's KV group
-        kernels.write_kv(k, v, kv_cache, slot_mapping, plan_cache=plans)
+        q = gate = None
+        if self.q_norm is None and not self.output_gate:  # rotary and the KV write in one C loop on CPU
+            q = kernels.rope_write_kv(qkv, rope, self.num_heads, self.num_kv_heads, self.head_dim,
+                                      kv_cache, slot_mapping, plans)
+        if q is None:
+            q, k, v, gate = self._split_rotate(qkv, rope)
+            kernels.write_kv(k, v, kv_cache, slot_mapping, plan_cache=plans)
         out = kernels.paged_attention(
             q, kv_cache, batch.query_start_loc, batch.seq_lens, block_table,
             self.scale, causal=True, sliding_window=self.sliding_window, soft_cap=self.soft_cap,
@@ -93,7 +81,28 @@ class PagedAttention(nn.Module):
             plan_cache=plans, sinks=self.sinks)
         if self.g_proj is not None:
             out = out * torch.sigmoid(self.g_proj(hidden))[..., None]
-        out = out.reshape(T, self.num_heads * self.head_dim)
+        out = out.reshape(hidden.shape[0], self.num_heads * self.head_dim)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return F.linear(out, self.o_proj.weight, self.o_proj.bias)
+
+    def _split_rotate(self, qkv: torch.Tensor, rope):
+        """The torch path: qkv [T, q_out + 2 Hkv D] -> q [T, Hq, D], k, v [T, Hkv, D] (q and k
+        normed and rotated), output gate [T, Hq D] or None."""
+        T, Hq, Hkv, D = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.q_norm is None and not self.output_gate and rope is not None:
+            # q and k are neighbouring columns of the fused output: rotate them in one pass
+            qk = apply_rotary(qkv[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D), *rope)
+            return qk[:, :Hq], qk[:, Hq:], qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D), None
+        gate = None
+        q, k, v = qkv.split(self.qkv.sizes, -1)
+        v = v.view(T, Hkv, D)
+        if self.output_gate:
+            q, gate = q.reshape(T, Hq, 2 * D).chunk(2, dim=-1)
+            gate = gate.reshape(T, -1)
+        q, k = q.reshape(T, Hq, D), k.reshape(T, Hkv, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        return q, k, v, gate

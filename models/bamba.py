@@ -87,9 +87,10 @@ class BambaModel(HybridModel):
         return layer_cache_specs(self.model.layers, self.dtype)
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        h = run_layers(self.model.layers, self.model.embed_tokens(batch.input_ids), self.rotary,
-                       batch, caches)
-        return self.compute_logits(self.model.final_layernorm(h), batch, self.lm_head)
+        body = self.model
+        h = run_layers(body.layers, body.embed_tokens(batch.input_ids), self.rotary, batch, caches,
+                       final_norm=body.final_layernorm)
+        return self.compute_logits(h, batch, self.lm_head)
 
 
 MODEL_CLASS = BambaModel

@@ -1,10 +1,12 @@
-"""The pre-norm hybrid decoder block Bamba, Jamba, GraniteMoeHybrid, Qwen3-Next and LFM2 share.
+"""The pre-norm decoder block Llama, Bamba, Jamba, GraniteMoeHybrid, Qwen3-Next and LFM2 share.
 
 Per layer: norm -> `self_attn` (paged KV pool) or a recurrent mixer (state slot) -> residual ->
 norm -> feed-forward -> residual. Each family builds its modules under the checkpoint's own names
 and tells the base class those names, so parameter names stay the checkpoint's.
-Families that differ in shape (Nemotron-H's one-mixer blocks, Llama's attention-only layers)
-keep their own loops.
+Families that differ in shape (Nemotron-H's one-mixer blocks) keep their own loops.
+
+`run_layers` carries each block's last residual add into the next norm (`RMSNorm.add_forward`:
+the add and the norm in one pass over the row, a C loop on CPU), the last one into the final norm.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ class HybridDecoderLayer(nn.Module):
 
     @property
     def is_attention(self) -> bool:
-        return hasattr(self, "self_attn")
+        return "self_attn" in self._modules  # (hasattr would raise and catch on recurrent layers)
 
     def cache_spec(self, dtype: torch.dtype) -> LayerSpec:
         """This layer's AttentionSpec or RecurrentSpec in cache dtype `dtype`."""
@@ -52,15 +54,37 @@ class HybridDecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, rope, batch: ForwardBatch, caches: ModelCaches, i: int,
                 split: SlotSplit) -> torch.Tensor:
         """h [T, H] residual stream -> [T, H]; this is model layer `i` (its pools in `caches`)."""
-        x = getattr(self, self.mixer_norm)(h)
+        h, out = self.forward_pending(h, None, rope, batch, caches, i, split)
+        return h + out
+
+    def forward_pending(self, h: torch.Tensor, pending: torch.Tensor | None, rope, batch: ForwardBatch,
+                        caches: ModelCaches, i: int, split: SlotSplit) -> tuple[torch.Tensor, torch.Tensor]:
+        """This block with its residual adds done inside the norms that follow them.
+
+        h [T, H]: the residual stream without `pending` [T, H] (the previous block's last branch
+        output, not yet added; None when there is none). Returns (h, this block's scaled
+        feed-forward output, not yet added): the caller adds it, or hands it on.
+        """
+        h, x = add_then_norm(getattr(self, self.mixer_norm), h, pending)
         if self.is_attention:
             x = self.self_attn(x, rope, batch, caches.kv[i])
         else:
             x = self.mix_recurrent(x, batch, caches, i, split)
         scale = self.residual_scale
-        h = h + (x if scale == 1.0 else x * scale)
-        x = getattr(self, self.ff)(getattr(self, self.ff_norm)(h))
-        return h + (x if scale == 1.0 else x * scale)
+        h, x = add_then_norm(getattr(self, self.ff_norm), h, x if scale == 1.0 else x * scale)
+        x = getattr(self, self.ff)(x)
+        return h, (x if scale == 1.0 else x * scale)
+
+
+def add_then_norm(norm: nn.Module, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, norm(h + delta)); delta None adds nothing. One pass where the norm fuses it."""
+    if delta is None:
+        return h, norm(h)
+    fused = getattr(norm, "add_forward", None)
+    if fused is None:
+        h = h + delta
+        return h, norm(h)
+    return fused(h, delta)
 
 
 def rotary_for(config, layers: nn.ModuleList) -> RotaryEmbedding | None:
@@ -76,10 +100,22 @@ def layer_cache_specs(layers: nn.ModuleList, dtype: torch.dtype) -> dict[int, La
 
 
 def run_layers(layers: nn.ModuleList, h: torch.Tensor, rotary: RotaryEmbedding | None,
-               batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-    """h [T, H] embeddings -> [T, H] after every layer (before the final norm)."""
+               batch: ForwardBatch, caches: ModelCaches, final_norm: nn.Module | None = None) -> torch.Tensor:
+    """h [T, H] embeddings -> [T, H] after every layer, then `final_norm` when given.
+
+    A block that keeps HybridDecoderLayer's forward hands its last residual add to the next norm
+    (forward_pending); one that defines its own forward is called as a module, pending added first.
+    """
     rope = rotary(batch.positions) if rotary is not None else None
-    split = split_decode_prefill(batch)  # one decode/prefill split shared by all recurrent mixers
+    # one decode/prefill split shared by all recurrent mixers (none on attention-only models)
+    split = None if all(layer.is_attention for layer in layers) else split_decode_prefill(batch)
+    pending = None
     for i, layer in enumerate(layers):
-        h = layer(h, rope, batch, caches, i, split)
-    return h
+        if type(layer).forward is HybridDecoderLayer.forward:
+            h, pending = layer.forward_pending(h, pending, rope, batch, caches, i, split)
+        else:
+            h = layer(h if pending is None else h + pending, rope, batch, caches, i, split)
+            pending = None
+    if final_norm is None:
+        return h if pending is None else h + pending
+    return add_then_norm(final_norm, h, pending)[1]

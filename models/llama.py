@@ -8,6 +8,7 @@ from hybridkv.specs import LayerSpec
 
 from .attention import PagedAttention
 from .base import HybridModel
+from .decoder import HybridDecoderLayer, run_layers
 from .forward_batch import ForwardBatch, ModelCaches
 from .mlp import GatedMLP
 from .norms import RMSNorm
@@ -29,7 +30,12 @@ def tiny_config(**overrides):
     return LlamaConfig(**kw)
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(HybridDecoderLayer):
+    """`self_attn` after `input_layernorm`, residual; `mlp` after `post_attention_layernorm`,
+    residual (HF names)."""
+
+    mixer_norm, ff_norm, ff = "input_layernorm", "post_attention_layernorm", "mlp"
+
     def __init__(self, config, sliding_window=None):
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -42,10 +48,6 @@ class LlamaDecoderLayer(nn.Module):
                             bias=getattr(config, "mlp_bias", False), act=config.hidden_act)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(self, h, rope, batch, kv_cache):
-        h = h + self.self_attn(self.input_layernorm(h), rope, batch, kv_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class _LlamaBody(nn.Module):
@@ -73,11 +75,10 @@ class LlamaModel(HybridModel):
         return {i: layer.self_attn.spec(self.dtype) for i, layer in enumerate(self.model.layers)}
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        h = self.model.embed_tokens(batch.input_ids)
-        rope = self.rotary(batch.positions)
-        for i, layer in enumerate(self.model.layers):
-            h = layer(h, rope, batch, caches.kv[i])
-        return self.compute_logits(self.model.norm(h), batch, self.lm_head)
+        body = self.model
+        h = run_layers(body.layers, body.embed_tokens(batch.input_ids), self.rotary, batch, caches,
+                       final_norm=body.norm)
+        return self.compute_logits(h, batch, self.lm_head)
 
 
 MODEL_CLASS = LlamaModel

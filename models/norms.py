@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.kernels.rms_norm import add_rms_norm, gated_rms_norm, rms_norm
+
 
 class RMSNorm(nn.Module):
     """x [..., dim] -> x / rms(x) * w (or * (1 + w) when zero_centered), computed in float32.
@@ -21,14 +23,24 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        if dtype == torch.float32 and self.weight.dtype == dtype and not self.zero_centered:
-            # torch's fused kernel: one call instead of eight, equal to the form below in float32
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if dtype == torch.float32 and self.weight.dtype == dtype:
+            # float32: both forms below are one formula; a C loop on CPU, else torch's rms_norm
+            return rms_norm(x, self.weight, self.eps, self.zero_centered)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.zero_centered:
             return (h * (1.0 + self.weight.float())).to(dtype)
         return self.weight * h.to(dtype)
+
+    def add_forward(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h, delta [T, dim] -> (h + delta, this norm of it): a pre-norm block's residual add
+        and the next norm, in one pass over the row in float32 on CPU."""
+        if h.dtype == torch.float32 and self.weight.dtype == torch.float32 \
+                and type(self).forward is RMSNorm.forward and "forward" not in self.__dict__:
+            return add_rms_norm(h, delta, self.weight, self.eps, self.zero_centered)
+        # a subclass's (or a patched) forward has its own formula: add, then call it
+        s = h + delta
+        return s, self(s)
 
 
 class GatedRMSNorm(nn.Module):
@@ -54,6 +66,10 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, y: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
         dtype = y.dtype
+        if dtype == torch.float32 and self.weight.dtype == dtype:
+            out = gated_rms_norm(y, z, self.weight, self.eps, self.group_size, self.norm_before_gate)
+            if out is not None:  # the C loop (CPU, float32, rows it can read); else the formulas below
+                return out
         h = y.float()
         if self.norm_before_gate:
             h = self.weight * self._norm(h).to(dtype)

@@ -86,3 +86,49 @@ def test_shape_error_names_expected_shape():
         write_kv_ref(k[:, :1], v, cache, slots)
     with pytest.raises(ValueError, match="expected"):
         write_kv_triton(k, v[:4], cache, slots)
+
+
+def _transformers_rotary(x, cos, sin):
+    """x [T, H, D] rotated on its first cos.shape[-1] dims by transformers' Llama rotary."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    rot = cos.shape[-1]
+    xr = x[..., :rot].transpose(0, 1)[None]  # [1, H, T, rot]
+    y, _ = apply_rotary_pos_emb(xr, xr, cos[None], sin[None])
+    return torch.cat((y[0].transpose(0, 1), x[..., rot:]), -1)
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("rot", [64, 32, 0])
+def test_rope_write_kv_matches_rotary_and_write(native, rot):
+    """kernels.rope_write_kv (the C loop; with native kernels off: None, so the layer runs the torch
+    path) against transformers' rotary + write_kv_ref, on strided q/k/v rows, partial rotary and
+    padding slots."""
+    from hybridkv.kernels import native_cpu
+
+    g = torch.Generator().manual_seed(rot)
+    T, hq, hkv, d, bs, nb = 9, 4, 2, 64, 16, 5
+    wide = torch.randn(T, (hq + 2 * hkv) * d + 8, generator=g)
+    qkv = wide[:, 8:]  # rows with a stride, as a column slice would have
+    pos = torch.randint(0, 500, (T,), generator=g).float()
+    freqs = pos[:, None] * (1.0 / 10000 ** (torch.arange(0, rot, 2).float() / max(rot, 1)))[None]
+    emb = torch.cat((freqs, freqs), -1)
+    rope = (emb.cos(), emb.sin()) if rot else None
+    cache = torch.randn(nb, 2, bs, hkv, d, generator=g)
+    slots = torch.randperm(nb * bs, generator=g)[:T].long()
+    slots[::4] = -1
+    q, k, v = qkv.view(T, hq + 2 * hkv, d).split([hq, hkv, hkv], 1)
+    want_q, want_k = (q, k) if rope is None else (_transformers_rotary(q, *rope), _transformers_rotary(k, *rope))
+    want_cache = write_kv_ref(want_k, v, cache.clone(), slots)
+    if not native:
+        with native_cpu.forced_off():
+            assert K.rope_write_kv(qkv, rope, hq, hkv, d, cache, slots) is None
+        return
+    got = K.rope_write_kv(qkv, rope, hq, hkv, d, cache, slots)
+    assert got is not None, "the C loop must build and run on CPU float32"
+    torch.testing.assert_close(got, want_q, rtol=0, atol=0)  # the same roundings: bit-exact
+    torch.testing.assert_close(cache, want_cache, rtol=0, atol=0)
+    bad = slots.clone()
+    bad[1] = nb * bs  # past the pool
+    with pytest.raises(IndexError, match="past the KV pool"):
+        K.rope_write_kv(qkv, rope, hq, hkv, d, cache, bad)
