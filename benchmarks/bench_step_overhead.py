@@ -7,8 +7,11 @@
 N requests (16-200 random prompt tokens, greedy, EOS ignored) are prefilled, then decode steps are
 timed with `time.process_time` (1 torch thread): the whole step, the model call (a stub returning
 zero logits [N, vocab], or with --real the tiny Bamba of bench_engine.py: hidden 256, 8 layers,
-attention at 3 and 7), the sampler call, `schedule()` and the manager's `commit`. Overhead = step -
-model - sampler: scheduling, the batch build, commits and checkpoints, stop checks, outputs.
+attention at 3 and 7), the sampler call, `schedule()` and the manager's `commit` (with
+`commit_decodes`, the batched commit of plain decodes). Overhead = step - model - sampler:
+scheduling, the batch build, commits and checkpoints, stop checks, outputs. Steps run as
+`LLM.generate` runs them (`step(finished_only=True)`: outputs of finished requests only); with
+--stream every step returns every advanced request's output, as the server's stepping does.
 Each repeat runs in a fresh process; with --before PATH (a checkout laid out like this one, e.g.
 `git archive <commit> | tar -x -C PATH`) the two trees alternate, PATH first. Per tree: the median
 over repeats of each repeat's median step, with min-max. Goal (issue 12): < 1 ms at 256 requests,
@@ -59,7 +62,7 @@ class _StubModel:
         return torch.zeros(batch.num_reqs, self.vocab_size)
 
 
-def one_run(num_reqs: int, steps: int, real: bool) -> dict:
+def one_run(num_reqs: int, steps: int, real: bool, stream: bool = False) -> dict:
     """Medians (ms) of one process's decode steps: step, overhead, model, sampler, schedule, commit."""
     import torch
     torch.set_num_threads(1)
@@ -74,6 +77,8 @@ def one_run(num_reqs: int, steps: int, real: bool) -> dict:
     eng.sampler = _Timed(eng.sampler, acc, "sampler")
     eng.scheduler.schedule = _Timed(eng.scheduler.schedule, acc, "schedule")
     eng.mgr.commit = _Timed(eng.mgr.commit, acc, "commit")
+    if hasattr(eng.mgr, "commit_decodes"):  # the batched commit of plain decodes (absent in older trees)
+        eng.mgr.commit_decodes = _Timed(eng.mgr.commit_decodes, acc, "commit")
     rng = random.Random(1)
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     for _ in range(num_reqs):
@@ -85,7 +90,7 @@ def one_run(num_reqs: int, steps: int, real: bool) -> dict:
     for i in range(steps + 5):  # 5 untimed warm-up decodes
         acc.clear()
         t0 = time.process_time()
-        eng.step()
+        eng.step(finished_only=not stream)
         total = time.process_time() - t0
         if i < 5:
             continue
@@ -103,11 +108,14 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps per repeat")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--real", action="store_true", help="the real tiny Bamba forward instead of a stub")
+    ap.add_argument("--stream", action="store_true",
+                    help="every step returns every advanced request's output (the server's path); default: "
+                         "only finished ones, as LLM.generate asks")
     ap.add_argument("--before", default="", help="another checkout to alternate with (runs first)")
     ap.add_argument("--one-run", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one_run:
-        print(json.dumps(one_run(args.requests, args.steps, args.real)))
+        print(json.dumps(one_run(args.requests, args.steps, args.real, args.stream)))
         return 0
     trees = ([("before", Path(args.before).resolve())] if args.before else []) + [("this", HERE)]
     results: dict[str, list[dict]] = {name: [] for name, _ in trees}
@@ -115,10 +123,11 @@ def main(argv=None) -> int:
         for name, root in trees:
             env = dict(os.environ, PYTHONPATH=str(_importable(root)))
             cmd = [sys.executable, str(Path(__file__).resolve()), "--one-run", "--requests", str(args.requests),
-                   "--steps", str(args.steps)] + (["--real"] if args.real else [])
+                   "--steps", str(args.steps)] + (["--real"] if args.real else []) + (["--stream"] if args.stream else [])
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
             results[name].append(json.loads(out.strip().splitlines()[-1]))
     print(f"{args.requests} running decodes, {'real tiny Bamba' if args.real else 'stub'} forward, "
+          f"{'every step' if args.stream else 'finished'} outputs, "
           f"{args.steps} steps x {args.repeats} repeats, CPU ms per step: median (min-max) of repeat medians")
     for name, runs in results.items():
         cells = []

@@ -34,6 +34,10 @@ a request that can never fit raises RequestTooLargeError, a ValueError):
     mgr.allocate(req_id, n) -> list[int] | None            KV write slots for [num_computed, +n)
         (-1 each without attention); None = not enough blocks (no side effect): preempt, retry
     mgr.commit(req_id, n)                                   num_computed += n; full blocks hashed
+    mgr.allocate_decodes(req_ids, starts) -> (slots, due, allocated)   allocate(r, 1) and
+        checkpoint_due for one token of each, all at once (False: allocate those one by one)
+    mgr.commit_decodes(req_ids) -> {index: error}            commit(req_id, 1) for each, one loop
+    with mgr.batched_checkpoints(): mgr.checkpoint(...) ...  the state copies at the exit, together
     mgr.checkpoint_due(req_id, start, end) -> int | None    where to cut the chunk for a checkpoint
     mgr.checkpoint(req_id) -> bool                          live state -> checkpoint at num_computed
     mgr.fork(parent_id, child_id, token_ids=None) -> bool   share blocks, copy the state
@@ -42,15 +46,17 @@ a request that can never fit raises RequestTooLargeError, a ValueError):
     mgr.export_snapshot(req_id) / mgr.import_snapshot(snapshot, ...)
     mgr.block_table(req_ids, width=None) -> int32 [R, width]   (the lead attention group's)
     mgr.block_tables(req_ids) -> {window: int32 [R, width]}   one per attention group
-    mgr.live_slot(req_id) -> int
+    mgr.live_slot(req_id) -> int;  mgr.live_slots(req_ids) -> list[int]
     mgr.request(req_id) -> RequestState;  mgr.stats() -> ManagerStats
 The semantics of each verb over each kind: docs/design.md.
 """
 from __future__ import annotations
 
+import contextlib
 import types
 from typing import Hashable, Mapping, Optional, Sequence
 
+import numpy as np
 import torch
 
 from hybridkv import snapshot_transfer
@@ -159,6 +165,10 @@ class HybridCacheManager:
     def live_slot(self, req_id: Hashable) -> int:
         """The request's state slot in every recurrent layer's pool (0 for pure-attention models)."""
         return self.recurrent.live_slot(req_id) if self.recurrent else 0
+
+    def live_slots(self, req_ids: Sequence[Hashable]) -> list[int]:
+        """live_slot of each request, in one call."""
+        return self.recurrent.live_slots(req_ids) if self.recurrent else [0] * len(req_ids)
 
     def block_ids(self, req_id: Hashable) -> list[int]:
         """The request's KV block per table position (-1 where a block left the window)."""
@@ -304,6 +314,58 @@ class HybridCacheManager:
             return [-1] * num_new_tokens
         return self.attention.slot_mapping(req_id, start, end)
 
+    def allocate_decodes(self, req_ids: Sequence[Hashable], starts: Sequence[int]
+                         ) -> tuple[list[int], list[bool], list[bool]]:
+        """allocate(req_id, 1) and checkpoint_due for one token of each running request at its
+        num_computed_tokens starts[i], all at once: (KV write slot, -1 without attention; whether a
+        checkpoint is due after the token; whether it was allocated). Most tokens land in a block
+        the request holds alone and need nothing; the few that need a block (or a copy of a shared
+        one) get it here only when every pool can give all of them theirs, else none of them does
+        (False: allocate() those one by one, in run order, preempting as needed)."""
+        n = len(req_ids)
+        start = np.asarray(starts, dtype=np.int64)
+        ready = np.ones(n, dtype=bool)
+        slots = np.full(n, -1, dtype=np.int64)
+        for kind in self._allocating:
+            kind_slots, room = kind.decode_room(req_ids, start)
+            ready &= room
+            if kind is self.attention:
+                slots = kind_slots
+        short = np.flatnonzero(~ready).tolist()
+        if short and all(len(short) <= k.pool.num_free for k in self._allocating):  # <= 1 block each
+            for i in short:
+                rid, s = req_ids[i], int(start[i])
+                for kind in self._allocating:
+                    kind.allocate(rid, s, s + 1)
+                if self.attention is not None:
+                    slots[i] = self.attention.slot_mapping(rid, s, s + 1)[0]
+            ready[short] = True
+        due = [False] * n
+        if self.recurrent is not None and self.enable_prefix_caching:  # due only at a block boundary
+            for i in np.flatnonzero((start + 1) % self.block_size == 0).tolist():
+                due[i] = self.checkpoint_due(req_ids[i], int(start[i]), int(start[i]) + 1) is not None
+        return slots.tolist(), due, ready.tolist()
+
+    def commit_decodes(self, req_ids: Sequence[Hashable]) -> dict[int, Exception]:
+        """commit(req_id, 1) for each: the model computed one more token of each. Those whose token
+        fills no block (and no kind does more than hash full blocks) advance in one loop, the
+        others through commit(). Each must hold its token's slot (decode_slots or allocate). Returns {index: the error} of those whose commit raised (each of
+        them left as it was); the others are committed whatever happened to those."""
+        bs, reqs, failed = self.block_size, self._reqs, {}
+        plain = all(getattr(k, "commits_only_full_blocks", False) for k in self._committing)
+        for i, rid in enumerate(req_ids):
+            try:
+                r = reqs[rid]
+                new = r.num_computed_tokens + 1
+                # past the prompt (no burst to drop), inside a block (nothing to hash), a known token
+                if plain and new % bs and new > r.num_prompt_tokens and new <= len(r.token_ids):
+                    r.num_computed_tokens = new
+                else:
+                    self.commit(rid, 1)
+            except Exception as e:
+                failed[i] = e
+        return failed
+
     def commit(self, req_id: Hashable, num_new_tokens: int) -> None:
         """The model computed `num_new_tokens` more tokens: advance num_computed_tokens, hash
         blocks that became full into the prefix cache, let blocks that left a window go."""
@@ -360,6 +422,13 @@ class HybridCacheManager:
         h = self._boundary(r)
         output = nc > r.num_prompt_tokens and self.policy.rolling_output
         return self.recurrent.checkpoint(req_id, h, nc, output)
+
+    def batched_checkpoints(self):
+        """A context in which checkpoint() calls keep their bookkeeping but copy the states at the
+        exit, one gather and scatter per tensor (a step's checkpoints together)."""
+        if self.recurrent is None:
+            return contextlib.nullcontext()
+        return self.recurrent.states.deferred_copies()
 
     def _boundary(self, r: RequestState) -> bytes:
         """Hash of the block ending at num_computed_tokens, made findable in every kind."""

@@ -6,6 +6,7 @@ cache). The pool records which, so conservation can be checked; owners are the m
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Mapping, Optional
 
 import torch
@@ -33,6 +34,7 @@ class StatePool:
         }
         self.kind: list[str] = [NULL] + [FREE] * max(0, self.num_slots - 1)
         self._free: list[int] = list(range(self.num_slots - 1, 0, -1))  # pop() hands out low ids first
+        self._pending: Optional[dict[int, int]] = None  # dst -> src while copies are deferred
 
     @property
     def num_free(self) -> int:
@@ -60,9 +62,37 @@ class StatePool:
         self.kind[slot] = kind
 
     def copy(self, src: int, dst: int) -> None:
-        """Copy slot `src` into slot `dst` in every recurrent layer (copy-on-hit, fork, checkpoint)."""
+        """Copy slot `src` into slot `dst` in every recurrent layer (copy-on-hit, fork, checkpoint).
+        Inside `deferred_copies()` it is only recorded."""
+        if self._pending is not None:
+            self._pending[dst] = src  # a later copy into the same slot wins, as it would in order
+            return
         for t in self._tensors():
             t[dst].copy_(t[src])
+
+    @contextlib.contextmanager
+    def deferred_copies(self):
+        """Copies made inside run at the exit as one gather and one scatter per tensor (a step's
+        checkpoints: one pair of calls per layer instead of one copy per request and layer).
+        Only for work whose copies read slots nothing in it writes (sources are live slots)."""
+        if self._pending is not None:  # nested: the outer one runs them
+            yield
+            return
+        self._pending = {}
+        try:
+            yield
+        finally:
+            pending, self._pending = self._pending, None
+            if len(pending) == 1:
+                (dst, src), = pending.items()
+                self.copy(src, dst)
+            elif pending:
+                tensors = list(self._tensors())
+                dev = tensors[0].device if tensors else "cpu"
+                dst = torch.tensor(list(pending), dtype=torch.long, device=dev)
+                src = torch.tensor(list(pending.values()), dtype=torch.long, device=dev)
+                for t in tensors:
+                    t.index_copy_(0, dst, t.index_select(0, src))
 
     def to_host(self, slot: int, device: torch.device | str = "cpu", pin: bool = False) -> tuple[dict, dict]:
         """Copy one slot out: `({layer: conv[conv_shape]}, {layer: ssm[state_shape]})` on `device`."""

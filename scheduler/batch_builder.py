@@ -39,7 +39,7 @@ class BatchBuilder:
         counts = [c.num_tokens for c in chunks]
         starts = [c.start for c in chunks]
         rids = [c.seq.request_id for c in chunks]
-        if all(n == 1 for n in counts):  # every chunk a decode: one token each
+        if sum(counts) == num_reqs:  # every chunk a decode: one token each
             ids = [c.seq.token_ids[c.start] for c in chunks]
         else:
             ids = []
@@ -65,7 +65,7 @@ class BatchBuilder:
         else:
             lead = mgr.block_table(rids).numpy()
         lead_slots = slots(lead) if mgr.attention is not None else np.full(num_tokens, -1, dtype=np.int64)
-        state_slots = [mgr.live_slot(r) for r in rids]
+        state_slots = mgr.live_slots(rids)
 
         parts: list = [ids, positions, lead_slots, qsl, start + count, state_slots, start > 0, lead]
         for table in groups.values():

@@ -37,12 +37,13 @@ from .batch_builder import BatchBuilder
 from .decode_graphs import DecodeInputs
 from .door import Door
 from .logit_rows import PromptSpan, plan_logit_rows, prompt_logprobs
-from .sampler import SampleRow, Sampler
+from .sampler import Sampler
 from .scheduler import ScheduledChunk, Scheduler
-from .sequence import Sequence, SequenceGroup
-from .stopping import check_stop, token_text
+from .sequence import Sequence, SequenceGroup, SequenceStatus
+from .stopping import StopRule, check_stop, token_text
 
 log = logging.getLogger(__name__)
+FINISHED = SequenceStatus.FINISHED
 
 
 class Engine:
@@ -228,10 +229,10 @@ class Engine:
                 if self.scheduler.has_unfinished() and not plan.preempted and not plan.failed:
                     self._fail_stuck(touched)
             else:
-                self._run(plan.chunks, touched)
+                self._run(plan.chunks, touched, finished_only)
             return self._outputs(touched, finished_only)
 
-    def _run(self, chunks: list[ScheduledChunk], touched: dict) -> None:
+    def _run(self, chunks: list[ScheduledChunk], touched: dict, finished_only: bool) -> None:
         t0 = time.perf_counter()
         logit_rows = plan_logit_rows(chunks, self._collects_prompt_logprobs)
         try:
@@ -252,69 +253,97 @@ class Engine:
         self.counters["model_seconds"] += time.perf_counter() - t0
         self.counters["steps"] += 1
         self.counters["processed_tokens"] += sum(c.num_tokens for c in chunks)
-        rows, row_seqs = [], []
+        rows, row_seqs = [], []         # the other chunks' sampling rows, in batch order
+        plain_rows, plain_seqs = [], []  # decodes (ScheduledChunk.decode): committed together
+        plain_checkpoints: list[Sequence] = []  # those of them due a state checkpoint
         commit, last, spans = self.mgr.commit, logit_rows.last, logit_rows.spans
-        for i, c in enumerate(chunks):
-            seq = c.seq
-            if seq.finished:
-                continue  # its group failed earlier in this loop
-            if not finite[i]:
-                self._fail_group(seq, "the model gave non-finite logits (NaN or inf) for this request",
-                                 touched, discard=True)  # its new KV and state are suspect: cache none
-                continue
-            try:
-                commit(seq.request_id, c.num_tokens)
-            except Exception as e:
-                self._fail_group(seq, e, touched, discard=True)
-                continue
-            try:
-                if c.checkpoint:
-                    self.mgr.checkpoint(seq.request_id)
-                if spans and i in spans:
-                    self._record_prompt_logprobs(seq, logits, spans[i])
-                if c.start + c.num_tokens < len(seq.token_ids):
-                    continue  # a prefill chunk short of the end: nothing to sample yet
-                if seq.params.n == 1:  # no forks: the sequence samples alone
-                    rows.append(last[i])
-                    row_seqs.append(seq)
+        failed_before = self.counters["failed"]
+        with self.mgr.batched_checkpoints():  # this step's state checkpoints copy together
+            for i, c in enumerate(chunks):
+                seq = c.seq
+                if c.decode and finite[i]:
+                    plain_rows.append(last[i])
+                    plain_seqs.append(seq)
+                    if c.checkpoint:
+                        plain_checkpoints.append(seq)
                     continue
-                children = self._fork_children(seq)
-            except Exception as e:
-                self._fail_group(seq, e, touched)
-                continue
-            rows.extend([last[i]] * len(children))
-            row_seqs.extend(children)
+                if seq.finished:
+                    continue  # its group failed earlier in this loop
+                if not finite[i]:
+                    self._fail_group(seq, "the model gave non-finite logits (NaN or inf) for this request",
+                                     touched, discard=True)  # its new KV and state are suspect: cache none
+                    continue
+                try:
+                    commit(seq.request_id, c.num_tokens)
+                except Exception as e:
+                    self._fail_group(seq, e, touched, discard=True)
+                    continue
+                try:
+                    if c.checkpoint:
+                        self.mgr.checkpoint(seq.request_id)
+                    if spans and i in spans:
+                        self._record_prompt_logprobs(seq, logits, spans[i])
+                    if c.start + c.num_tokens < len(seq.token_ids):
+                        continue  # a prefill chunk short of the end: nothing to sample yet
+                    if seq.params.n == 1:  # no forks: the sequence samples alone
+                        rows.append(last[i])
+                        row_seqs.append(seq)
+                        continue
+                    children = self._fork_children(seq)
+                except Exception as e:
+                    self._fail_group(seq, e, touched)
+                    continue
+                rows.extend([last[i]] * len(children))
+                row_seqs.extend(children)
+            if plain_seqs:
+                plain_rows, plain_seqs = self._commit_decodes(plain_rows, plain_seqs, plain_checkpoints, touched,
+                                                              self.counters["failed"] != failed_before)
+                rows, row_seqs = plain_rows + rows, plain_seqs + row_seqs
         if rows:
-            self._sample(logits[rows], row_seqs, touched)
+            self._sample(logits if rows == list(range(len(logits))) else logits[rows], row_seqs, touched,
+                         finished_only)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], touched: dict) -> None:
-        """Sample a token for each row and append it; a row whose sampling or stop check raises
-        fails its request alone (rows are redone one by one, so the others keep their draws)."""
-        rows = [SampleRow(s.params, s.seq_index, s.num_output_tokens, s.token_ids, s.num_prompt_tokens)
-                for s in seqs]
+    def _commit_decodes(self, rows: list[int], seqs: list[Sequence], checkpoints: list[Sequence],
+                        touched: dict, some_failed: bool) -> tuple[list[int], list[Sequence]]:
+        """Commit the decodes' tokens in one manager call, then take the checkpoints due after
+        them; returns the rows and sequences left to sample (a commit or checkpoint that raised
+        fails its request alone, as in the per-chunk path)."""
+        if some_failed:  # a sibling's failure earlier in the step may have ended some of them
+            keep = [j for j, s in enumerate(seqs) if not s.finished]
+            rows, seqs = [rows[j] for j in keep], [seqs[j] for j in keep]
+        errors = self.mgr.commit_decodes([s.request_id for s in seqs])
+        for j, e in errors.items():
+            self._fail_group(seqs[j], e, touched, discard=True)
+        for seq in checkpoints:
+            if not seq.finished:
+                try:
+                    self.mgr.checkpoint(seq.request_id)
+                except Exception as e:
+                    self._fail_group(seq, e, touched)
+        if not errors and not checkpoints:
+            return rows, seqs
+        keep = [j for j, s in enumerate(seqs) if not s.finished]
+        return [rows[j] for j in keep], [seqs[j] for j in keep]
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], touched: dict, finished_only: bool) -> None:
+        """Sample a token for each row [R, V] and append it to seqs[row]; a row whose sampling or stop
+        check raises fails its request alone (rows are redone one by one, so the others keep their
+        draws). touched gets the groups that advanced (with finished_only: that finished)."""
         state = self.sampler.state()
         try:
-            results = list(zip(*self.sampler(logits, rows)))
+            tokens, logprobs = self.sampler(logits, seqs)  # a Sequence reads as a SampleRow
         except Exception:
             self.sampler.set_state(state)
-            results = []
-            for i, row in enumerate(rows):
+            tokens, logprobs = [], []
+            for i, seq in enumerate(seqs):
                 try:
-                    tok, lp = self.sampler(logits[i:i + 1], [row])
-                    results.append((tok[0], lp[0]))
+                    tok, lp = self.sampler(logits[i:i + 1], [seq])
+                    tokens.append(tok[0])
+                    logprobs.append(lp[0])
                 except Exception as e:
-                    results.append(e)
-        for seq, res in zip(seqs, results):
-            if seq.finished:
-                continue  # a sibling failed and took the group with it
-            try:
-                if isinstance(res, Exception):
-                    raise res
-                self._append(seq, *res)
-            except Exception as e:
-                self._fail_group(seq, e, touched)
-                continue
-            touched[seq.group_id] = self.groups[seq.group_id]
+                    tokens.append(e)
+                    logprobs.append(None)
+        self._append(seqs, tokens, logprobs, touched, finished_only)
 
     def _fail_group(self, seq: Sequence, error, touched: dict, discard: bool = False) -> None:
         """End the request `seq` belongs to with "error": every unfinished sequence of it.
@@ -374,13 +403,36 @@ class Engine:
                 self.scheduler.add(child)
         return out
 
-    def _append(self, seq: Sequence, token: int, logprobs: Optional[PositionLogprobs]) -> None:
-        seq.append_token(token, None if logprobs is None else self._decoded(logprobs))
-        self.counters["generated_tokens"] += 1
-        stop = check_stop(seq, self.eos_ids, self.max_model_len, self.tokenizer)
-        if stop is not None:
-            seq.stop_reason = stop.stop_reason
-            self.scheduler.finish(seq, stop.finish_reason)
+    def _append(self, seqs: list[Sequence], tokens: list, logprobs: list[Optional[PositionLogprobs]],
+                touched: dict, finished_only: bool) -> None:
+        """Append tokens[i] (an exception: its sampling failed) to seqs[i] and end those that stop.
+        One tight loop: check_stop runs only where the sequence's StopRule says it may stop."""
+        groups, finish, appended = self.groups, self.scheduler.finish, 0
+        for seq, tok, lp in zip(seqs, tokens, logprobs):
+            if seq.status is FINISHED:
+                continue  # a sibling failed and took the group with it
+            try:
+                if tok.__class__ is not int:
+                    raise tok
+                ids = seq.token_ids
+                ids.append(tok)
+                appended += 1
+                if lp is not None:
+                    seq.output_logprobs.append(self._decoded(lp))
+                rule = seq.stop_rule
+                if rule is None:
+                    rule = seq.stop_rule = StopRule.of(seq, self.eos_ids, self.max_model_len, self.tokenizer)
+                if rule.may_stop(len(ids), tok):
+                    stop = check_stop(seq, self.eos_ids, self.max_model_len, self.tokenizer)
+                    if stop is not None:
+                        seq.stop_reason = stop.stop_reason
+                        finish(seq, stop.finish_reason)
+            except Exception as e:
+                self._fail_group(seq, e, touched)
+                continue
+            if not finished_only or seq.status is FINISHED:
+                touched[seq.group_id] = groups[seq.group_id]
+        self.counters["generated_tokens"] += appended
 
     def _outputs(self, touched: dict, finished_only: bool) -> list[RequestOutput]:
         outs = []

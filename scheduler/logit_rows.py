@@ -50,8 +50,9 @@ def plan_logit_rows(chunks, wants_prompt_logprobs: Callable[[object], bool]) -> 
     """chunks: the step's ScheduledChunks in batch order (seq, start, num_tokens);
     wants_prompt_logprobs(seq): whether that sequence's prompt logprobs are being collected
     (asked only of chunks that cover prompt positions before the last)."""
-    asking = {i for i, c in enumerate(chunks)
-              if c.start < min(c.start + c.num_tokens, c.seq.num_prompt_tokens - 1) and wants_prompt_logprobs(c.seq)}
+    asking = {i for i, c in enumerate(chunks)  # a plain decode (c.decode) is past its prompt
+              if not c.decode and c.start < min(c.start + c.num_tokens, c.seq.num_prompt_tokens - 1)
+              and wants_prompt_logprobs(c.seq)}
     if not asking:  # the model's default rows: the last token of each chunk
         return LogitRows(None, list(range(len(chunks))), {})
     indices, last, spans, offset = [], [], {}, 0

@@ -73,8 +73,12 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]
                  ) -> tuple[list[int], list[Optional[PositionLogprobs]]]:
         """logits [R, V] -> (token ids [R], per row {token: Logprob} when `logprobs` asked: of the
-        model's distribution, before the processors, as vLLM)."""
+        model's distribution, before the processors, as vLLM). rows: SampleRows, or anything
+        with their fields (the engine passes its Sequences)."""
         params = [r.params for r in rows]
+        distinct = {id(p): p for p in params}.values()  # most batches share one or a few
+        if not any(_processed(p) or p.logprobs is not None for p in distinct):  # all plain greedy
+            return logits.float().argmax(dim=-1).tolist(), [None] * len(rows)
         work = self.process(logits, rows) if any(_processed(p) for p in params) else logits.float()
         tokens = work.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.greedy]

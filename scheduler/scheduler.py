@@ -32,13 +32,15 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class ScheduledChunk:
     """`num_tokens` tokens of `seq` from position `start`; `checkpoint` if a state checkpoint is
-    due once they are computed."""
+    due once they are computed. `decode`: one token past the prompt (no prompt logprobs, no forks
+    to make): the engine commits those together."""
 
     seq: Sequence
     start: int
     num_tokens: int
     slot_mapping: list[int]
     checkpoint: bool = False
+    decode: bool = False
 
 
 @dataclass
@@ -116,6 +118,8 @@ class Scheduler:
         for seq in self.running:  # run order, kept within decodes and within prefills
             start = reqs[seq.request_id].num_computed_tokens
             (decodes if len(seq.token_ids) - start <= 1 else prefills).append((start, seq))
+        if decodes and len(decodes) <= budget:
+            decodes, budget = self._plain_decodes(decodes, budget, out)
         for start, seq in itertools.chain(decodes, prefills):
             if budget == 0:
                 break
@@ -139,6 +143,21 @@ class Scheduler:
             if budget < 0:
                 break
         return out
+
+    def _plain_decodes(self, decodes: list[tuple[int, Sequence]], budget: int, out: SchedulerOutput
+                       ) -> tuple[list[tuple[int, Sequence]], int]:
+        """Schedule the decodes in one manager call (`allocate_decodes`); returns those it could
+        not allocate without preempting, still in run order, and the budget left. A later
+        preemption takes a victim's chunk out again, as for any chunk."""
+        slots, due, done = self.mgr.allocate_decodes([seq.request_id for _, seq in decodes],
+                                                     [start for start, _ in decodes])
+        rest, chunks = [], out.chunks
+        for (start, seq), slot, ckpt, ok in zip(decodes, slots, due, done):
+            if ok:  # past the prompt: a plain decode (the last prompt token samples the first output)
+                chunks.append(ScheduledChunk(seq, start, 1, [slot], ckpt, start >= seq.num_prompt_tokens))
+            else:
+                rest.append((start, seq))
+        return rest, budget - (len(decodes) - len(rest))
 
     def _admit_from(self, queue: SequenceQueue, budget: int, out: SchedulerOutput) -> int:
         """Start sequences from the head of `queue` while they fit; the budget left, or -1 when

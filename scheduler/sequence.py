@@ -60,6 +60,7 @@ class Sequence:
         self.num_cached_tokens = 0   # prefix-hit tokens at first admission
         self.output_logprobs: list[dict] = []  # {token id: Logprob} per output token, when asked
         self.stop_reason = None      # the stop string or stop id that ended it (None: EOS, length)
+        self.stop_rule = None        # its StopRule (stopping.py), made by the engine at its first token
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.num_prompt_tokens} prompt + "
@@ -72,6 +73,8 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    num_generated = num_output_tokens  # the sampler reads a Sequence as a SampleRow (sampler.py)
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -20,6 +20,7 @@ class SequenceQueue:
         self._heap: list[tuple[int, float, int, int, str]] = []  # sort key, ticket, id
         self._live: dict[str, tuple[int, Sequence]] = {}
         self._tickets = itertools.count()
+        self._order: Optional[list[Sequence]] = None  # run order of the live ones, until one changes
 
     def add(self, seq: Sequence) -> None:
         """Queue `seq` at its place by (priority, arrival, serial); its id must not be queued."""
@@ -27,6 +28,7 @@ class SequenceQueue:
             raise ValueError(f"sequence {seq.request_id!r} is already in this queue")
         ticket = next(self._tickets)
         self._live[seq.request_id] = (ticket, seq)
+        self._order = None
         heapq.heappush(self._heap, (*run_order(seq), ticket, seq.request_id))
 
     def remove(self, seq: Sequence) -> bool:
@@ -35,6 +37,7 @@ class SequenceQueue:
         if entry is None or entry[1] is not seq:
             return False
         del self._live[seq.request_id]
+        self._order = None
         if len(self._heap) > 2 * len(self._live) + 64:  # keep stale entries a bounded share
             self._heap = [(*run_order(s), t, s.request_id) for t, s in self._live.values()]
             heapq.heapify(self._heap)
@@ -74,5 +77,8 @@ class SequenceQueue:
         return entry is not None and entry[1] is seq
 
     def __iter__(self) -> Iterator[Sequence]:
-        """All queued sequences in run order (sorts: for inspection, not for the step)."""
-        return iter(sorted((s for _, s in self._live.values()), key=run_order))
+        """All queued sequences in run order (sorted once, then kept until the queue changes: the
+        running queue is walked every step and changes only when a sequence joins or leaves)."""
+        if self._order is None:
+            self._order = sorted((s for _, s in self._live.values()), key=run_order)
+        return iter(self._order)

@@ -1,7 +1,8 @@
 """When a sequence ends, and the text a user sees: EOS, stop ids, stop strings, max_tokens, length.
 
 Before `min_tokens` output tokens nothing but length ends a sequence (the sampler also masks EOS
-and stop ids until then), as vLLM.
+and stop ids until then), as vLLM. A `StopRule` per sequence tells after each token, with a length
+compare and a set lookup, whether `check_stop` needs asking at all.
 """
 from __future__ import annotations
 
@@ -33,6 +34,32 @@ def token_text(tokenizer, token_id: int) -> str:
     text = tokenizer.decode([token_id])
     # a special token decodes to nothing: its name keeps it apart from the others in a top-k dict
     return text or tokenizer.convert_ids_to_tokens(token_id) or f"token_id:{token_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class StopRule:
+    """What can end a sequence, as a cheap test run after every token: `check_stop` is asked only
+    when `may_stop` holds (a length limit reached, a stop or EOS id, or stop strings to look for),
+    so it answers the same as asking check_stop every time.
+
+    limit: the length (prompt + output) at which max_tokens or max_model_len ends it.
+    ids: stop token ids, plus EOS unless ignore_eos (min_tokens is check_stop's business).
+    strings: whether it has stop strings and a tokenizer to find them with.
+    """
+
+    limit: int
+    ids: frozenset
+    strings: bool
+
+    @classmethod
+    def of(cls, seq: Sequence, eos_ids: set[int], max_model_len: int, tokenizer) -> "StopRule":
+        p = seq.params
+        ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(eos_ids))
+        return cls(min(seq.num_prompt_tokens + p.max_tokens, max_model_len), ids,
+                   bool(p.stop) and tokenizer is not None)
+
+    def may_stop(self, num_tokens: int, last: int) -> bool:
+        return num_tokens >= self.limit or last in self.ids or self.strings
 
 
 def check_stop(seq: Sequence, eos_ids: set[int], max_model_len: int, tokenizer) -> Optional[Stop]:

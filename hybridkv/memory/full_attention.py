@@ -29,6 +29,8 @@ class FullAttentionMemory(LayerMemory):
     (parts 2: key and value; 1: a latent per token, same block bookkeeping, see AttentionSpec)."""
 
     name = "full_attention"
+    # commit changes something only when a block fills (its hash); SlidingWindowMemory's lets go too
+    commits_only_full_blocks = True
 
     @staticmethod
     def handles(spec) -> bool:
@@ -150,6 +152,25 @@ class FullAttentionMemory(LayerMemory):
             self.tables.write(row, len(blocks), new)
             blocks.extend(new)
 
+    def decode_room(self, rids: Sequence[Hashable], starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """One token at position starts[i] [R] for each rids[i]: (KV write slot [R] int64, whether it
+        lands in a block rid already holds alone [R] bool: nothing to add or copy, the batched
+        `_has_room`). A slot is meaningful only where the answer is True."""
+        bs, blocks, rows = self.block_size, self._blocks, self._row
+        held = np.array([len(blocks[r]) for r in rids], dtype=np.int64)
+        col = starts // bs
+        inside = col < held
+        table = self.tables.array
+        ids = table[[rows[r] for r in rids], np.minimum(col, table.shape[1] - 1)].astype(np.int64)
+        ok = inside
+        partial = inside & (starts % bs != 0)
+        if partial.any():  # a partial block a fork still shares is copied before the first write
+            refcount = self.pool.refcount
+            shared = np.array([refcount[b] > 1 for b in ids[partial].tolist()], dtype=bool)
+            ok = inside.copy()
+            ok[np.flatnonzero(partial)[shared]] = False
+        return ids * bs + starts % bs, ok
+
     def slot_mapping(self, rid: Hashable, start: int, end: int) -> list[int]:
         """KV write slots `block * block_size + pos % block_size` for positions [start, end)."""
         bs, row = self.block_size, self.tables.array[self._row[rid]]
@@ -161,7 +182,7 @@ class FullAttentionMemory(LayerMemory):
     def block_table(self, rids: Sequence[Hashable], width: Optional[int] = None) -> torch.Tensor:
         """int32 `[len(rids), width]` of block ids; width defaults to the longest table."""
         if width is None:
-            width = max((len(self._blocks[r]) for r in rids), default=1)
+            width = max(map(len, map(self._blocks.__getitem__, rids)), default=1)
         return self.tables.gather([self._row[r] for r in rids], width)
 
     def commit(self, rid: Hashable, hashes: Sequence[bytes], num_hashed: int, num_full: int,

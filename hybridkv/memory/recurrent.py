@@ -71,6 +71,10 @@ class RecurrentMemory(LayerMemory):
     def live_slot(self, rid: Hashable) -> int:
         return self._slot.get(rid, 0)
 
+    def live_slots(self, rids: Sequence[Hashable]) -> list[int]:
+        slot = self._slot
+        return [slot.get(r, 0) for r in rids]
+
     # ---- checkpoints -----------------------------------------------------------------------
     def _touch(self, h: bytes) -> None:
         self._clock += 1

@@ -19,6 +19,8 @@ from .full_attention import NO_BLOCK, FullAttentionMemory
 class SlidingWindowMemory(FullAttentionMemory):
     """Paged KV of layers that share one sliding window of `window` tokens."""
 
+    commits_only_full_blocks = False  # a commit may let blocks that left the window go
+
     @staticmethod
     def handles(spec) -> bool:
         return isinstance(spec, AttentionSpec) and spec.sliding_window is not None
