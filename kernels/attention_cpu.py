@@ -1,5 +1,9 @@
 """Fast torch path for paged attention on CPU: same contract as `attention_ref.paged_attention_ref`.
 
+One-token decodes of fp32 layers go to C in one call per layer when native kernels are available
+(kernels/attention_decode_native.py: K/V read once, in place through the block table); what follows
+is the torch path, for the rest and for every layer when native kernels are off.
+
 The cost follows the tokens held, not (requests x longest context). One-token decodes are sorted
 by the number of blocks they read and cut into buckets whose padding is at most a quarter of their
 work (or 16 blocks), so one long request runs in its own bucket instead of making every short one
@@ -28,6 +32,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .attention_decode_native import NativeDecodes, attend_decodes, native_decodes_usable
 from .attention_ref import check_attention_inputs
 
 # SDPA's CPU flash kernel, returning (out [B, H, L, D], logsumexp [B, H, L] in natural-log units):
@@ -159,10 +164,21 @@ def _group(block_table, n_pool_blocks, bs, reqs, starts, qlens, lens, causal, wi
                   tail if tail.numel() else None, first_row=first_row)
 
 
+@dataclass
+class StepPlan:
+    """A step's attention work: `groups` on the torch path; `decodes`, the one-token decodes the C
+    kernel serves in one call (kernels/attention_decode_native.py), or None (they are groups too)."""
+
+    groups: list[_Group]
+    decodes: Optional[NativeDecodes] = None
+
+
 def attention_plan(query_start_loc, seq_lens, block_table, bs, n_pool_blocks, causal=True,
-                   sliding_window=None, soft_cap=None, sinks: bool = False) -> list[_Group]:
-    """The step's groups: decodes in length buckets (see decode_buckets), each prefill chunk alone
-    (through SDPA unless soft-capped or with sinks). Checks every request; ValueError names the bad one."""
+                   sliding_window=None, soft_cap=None, sinks: bool = False,
+                   native: bool = False) -> StepPlan:
+    """The step's work: decodes for the C kernel when `native`, else in length buckets (see
+    decode_buckets); each prefill chunk alone (through SDPA unless soft-capped or with sinks).
+    Checks every request; ValueError names the bad one."""
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
     decodes, prefills = [], []
     for r, seq_len in enumerate(lens):
@@ -176,7 +192,9 @@ def attention_plan(query_start_loc, seq_lens, block_table, bs, n_pool_blocks, ca
             raise ValueError(f"request {r}: seq_len {seq_len} needs {-(-seq_len // bs)} blocks of "
                              f"{bs}; block_table has {block_table.shape[1]} columns")
         (decodes if qlen == 1 else prefills).append(r)
-    nblocks = [-(-lens[r] // bs) - _first_block(lens[r], 1, bs, sliding_window) for r in decodes]
+    native_decodes = NativeDecodes.build(decodes, qsl, seq_lens, block_table) if native and decodes else None
+    nblocks = [] if native else [-(-lens[r] // bs) - _first_block(lens[r], 1, bs, sliding_window)
+                                 for r in decodes]
     groups = []
     for bucket in decode_buckets(nblocks):
         reqs = [decodes[i] for i in bucket]
@@ -186,7 +204,7 @@ def attention_plan(query_start_loc, seq_lens, block_table, bs, n_pool_blocks, ca
     for r in prefills:
         groups.append(_group(block_table, n_pool_blocks, bs, [r], [qsl[r]], [qsl[r + 1] - qsl[r]],
                              [lens[r]], causal, sliding_window, soft_cap is None and not sinks))
-    return groups
+    return StepPlan(groups, native_decodes)
 
 
 def _attend(q, kv_cache, grp: _Group, scale, soft_cap, sinks=None):
@@ -255,18 +273,28 @@ def paged_attention_cpu(q, kv_cache, query_start_loc, seq_lens, block_table, sca
     """
     check_attention_inputs(q, kv_cache, query_start_loc, seq_lens, block_table, sliding_window,
                            soft_cap, sinks)
+    native = native_decodes_usable(q, kv_cache)
     key = ("paged_attention", kv_cache.shape[2], kv_cache.shape[0], causal, sliding_window,
-           soft_cap is None, sinks is None)
+           soft_cap is None, sinks is None, native)
     plan = None if plan_cache is None else plan_cache.get(key)
     if plan is None:
         plan = attention_plan(query_start_loc, seq_lens, block_table, kv_cache.shape[2],
-                              kv_cache.shape[0], causal, sliding_window, soft_cap, sinks is not None)
+                              kv_cache.shape[0], causal, sliding_window, soft_cap, sinks is not None,
+                              native)
         if plan_cache is not None:
             plan_cache[key] = plan
-    if len(plan) == 1 and plan[0].first_row == 0 and plan[0].out_rows.shape[0] == q.shape[0]:
-        out = _attend(q, kv_cache, plan[0], scale, soft_cap, sinks)  # every row, in order
+    groups = plan.groups
+    if (plan.decodes is None and len(groups) == 1 and groups[0].first_row == 0
+            and groups[0].out_rows.shape[0] == q.shape[0]):
+        out = _attend(q, kv_cache, groups[0], scale, soft_cap, sinks)  # every row, in order
         return out if out.dtype == q.dtype else out.to(q.dtype)
-    out = torch.zeros_like(q)
-    for grp in plan:
+    covered = sum(grp.out_rows.shape[0] for grp in groups)
+    if plan.decodes is not None:
+        covered += plan.decodes.rows.shape[0]
+    # every row written below (no padding rows): no need to zero first
+    out = torch.empty_like(q) if covered == q.shape[0] else torch.zeros_like(q)
+    if plan.decodes is not None:  # fp32 (native_decodes_usable): written in place
+        attend_decodes(q, kv_cache, plan.decodes, scale, soft_cap, sliding_window, sinks, out)
+    for grp in groups:
         out.index_copy_(0, grp.out_rows, _attend(q, kv_cache, grp, scale, soft_cap, sinks).to(q.dtype))
     return out

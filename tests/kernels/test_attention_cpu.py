@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import hybridkv.kernels as K
+from hybridkv.kernels import native_cpu
 from hybridkv.kernels.attention_cpu import decode_buckets, paged_attention_cpu
 from hybridkv.kernels.attention_ref import paged_attention_ref
 
@@ -37,10 +38,20 @@ def rel_err(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
+@pytest.fixture(params=["native", "torch"])
+def decode_path(request):
+    """Decodes through the C kernel (kernels/attention_decode_native.py) or the torch buckets."""
+    if request.param == "native":
+        yield request.param
+    else:
+        with native_cpu.forced_off():
+            yield request.param
+
+
 @pytest.mark.parametrize("bs,hkv,group,d", [(16, 2, 2, 32), (8, 1, 4, 16), (32, 4, 1, 64)])
 @pytest.mark.parametrize("opts", [dict(), dict(sliding_window=7), dict(soft_cap=5.0),
                                   dict(causal=False), dict(sliding_window=20, soft_cap=2.0)])
-def test_matches_reference(bs, hkv, group, d, opts):
+def test_matches_reference(bs, hkv, group, d, opts, decode_path):
     q, kv, qsl, seq_lens, table = paged_batch(MIXED, bs, hkv, group, d, seed=bs + d)
     scale = d ** -0.5
     want = paged_attention_ref(q, kv, qsl, seq_lens, table, scale, **opts)
@@ -51,7 +62,7 @@ def test_matches_reference(bs, hkv, group, d, opts):
 
 
 @pytest.mark.parametrize("reqs", [[(1, s) for s in (1, 5, 16, 17, 90)], [(33, 33)], [(7, 50), (2, 2)]])
-def test_all_decode_or_all_prefill(reqs):
+def test_all_decode_or_all_prefill(reqs, decode_path):
     q, kv, qsl, seq_lens, table = paged_batch(reqs, 16, 2, 3, 32, seed=len(reqs))
     want = paged_attention_ref(q, kv, qsl, seq_lens, table, 0.2)
     assert rel_err(paged_attention_cpu(q, kv, qsl, seq_lens, table, 0.2), want) < 1e-5
@@ -71,7 +82,7 @@ def test_decode_buckets_bound_the_padding():
 
 
 @pytest.mark.parametrize("opts", [dict(), dict(sliding_window=40), dict(soft_cap=3.0)])
-def test_skewed_decodes_match_reference(opts):
+def test_skewed_decodes_match_reference(opts, decode_path):
     """31 short decodes and one long one (separate buckets), with a prefill chunk in the batch."""
     reqs = [(1, 20 + 3 * i) for i in range(31)] + [(1, 700), (9, 50)]
     q, kv, qsl, seq_lens, table = paged_batch(reqs, 16, 2, 2, 32, seed=11)
@@ -108,7 +119,7 @@ def test_dispatch_routes_cpu_torch_backend_here(monkeypatch):
 
 
 @pytest.mark.parametrize("opts", [dict(), dict(sliding_window=9), dict(soft_cap=4.0)])
-def test_one_step_plan_serves_every_layer(opts):
+def test_one_step_plan_serves_every_layer(opts, decode_path):
     """Layers of one step share a plan_cache: the second layer (other q, other pool, same block
     table) reuses the first one's plan and still matches the reference."""
     plans = {}
@@ -141,7 +152,7 @@ def test_write_kv_cpu_matches_reference(dtype):
         write_kv_cpu(k[:3], v, pool, slots)
 
 
-def test_blocks_no_request_owns_may_hold_nan():
+def test_blocks_no_request_owns_may_hold_nan(decode_path):
     """Pool blocks outside every request's real keys (freed, another owner's) are NaN: no output
     row may see them, on the decode and on the prefill path."""
     reqs = [(1, 21), (7, 7), (12, 29), (1, 70)]
@@ -162,7 +173,8 @@ def test_blocks_no_request_owns_may_hold_nan():
 def test_one_group_in_order_returns_its_rows(reqs, opts):
     """Batch-1 decodes, equal-length decodes and a lone prefill with no padding rows: the fast
     path attends to exactly the requests' keys and returns the group's rows as the output; the
-    unwritten tail of each last block and every block no request owns hold NaN."""
+    unwritten tail of each last block and every block no request owns hold NaN. (The torch path:
+    with native kernels on, these decodes run in C.)"""
     q, kv, qsl, seq_lens, table = paged_batch(reqs, 16, 2, 2, 32, seed=len(reqs), pad_rows=0)
     used = {int(table[r, i]) for r, (_, s) in enumerate(reqs) for i in range(-(-s // 16))}
     for b in range(kv.shape[0]):
@@ -173,11 +185,13 @@ def test_one_group_in_order_returns_its_rows(reqs, opts):
     q_before = q.clone()
     want = paged_attention_ref(q, kv, qsl, seq_lens, table, 0.2, **opts)
     plans = {}
-    got = paged_attention_cpu(q, kv, qsl, seq_lens, table, 0.2, plan_cache=plans, **opts)
+    with native_cpu.forced_off():
+        got = paged_attention_cpu(q, kv, qsl, seq_lens, table, 0.2, plan_cache=plans, **opts)
     assert torch.isfinite(got).all() and rel_err(got, want) < 1e-5
     assert torch.equal(q, q_before)  # q may be read in place, never written
     (plan,) = plans.values()
-    assert len(plan) == 1 and plan[0].first_row == 0 and plan[0].tail is None and plan[0].n_keys
+    (grp,) = plan.groups
+    assert plan.decodes is None and grp.first_row == 0 and grp.tail is None and grp.n_keys
 
 
 def test_write_kv_cpu_non_contiguous_pool():
@@ -206,7 +220,7 @@ def test_prefill_from_position_0_matches_reference(window):
     got = paged_attention_cpu(q, kv, qsl, seq_lens, table, 0.3, sliding_window=window, plan_cache=plans)
     assert rel_err(got, want) < 1e-5
     (plan,) = plans.values()
-    assert [grp.causal_only for grp in plan if grp.lmax > 1] == [window != 11] * 2
+    assert [grp.causal_only for grp in plan.groups if grp.lmax > 1] == [window != 11] * 2
 
 
 # (query_len, seq_len): chunks over cached context (C = seq_len - query_len > 0) that start and
@@ -217,7 +231,7 @@ RAGGED = [(5, 21), (1, 9), (16, 16), (9, 41), (1, 33), (3, 3), (24, 56), (7, 23)
 
 @pytest.mark.parametrize("group", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_chunks_over_cached_context_merge_two_pieces(group, dtype):
+def test_chunks_over_cached_context_merge_two_pieces(group, dtype, decode_path):
     """Causal chunks with cached context attend as cached-unmasked + own-causal pieces merged by
     their log-sum-exp; chunks from 0 keep the causal kernel and one-token rows the decode path.
     Unwritten tails and unowned blocks hold NaN."""
@@ -234,10 +248,13 @@ def test_chunks_over_cached_context_merge_two_pieces(group, dtype):
     assert torch.isfinite(got).all()
     assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 2e-3)
     (plan,) = plans.values()
-    prefill = [(grp.cached, grp.causal_only, grp.hidden is None) for grp in plan if grp.lmax > 1]
+    prefill = [(grp.cached, grp.causal_only, grp.hidden is None) for grp in plan.groups if grp.lmax > 1]
     assert prefill == [(s - ql, s == ql, True) for ql, s in RAGGED if ql > 1]
-    decodes = [grp for grp in plan if grp.lmax == 1]
-    assert decodes and all(not grp.sdpa and grp.cached == 0 for grp in decodes)
+    decodes = [grp for grp in plan.groups if grp.lmax == 1]
+    if decode_path == "native" and dtype == torch.float32:  # one C call; no torch decode group
+        assert not decodes and plan.decodes.reqs.tolist() == [r for r, (ql, _) in enumerate(RAGGED) if ql == 1]
+    else:
+        assert decodes and all(not grp.sdpa and grp.cached == 0 for grp in decodes) and plan.decodes is None
 
 
 @pytest.mark.parametrize("opts", [dict(sliding_window=10), dict(soft_cap=3.0), dict(causal=False)])
@@ -248,7 +265,7 @@ def test_chunks_over_context_keep_the_old_path_outside_plain_causal(opts):
     plans = {}
     assert rel_err(paged_attention_cpu(q, kv, qsl, seq_lens, table, 0.25, plan_cache=plans, **opts),
                    want) < 1e-5
-    assert all(grp.cached == 0 for plan in plans.values() for grp in plan)
+    assert all(grp.cached == 0 for plan in plans.values() for grp in plan.groups)
 
 
 def test_without_the_flash_lse_op_chunks_keep_the_mask(monkeypatch):
@@ -260,5 +277,5 @@ def test_without_the_flash_lse_op_chunks_keep_the_mask(monkeypatch):
     want = paged_attention_ref(q, kv, qsl, seq_lens, table, 0.25)
     plans = {}
     assert rel_err(paged_attention_cpu(q, kv, qsl, seq_lens, table, 0.25, plan_cache=plans), want) < 1e-5
-    masked = [grp for plan in plans.values() for grp in plan if grp.sdpa and not grp.causal_only]
+    masked = [grp for plan in plans.values() for grp in plan.groups if grp.sdpa and not grp.causal_only]
     assert len(masked) == 5 and all(grp.cached == 0 and grp.hidden is not None for grp in masked)

@@ -1,0 +1,97 @@
+"""One attention layer's CPU decode step: the C kernel reading K/V in place from the paged pool
+(kernels/attention_decode_native.py) against the torch path (length buckets, a gather of whole
+blocks, two batched matmuls), both through `paged_attention_cpu` on the same pool.
+
+    python benchmarks/bench_attention_decode_cpu.py --repeats 7
+
+1 torch thread, CPU time (`time.process_time`), the two paths alternating in each repeat (which
+goes first alternates too); median over repeats (min-max) of the time per layer of a step of
+`--layers` layers sharing one step plan (built by the first, as in the engine). Shapes of
+bench_engine.py's models: 4 query / 2 KV heads of 64, blocks of 16, fp32, blocks shuffled in a
+pool with spare blocks. Also prints skewed / uniform (31 x 64 + 1 x 2048 over 32 x 64) per path.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from hybridkv.kernels import native_cpu
+from hybridkv.kernels.attention_cpu import paged_attention_cpu
+
+CASES = {
+    "32 decodes of 32-320 tokens": [random.Random(0).randint(32, 320) for _ in range(32)],
+    "batch 1, 128 tokens": [128],
+    "32 x 64 (uniform)": [64] * 32,
+    "31 x 64 + 1 x 2048 (skewed)": [64] * 31 + [2048],
+}
+
+
+def decode_step(lens: list[int], bs=16, hkv=2, group=2, d=64, seed=0):
+    """q [R, Hq, D] (one query per request), a pool holding the requests' blocks shuffled among
+    spare ones, query_start_loc, seq_lens and the block table."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // bs) for n in lens]
+    num_blocks = 2 * sum(need) + 8
+    kv = torch.randn(num_blocks, 2, bs, hkv, d, generator=g)
+    perm = torch.randperm(num_blocks, generator=g)
+    table = torch.zeros(len(lens), max(need), dtype=torch.int32)
+    used = 0
+    for r, n in enumerate(need):
+        table[r, :n] = perm[used:used + n].to(torch.int32)
+        used += n
+    q = torch.randn(len(lens), hkv * group, d, generator=g)
+    qsl = torch.arange(len(lens) + 1, dtype=torch.int32)
+    return q, kv, qsl, torch.tensor(lens, dtype=torch.int32), table
+
+
+def step(inputs, layers: int, native: bool):
+    plans = {}  # one step: the first layer builds the plan, the others reuse it
+    if native:
+        for _ in range(layers):
+            out = paged_attention_cpu(*inputs, 0.125, plan_cache=plans)
+        return out
+    with native_cpu.forced_off():
+        for _ in range(layers):
+            out = paged_attention_cpu(*inputs, 0.125, plan_cache=plans)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--layers", type=int, default=8, help="attention layers per step (one plan)")
+    args = ap.parse_args()
+    if args.repeats < 1 or args.layers < 1:
+        raise SystemExit(f"--repeats {args.repeats} / --layers {args.layers}: both must be >= 1")
+    torch.set_num_threads(1)
+    if not native_cpu.enabled() or native_cpu.library("paged_attention") is None:
+        raise SystemExit("the native kernel is off or not built here (HYBRIDKV_CPU_NATIVE, a C "
+                         "compiler): only the torch path exists, nothing to compare")
+    print(f"torch {torch.__version__}, 1 thread, {args.repeats} repeats, {args.layers} layers a step, "
+          "CPU ms per layer: median (min-max)")
+    print("| decodes | torch path | native | speed-up | max abs diff |")
+    print("| --- | --- | --- | --- | --- |")
+    medians = {}
+    for name, lens in CASES.items():
+        inputs = decode_step(lens)
+        diff = (step(inputs, 1, False) - step(inputs, 1, True)).abs().max().item()
+        times = {False: [], True: []}
+        for r in range(args.repeats):
+            for native in ((False, True) if r % 2 == 0 else (True, False)):
+                c0 = time.process_time()
+                step(inputs, args.layers, native)
+                times[native].append(1e3 * (time.process_time() - c0) / args.layers)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        medians[name] = med
+        cell = lambda k: f"{med[k]:.3f} ({min(times[k]):.3f}-{max(times[k]):.3f})"
+        print(f"| {name} | {cell(False)} | {cell(True)} | {med[False] / med[True]:.2f}x | {diff:.1e} |")
+    uni, skew = medians["32 x 64 (uniform)"], medians["31 x 64 + 1 x 2048 (skewed)"]
+    print(f"skewed / uniform: torch path {skew[False] / uni[False]:.2f}x, native {skew[True] / uni[True]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

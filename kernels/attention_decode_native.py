@@ -1,0 +1,98 @@
+"""One-token decodes of CPU paged attention in C, read straight from the paged pool.
+
+The torch path (kernels/attention_cpu.py) gathers each bucket's KV blocks into a new tensor and
+multiplies that copy twice (a read, a write and two reads of all the KV: ~70% of a Llama decode
+layer's attention). `kernels/native/paged_attention.c` reads each request's K and V rows once,
+in place through the block table, every query head of a GQA group sharing each row read, with
+fp32 accumulation; one C call per layer serves every decode of the step. It supports what the
+torch path does for decodes: scale, sliding window, soft cap and sinks.
+
+Used when the kernel builds here (kernels/native_cpu.py; `HYBRIDKV_CPU_NATIVE=0` or
+`native_cpu.forced_off()` turn it off), q and the pool are fp32 and their head_dim is contiguous;
+otherwise the torch path runs. Checked against the reference in tests/kernels/test_attention_cpu.py.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import native_cpu
+
+_I64, _F32, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_ARGTYPES = [_P, _I64, _I64,                      # q, its token and head strides
+             _P, _I64, _I64, _I64, _I64, _I64,    # pool, num_blocks, strides: block, K->V, position, head
+             _P, _I64, _P,                        # block_table, its row stride, seq_lens
+             _P, _P, _I64,                        # reqs, rows, n
+             _I64, _I64, _I64, _I64,              # Hkv, group, D, block size
+             _F32, _F32, _I64, _P,                # scale, soft cap (0: none), window (0: none), sinks
+             _P, _I64, _I64]                      # out, its token and head strides
+_kernel = None
+
+
+def _decode_kernel():
+    """The C function, or None when native kernels are off or cannot be built here."""
+    global _kernel
+    if not native_cpu.enabled():
+        return None
+    if _kernel is None:
+        _kernel = native_cpu.function("paged_attention", "paged_decode_attention", _ARGTYPES, _I64)
+    return _kernel
+
+
+def native_decodes_usable(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether this layer's decodes can run in C: the kernel is here, q [T, Hq, D] and the pool
+    [num_blocks, 2, bs, Hkv, D] are fp32 CPU tensors with a contiguous head_dim."""
+    return (q.dtype == torch.float32 and kv_cache.dtype == torch.float32 and q.device.type == "cpu"
+            and kv_cache.device.type == "cpu" and q.stride(2) == 1 and kv_cache.stride(4) == 1
+            and _decode_kernel() is not None)
+
+
+@dataclass
+class NativeDecodes:
+    """What the C call needs about a step's one-token decodes, built once per step (ForwardBatch.
+    kernel_plans) and shared by every layer: reqs [n] int32 request indices, rows [n] int32 their
+    query rows, block_table [R, W] and seq_lens [R] int32 contiguous (kept alive here)."""
+
+    reqs: torch.Tensor
+    rows: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+
+    @staticmethod
+    def build(decodes: list[int], query_start_loc: list[int], seq_lens: torch.Tensor,
+              block_table: torch.Tensor) -> "NativeDecodes":
+        """decodes: the requests with one query this step; query_start_loc: qsl as a list."""
+        return NativeDecodes(torch.tensor(decodes, dtype=torch.int32),
+                             torch.tensor([query_start_loc[r] for r in decodes], dtype=torch.int32),
+                             block_table.to(torch.int32).contiguous(),
+                             seq_lens.to(torch.int32).contiguous())
+
+
+def attend_decodes(q, kv_cache, dec: NativeDecodes, scale: float, soft_cap: Optional[float],
+                   sliding_window: Optional[int], sinks: Optional[torch.Tensor], out: torch.Tensor):
+    """Writes out[rows] ([n, Hq, D] of out [T, Hq, D], fp32) for the decodes of `dec`. Raises
+    ValueError when a block-table entry a decode reads lies outside the pool."""
+    n = dec.reqs.shape[0]
+    if n == 0:
+        return
+    hkv, d = kv_cache.shape[3], kv_cache.shape[4]
+    sink = None if sinks is None else sinks.detach().to(torch.float32).contiguous()
+    st = kv_cache.stride()
+    status = _decode_kernel()(
+        q.data_ptr(), q.stride(0), q.stride(1),
+        kv_cache.data_ptr(), kv_cache.shape[0], st[0], st[1], st[2], st[3],
+        dec.block_table.data_ptr(), dec.block_table.stride(0), dec.seq_lens.data_ptr(),
+        dec.reqs.data_ptr(), dec.rows.data_ptr(), n,
+        hkv, q.shape[1] // hkv, d, kv_cache.shape[2],
+        scale, 0.0 if soft_cap is None else soft_cap, 0 if sliding_window is None else sliding_window,
+        None if sink is None else sink.data_ptr(),
+        out.data_ptr(), out.stride(0), out.stride(1))
+    if status == -(1 + n):
+        raise MemoryError("paged_decode_attention: no memory for its scratch buffers")
+    if status != 0:
+        r = int(dec.reqs[-status - 1])
+        raise ValueError(f"request {r}: its block_table row {dec.block_table[r].tolist()} names a block "
+                         f"outside the pool of {kv_cache.shape[0]} blocks (seq_len {int(dec.seq_lens[r])})")
