@@ -5,7 +5,8 @@ Prefill: every request of the call at once. Each request's conv window (k-1 rows
 stitched in front of its tokens in one token-major buffer of T + R (k-1) rows; the conv is then
 k shifted multiply-adds over the whole buffer (no transpose, no loop over requests), and the
 rows that straddle two requests are dropped. The new windows are the last k-1 rows of each
-request's segment, written back in one indexed copy.
+request's segment, written back in one indexed copy. For fp32 the C kernel
+(mamba2_prefill_native.py) does all of it, silu included, in one pass over the tokens instead.
 Decode: the windows are shifted where they live over each run of consecutive slots (see
 slot_rows.py). Taps are summed oldest first, then the bias, in fp32.
 Checked against the reference in tests/kernels/test_causal_conv_cpu.py.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .conv1d_ref import _act, _check
+from . import mamba2_prefill_native as prefill_native
 from .mamba2_native import conv1d_update_native
 from .slot_rows import update_slot_rows
 from .varlen import request_spans
@@ -31,6 +33,9 @@ def causal_conv1d_cpu(x, conv_state, weight, bias, query_start_loc, slot_idx, ha
     k = weight.shape[1]
     if not spans:
         return torch.empty_like(x)
+    if spans[0][0] == 0 and spans[-1][1] == T and activation in (None, "silu", "swish") \
+            and conv_state.is_contiguous() and prefill_native.usable(x, conv_state, weight, bias):
+        return prefill_native.causal_conv(x, conv_state, weight, bias, spans, activation)
     R, w = len(spans), k - 1
     slots = torch.tensor([s for _, _, s, _ in spans], device=x.device)
     # segment r = rows [start_r + r w, end_r + (r + 1) w): its window, then its tokens

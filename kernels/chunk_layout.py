@@ -46,11 +46,28 @@ class ChunkLayout:
         self.token_pos = offset % chunk
         self.dest = self.token_chunk * chunk + self.token_pos
         self.upper = torch.ones(chunk, chunk, dtype=torch.bool, device=device).triu(1)
+        self._source_rows = self._padded_row_of = None  # built when first asked for (C kernels)
         self.step_requests = [None if all(n > k for n in count) else
                               torch.tensor([r for r, n in enumerate(count) if n > k], dtype=torch.long,
                                            device=device) for k in range(max(count, default=0))]
         self._steps = [torch.tensor([f + k for f, n in zip(first, count) if n > k], dtype=torch.long,
                                     device=device) for k in range(max(count, default=0))]
+
+    @property
+    def source_rows(self) -> torch.Tensor:
+        """[C * chunk] long: the packed token row at each padded row, -1 in the padding."""
+        if self._source_rows is None:
+            self._source_rows = torch.full((self.num_chunks * self.chunk,), -1, dtype=torch.long,
+                                           device=self.device).index_copy_(0, self.dest, self.rows)
+        return self._source_rows
+
+    def padded_row_of(self, num_rows: int) -> torch.Tensor:
+        """[num_rows] long: the padded row of each packed row of a call's tensors, -1 for a row no
+        request covers."""
+        if self._padded_row_of is None or self._padded_row_of.shape[0] != num_rows:
+            self._padded_row_of = torch.full((num_rows,), -1, dtype=torch.long,
+                                             device=self.device).index_copy_(0, self.rows, self.dest)
+        return self._padded_row_of
 
     def pad(self, t: torch.Tensor) -> torch.Tensor:
         """t [T_all, F] packed tokens -> fp32 [C * chunk, F]: each request's tokens in its chunks,

@@ -6,7 +6,9 @@ each request's last chunk is padded, with zero dt: no decay, no input) and go th
 batched matmuls in layouts that need no permute copies (heads of a group share one C.B and one
 B / C operand: broadcast, never repeated); only the chunk-to-chunk recurrence steps over chunk
 index. States at requested positions are read from the state entering their chunk plus the
-chunk's inputs up to them (no cut in the scan).
+chunk's inputs up to them (no cut in the scan). For fp32 the steps between the matmuls (inputs
+to the chunk layout, the masked decays times C.B, the recurrence, the read-out with the D skip) run
+in C, one pass each (mamba2_prefill_native.py); the torch code below is the fallback.
 The decode step updates the slots' states where they live (see slot_rows.py).
 Checked against the reference in tests/kernels/test_mamba2_cpu.py.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from . import mamba2_prefill_native as prefill_native
 from .chunk_layout import ChunkLayout
 from .mamba2_ref import _discretize_dt, _gate
 from .mamba2_native import mamba2_state_update_native
@@ -57,31 +60,48 @@ def mamba2_chunk_scan_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_
         return out if return_states_at is None else (out, [ssm_state.new_zeros(0, H, P, N)] * len(spans))
     nc, cs, hpg = lay.num_chunks, chunk_size, H // G
     dtf = _discretize_dt(dt, dt_bias, dt_softplus, dt_limit)
-    xdt = lay.pad((x.float() * dtf[..., None]).reshape(T, H * P)).view(nc, cs, H, P)
-    dtp = lay.pad(dtf).view(nc, cs, H)
+    fast = prefill_native.usable(x, dtf, A, B, C, D)  # the elementwise steps in C, one pass each
     Bp = lay.pad(B.reshape(T, G * N)).view(nc, cs, G, N)
     Cp = lay.pad(C.reshape(T, G * N)).view(nc, cs, G, N)
-    acum = (dtp * A.float()).cumsum(1)  # [c, l, H] log-decay from the chunk start to l (inclusive)
-    acum_h = acum.transpose(1, 2).contiguous()  # [c, H, l]
+    if fast:
+        acum, xdt, xs = prefill_native.ssd_inputs(x, dtf, A.float(), lay, _CUT)
+    else:
+        xdt = lay.pad((x.float() * dtf[..., None]).reshape(T, H * P)).view(nc, cs, H, P)
+        # acum [c, l, H]: log-decay from the chunk start to l (inclusive)
+        acum = (lay.pad(dtf).view(nc, cs, H) * A.float()).cumsum(1)
+        xs = xdt * _decay(acum[:, -1:, :] - acum)[..., None]  # each input carried to its chunk's end
     # inside a chunk: y_l = sum_{s<=l} exp(acum_l - acum_s) (C_l . B_s) xdt_s
-    seg = acum_h[..., :, None] - acum_h[..., None, :]  # [c, H, l, s]
-    decay = seg.masked_fill_(lay.upper | (seg < _CUT), float("-inf")).exp_()  # as _decay, in place
     cb = torch.matmul(Cp.transpose(1, 2), Bp.permute(0, 2, 3, 1))  # [c, G, l, s]: once per group
-    scores = decay.view(nc, G, hpg, cs, cs).mul_(cb[:, :, None])
+    if fast:
+        scores = prefill_native.ssd_scores(acum, cb, H, _CUT)
+    else:
+        acum_h = acum.transpose(1, 2).contiguous()  # [c, H, l]
+        seg = acum_h[..., :, None] - acum_h[..., None, :]  # [c, H, l, s]
+        decay = seg.masked_fill_(lay.upper | (seg < _CUT), float("-inf")).exp_()  # as _decay, in place
+        scores = decay.view(nc, G, hpg, cs, cs).mul_(cb[:, :, None])
     y = torch.matmul(scores.view(nc, H, cs, cs), xdt.transpose(1, 2))  # [c, H, l, P]
-    # each chunk's own inputs carried to its end, per group: (xdt e^(end - l))^T B -> [c, H, P, N]
-    xs = (xdt * _decay(acum[:, -1:, :] - acum)[..., None]).view(nc, cs, G, hpg * P)
+    # each chunk's own inputs at its end, per group: (xdt e^(end - l))^T B -> [c, H, P, N]
+    xs = xs.view(nc, cs, G, hpg * P)
     ends = torch.matmul(xs.permute(0, 2, 3, 1), Bp.transpose(1, 2)).view(nc, H, P, N)
-    h0 = ssm_state.index_select(0, lay.slots).float()
-    h0 = torch.where(lay.init.view(-1, 1, 1, 1), h0, torch.zeros((), device=x.device))
-    starts, finals = lay.chain(ends, _decay(acum[:, -1, :]), h0)  # state entering each chunk
+    h0 = ssm_state.index_select(0, lay.slots).float() if any(lay.init_list) else None
+    if fast:
+        finals = prefill_native.ssd_chain(ends, acum, h0, lay, _CUT)
+        starts = ends  # now the state entering each chunk
+    else:
+        h0 = torch.zeros(len(spans), H, P, N) if h0 is None else \
+            torch.where(lay.init.view(-1, 1, 1, 1), h0, torch.zeros((), device=x.device))
+        starts, finals = lay.chain(ends, _decay(acum[:, -1, :]), h0)  # state entering each chunk
     # the entering state read with C, decayed to l: [c, G, l, hpg, P], plus the intra-chunk part
     y_in = torch.matmul(Cp.transpose(1, 2), starts.view(nc, G, hpg * P, N).transpose(-1, -2))
-    y_in = y_in.view(nc, G, cs, hpg, P).mul_(_decay(acum).view(nc, cs, G, hpg, 1).transpose(1, 2))
-    y_in.add_(y.view(nc, G, hpg, cs, P).transpose(2, 3))
-    y = y_in.permute(0, 2, 1, 3, 4)[lay.token_chunk, lay.token_pos].reshape(-1, H, P)
-    if not (lay.identity and T == lay.num_tokens):
-        y = torch.zeros((T, H, P), device=x.device).index_copy_(0, lay.rows, y)
+    if fast:
+        out = prefill_native.ssd_output(y_in, y, acum, x, D, lay, _CUT)
+    else:
+        y_in = y_in.view(nc, G, cs, hpg, P).mul_(_decay(acum).view(nc, cs, G, hpg, 1).transpose(1, 2))
+        y_in.add_(y.view(nc, G, hpg, cs, P).transpose(2, 3))
+        y = y_in.permute(0, 2, 1, 3, 4)[lay.token_chunk, lay.token_pos].reshape(-1, H, P)
+        if not (lay.identity and T == lay.num_tokens):
+            y = torch.zeros((T, H, P), device=x.device).index_copy_(0, lay.rows, y)
+        out = _gate(y, x, D, None)
     states = None
     if return_states_at is not None:
         states = _states_at(lay, wanted, starts, acum, xdt, Bp, hpg, ssm_state.dtype)
@@ -89,7 +109,7 @@ def mamba2_chunk_scan_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_
     if write:
         w = torch.tensor(write, device=x.device)
         ssm_state.index_copy_(0, lay.slots[w], finals[w].to(ssm_state.dtype))
-    out = _gate(y, x, D, z).to(x.dtype)
+    out = _gate(out, x, None, z).to(x.dtype)
     return out if return_states_at is None else (out, states)
 
 

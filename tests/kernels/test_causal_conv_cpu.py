@@ -1,10 +1,12 @@
 """The packed CPU causal conv and the in-place decode conv (kernels/causal_conv_cpu.py) against
-the reference (kernels/conv1d_ref.py), random inputs, ragged requests, runs of slots."""
+the reference (kernels/conv1d_ref.py), random inputs, ragged requests, runs of slots; the prefill
+runs on the C kernel and on the torch path (tests/prefill_paths.py)."""
 import pytest
 import torch
 
 from hybridkv.kernels.causal_conv_cpu import causal_conv1d_cpu, conv1d_update_cpu
 from hybridkv.kernels.conv1d_ref import causal_conv1d_ref, conv1d_update_ref
+from prefill_paths import prefill_path  # noqa: F401 (fixture)
 from state_kernel_helpers import qsl, rel_err, untouched
 
 DIM, SLOTS = 10, 12
@@ -12,9 +14,10 @@ DIM, SLOTS = 10, 12
 
 @pytest.mark.parametrize("k", [2, 4])
 @pytest.mark.parametrize("bias, act", [(True, "silu"), (False, None)])
-def test_prefill_matches_reference(k, bias, act):
+def test_prefill_matches_reference(k, bias, act, prefill_path):
     gen = torch.Generator().manual_seed(k)
-    lengths, init = [7, 1, 5, 1, 9, 3], [True, False, True, True, False, False]
+    # requests shorter than the window (1), with and without a window
+    lengths, init = [7, 1, 5, 1, 9, 3, 2], [True, False, True, True, False, False, True]
     w = torch.randn(DIM, k, generator=gen)
     b = torch.randn(DIM, generator=gen) if bias else None
     # x as the mixer passes it: a strided column slice of a wider projection

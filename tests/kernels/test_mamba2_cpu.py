@@ -1,10 +1,12 @@
-"""The batched CPU Mamba2 chunked scan (kernels/mamba2_cpu.py) against the reference, random inputs."""
+"""The batched CPU Mamba2 chunked scan (kernels/mamba2_cpu.py) against the reference, random inputs;
+the prefill tests run on the C kernels and on the torch path (tests/prefill_paths.py)."""
 import pytest
 import torch
 
 import hybridkv.kernels as K
 from hybridkv.kernels.mamba2_cpu import mamba2_chunk_scan_cpu
 from hybridkv.kernels.mamba2_ref import mamba2_chunk_scan_ref
+from prefill_paths import prefill_path  # noqa: F401 (fixture)
 
 H, P, G, N, SLOTS = 4, 6, 2, 5, 9
 
@@ -30,7 +32,7 @@ def case(lengths, init, seed=0, with_z=True, groups=G):
 
 @pytest.mark.parametrize("chunk_size", [4, 16])
 @pytest.mark.parametrize("dt_limit", [None, (0.05, 1.5)])
-def test_matches_reference(chunk_size, dt_limit):
+def test_matches_reference(chunk_size, dt_limit, prefill_path):
     lengths = [37, 1, 16, 0, 5, 33, 0]
     init = [False, True, True, True, False, True, False]
     args, qsl, slots, has_init, pool = case(lengths, init, seed=chunk_size)
@@ -47,7 +49,7 @@ def test_matches_reference(chunk_size, dt_limit):
     assert torch.equal(cpu_pool[others], pool[others])  # other slots untouched
 
 
-def test_single_request_without_gate_and_dispatch(monkeypatch):
+def test_single_request_without_gate_and_dispatch(monkeypatch, prefill_path):
     """kernels.mamba2_chunk_scan runs this path (the reference stays the spec)."""
     import hybridkv.kernels.mamba2_cpu as mod
 
@@ -64,7 +66,7 @@ def test_single_request_without_gate_and_dispatch(monkeypatch):
 
 
 @pytest.mark.parametrize("groups", [1, 2])
-def test_states_at_positions_match_reference(groups):
+def test_states_at_positions_match_reference(groups, prefill_path):
     """Ragged lengths around the chunk (1, chunk - 1, chunk, chunk + 1, several chunks), states
     asked at chunk ends, mid-chunk, the first and the last token, and not at all."""
     lengths = [1, 7, 8, 9, 20, 17]
@@ -81,6 +83,65 @@ def test_states_at_positions_match_reference(groups):
     assert all(rel_err(v, u) < 1e-5 for u, v in zip(s1, s2) if u.numel())
     touched = slots.long()
     assert rel_err(b[touched], a[touched]) < 1e-5
+
+
+def test_mixer_layout_and_decays_past_the_cut(prefill_path):
+    """x, B, C as the mixer passes them (strided column slices of one projection), decays that
+    fall below exp(-60) inside a chunk (taken as exact zeros), and a request that ends on a chunk
+    boundary next to ones that do not."""
+    g = torch.Generator().manual_seed(7)
+    lengths, init = [16, 3, 0, 21], [True, False, True, True]
+    T, groups = sum(lengths), 1
+    proj = torch.randn(T, H * P + 2 * groups * N + 3, generator=g)
+    x = proj[:, :H * P].view(T, H, P)
+    B = proj[:, H * P:H * P + groups * N].view(T, groups, N)
+    C = proj[:, H * P + groups * N:H * P + 2 * groups * N].view(T, groups, N)
+    args = dict(x=x, dt=torch.randn(T, H, generator=g), A=-torch.exp(torch.randn(H, generator=g)) * 20,
+                B=B, C=C, D=torch.randn(H, generator=g), z=None, dt_bias=torch.randn(H, generator=g))
+    pool = torch.randn(SLOTS, H, P, N, generator=g)
+    kw = dict(query_start_loc=torch.tensor([0] + lengths).cumsum(0).to(torch.int32),
+              slot_idx=torch.tensor([3, 1, 8, 5], dtype=torch.int32), has_initial_state=torch.tensor(init),
+              chunk_size=8, return_states_at=[[8, 16], [2], [], [1, 21]])
+    a, b = pool.clone(), pool.clone()
+    y1, s1 = mamba2_chunk_scan_ref(a, **args, **kw)
+    y2, s2 = mamba2_chunk_scan_cpu(b, **args, **kw)
+    assert rel_err(y2, y1) < 1e-5 and rel_err(b, a) < 1e-5
+    assert all(rel_err(v, u) < 1e-5 for u, v in zip(s1, s2) if u.numel())
+
+
+def test_native_decay_scores_elementwise():
+    """The C kernels' exp against torch's, element by element (a relative error the end-to-end
+    tolerances would not see): decay x C.B below the diagonal, exact zeros above it and past the cut."""
+    from hybridkv.kernels import mamba2_prefill_native
+    from hybridkv.kernels.mamba2_cpu import _CUT
+
+    if not mamba2_prefill_native.usable(torch.zeros(1)):
+        pytest.fail("these machines have a C compiler; the prefill C kernels must build here")
+    g = torch.Generator().manual_seed(8)
+    nc, cs, heads, groups = 3, 16, 4, 2
+    acum = (-torch.rand(nc, cs, heads, generator=g) * 9).cumsum(1)  # reaches below the cut
+    cb = torch.randn(nc, groups, cs, cs, generator=g)
+    got = mamba2_prefill_native.ssd_scores(acum, cb, heads, _CUT)
+    a = acum.transpose(1, 2)
+    seg = (a[..., :, None] - a[..., None, :]).double()  # the difference in fp32, as the kernels take it
+    keep = (seg >= _CUT) & torch.ones(cs, cs, dtype=torch.bool).tril()
+    want = torch.where(keep, seg.exp(), 0) * cb.double().repeat_interleave(heads // groups, 1)
+    assert torch.equal(got == 0, want == 0) and (seg < _CUT).any()
+    assert ((got.double() - want).abs() / want.abs().clamp_min(1e-30)).max() < 1e-6
+
+
+def test_half_precision_takes_the_torch_path():
+    """fp16 inputs and pool: the C kernels take fp32 only; the result still matches the reference."""
+    args, qsl, slots, has_init, pool = case([9, 4], [True, False], seed=6)
+    args = {k: v.half() if k in ("x", "B", "C", "z") else v for k, v in args.items()}
+    pool = pool.half()
+    a, b = pool.clone(), pool.clone()
+    kw = dict(query_start_loc=qsl, slot_idx=slots, has_initial_state=has_init, chunk_size=4)
+    want = mamba2_chunk_scan_ref(a, **args, **kw)
+    got = mamba2_chunk_scan_cpu(b, **args, **kw)
+    assert got.dtype == torch.float16 and rel_err(got, want) < 2e-3
+    touched = slots.long()
+    assert rel_err(b[touched].nan_to_num(), a[touched].nan_to_num()) < 2e-3
 
 
 def test_bad_position_changes_nothing():
