@@ -57,36 +57,93 @@ static inline v8 exp8(v8 x) {
                          *end_ = row + ((bs) - o_ < (keys) - j ? (bs) - o_ : (keys) - j) * (kv_pos); \
              row < end_; row += (kv_pos), j++)
 
-/* logits[head * stride + j] = scale * q_head . k_j for the decode's keys */
+/* logits[head * stride] = scale * q_head . k for one key row k, every query head */
+static inline void logits_1(const float *qi, int64_t q_head, const float *k, int64_t kv_head,
+                            int64_t hkv, int64_t group, int64_t d, float scale, float *logits,
+                            int64_t stride) {
+    for (int64_t h = 0; h < hkv; h++) {
+        const float *kh = k + h * kv_head;
+        for (int64_t g = 0; g < group; g++) {
+            const int64_t head = h * group + g;
+            const float *qh = qi + head * q_head;
+            float s;
+            if (d % 8 == 0) {
+                v8 a = {0}, b = {0}; /* two chains of multiply-adds */
+                int64_t x = 0;
+                for (; x + 16 <= d; x += 16) {
+                    a += load8(qh + x) * load8(kh + x);
+                    b += load8(qh + x + 8) * load8(kh + x + 8);
+                }
+                if (x < d)
+                    a += load8(qh + x) * load8(kh + x);
+                s = hsum8(a + b);
+            } else {
+                s = 0.0f;
+                for (int64_t x = 0; x < d; x++)
+                    s += qh[x] * kh[x];
+            }
+            logits[head * stride] = s * scale;
+        }
+    }
+}
+
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
+#endif
+
+/* pairwise sums within each half: [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7] */
+static inline v8 hadd(v8 a, v8 b) {
+    return SHUFFLE(a, b, 0, 2, 8, 10, 4, 6, 12, 14) + SHUFFLE(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+
+/* {hsum8(a[0]), ..., hsum8(a[7])} */
+static inline v8 hsum8x8(const v8 *a) {
+    v8 lo = hadd(hadd(a[0], a[1]), hadd(a[2], a[3])), hi = hadd(hadd(a[4], a[5]), hadd(a[6], a[7]));
+    return SHUFFLE(lo, hi, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE(lo, hi, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+/* logits_1 for 8 consecutive key rows k, k + kv_pos, ... (D a multiple of 8): one horizontal
+ * sum per 8 logits instead of one per logit */
+static inline void logits_8(const float *qi, int64_t q_head, const float *k, int64_t kv_pos,
+                            int64_t kv_head, int64_t hkv, int64_t group, int64_t d, float scale,
+                            float *logits, int64_t stride) {
+    for (int64_t h = 0; h < hkv; h++) {
+        const float *kh = k + h * kv_head;
+        for (int64_t g = 0; g < group; g++) {
+            const int64_t head = h * group + g;
+            const float *qh = qi + head * q_head;
+            v8 a[8] = {{0}};
+            for (int64_t x = 0; x < d; x += 8) {
+                const v8 qv = load8(qh + x);
+                for (int t = 0; t < 8; t++)
+                    a[t] += qv * load8(kh + t * kv_pos + x);
+            }
+            const v8 r = hsum8x8(a) * scale;
+            memcpy(logits + head * stride, &r, sizeof r);
+        }
+    }
+}
+
+/* logits[head * stride + j] = scale * q_head . k_j for the decode's keys j (position start + j),
+ * block by block */
 static void logits_of(const float *qi, int64_t q_head, const float *kv, const int32_t *blocks,
                       int64_t start, int64_t keys, int64_t kv_blk, int64_t kv_pos, int64_t kv_head,
                       int64_t hkv, int64_t group, int64_t d, int64_t bs, float scale,
                       float *logits, int64_t stride) {
-    FOR_EACH_KEY(j, k, kv, blocks, start, keys, kv_blk, kv_pos, bs) {
-        for (int64_t h = 0; h < hkv; h++) {
-            const float *kh = k + h * kv_head;
-            for (int64_t g = 0; g < group; g++) {
-                const int64_t head = h * group + g;
-                const float *qh = qi + head * q_head;
-                float s;
-                if (d % 8 == 0) {
-                    v8 a = {0}, b = {0}; /* two chains of multiply-adds */
-                    int64_t x = 0;
-                    for (; x + 16 <= d; x += 16) {
-                        a += load8(qh + x) * load8(kh + x);
-                        b += load8(qh + x + 8) * load8(kh + x + 8);
-                    }
-                    if (x < d)
-                        a += load8(qh + x) * load8(kh + x);
-                    s = hsum8(a + b);
-                } else {
-                    s = 0.0f;
-                    for (int64_t x = 0; x < d; x++)
-                        s += qh[x] * kh[x];
-                }
-                logits[head * stride + j] = s * scale;
-            }
-        }
+    int64_t j = 0;
+    for (int64_t b = start / bs, o = start % bs; j < keys; b++, o = 0) {
+        const int64_t n = bs - o < keys - j ? bs - o : keys - j;
+        const float *k = kv + blocks[b] * kv_blk + o * kv_pos;
+        int64_t t = 0;
+        if (d % 8 == 0)
+            for (; t + 8 <= n; t += 8)
+                logits_8(qi, q_head, k + t * kv_pos, kv_pos, kv_head, hkv, group, d, scale,
+                         logits + j + t, stride);
+        for (; t < n; t++)
+            logits_1(qi, q_head, k + t * kv_pos, kv_head, hkv, group, d, scale, logits + j + t, stride);
+        j += n;
     }
 }
 
