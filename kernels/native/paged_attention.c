@@ -180,33 +180,69 @@ static void softmax_row(float *s, int64_t keys, float soft_cap, const float *sin
         s[j] *= inv;
 }
 
-/* out[g0 + t][x0 .. x0 + 16) = sum_j p[t][j] v_j[x0 ..] for GT queries of one KV head: the
- * 2 x GT accumulators stay in registers; `half`: only the first 8 columns (D % 16 == 8) */
-#define PV_TILE(GT)                                                                              \
-    static void pv_tile_##GT(const float *p, int64_t stride, const int32_t *blocks,                  \
-                             int64_t start, int64_t keys, int64_t kv_blk, int64_t kv_pos,        \
-                             int64_t bs, const float *vcol, float *o, int64_t out_head, int half) { \
-        v8 a[GT], b[GT];                                                                         \
+/* o[t * out_head + 0 .. 8 NV) = sum_j p[t * stride + j] v_j[0 .. 8 NV) for GT query heads of one
+ * KV head, over 8 NV columns of V from vcol: the GT x NV accumulators stay in registers */
+#define PV_TILE(GT, NV)                                                                          \
+    static void pv_##GT##_##NV(const float *p, int64_t stride, const int32_t *blocks,            \
+                               int64_t start, int64_t keys, int64_t kv_blk, int64_t kv_pos,      \
+                               int64_t bs, const float *vcol, float *o, int64_t out_head) {      \
+        v8 a[GT][NV];                                                                            \
         for (int t = 0; t < GT; t++)                                                             \
-            a[t] = b[t] = (v8){0};                                                               \
+            for (int c = 0; c < NV; c++)                                                         \
+                a[t][c] = (v8){0};                                                               \
         FOR_EACH_KEY(j, v, vcol, blocks, start, keys, kv_blk, kv_pos, bs) {                      \
-            const v8 v0 = load8(v), v1 = half ? (v8){0} : load8(v + 8);                          \
+            v8 vv[NV];                                                                           \
+            for (int c = 0; c < NV; c++)                                                         \
+                vv[c] = load8(v + 8 * c);                                                        \
             for (int t = 0; t < GT; t++) {                                                       \
                 const float w = p[t * stride + j];                                               \
-                a[t] += w * v0;                                                                  \
-                b[t] += w * v1;                                                                  \
+                for (int c = 0; c < NV; c++)                                                     \
+                    a[t][c] += w * vv[c];                                                        \
             }                                                                                    \
         }                                                                                        \
-        for (int t = 0; t < GT; t++) {                                                           \
-            memcpy(o + t * out_head, &a[t], sizeof a[t]);                                        \
-            if (!half)                                                                           \
-                memcpy(o + t * out_head + 8, &b[t], sizeof b[t]);                                \
-        }                                                                                        \
+        for (int t = 0; t < GT; t++)                                                             \
+            for (int c = 0; c < NV; c++)                                                         \
+                memcpy(o + t * out_head + 8 * c, &a[t][c], sizeof a[t][c]);                      \
     }
-PV_TILE(1)
-PV_TILE(2)
-PV_TILE(3)
-PV_TILE(4)
+PV_TILE(1, 8)
+PV_TILE(2, 4)
+PV_TILE(3, 2)
+PV_TILE(4, 2)
+PV_TILE(1, 1)
+PV_TILE(2, 1)
+PV_TILE(3, 1)
+PV_TILE(4, 1)
+
+/* P @ V for query heads g0 .. g0 + gt (gt <= 4) of one KV head, D a multiple of 8: tiles as wide
+ * as 8 accumulators allow, then 8 columns at a time */
+static void pv_heads(int64_t gt, const float *p, int64_t stride, const int32_t *blocks,
+                     int64_t start, int64_t keys, int64_t kv_blk, int64_t kv_pos, int64_t bs,
+                     const float *vcol, float *o, int64_t out_head, int64_t d) {
+    const int64_t wide = gt == 1 ? 64 : gt == 2 ? 32 : 16;
+    int64_t x = 0;
+#define PV_ARGS p, stride, blocks, start, keys, kv_blk, kv_pos, bs, vcol + x, o + x, out_head
+    for (; x + wide <= d; x += wide) {
+        if (gt == 1)
+            pv_1_8(PV_ARGS);
+        else if (gt == 2)
+            pv_2_4(PV_ARGS);
+        else if (gt == 3)
+            pv_3_2(PV_ARGS);
+        else
+            pv_4_2(PV_ARGS);
+    }
+    for (; x < d; x += 8) {
+        if (gt == 1)
+            pv_1_1(PV_ARGS);
+        else if (gt == 2)
+            pv_2_1(PV_ARGS);
+        else if (gt == 3)
+            pv_3_1(PV_ARGS);
+        else
+            pv_4_1(PV_ARGS);
+    }
+#undef PV_ARGS
+}
 
 int64_t paged_decode_attention(
     const float *q, int64_t q_tok, int64_t q_head,
@@ -255,19 +291,8 @@ int64_t paged_decode_attention(
             for (int64_t h = 0; h < hkv; h++)
                 for (int64_t g0 = 0; g0 < group; g0 += 4) {
                     const int64_t head = h * group + g0, gt = group - g0 < 4 ? group - g0 : 4;
-                    for (int64_t x = 0; x < d; x += 16) {
-                        const float *p = logits + head * stride, *vcol = kv + kv_half + h * kv_head + x;
-                        float *o = oi + head * out_head + x;
-                        const int half = x + 16 > d;
-                        if (gt == 1)
-                            pv_tile_1(p, stride, blocks, start, keys, kv_blk, kv_pos, bs, vcol, o, out_head, half);
-                        else if (gt == 2)
-                            pv_tile_2(p, stride, blocks, start, keys, kv_blk, kv_pos, bs, vcol, o, out_head, half);
-                        else if (gt == 3)
-                            pv_tile_3(p, stride, blocks, start, keys, kv_blk, kv_pos, bs, vcol, o, out_head, half);
-                        else
-                            pv_tile_4(p, stride, blocks, start, keys, kv_blk, kv_pos, bs, vcol, o, out_head, half);
-                    }
+                    pv_heads(gt, logits + head * stride, stride, blocks, start, keys, kv_blk, kv_pos, bs,
+                             kv + kv_half + h * kv_head, oi + head * out_head, out_head, d);
                 }
             continue;
         }
