@@ -89,7 +89,7 @@ class BatchBuilder:
     def _transfer(self, parts: list) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Write `parts` (lists or arrays of integers) one after another into the host buffer,
         move it to the device in one copy; returns (the device tensor, a flat int64 view per part)."""
-        sizes = [np.size(p) for p in parts]
+        sizes = [p.size if isinstance(p, np.ndarray) else len(p) for p in parts]  # np.size would convert a list
         total = sum(sizes)
         host = self._host_buffer(total)
         offsets = [0]

@@ -28,7 +28,7 @@ import torch
 
 from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.models.forward_batch import ModelCaches
-from hybridkv.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from hybridkv.outputs import RequestOutput
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.snapshot import RequestSnapshot
 
@@ -36,14 +36,16 @@ from . import migration
 from .batch_builder import BatchBuilder
 from .decode_graphs import DecodeInputs
 from .door import Door
+from .forks import fork_children
 from .logit_rows import PromptSpan, plan_logit_rows, prompt_logprobs
 from .sampler import Sampler
 from .scheduler import ScheduledChunk, Scheduler
-from .sequence import Sequence, SequenceGroup, SequenceStatus
-from .stopping import StopRule, check_stop, token_text
+from .request_outputs import request_output
+from .sequence import Sequence, SequenceGroup
+from .stopping import decoded_logprobs
+from .token_append import TokenAppender
 
 log = logging.getLogger(__name__)
-FINISHED = SequenceStatus.FINISHED
 
 
 class Engine:
@@ -56,6 +58,7 @@ class Engine:
         self.tokenizer = getattr(model, "tokenizer", None)
         self.eos_ids = set(model.eos_token_ids)
         self.max_model_len = model.max_model_len
+        self.append_tokens = TokenAppender(self.eos_ids, self.max_model_len, self.tokenizer, scheduler.finish)
         self.batch_builder = BatchBuilder(manager, self.device)
         self.decode_graphs = None  # a DecodeGraphs (decode_graphs.py) replays decode-only steps
         self.caches = ModelCaches(kv=manager.kv_caches, conv=manager.conv_states,
@@ -289,7 +292,8 @@ class Engine:
                         rows.append(last[i])
                         row_seqs.append(seq)
                         continue
-                    children = self._fork_children(seq)
+                    children, made = fork_children(seq, self.groups[seq.group_id], self.scheduler, self.mgr)
+                    self.counters["forks"] += made
                 except Exception as e:
                     self._fail_group(seq, e, touched)
                     continue
@@ -343,7 +347,12 @@ class Engine:
                 except Exception as e:
                     tokens.append(e)
                     logprobs.append(None)
-        self._append(seqs, tokens, logprobs, touched, finished_only)
+        appended, stopped = self.append_tokens(seqs, tokens, logprobs,
+                                               lambda seq, e: self._fail_group(seq, e, touched))
+        self.counters["generated_tokens"] += appended
+        groups = self.groups
+        for seq in (stopped if finished_only else seqs):
+            touched[seq.group_id] = groups[seq.group_id]
 
     def _fail_group(self, seq: Sequence, error, touched: dict, discard: bool = False) -> None:
         """End the request `seq` belongs to with "error": every unfinished sequence of it.
@@ -377,62 +386,7 @@ class Engine:
     def _record_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, span: PromptSpan) -> None:
         g = self.groups[seq.group_id]
         for j, entry in enumerate(prompt_logprobs(logits, seq.token_ids, span, g.params.prompt_logprobs)):
-            g.prompt_logprobs[span.pos0 + 1 + j] = self._decoded(entry)
-
-    def _decoded(self, entry: PositionLogprobs) -> PositionLogprobs:
-        return {t: v._replace(decoded_token=token_text(self.tokenizer, t)) for t, v in entry.items()}
-
-    def _fork_children(self, parent: Sequence) -> list[Sequence]:
-        """The sequences that sample from this row: the parent, plus its n-1 forks when its
-        prompt just finished (they share its blocks and start from copies of its state; a fork
-        that finds no slot, or no seat under max_num_seqs, prefills on its own: a prefix hit)."""
-        out = [parent]
-        g = self.groups[parent.group_id]
-        if parent.seq_index != 0:
-            return out
-        while g.forks_pending:
-            j = len(g.seqs)
-            child = parent.fork((g.key, j), j)  # a tuple: never equal to a user's id
-            g.seqs.append(child)
-            if (len(self.scheduler.running) < self.scheduler.max_seqs
-                    and self.mgr.fork(parent.request_id, child.request_id, token_ids=child.token_ids)):
-                self.scheduler.add_running(child)
-                self.counters["forks"] += 1
-                out.append(child)
-            else:
-                self.scheduler.add(child)
-        return out
-
-    def _append(self, seqs: list[Sequence], tokens: list, logprobs: list[Optional[PositionLogprobs]],
-                touched: dict, finished_only: bool) -> None:
-        """Append tokens[i] (an exception: its sampling failed) to seqs[i] and end those that stop.
-        One tight loop: check_stop runs only where the sequence's StopRule says it may stop."""
-        groups, finish, appended = self.groups, self.scheduler.finish, 0
-        for seq, tok, lp in zip(seqs, tokens, logprobs):
-            if seq.status is FINISHED:
-                continue  # a sibling failed and took the group with it
-            try:
-                if tok.__class__ is not int:
-                    raise tok
-                ids = seq.token_ids
-                ids.append(tok)
-                appended += 1
-                if lp is not None:
-                    seq.output_logprobs.append(self._decoded(lp))
-                rule = seq.stop_rule
-                if rule is None:
-                    rule = seq.stop_rule = StopRule.of(seq, self.eos_ids, self.max_model_len, self.tokenizer)
-                if rule.may_stop(len(ids), tok):
-                    stop = check_stop(seq, self.eos_ids, self.max_model_len, self.tokenizer)
-                    if stop is not None:
-                        seq.stop_reason = stop.stop_reason
-                        finish(seq, stop.finish_reason)
-            except Exception as e:
-                self._fail_group(seq, e, touched)
-                continue
-            if not finished_only or seq.status is FINISHED:
-                touched[seq.group_id] = groups[seq.group_id]
-        self.counters["generated_tokens"] += appended
+            g.prompt_logprobs[span.pos0 + 1 + j] = decoded_logprobs(self.tokenizer, entry)
 
     def _outputs(self, touched: dict, finished_only: bool) -> list[RequestOutput]:
         outs = []
@@ -441,29 +395,17 @@ class Engine:
             if finished_only and not done:
                 continue
             try:
-                out = self._output(g, done)
+                out = request_output(g, done, self.tokenizer)
             except Exception as e:  # building its output failed: it ends, the others still report
                 for s in g.seqs:
                     self.scheduler.fail(s, e)
-                out = self._output(g, g.finished)
+                out = request_output(g, g.finished, self.tokenizer)
+            if out.finished:
+                with self._lock:
+                    self.groups.pop(g.key, None)
             if g.owned:
                 if out.finished:
                     self.owned_done[g.key] = out
             else:
                 outs.append(out)
         return outs
-
-    def _output(self, g: SequenceGroup, done: bool) -> RequestOutput:
-        outs = [CompletionOutput(s.seq_index, s.output_token_ids, s.finish_reason,
-                                 list(s.output_logprobs) if s.params.logprobs is not None else None,
-                                 self.tokenizer, tuple(s.params.stop), error=s.error,
-                                 stop_reason=s.stop_reason)
-                for s in g.seqs]
-        first = g.seqs[0]
-        prompt_done = done or first.num_output_tokens > 0
-        prompt_logprobs = list(g.prompt_logprobs) if g.prompt_logprobs is not None and prompt_done else None
-        if done:
-            with self._lock:
-                self.groups.pop(g.key, None)
-        return RequestOutput(g.request_id, g.prompt, g.prompt_token_ids, outs, done,
-                             first.num_cached_tokens, prompt_logprobs)

@@ -39,6 +39,8 @@ class LogitRows:
 
     def finite(self, logits: torch.Tensor) -> list[bool]:
         """Per chunk: are all its rows finite (one host copy of [N] bools)."""
+        if bool(torch.isfinite(logits.sum(dim=-1)).all()):  # a NaN or inf anywhere makes its row's sum one
+            return [True] * len(self.last)
         rows = torch.isfinite(logits).all(dim=-1).tolist()
         if not self.spans:
             return [rows[last] for last in self.last]

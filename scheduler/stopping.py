@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from hybridkv.outputs import PositionLogprobs
+
 from .sequence import Sequence
 
 
@@ -34,6 +36,11 @@ def token_text(tokenizer, token_id: int) -> str:
     text = tokenizer.decode([token_id])
     # a special token decodes to nothing: its name keeps it apart from the others in a top-k dict
     return text or tokenizer.convert_ids_to_tokens(token_id) or f"token_id:{token_id}"
+
+
+def decoded_logprobs(tokenizer, entry: PositionLogprobs) -> PositionLogprobs:
+    """entry with each Logprob's decoded_token set to its token's text (token_text)."""
+    return {t: v._replace(decoded_token=token_text(tokenizer, t)) for t, v in entry.items()}
 
 
 @dataclass(frozen=True, slots=True)

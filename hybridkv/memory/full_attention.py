@@ -157,11 +157,11 @@ class FullAttentionMemory(LayerMemory):
         lands in a block rid already holds alone [R] bool: nothing to add or copy, the batched
         `_has_room`). A slot is meaningful only where the answer is True."""
         bs, blocks, rows = self.block_size, self._blocks, self._row
-        held = np.array([len(blocks[r]) for r in rids], dtype=np.int64)
+        held = np.fromiter(map(len, map(blocks.__getitem__, rids)), dtype=np.int64, count=len(rids))
         col = starts // bs
         inside = col < held
         table = self.tables.array
-        ids = table[[rows[r] for r in rids], np.minimum(col, table.shape[1] - 1)].astype(np.int64)
+        ids = table[list(map(rows.__getitem__, rids)), np.minimum(col, table.shape[1] - 1)].astype(np.int64)
         ok = inside
         partial = inside & (starts % bs != 0)
         if partial.any():  # a partial block a fork still shares is copied before the first write
@@ -183,7 +183,7 @@ class FullAttentionMemory(LayerMemory):
         """int32 `[len(rids), width]` of block ids; width defaults to the longest table."""
         if width is None:
             width = max(map(len, map(self._blocks.__getitem__, rids)), default=1)
-        return self.tables.gather([self._row[r] for r in rids], width)
+        return self.tables.gather(list(map(self._row.__getitem__, rids)), width)
 
     def commit(self, rid: Hashable, hashes: Sequence[bytes], num_hashed: int, num_full: int,
                num_computed: int) -> None:

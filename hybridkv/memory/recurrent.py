@@ -11,6 +11,7 @@ may displace only other output checkpoints; each request keeps one, rolling forw
 """
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Hashable, Mapping, Optional, Sequence
@@ -72,8 +73,7 @@ class RecurrentMemory(LayerMemory):
         return self._slot.get(rid, 0)
 
     def live_slots(self, rids: Sequence[Hashable]) -> list[int]:
-        slot = self._slot
-        return [slot.get(r, 0) for r in rids]
+        return list(map(self._slot.get, rids, itertools.repeat(0)))
 
     # ---- checkpoints -----------------------------------------------------------------------
     def _touch(self, h: bytes) -> None:
