@@ -171,6 +171,7 @@ class StepPlan:
 
     groups: list[_Group]
     decodes: Optional[NativeDecodes] = None
+    rows_written: int = 0  # output rows the step writes (fewer than q's rows: zero the rest first)
 
 
 def attention_plan(query_start_loc, seq_lens, block_table, bs, n_pool_blocks, causal=True,
@@ -204,7 +205,7 @@ def attention_plan(query_start_loc, seq_lens, block_table, bs, n_pool_blocks, ca
     for r in prefills:
         groups.append(_group(block_table, n_pool_blocks, bs, [r], [qsl[r]], [qsl[r + 1] - qsl[r]],
                              [lens[r]], causal, sliding_window, soft_cap is None and not sinks))
-    return StepPlan(groups, native_decodes)
+    return StepPlan(groups, native_decodes, qsl[-1] - qsl[0])
 
 
 def _attend(q, kv_cache, grp: _Group, scale, soft_cap, sinks=None):
@@ -288,11 +289,7 @@ def paged_attention_cpu(q, kv_cache, query_start_loc, seq_lens, block_table, sca
             and groups[0].out_rows.shape[0] == q.shape[0]):
         out = _attend(q, kv_cache, groups[0], scale, soft_cap, sinks)  # every row, in order
         return out if out.dtype == q.dtype else out.to(q.dtype)
-    covered = sum(grp.out_rows.shape[0] for grp in groups)
-    if plan.decodes is not None:
-        covered += plan.decodes.rows.shape[0]
-    # every row written below (no padding rows): no need to zero first
-    out = torch.empty_like(q) if covered == q.shape[0] else torch.zeros_like(q)
+    out = torch.empty_like(q) if plan.rows_written == q.shape[0] else torch.zeros_like(q)
     if plan.decodes is not None:  # fp32 (native_decodes_usable): written in place
         attend_decodes(q, kv_cache, plan.decodes, scale, soft_cap, sliding_window, sinks, out)
     for grp in groups:
