@@ -51,6 +51,7 @@ class PagedAttention(nn.Module):
         self.q_norm = qk_norm(head_dim) if qk_norm else None
         self.k_norm = qk_norm(head_dim) if qk_norm else None
         self.qkv = FusedLinear((self.q_proj, self.k_proj, self.v_proj))  # one matmul per step
+        self.o = FusedLinear((self.o_proj,))  # (its CPU layout)
         self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
         self.g_proj = nn.Linear(hidden_size, num_heads, bias=False) if head_gate else None
 
@@ -84,7 +85,9 @@ class PagedAttention(nn.Module):
         out = out.reshape(hidden.shape[0], self.num_heads * self.head_dim)
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return F.linear(out, self.o_proj.weight, self.o_proj.bias)
+        if self.o.linears[0] is not self._modules["o_proj"]:  # replaced since (Zamba's, to H)
+            self.o = FusedLinear((self._modules["o_proj"],))
+        return F.linear(out, *self.o.weight_bias())
 
     def _split_rotate(self, qkv: torch.Tensor, rope):
         """The torch path: qkv [T, q_out + 2 Hkv D] -> q [T, Hq, D], k, v [T, Hkv, D] (q and k

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.specs import LayerSpec
 
 from .checkpoint import CheckpointError, CheckpointTensors
 from .forward_batch import ForwardBatch, ModelCaches
+from .fused_linear import FusedLinear
 from .generation_defaults import GenerationDefaults
 
 
@@ -39,6 +41,7 @@ class HybridModel(nn.Module):
         self.max_model_len = int(getattr(config, "max_position_embeddings", 0) or 0)
         self.eos_token_ids = _as_id_list(getattr(config, "eos_token_id", None))
         self.generation_defaults = GenerationDefaults()
+        self._heads: dict[int, FusedLinear] = {}  # id(lm_head) -> its weight in the CPU layout
 
     # --- what the engine calls -------------------------------------------------------------
     def cache_specs(self) -> dict[int, LayerSpec]:
@@ -69,6 +72,11 @@ class HybridModel(nn.Module):
         elif not batch.return_all_logits and not (
                 hidden.shape[0] == len(batch.query_lens_cpu) and max(batch.query_lens_cpu, default=0) == 1):
             hidden = hidden[batch.query_start_loc[1:].long() - 1]  # (all-decode steps are already one row each)
+        if type(lm_head) is nn.Linear:  # through FusedLinear for its CPU layout (a callable: called)
+            head = self._heads.get(id(lm_head))
+            if head is None or head.linears[0] is not lm_head:
+                head = self._heads[id(lm_head)] = FusedLinear((lm_head,))
+            return F.linear(hidden, *head.weight_bias()).float()
         return lm_head(hidden).float()
 
     def checkpoint_name(self, name: str) -> str | None:

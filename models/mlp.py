@@ -20,10 +20,12 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = ACT2FN[act]
         self.gate_up = FusedLinear((self.gate_proj, self.up_proj))  # one matmul per step
+        self.down = FusedLinear((self.down_proj,))  # (its CPU layout)
         self._silu = act == "silu"  # most checkpoints: in place, without a module call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, *self.gate_up.weight_bias()).split(self.gate_up.sizes, -1)
         gate = F.silu(gate, inplace=True) if self._silu else self.act_fn(gate)  # gate: a fresh output
-        down = self.down_proj
-        return F.linear(gate.mul_(up), down.weight, down.bias)
+        if self.down.linears[0] is not self._modules["down_proj"]:  # replaced since
+            self.down = FusedLinear((self._modules["down_proj"],))
+        return F.linear(gate.mul_(up), *self.down.weight_bias())

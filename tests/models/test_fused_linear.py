@@ -33,3 +33,23 @@ def test_mixed_bias_and_widths_are_refused():
         FusedLinear([nn.Linear(8, 2), nn.Linear(7, 2)])
     with pytest.raises(ValueError, match="all have a bias"):
         FusedLinear([nn.Linear(8, 2), nn.Linear(8, 2, bias=False)])
+
+
+def test_cpu_layout_is_transposed_with_the_same_values():
+    """On CPU the buffer is [in, sum out] (parameters are transposed views of it); a single linear
+    (o_proj, down_proj, lm_head) takes the same path. The products equal nn.Linear's up to the
+    summation order."""
+    torch.manual_seed(1)
+    lins = [nn.Linear(16, n, bias=False) for n in (8, 24)]
+    want = [lin.weight.detach().clone() for lin in lins]
+    fused = FusedLinear(lins)
+    weight, bias = fused.weight_bias()
+    assert bias is None and weight.shape == (32, 16) and weight.t().is_contiguous()
+    for lin, w in zip(lins, want):
+        assert torch.equal(lin.weight, w) and lin.weight.data_ptr() != w.data_ptr()
+    single = nn.Linear(16, 5)
+    x = torch.randn(1, 16)
+    ref = F.linear(x, single.weight.detach().clone(), single.bias.detach().clone())
+    got = F.linear(x, *FusedLinear([single]).weight_bias())
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    assert single.weight.t().is_contiguous()
