@@ -1,5 +1,5 @@
-"""Random sequences of admit / step / fork / checkpoint / finish / preempt / resume / migrate,
-through the coordinator, over models with full-attention KV, sliding-window KV and recurrent state,
+"""Random sequences of admit / step / decode_all (the batched decode verbs) / fork / checkpoint /
+finish / preempt / resume / migrate, through the coordinator, over models with full-attention KV, sliding-window KV and recurrent state,
 and models whose attention layers mix a window and full attention (two groups, two pools).
 
 A stand-in "model" writes, for every computed position p, a value that depends on the whole
@@ -283,6 +283,52 @@ class ManagerMachine(RuleBasedStateMachine):
         self.run_chunk(rid, n)
 
     @precondition(lambda self: self.ids(RUNNING))
+    @rule(tok=st.integers(0, 3))
+    def decode_all(self, tok):
+        """The engine's decode step: every running request one token short samples `tok` and
+        decodes it through the batched verbs (one allocate_decodes, the model's writes, one
+        commit_decodes, the checkpoints due under batched_checkpoints); those allocate_decodes
+        leaves go one by one. Its answers equal the per-request verbs' (checkpoint_due, allocate)."""
+        mgr = self.mgr
+        rids = []
+        for rid in self.ids(RUNNING):
+            r = mgr.request(rid)
+            if r.num_computed_tokens == len(r.token_ids) < r.num_prompt_tokens + r.max_tokens:
+                mgr.append_tokens(rid, [tok])
+            if len(r.token_ids) - r.num_computed_tokens == 1:
+                rids.append(rid)
+        if not rids:
+            return
+        starts = [mgr.request(rid).num_computed_tokens for rid in rids]
+        want_due = [mgr.checkpoint_due(rid, s, s + 1) is not None for rid, s in zip(rids, starts)]
+        before = {rid: [list(g.block_ids(rid)) for g in mgr.attention_groups.values()] for rid in rids}
+        slots, due, done = mgr.allocate_decodes(rids, starts)
+        ready = [i for i, ok in enumerate(done) if ok]
+        with mgr.batched_checkpoints():
+            for i in ready:
+                rid, s = rids[i], starts[i]
+                assert due[i] == want_due[i]
+                assert mgr.allocate(rid, 1) == [slots[i]], "allocate_decodes gave another slot than allocate"
+                self.check_batch(rid, s, s + 1, [slots[i]])
+                write_step(mgr, rid, [slots[i]], s, s + 1)
+            assert mgr.commit_decodes([rids[i] for i in ready]) == {}
+            for i in ready:
+                r = mgr.request(rids[i])
+                assert r.num_computed_tokens == starts[i] + 1
+                self.record_prefix_states(r)
+                if due[i]:
+                    EVENTS["checkpoint stored by a batched decode"] += mgr.checkpoint(rids[i])
+        EVENTS["batched decode"] += len(ready)
+        EVENTS["batched decode allocated a block"] += sum(
+            1 for i in ready if [len(b) for b in before[rids[i]]] != [len(g.block_ids(rids[i]))
+                                                                        for g in mgr.attention_groups.values()])
+        for i, ok in enumerate(done):
+            if not ok:  # left as it was: the scheduler allocates it alone (preempting as needed)
+                EVENTS["batched decode left one to allocate alone"] += 1
+                assert before[rids[i]] == [list(g.block_ids(rids[i])) for g in mgr.attention_groups.values()]
+                self.run_chunk(rids[i], 1)
+
+    @precondition(lambda self: self.ids(RUNNING))
     @rule(data=st.data())
     def fork(self, data):
         parent = data.draw(st.sampled_from(self.ids(RUNNING)))
@@ -381,5 +427,7 @@ def test_manager_state_machine():
     assert EVENTS["rule"] >= 10_000, EVENTS
     for what in ["prefix hit", "allocate refused", "copy-on-write", "checkpoint stored", "resumed after swap",
                  "resumed by recompute", "imported elsewhere", "fork", "sliding window held blocks bounded",
-                 "checked with two attention groups", "batch slots checked per group", "probe found a prefix"]:
+                 "checked with two attention groups", "batch slots checked per group", "probe found a prefix",
+                 "batched decode", "batched decode allocated a block", "checkpoint stored by a batched decode",
+                 "batched decode left one to allocate alone"]:
         assert EVENTS[what] > 0, f"the random runs never exercised {what}: {EVENTS}"
