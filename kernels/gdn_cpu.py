@@ -15,16 +15,21 @@ import torch
 
 from .chunk_layout import ChunkLayout
 from .gdn_ref import _prepare_qk
+from .recurrent_native import gdn_state_update_native
 from .slot_rows import update_slot_rows
 from .varlen import check_positions_arg, request_spans, state_cuts
 
 
 def gdn_state_update_cpu(state, q, k, v, g, beta, slot_idx, scale=None, use_qk_l2norm=True):
     """state [S, HV, K, V] pool (updated in place); q, k [B, H, K]; v [B, HV, V]; g [B, HV]
-    log-decay; beta [B, HV]; slot_idx [B]; scale default K**-0.5. Returns o [B, HV, V] in v.dtype."""
+    log-decay; beta [B, HV]; slot_idx [B]; scale default K**-0.5. Returns o [B, HV, V] in v.dtype.
+    The C kernel (recurrent_native.py) runs instead where it can: two passes over each state."""
     slots = slot_idx.long()
     nb, HV, Vd = v.shape
     qf, kf = _prepare_qk(q, k, HV, scale, use_qk_l2norm)  # [B, HV, K] fp32
+    o = gdn_state_update_native(state, qf, kf, v, g, beta, slot_idx)
+    if o is not None:
+        return o.to(v.dtype)
     Kd = kf.shape[-1]
     decay, vf, bf = torch.exp(g.float()), v.float(), beta.float()
     def update(S, qf, kf, decay, vf, bf):

@@ -13,13 +13,18 @@ from __future__ import annotations
 import torch
 
 from .mamba1_ref import _discretize_dt, _gate
+from .recurrent_native import mamba1_state_update_native
 from .slot_rows import update_slot_rows
 
 
 def mamba1_state_update_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, dt_softplus=True):
     """ssm_state [S, d_inner, N] pool (updated in place); x, dt [B, d_inner]; A [d_inner, N];
     B, C [B, N]; D [d_inner] or None; z [B, d_inner] or None; dt_bias [d_inner] or None;
-    slot_idx [B]. Returns y [B, d_inner] in x.dtype."""
+    slot_idx [B]. Returns y [B, d_inner] in x.dtype. The C kernel (recurrent_native.py) runs
+    instead where it can: one pass over each state."""
+    y = mamba1_state_update_native(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, dt_softplus)
+    if y is not None:
+        return y.to(x.dtype)
     slots = slot_idx.long()
     nb, d = x.shape
     N = A.shape[-1]

@@ -18,6 +18,7 @@ import ctypes
 import torch
 
 from . import native_cpu
+from .native_args import as_rows, fp32_cpu, ptr, rows_ok, slots_int32
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -38,47 +39,21 @@ def _fn(symbol: str):
     return _functions[symbol]
 
 
-def _fp32_cpu(*ts) -> bool:
-    return all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu") for t in ts)
-
-
-def _ptr(t) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
-def _rows(t: torch.Tensor, inner: tuple[int, ...]) -> bool:
-    """t [n, *inner] with everything but the row stride contiguous (a column slice of a matrix)."""
-    if tuple(t.shape[1:]) != inner:
-        return False
-    expect = 1
-    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
-        if size != 1 and stride != expect:
-            return False
-        expect *= size
-    return True
-
-
-def _slots(slot_idx: torch.Tensor) -> torch.Tensor:
-    return slot_idx if slot_idx.dtype == torch.int32 and slot_idx.is_contiguous() else \
-        slot_idx.to(torch.int32).contiguous()
-
-
 def conv1d_update_native(x, conv_state, weight, bias, slot_idx, activation="silu"):
     """As `conv1d_update_cpu`: x [B, dim]; conv_state [S, dim, k-1] (updated in place);
     weight [dim, k]; bias [dim] or None -> [B, dim] fp32, or None (see the module docstring)."""
     fn = _fn("conv1d_update")
     if fn is None or activation not in (None, "silu", "swish") or x.ndim != 2:
         return None
-    if not (_fp32_cpu(x, conv_state, weight, bias) and conv_state.is_contiguous()
+    if not (fp32_cpu(x, conv_state, weight, bias) and conv_state.is_contiguous()
             and weight.is_contiguous() and (bias is None or bias.is_contiguous())):
         return None
     nb, dim = x.shape
     k = weight.shape[1]
-    if not _rows(x, (dim,)):
-        x = x.contiguous()
+    x = as_rows(x, (dim,))
     y = torch.empty(nb, dim)
-    rc = fn(conv_state.data_ptr(), conv_state.shape[0], _slots(slot_idx).data_ptr(), nb, dim, k,
-            x.data_ptr(), x.stride(0), weight.data_ptr(), _ptr(bias), activation is not None,
+    rc = fn(conv_state.data_ptr(), conv_state.shape[0], slots_int32(slot_idx).data_ptr(), nb, dim, k,
+            x.data_ptr(), x.stride(0), weight.data_ptr(), ptr(bias), activation is not None,
             y.data_ptr(), dim)
     return y if rc == 0 else None
 
@@ -89,23 +64,21 @@ def mamba2_state_update_native(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_id
     dt [B, H]; A [H]; B, C [B, G, N]; D [H] or None; z [B, H, P] or None; dt_bias [H] or None
     -> y [B, H, P] fp32, or None (see the module docstring)."""
     fn = _fn("mamba2_state_update")
-    if fn is None or not _fp32_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias):
+    if fn is None or not fp32_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias):
         return None
     nb, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     if H % G or not ssm_state.is_contiguous() or tuple(ssm_state.shape[1:]) != (H, P, N):
         return None
-    x, dt, B, C = (t if _rows(t, inner) else t.contiguous()
-                   for t, inner in ((x, (H, P)), (dt, (H,)), (B, (G, N)), (C, (G, N))))
-    if z is not None and not _rows(z, (H, P)):
-        z = z.contiguous()
+    x, dt, B, C = (as_rows(t, inner) for t, inner in ((x, (H, P)), (dt, (H,)), (B, (G, N)), (C, (G, N))))
+    z = None if z is None else as_rows(z, (H, P))
     A, D, dt_bias = (None if t is None else t.contiguous() for t in (A, D, dt_bias))
     lo, hi = (float(dt_limit[0]), float(dt_limit[1])) if dt_limit is not None else (0.0, 0.0)
     y = torch.empty(nb, H, P)
-    rc = fn(ssm_state.data_ptr(), ssm_state.shape[0], _slots(slot_idx).data_ptr(), nb, H, P, N, G,
+    rc = fn(ssm_state.data_ptr(), ssm_state.shape[0], slots_int32(slot_idx).data_ptr(), nb, H, P, N, G,
             x.data_ptr(), x.stride(0), dt.data_ptr(), dt.stride(0), B.data_ptr(), B.stride(0),
-            C.data_ptr(), C.stride(0), _ptr(z), 0 if z is None else z.stride(0),
-            A.data_ptr(), _ptr(dt_bias), _ptr(D), bool(dt_softplus), dt_limit is not None, lo, hi,
+            C.data_ptr(), C.stride(0), ptr(z), 0 if z is None else z.stride(0),
+            A.data_ptr(), ptr(dt_bias), ptr(D), bool(dt_softplus), dt_limit is not None, lo, hi,
             y.data_ptr())
     return y if rc == 0 else None
 
@@ -139,7 +112,7 @@ class Mamba2MixerDecode:
         self.width = H * P + conv_dim + H
         tensors = (conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_bias, D, norm_weight)
         self._keep = tensors  # the pointers below stay valid while this object lives
-        self.usable = (_fp32_cpu(*tensors) and all(t is None or t.is_contiguous() for t in tensors)
+        self.usable = (fp32_cpu(*tensors) and all(t is None or t.is_contiguous() for t in tensors)
                        and conv_state.shape[0] == ssm_state.shape[0] and H % G == 0
                        and tuple(conv_state.shape[1:]) == (conv_dim, k - 1)
                        and tuple(ssm_state.shape[1:]) == (H, P, N) and conv_dim == H * P + 2 * G * N)
@@ -147,7 +120,7 @@ class Mamba2MixerDecode:
         a = self._args = _MixerArgs()
         a.conv_state, a.ssm_state, a.num_slots = conv_state.data_ptr(), ssm_state.data_ptr(), ssm_state.shape[0]
         a.H, a.P, a.N, a.G, a.k = H, P, N, G, k
-        a.conv_w, a.conv_b, a.A_log, a.dt_bias, a.D, a.norm_w = (_ptr(t) for t in tensors[2:])
+        a.conv_w, a.conv_b, a.A_log, a.dt_bias, a.D, a.norm_w = (ptr(t) for t in tensors[2:])
         a.norm_group, a.eps, a.norm_mode = norm_group, eps, norm_mode
         a.xbc, a.A = self._xbc.data_ptr(), self._A.data_ptr()
         self.key = self.key_of(*tensors)
@@ -165,7 +138,7 @@ class Mamba2MixerDecode:
                 or proj.dim() != 2 or proj.shape[1] != self.width or proj.stride(1) != 1:
             return None
         nb = proj.shape[0]
-        slots = _slots(slot_idx)
+        slots = slots_int32(slot_idx)
         y = torch.empty(nb, self._args.H * self._args.P)
         a = self._args
         a.proj, a.proj_row, a.nb, a.slots, a.y = proj.data_ptr(), proj.stride(0), nb, slots.data_ptr(), y.data_ptr()

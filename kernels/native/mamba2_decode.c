@@ -42,10 +42,11 @@ static int check_slots(const int32_t *slots, int64_t nb, int64_t num_slots) {
     return rc;
 }
 
-/* exp for the gates, in a form the compiler vectorizes (libm's expf is a call per element):
- * e^x = 2^n e^r, n = round(x / ln 2), |r| <= ln 2 / 2, e^r by Cephes' degree-6 polynomial;
- * relative error ~1e-7 over the clamped range [-87, 88] (outside it, the gates saturate). */
+/* exp in a form the compiler vectorizes (libm's expf is a call per element): e^x = 2^n e^r,
+ * n = round(x / ln 2), |r| <= ln 2 / 2, e^r by Cephes' degree-6 polynomial; relative error ~1e-7
+ * on [-87, 88]; 0 below (never a denormal), e^88 above. */
 static inline float exp_vec(float x) {
+    const float below = x < -87.0f ? 0.0f : 1.0f;
     x = x < -87.0f ? -87.0f : x;
     x = x > 88.0f ? 88.0f : x;
     const float n = (x * 1.44269504089f + 12582912.0f) - 12582912.0f;  /* round to nearest */
@@ -60,7 +61,7 @@ static inline float exp_vec(float x) {
     const int32_t bits = ((int32_t)n + 127) << 23;  /* 2^n */
     float scale;
     memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
+    return p * scale * below;
 }
 
 static inline float silu(float v) { return v / (1.0f + exp_vec(-v)); }
