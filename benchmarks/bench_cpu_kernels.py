@@ -23,7 +23,8 @@ Mamba2 layer prefilling 1 x 2048 tokens and 14 prompts of 32-256 (conv + chunked
 gated-delta-rule chunked prefill (before: the reference, which the dispatcher ran then).
 Third table: the Mamba2 decode with the C kernels (kernels/mamba2_native.py) against the torch
 paths of this tree (`native_cpu.forced_off()`, as HYBRIDKV_CPU_NATIVE=0), alternating: the state
-update at batch 32 (slots 1..32, three runs, scattered) and the mixer forward at batch 32 and 1.
+update at batch 32 (slots 1..32, three runs, scattered), the Mamba1 and GDN state updates at batch
+32, and the Mamba2 mixer forward at batch 32 and 1.
 Note that since the C kernels, "after" in the first two tables is the C path where it runs.
 """
 from __future__ import annotations
@@ -43,6 +44,8 @@ import hybridkv.kernels.causal_conv_cpu as conv_mod
 import hybridkv.kernels.mamba2_cpu as mamba2_mod
 from hybridkv.kernels import native_cpu
 from hybridkv.kernels.attention_cpu import paged_attention_cpu
+from hybridkv.kernels.gdn_cpu import gdn_state_update_cpu
+from hybridkv.kernels.mamba1_cpu import mamba1_state_update_cpu
 from hybridkv.kernels.mamba2_cpu import mamba2_state_update_cpu
 from hybridkv.models.forward_batch import ForwardBatch
 from hybridkv.models.mamba2_mixer import Mamba2Mixer
@@ -237,7 +240,7 @@ def recurrent_section(args, results):
 def native_section(args):
     """The C decode kernels (kernels/mamba2_native.py) against the torch paths they replace
     (`native_cpu.forced_off()`), alternating on twin pools of the same inputs."""
-    print("\n# Mamba2 decode: torch path (native kernels forced off) vs the C kernels")
+    print("\n# recurrent decode: torch path (native kernels forced off) vs the C kernels")
     print("| case | torch | C | torch / C | max rel err |")
     print("| --- | --- | --- | --- | --- |")
     inner = 3 if args.quick else 50
@@ -257,6 +260,27 @@ def native_section(args):
         pools = {"torch": pool.clone(), "C": pool.clone()}
         update = lambda name: mamba2_state_update_cpu(pools[name], **kw)  # noqa: E731
         err = rel_err(update("C"), off(update)())
+        err = max(err, rel_err(pools["C"], pools["torch"]))
+        t = alternate({"before": off(update), "after": lambda: update("C")}, args.repeats, inner)
+        row(label, t, err)
+    g = torch.Generator().manual_seed(3)
+    d, n, hv, kd = 512, 16, 8, 64  # Mamba1: d_inner 512, d_state 16; GDN: 8 value heads of 64 x 64
+    m1 = dict(x=torch.randn(32, d, generator=g), dt=torch.randn(32, d, generator=g),
+              A=-torch.exp(torch.randn(d, n, generator=g)), B=torch.randn(32, n, generator=g),
+              C=torch.randn(32, n, generator=g), D=torch.randn(d, generator=g),
+              z=torch.randn(32, d, generator=g), dt_bias=torch.randn(d, generator=g) * 0.5,
+              slot_idx=torch.arange(1, 33, dtype=torch.int32))
+    gd = (torch.randn(32, hv // 2, kd, generator=g), torch.randn(32, hv // 2, kd, generator=g),
+          torch.randn(32, hv, kd, generator=g), -torch.rand(32, hv, generator=g),
+          torch.rand(32, hv, generator=g), torch.arange(1, 33, dtype=torch.int32))
+    for label, pool, step in [
+            ("Mamba1 state update, batch 32, d_inner 512, d_state 16", torch.randn(33, d, n, generator=g) * 0.1,
+             lambda p: mamba1_state_update_cpu(p, **m1)),
+            ("GDN state update, batch 32, 8 value heads of 64 x 64", torch.randn(33, hv, kd, kd, generator=g) * 0.1,
+             lambda p: gdn_state_update_cpu(p, *gd))]:
+        pools = {"torch": pool.clone(), "C": pool.clone()}
+        update = lambda name, step=step: step(pools[name])  # noqa: E731
+        err = max(rel_err(update("C"), off(update)()), 0.0)
         err = max(err, rel_err(pools["C"], pools["torch"]))
         t = alternate({"before": off(update), "after": lambda: update("C")}, args.repeats, inner)
         row(label, t, err)

@@ -9,6 +9,7 @@
  * exp_vec are repeated from mamba2_decode.c rather than included.)
  */
 #pragma GCC optimize("no-trapping-math")  /* compares do not trap: the clamps vectorize */
+#pragma GCC target("prefer-vector-width=256")
 
 #include <math.h>
 #include <stdint.h>
