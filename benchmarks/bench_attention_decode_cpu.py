@@ -3,17 +3,25 @@
 blocks, two batched matmuls), both through `paged_attention_cpu` on the same pool.
 
     python benchmarks/bench_attention_decode_cpu.py --repeats 7
+    python benchmarks/bench_attention_decode_cpu.py --engine --steps 40
 
 1 torch thread, CPU time (`time.process_time`), the two paths alternating in each repeat (which
 goes first alternates too); median over repeats (min-max) of the time per layer of a step of
 `--layers` layers sharing one step plan (built by the first, as in the engine). Shapes of
 bench_engine.py's models: 4 query / 2 KV heads of 64, blocks of 16, fp32, blocks shuffled in a
 pool with spare blocks. Also prints skewed / uniform (31 x 64 + 1 x 2048 over 32 x 64) per path.
+
+--engine: whole decode steps of bench_engine.py's tiny Llama (8 layers) in the engine, 32
+requests with prompts of 32-256 tokens, steps alternating native / torch path (adjacent steps
+hold nearly the same contexts); median step CPU time per path and the time inside
+`paged_attention_cpu`.
 """
 from __future__ import annotations
 
 import argparse
 import random
+import sys
+from pathlib import Path
 import statistics
 import time
 
@@ -60,17 +68,75 @@ def step(inputs, layers: int, native: bool):
     return out
 
 
+def engine_steps(steps: int):
+    """Decode steps of the tiny Llama at batch 32, native and torch path alternating."""
+    import tempfile
+
+    import hybridkv.kernels.attention_cpu as attention_cpu
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_engine import CONFIGS
+    from hybridkv import LLM, SamplingParams
+    from hybridkv.models.tiny import make_tiny_checkpoint
+
+    inner, spent = attention_cpu.paged_attention_cpu, [0.0]
+
+    def counted(*a, **k):
+        c0 = time.process_time()
+        try:
+            return inner(*a, **k)
+        finally:
+            spent[0] += time.process_time() - c0
+
+    attention_cpu.paged_attention_cpu = counted
+    with tempfile.TemporaryDirectory() as d:
+        llm = LLM(str(make_tiny_checkpoint("llama", d, **CONFIGS["llama"])), memory_budget_bytes=256 << 20,
+                  max_num_seqs=32, max_num_batched_tokens=2048)
+        rng = random.Random(0)
+        for _ in range(32):
+            llm.add_request([rng.randrange(4, 512) for _ in range(rng.randint(32, 256))],
+                            SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True))
+        for _ in range(8):  # the prompts' ~4.6k tokens prefill in 3 steps of 2048: then all decode
+            llm.engine.step()
+        times = {True: [], False: []}
+        for i in range(steps):
+            native = i % 2 == 0
+            spent[0] = 0.0
+            c0 = time.process_time()
+            if native:
+                llm.engine.step()
+            else:
+                with native_cpu.forced_off():
+                    llm.engine.step()
+            times[native].append((1e3 * (time.process_time() - c0), 1e3 * spent[0]))
+    print(f"torch {torch.__version__}, 1 thread, {steps} decode steps at batch 32, CPU ms per step: "
+          "median (min-max)")
+    print("| path | decode step | inside paged_attention_cpu |")
+    print("| --- | --- | --- |")
+    for native in (False, True):
+        step_ms, attn_ms = zip(*times[native])
+        print(f"| {'native' if native else 'torch path'} | {statistics.median(step_ms):.2f} "
+              f"({min(step_ms):.2f}-{max(step_ms):.2f}) | {statistics.median(attn_ms):.2f} "
+              f"({min(attn_ms):.2f}-{max(attn_ms):.2f}) |")
+    ratio = statistics.median(t for t, _ in times[False]) / statistics.median(t for t, _ in times[True])
+    print(f"decode step, torch path / native: {ratio:.2f}x")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--layers", type=int, default=8, help="attention layers per step (one plan)")
+    ap.add_argument("--engine", action="store_true", help="whole decode steps of the tiny Llama instead")
+    ap.add_argument("--steps", type=int, default=40, help="--engine: decode steps (half per path)")
     args = ap.parse_args()
-    if args.repeats < 1 or args.layers < 1:
-        raise SystemExit(f"--repeats {args.repeats} / --layers {args.layers}: both must be >= 1")
+    if args.repeats < 1 or args.layers < 1 or args.steps < 2:
+        raise SystemExit(f"--repeats {args.repeats} / --layers {args.layers} / --steps {args.steps}: "
+                         "must be >= 1 / >= 1 / >= 2")
     torch.set_num_threads(1)
     if not native_cpu.enabled() or native_cpu.library("paged_attention") is None:
         raise SystemExit("the native kernel is off or not built here (HYBRIDKV_CPU_NATIVE, a C "
                          "compiler): only the torch path exists, nothing to compare")
+    if args.engine:
+        return engine_steps(args.steps)
     print(f"torch {torch.__version__}, 1 thread, {args.repeats} repeats, {args.layers} layers a step, "
           "CPU ms per layer: median (min-max)")
     print("| decodes | torch path | native | speed-up | max abs diff |")
