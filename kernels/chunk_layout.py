@@ -5,6 +5,8 @@ zeros). The chunks of all requests are packed one after another, so the intra-ch
 call is proportional to its tokens, not to (requests x the longest request's chunk count).
 Only the chunk-to-chunk state recurrence is sequential: it steps over chunk index k, batched
 over the requests that have a chunk k.
+The layers of one step pass the same requests: `ChunkLayout.of(spans, chunk, device)` keeps the
+last few layouts by value, so a step builds each layout once, not once per layer.
 """
 from __future__ import annotations
 
@@ -20,6 +22,20 @@ class ChunkLayout:
     (True strictly above the diagonal: s > l, the future inside a chunk); _steps[k] the chunk ids
     of index k of every request that has one, step_requests[k] those requests (None: all).
     """
+
+    @classmethod
+    def of(cls, spans, chunk: int, device) -> "ChunkLayout":
+        """The layout of these spans, from the last few built (a layout is never modified after
+        it is built; the C kernels' index tables are added to it once)."""
+        key = (tuple(spans), chunk, str(device))
+        for i, (k, lay) in enumerate(_RECENT):
+            if k == key:
+                _RECENT.insert(0, _RECENT.pop(i))
+                return lay
+        lay = cls(spans, chunk, device)
+        _RECENT.insert(0, (key, lay))
+        del _RECENT[_KEEP:]
+        return lay
 
     def __init__(self, spans, chunk: int, device):
         self.chunk, self.device = chunk, device
@@ -121,3 +137,7 @@ class ChunkLayout:
     def position(self, request: int, p: int) -> tuple[int, int]:
         """(chunk, offset in it) of the request's token p - 1 (p in 1..len)."""
         return self.first_list[request] + (p - 1) // self.chunk, (p - 1) % self.chunk
+
+
+_KEEP = 4  # layouts kept: a step's one or two chunk sizes, with room to spare
+_RECENT: list = []

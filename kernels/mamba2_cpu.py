@@ -58,7 +58,7 @@ def mamba2_chunk_scan_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_
     for r, (s, e, _, _) in enumerate(spans):
         state_cuts(e - s, wanted[r], r)  # positions outside 1..len are refused before any write
     chunk_size = min(chunk_size, CPU_CHUNK)
-    lay = ChunkLayout(spans, chunk_size, x.device)
+    lay = ChunkLayout.of(spans, chunk_size, x.device)
     if lay.num_chunks == 0:  # no tokens: requests without a state are zeroed, as the reference does
         fresh = lay.slots[~lay.init]
         ssm_state.index_fill_(0, fresh, 0)
