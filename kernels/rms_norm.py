@@ -41,7 +41,7 @@ def _rows(*ts: Optional[torch.Tensor]) -> bool:
     for t in ts:
         if t is None:
             continue
-        if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2 or t.stride(1) != 1 \
+        if t.dtype != torch.float32 or not t.is_cpu or t.dim() != 2 or t.stride(1) != 1 \
                 or t.requires_grad:
             return False
     return True
@@ -57,7 +57,7 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _weight_ok(w: torch.Tensor, d: int) -> bool:
-    return (w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
+    return (w.dtype == torch.float32 and w.is_cpu and w.is_contiguous()
             and w.numel() == d and not (w.requires_grad and torch.is_grad_enabled()))
 
 

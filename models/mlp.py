@@ -24,7 +24,9 @@ class GatedMLP(nn.Module):
         self._silu = act == "silu"  # most checkpoints: in place, without a module call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, *self.gate_up.weight_bias()).split(self.gate_up.sizes, -1)
+        gate_up = F.linear(x, *self.gate_up.weight_bias())
+        n = self.gate_up.sizes[0]
+        gate, up = gate_up[..., :n], gate_up[..., n:]  # (two slices cost less than a split)
         gate = F.silu(gate, inplace=True) if self._silu else self.act_fn(gate)  # gate: a fresh output
         if self.down.linears[0] is not self._modules["down_proj"]:  # replaced since
             self.down = FusedLinear((self._modules["down_proj"],))
