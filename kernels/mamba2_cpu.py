@@ -70,7 +70,8 @@ def mamba2_chunk_scan_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_
     Bp = lay.pad(B.reshape(T, G * N)).view(nc, cs, G, N)
     Cp = lay.pad(C.reshape(T, G * N)).view(nc, cs, G, N)
     if fast:
-        acum, xdt, xs = prefill_native.ssd_inputs(x, dtf, A.float(), lay, _CUT)
+        acum, xdt_h, xs = prefill_native.ssd_inputs(x, dtf, A.float(), lay, _CUT)
+        xdt = xdt_h.transpose(1, 2)  # [c, l, H, P] view
     else:
         xdt = lay.pad((x.float() * dtf[..., None]).reshape(T, H * P)).view(nc, cs, H, P)
         # acum [c, l, H]: log-decay from the chunk start to l (inclusive)
@@ -85,7 +86,7 @@ def mamba2_chunk_scan_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_
         seg = acum_h[..., :, None] - acum_h[..., None, :]  # [c, H, l, s]
         decay = seg.masked_fill_(lay.upper | (seg < _CUT), float("-inf")).exp_()  # as _decay, in place
         scores = decay.view(nc, G, hpg, cs, cs).mul_(cb[:, :, None])
-    y = torch.matmul(scores.view(nc, H, cs, cs), xdt.transpose(1, 2))  # [c, H, l, P]
+    y = torch.matmul(scores.view(nc, H, cs, cs), xdt.transpose(1, 2))  # [c, H, l, P]; no copy in C's layout
     # each chunk's own inputs at its end, per group: (xdt e^(end - l))^T B -> [c, H, P, N]
     xs = xs.view(nc, cs, G, hpg * P)
     ends = torch.matmul(xs.permute(0, 2, 3, 1), Bp.transpose(1, 2)).view(nc, H, P, N)
@@ -133,7 +134,7 @@ def _states_at(lay, wanted, starts, acum, xdt, Bp, hpg, dtype):
     seg = (at[:, None, :] - acum[c]).masked_fill_(  # [Q, l, H]: decay from l to the position
         torch.arange(cs, device=c.device)[None, :, None] > j[:, None, None], float("-inf"))
     seg = _decay(seg)
-    xs = (xdt[c] * seg[..., None]).view(-1, cs, G, hpg * P)
+    xs = (xdt[c] * seg[..., None]).reshape(-1, cs, G, hpg * P)
     h = torch.matmul(xs.permute(0, 2, 3, 1), Bp[c].transpose(1, 2)).view(-1, H, P, N)
     h.add_(starts[c] * _decay(at)[..., None, None])
     out, q = [], 0

@@ -62,14 +62,15 @@ def _heads_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def ssd_inputs(x, dtf, A, lay, cut: float):
-    """x [T, H, P]; dtf [T, H] discretised dt; A [H] -> (acum [nc, cs, H], xdt [nc, cs, H, P],
-    xend [nc, cs, H, P]: xdt carried to its chunk's end), in the padded chunk layout `lay`."""
+    """x [T, H, P]; dtf [T, H] discretised dt; A [H] -> (acum [nc, cs, H], xdt [nc, H, cs, P]
+    (heads first), xend [nc, cs, H, P]: x dt carried to its chunk's end), in the padded chunk
+    layout `lay`."""
     x = _heads_rows(x)
     T, H, P = x.shape
     nc, cs = lay.num_chunks, lay.chunk
     dtf, A = dtf.contiguous(), A.contiguous()
     acum = torch.empty(nc, cs, H)
-    xdt, xend = torch.empty(nc, cs, H, P), torch.empty(nc, cs, H, P)
+    xdt, xend = torch.empty(nc, H, cs, P), torch.empty(nc, cs, H, P)
     _fn("ssd_inputs")(x.data_ptr(), x.stride(0), dtf.data_ptr(), A.data_ptr(), lay.source_rows.data_ptr(),
                       nc, cs, H, P, cut, acum.data_ptr(), xdt.data_ptr(), xend.data_ptr())
     return acum, xdt, xend

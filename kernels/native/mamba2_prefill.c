@@ -4,7 +4,8 @@
  * Chunked SSD over the packed chunks of kernels/chunk_layout.py (nc chunks of cs rows; padded row
  * c * cs + l of chunk c; src[row] the packed token row there, or -1 in the padding):
  *   ssd_inputs:  acum [nc, cs, H] = cumsum over l of dt A (in double, as torch's cumsum),
- *                xdt [nc * cs, H, P] = x dt, xend = xdt exp(acum[c, cs-1] - acum) (carried to
+ *                xdt [nc, H, cs, P] = x dt (heads first: the operand of the intra-chunk matmul),
+ *                xend [nc * cs, H, P] = x dt exp(acum[c, cs-1] - acum) (carried to
  *                the chunk end), zeros in the padding.
  *   ssd_scores:  out [nc, H, cs, cs] = exp(acum[c, l, h] - acum[c, s, h]) cb[c, g, l, s] for s <= l,
  *                0 above the diagonal (the causal mask, the decay and the C.B product in one pass).
@@ -100,9 +101,9 @@ void ssd_inputs(const float *x, int64_t x_row, const float *dt, const float *A, 
         }
         for (int64_t l = 0; l < cs; l++) {
             const int64_t t = src[c * cs + l];
-            float *xd = xdt + (c * cs + l) * H * P, *xe = xend + (c * cs + l) * H * P;
+            float *xd = xdt + (c * H * cs + l) * P, *xe = xend + (c * cs + l) * H * P;
             if (t < 0) {
-                memset(xd, 0, (size_t)(H * P) * sizeof(float));
+                for (int64_t h = 0; h < H; h++) memset(xd + h * cs * P, 0, (size_t)P * sizeof(float));
                 memset(xe, 0, (size_t)(H * P) * sizeof(float));
                 continue;
             }
@@ -114,7 +115,7 @@ void ssd_inputs(const float *x, int64_t x_row, const float *dt, const float *A, 
 #pragma omp simd
                 for (int64_t p = 0; p < P; p++) {
                     const float v = xr[h * P + p] * d;
-                    xd[h * P + p] = v;
+                    xd[h * cs * P + p] = v;
                     xe[h * P + p] = v * e;
                 }
             }
