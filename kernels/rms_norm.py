@@ -70,7 +70,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool =
         if plus_one:
             return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)) * (1.0 + weight)
         return F.rms_norm(x, weight.shape, weight, eps)
-    out = torch.empty(x.shape, dtype=x.dtype)
+    out = torch.empty_like(x)  # (contiguous: x's rows have contiguous elements)
     n, d = x2.shape
     fn(x2.data_ptr(), x2.stride(0), weight.data_ptr(), plus_one, out.data_ptr(), d, n, d, eps)
     return out
@@ -87,7 +87,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
         s = h + delta
         return s, rms_norm(s, weight, eps, plus_one)
     n, d = h.shape
-    s, out = torch.empty((n, d)), torch.empty((n, d))
+    s, out = torch.empty_like(h), torch.empty_like(h)  # (contiguous, as in rms_norm)
     fn(h.data_ptr(), h.stride(0), delta.data_ptr(), delta.stride(0), weight.data_ptr(), plus_one,
        s.data_ptr(), d, out.data_ptr(), d, n, d, eps)
     return s, out
@@ -107,7 +107,7 @@ def gated_rms_norm(y: torch.Tensor, z: Optional[torch.Tensor], weight: torch.Ten
     if fn is None:
         return None
     n, d = y2.shape
-    out = torch.empty(y.shape, dtype=y.dtype)
+    out = torch.empty_like(y)  # (contiguous, as in rms_norm)
     fn(y2.data_ptr(), y2.stride(0), None if z2 is None else z2.data_ptr(),
        0 if z2 is None else z2.stride(0), weight.data_ptr(), out.data_ptr(), d, n, d, group_size,
        norm_before_gate, eps)
