@@ -24,7 +24,8 @@ gated-delta-rule chunked prefill (before: the reference, which the dispatcher ra
 Third table: the Mamba2 decode with the C kernels (kernels/mamba2_native.py) against the torch
 paths of this tree (`native_cpu.forced_off()`, as HYBRIDKV_CPU_NATIVE=0), alternating: the state
 update at batch 32 (slots 1..32, three runs, scattered), the Mamba1 and GDN state updates at batch
-32, and the Mamba2 mixer forward at batch 32 and 1.
+32, the Mamba2 mixer forward at batch 32 and 1, and whole engine decode steps of bench_engine.py's
+Bamba at batch 32 and 1 with only the Mamba2 C kernels switched (the other C kernels stay on).
 Note that since the C kernels, "after" in the first two tables is the C path where it runs.
 """
 from __future__ import annotations
@@ -42,6 +43,7 @@ import torch
 
 import hybridkv.kernels.causal_conv_cpu as conv_mod
 import hybridkv.kernels.mamba2_cpu as mamba2_mod
+import hybridkv.kernels.mamba2_native as mamba2_native
 from hybridkv.kernels import native_cpu
 from hybridkv.kernels.attention_cpu import paged_attention_cpu
 from hybridkv.kernels.gdn_cpu import gdn_state_update_cpu
@@ -165,7 +167,8 @@ def alternate(fns: dict, repeats: int, inner) -> dict:
 
 def row(label, t, err):
     ratio = statistics.median(t["before"]) / statistics.median(t["after"])
-    print(f"| {label} | {fmt(t['before'])} | {fmt(t['after'])} | {ratio:.2f}x | {err:.1e} |")
+    shown = "-" if err is None else f"{err:.1e}"
+    print(f"| {label} | {fmt(t['before'])} | {fmt(t['after'])} | {ratio:.2f}x | {shown} |")
 
 
 RUNS = torch.cat([torch.arange(1, 20), torch.arange(38, 50), torch.tensor([62])])  # seen in the engine
@@ -274,9 +277,11 @@ def native_section(args):
           torch.randn(32, hv, kd, generator=g), -torch.rand(32, hv, generator=g),
           torch.rand(32, hv, generator=g), torch.arange(1, 33, dtype=torch.int32))
     for label, pool, step in [
-            ("Mamba1 state update, batch 32, d_inner 512, d_state 16", torch.randn(33, d, n, generator=g) * 0.1,
+            ("Mamba1 state update, batch 32, d_inner 512, d_state 16",
+             torch.randn(33, d, n, generator=g) * 0.1,
              lambda p: mamba1_state_update_cpu(p, **m1)),
-            ("GDN state update, batch 32, 8 value heads of 64 x 64", torch.randn(33, hv, kd, kd, generator=g) * 0.1,
+            ("GDN state update, batch 32, 8 value heads of 64 x 64",
+             torch.randn(33, hv, kd, kd, generator=g) * 0.1,
              lambda p: gdn_state_update_cpu(p, *gd))]:
         pools = {"torch": pool.clone(), "C": pool.clone()}
         update = lambda name, step=step: step(pools[name])  # noqa: E731
@@ -292,10 +297,54 @@ def native_section(args):
         layer = lambda name: mixer(hidden, batch, *pools[name])  # noqa: E731
         with torch.no_grad():
             err = rel_err(layer("C"), off(layer)())
-            err = max(err, rel_err(pools["C"][1], pools["torch"][1]), rel_err(pools["C"][0], pools["torch"][0]))
+            err = max(err, *(rel_err(a, b) for a, b in zip(pools["C"], pools["torch"])))
             t = alternate({"before": off(layer), "after": lambda: layer("C")}, args.repeats,
                           inner if nb > 1 else 10 * inner)
         row(label, t, err)
+    for nb in (32, 1):
+        row(f"engine decode step, Bamba of bench_engine.py, batch {nb} (only the Mamba2 C kernels on/off)",
+            engine_decode_steps(args, nb), None)
+
+
+class mamba2_torch_path:
+    """Within the block the Mamba2 decode runs its torch path (the C Mamba2 and conv kernels only are
+    off; the other native kernels stay on)."""
+
+    def __enter__(self):
+        self.saved = dict(mamba2_native._functions)
+        mamba2_native._functions.update({s: None for s in mamba2_native._SIGNATURES})
+
+    def __exit__(self, *exc):
+        mamba2_native._functions.clear()
+        mamba2_native._functions.update(self.saved)
+
+
+def engine_decode_steps(args, batch: int):
+    """CPU time of whole engine decode steps (bench_engine.py's Bamba, `batch` requests of 64-token
+    prompts) with the Mamba2 decode on its torch path and in C, alternating on the same engine."""
+    import tempfile
+
+    from bench_engine import CONFIGS
+    from hybridkv import LLM, SamplingParams
+    from hybridkv.models.tiny import make_tiny_checkpoint
+
+    steps = 2 if args.quick else 8
+    with tempfile.TemporaryDirectory() as d:
+        path = make_tiny_checkpoint("bamba", f"{d}/bamba", **CONFIGS["bamba"])
+        llm = LLM(str(path), memory_budget_bytes=256 << 20, max_num_seqs=batch, max_num_batched_tokens=2048)
+        n = 4 + 2 * args.repeats * (steps + 1)
+        params = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True)
+        for i in range(batch):
+            llm.add_request([(7 * i + j) % 500 + 3 for j in range(64)], params)
+        eng = llm.engine
+        while len(eng.step()) < batch:
+            pass  # prefill until every request has its first token: then each step is a decode step
+
+        def torch_path():
+            with mamba2_torch_path():
+                eng.step()
+
+        return alternate({"before": torch_path, "after": eng.step}, args.repeats, steps)
 
 
 def fmt(ts):

@@ -118,7 +118,8 @@ class Mamba2MixerDecode:
                        and tuple(ssm_state.shape[1:]) == (H, P, N) and conv_dim == H * P + 2 * G * N)
         self._xbc, self._A = torch.empty(conv_dim), torch.empty(H)
         a = self._args = _MixerArgs()
-        a.conv_state, a.ssm_state, a.num_slots = conv_state.data_ptr(), ssm_state.data_ptr(), ssm_state.shape[0]
+        a.conv_state, a.ssm_state = conv_state.data_ptr(), ssm_state.data_ptr()
+        a.num_slots = ssm_state.shape[0]
         a.H, a.P, a.N, a.G, a.k = H, P, N, G, k
         a.conv_w, a.conv_b, a.A_log, a.dt_bias, a.D, a.norm_w = (ptr(t) for t in tensors[2:])
         a.norm_group, a.eps, a.norm_mode = norm_group, eps, norm_mode
@@ -141,6 +142,7 @@ class Mamba2MixerDecode:
         slots = slots_int32(slot_idx)
         y = torch.empty(nb, self._args.H * self._args.P)
         a = self._args
-        a.proj, a.proj_row, a.nb, a.slots, a.y = proj.data_ptr(), proj.stride(0), nb, slots.data_ptr(), y.data_ptr()
+        a.proj, a.proj_row, a.nb = proj.data_ptr(), proj.stride(0), nb
+        a.slots, a.y = slots.data_ptr(), y.data_ptr()
         rc = fn(ctypes.byref(a))
         return y if rc == 0 else None

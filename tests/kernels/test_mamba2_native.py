@@ -126,7 +126,8 @@ def test_mixer_decode_matches_references(groups, mode):
     A = -torch.exp(A_log)
     dt_bias, D = torch.randn(H, generator=g) * 0.5, torch.randn(H, generator=g)
     norm_w = torch.randn(HP, generator=g) if mode else None
-    call = Mamba2MixerDecode(conv, ssm, H, P, groups, w, cb, A_log, dt_bias, D, norm_w, HP // groups, 1e-5, mode)
+    call = Mamba2MixerDecode(conv, ssm, H, P, groups, w, cb, A_log, dt_bias, D, norm_w, HP // groups,
+                             1e-5, mode)
     ref_conv, ref_ssm = conv.clone(), ssm.clone()
     for step in range(3):
         proj = torch.randn(4, 3 + HP + conv_dim + H, generator=g)[:, 3:] * 2  # strided rows

@@ -69,7 +69,8 @@ def test_gdn_matches_reference_over_steps(path, order, heads, v_heads):
     ref_pool, got_pool = pool.clone(), pool.clone()
     for _ in range(3):
         q, k = torch.randn(nb, heads, K, generator=g), torch.randn(nb, heads, K, generator=g)
-        v = torch.randn(nb, 2 * v_heads * V, generator=g)[:, v_heads * V:].view(nb, v_heads, V)  # strided rows
+        # v as strided rows (a column slice of a projection)
+        v = torch.randn(nb, 2 * v_heads * V, generator=g)[:, v_heads * V:].view(nb, v_heads, V)
         gate = -torch.rand(nb, v_heads, generator=g) * 2
         beta = torch.rand(nb, v_heads, generator=g)
         want = gdn_state_update_ref(ref_pool, q, k, v, gate, beta, slots)

@@ -17,7 +17,8 @@ def batch(qlens, slens, slots):
     return ForwardBatch(
         input_ids=torch.zeros(T, dtype=torch.long), positions=torch.zeros(T, dtype=torch.long),
         query_start_loc=torch.tensor([0] + qlens).cumsum(0).to(torch.int32),
-        seq_lens=torch.tensor(slens, dtype=torch.int32), block_table=torch.zeros(len(qlens), 1, dtype=torch.int32),
+        seq_lens=torch.tensor(slens, dtype=torch.int32),
+        block_table=torch.zeros(len(qlens), 1, dtype=torch.int32),
         slot_mapping=torch.full((T,), -1), state_slots=torch.tensor(slots, dtype=torch.int32),
         has_initial_state=torch.tensor([s > q for q, s in zip(qlens, slens)]),
         query_lens_cpu=list(qlens), seq_lens_cpu=list(slens))
@@ -36,7 +37,8 @@ def random_mixer(seed, **kw):
 
 @pytest.mark.parametrize("kw", [dict(n_groups=1), dict(n_groups=2),
                                 dict(n_groups=2, norm_before_gate=True),
-                                dict(n_groups=1, gated_norm=False, zxbcdt_multipliers=[0.5, 1.5, 1.0, 0.7, 2.0])],
+                                dict(n_groups=1, gated_norm=False,
+                                     zxbcdt_multipliers=[0.5, 1.5, 1.0, 0.7, 2.0])],
                          ids=["groups1", "groups2", "norm_before_gate", "no_norm_mup"])
 def test_native_decode_matches_torch_path(kw, monkeypatch):
     if native_cpu.library("mamba2_decode") is None:
