@@ -27,8 +27,10 @@ from .varlen import check_positions_arg, request_spans, state_cuts
 _CUT = -60.0  # exp below this (< 1e-26) is taken as 0: denormal results make exp and matmul ~15x slower
 # The scan's result does not depend on where chunks are cut. Per token, the intra-chunk matmul costs
 # O(chunk x head_dim), the state passes O(head_dim x d_state): chunks of at most 64 balance them for
-# d_state 64-128 (a chunk_size 256 checkpoint's prefill scan: 1.6-2.2x faster, BENCHMARKS.md).
-CPU_CHUNK = 64
+# d_state 64-128 (a chunk_size 256 checkpoint's prefill scan: 1.6-2.2x faster, BENCHMARKS.md). A call
+# of short pieces only (the tails after prompt-end checkpoints) takes the power of two >= its longest,
+# at least 16: a 5-token tail padded to 64 rows would cost 13x its work.
+CPU_CHUNK, MIN_CHUNK = 64, 16
 
 
 def _decay(log_decay: torch.Tensor) -> torch.Tensor:
@@ -43,7 +45,7 @@ def mamba2_chunk_scan_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_
     in place); x [T, H, P]; dt [T, H]; A [H]; B, C [T, G, N]; D [H] or None; z [T, H, P] or None;
     return_states_at: None or per request positions 1..len. Returns y [T, H, P] in x.dtype, or
     (y, states) with states per request [n_pos, H, P, N] in ssm_state.dtype. Chunks are cut at
-    min(chunk_size, CPU_CHUNK) tokens (the same result, see CPU_CHUNK).
+    most at CPU_CHUNK tokens, fewer for a call of short requests (the same result, see CPU_CHUNK).
     """
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
@@ -57,7 +59,8 @@ def mamba2_chunk_scan_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_
         else [[] for _ in spans]
     for r, (s, e, _, _) in enumerate(spans):
         state_cuts(e - s, wanted[r], r)  # positions outside 1..len are refused before any write
-    chunk_size = min(chunk_size, CPU_CHUNK)
+    longest = max((e - s for s, e, _, _ in spans), default=1)
+    chunk_size = min(chunk_size, CPU_CHUNK, max(MIN_CHUNK, 1 << (longest - 1).bit_length()))
     lay = ChunkLayout.of(spans, chunk_size, x.device)
     if lay.num_chunks == 0:  # no tokens: requests without a state are zeroed, as the reference does
         fresh = lay.slots[~lay.init]

@@ -109,19 +109,22 @@ def test_mixer_layout_and_decays_past_the_cut(prefill_path):
     assert all(rel_err(v, u) < 1e-5 for u, v in zip(s1, s2) if u.numel())
 
 
-def test_long_chunks_are_cut_at_the_cpu_chunk(prefill_path):
-    """A checkpoint's chunk_size of 256 (Bamba's): the CPU scan cuts chunks of CPU_CHUNK tokens and
-    still matches the reference run with chunks of 256, states at positions included."""
+@pytest.mark.parametrize("short", [False, True])
+def test_long_chunks_are_cut_at_the_cpu_chunk(short, prefill_path):
+    """A checkpoint's chunk_size of 256 (Bamba's): the CPU scan cuts chunks of CPU_CHUNK tokens, or
+    fewer for a call of short pieces, and still matches the reference run with chunks of 256,
+    states at positions included."""
     from hybridkv.kernels.mamba2_cpu import CPU_CHUNK
 
-    lengths, init = [150, 3, 2 * CPU_CHUNK], [True, False, False]
+    n = 17 if short else 2 * CPU_CHUNK  # short: chunks of 32 (the power of two above 27)
+    lengths, init = [n + 10, 3, n], [True, False, False]
     args, qsl, slots, has_init, pool = case(lengths, init, seed=9)
     kw = dict(query_start_loc=qsl, slot_idx=slots, has_initial_state=has_init, chunk_size=256,
-              return_states_at=[[CPU_CHUNK, 100, 150], [3], [CPU_CHUNK + 1]])
+              return_states_at=[[n // 2, n, n + 10], [3], [n // 2 + 1]])
     a, b = pool.clone(), pool.clone()
     y1, s1 = mamba2_chunk_scan_ref(a, **args, **kw)
     y2, s2 = mamba2_chunk_scan_cpu(b, **args, **kw)
-    assert CPU_CHUNK < 150 and rel_err(y2, y1) < 1e-5
+    assert rel_err(y2, y1) < 1e-5
     assert all(rel_err(v, u) < 1e-5 for u, v in zip(s1, s2))
     assert rel_err(b[slots.long()].nan_to_num(), a[slots.long()].nan_to_num()) < 1e-5
 
