@@ -24,6 +24,9 @@ _SIGNATURES = {
     "gated_rms_norm_f32": [_P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _B, _F],
 }
 _functions: dict = {}
+# gated norm: C up to this many elements (measured, 1 thread, rows of 512: 32 rows 139 vs 197 us,
+# 256 rows 859 vs 1482 us, 2048 rows 6707 vs 5925 us in torch)
+_GATED_C_MAX_ELEMENTS = 512 * 512
 
 
 def _native(symbol: str):
@@ -103,6 +106,8 @@ def gated_rms_norm(y: torch.Tensor, z: Optional[torch.Tensor], weight: torch.Ten
         return None
     if not (_rows(y2, z2) and _weight_ok(weight, y.shape[-1]) and y.shape[-1] % group_size == 0):
         return None
+    if z2 is not None and y2.numel() > _GATED_C_MAX_ELEMENTS:
+        return None  # the C loop's scalar expf loses to torch's vectorised silu on prefill-sized inputs
     fn = _native("gated_rms_norm_f32")
     if fn is None:
         return None
