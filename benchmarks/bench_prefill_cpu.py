@@ -15,7 +15,8 @@ relative error of output and states; engine: the greedy tokens).
 Cases, with bench_engine.py's Bamba model (hidden 256, 8 layers, attention at 3 and 7, Mamba2 8
 heads x 64, 1 group, d_state 64, chunk 64, fp32):
 - one Mamba2 layer (`Mamba2Mixer.forward`: in_proj, conv, SSD, gated norm, out_proj) prefilling
-  14 fresh prompts of 32-256 tokens, and 1 x 2048 tokens;
+  14 fresh prompts of 32-256 tokens, and 1 x 2048 tokens; again with the chunk_size of real Bamba
+  / Mamba2 checkpoints, 256 (this tree's CPU scan cuts chunks of 64 whatever the checkpoint says);
 - the engine prefilling bench_engine.py's Bamba workload (32 prompts of 32-256 tokens) and long
   workload (8 prompts of 1k-2k tokens) with chunks of 2048 tokens, prefix caching off: every step
   until each request has its first token (`generate` with max_tokens 1).
@@ -83,8 +84,9 @@ def row(label, t, check):
 
 
 def layer_rows(kernels, lens_cases, repeats):
-    for label, lens in lens_cases:
+    for label, lens, chunk in lens_cases:
         mixer, batch, hidden, conv, state = mixer_case(prompt_lens=lens)
+        mixer.chunk_size = chunk
         pools = {name: (conv.clone(), state.clone()) for name in kernels}
         calls = {name: (kernels[name], lambda name=name: mixer(hidden, batch, *pools[name]))
                  for name in kernels}
@@ -143,8 +145,11 @@ def main():
     rng = torch.Generator().manual_seed(1)
     mixed = torch.randint(32 // q, 256 // q + 1, (14,), generator=rng).tolist()
     if args.only in (None, "layer"):
-        layer_rows(kernels, [(f"Mamba2 layer prefill, 14 prompts ({sum(mixed)} tokens)", mixed),
-                             (f"Mamba2 layer prefill, 1 x {2048 // q} tokens", [2048 // q])], args.repeats)
+        layer_rows(kernels, [(f"Mamba2 layer prefill, 14 prompts ({sum(mixed)} tokens)", mixed, 64),
+                             (f"Mamba2 layer prefill, 1 x {2048 // q} tokens", [2048 // q], 64),
+                             ("same, 14 prompts, checkpoint chunk_size 256", mixed, 256),
+                             (f"same, 1 x {2048 // q} tokens, checkpoint chunk_size 256", [2048 // q], 256)],
+                   args.repeats)
     if args.only in (None, "engine"):
         engine_rows(kernels, args.quick, args.repeats)
     print(f"# load average at the end {' '.join(f'{v:.1f}' for v in os.getloadavg())}")
