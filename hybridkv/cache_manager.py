@@ -56,7 +56,6 @@ import contextlib
 import types
 from typing import Hashable, Mapping, Optional, Sequence
 
-import numpy as np
 import torch
 
 from hybridkv import snapshot_transfer
@@ -322,29 +321,28 @@ class HybridCacheManager:
         the request holds alone and need nothing; the few that need a block (or a copy of a shared
         one) get it here only when every pool can give all of them theirs, else none of them does
         (False: allocate() those one by one, in run order, preempting as needed)."""
-        n = len(req_ids)
-        start = np.asarray(starts, dtype=np.int64)
-        ready = np.ones(n, dtype=bool)
-        slots = np.full(n, -1, dtype=np.int64)
+        n, bs = len(req_ids), self.block_size
+        ready, slots = [True] * n, [-1] * n
         for kind in self._allocating:
-            kind_slots, room = kind.decode_room(req_ids, start)
-            ready &= room
+            kind_slots, room = kind.decode_room(req_ids, starts)
+            ready = [a and b for a, b in zip(ready, room)]
             if kind is self.attention:
                 slots = kind_slots
-        short = np.flatnonzero(~ready).tolist()
+        short = [i for i, ok in enumerate(ready) if not ok]
         if short and all(len(short) <= k.pool.num_free for k in self._allocating):  # <= 1 block each
             for i in short:
-                rid, s = req_ids[i], int(start[i])
+                rid, s = req_ids[i], starts[i]
                 for kind in self._allocating:
                     kind.allocate(rid, s, s + 1)
                 if self.attention is not None:
                     slots[i] = self.attention.slot_mapping(rid, s, s + 1)[0]
-            ready[short] = True
+                ready[i] = True
         due = [False] * n
         if self.recurrent is not None and self.enable_prefix_caching:  # due only at a block boundary
-            for i in np.flatnonzero((start + 1) % self.block_size == 0).tolist():
-                due[i] = self.checkpoint_due(req_ids[i], int(start[i]), int(start[i]) + 1) is not None
-        return slots.tolist(), due, ready.tolist()
+            for i, s in enumerate(starts):
+                if not (s + 1) % bs:
+                    due[i] = self.checkpoint_due(req_ids[i], s, s + 1) is not None
+        return slots, due, ready
 
     def commit_decodes(self, req_ids: Sequence[Hashable]) -> dict[int, Exception]:
         """commit(req_id, 1) for each: the model computed one more token of each. Those whose token

@@ -1,12 +1,13 @@
 """The packed batch of a step: one `ForwardBatch` built from the scheduled chunks.
 
-Every integer the model reads (token ids, positions, slot mappings, query starts, lengths, state
-slots, the block table of every attention group, the logits indices) is written into ONE
-preallocated int64 host buffer (pinned when the model is on CUDA), moved to the device in one
+For a model on an accelerator, every integer it reads (token ids, positions, slot mappings, query
+starts, lengths, state slots, the block table of every attention group, the logits indices) is
+written into ONE preallocated int64 host buffer (pinned when the model is on CUDA), moved to the device in one
 copy, and cut there into the batch's fields (the int32 and bool fields are cast on the device).
 Positions and lengths come from the chunks' starts with numpy, and each group's slot mapping is
 derived from its block table (`block * block_size + pos % block_size`), not read from lists.
-On the CPU the one copy is a clone: no batch aliases the buffer that the next step rewrites.
+On the CPU there is nothing to transfer: each field is a tensor over its own array, made this
+step in the field's dtype (no shared buffer, no clone, no casts), so no batch aliases another's.
 """
 from __future__ import annotations
 
@@ -73,7 +74,12 @@ class BatchBuilder:
             parts += [table, slots(table)]
         if logits_indices is not None:
             parts.append(logits_indices)
-        packed, views = self._transfer(parts)
+        if self.device.type == "cpu":  # nothing to transfer: each field a tensor over its own fresh array
+            kinds = [np.int64, np.int64, np.int64, np.int32, np.int32, np.int32, np.bool_, np.int32]
+            kinds += [np.int32, np.int64] * len(groups) + [np.int64] * (logits_indices is not None)
+            views = [torch.from_numpy(np.asarray(p, dtype=k).reshape(-1)) for p, k in zip(parts, kinds)]
+        else:
+            _, views = self._transfer(parts)
         i32 = torch.int32
         batch = ForwardBatch(
             input_ids=views[0], positions=views[1], slot_mapping=views[2],

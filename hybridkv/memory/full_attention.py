@@ -152,24 +152,22 @@ class FullAttentionMemory(LayerMemory):
             self.tables.write(row, len(blocks), new)
             blocks.extend(new)
 
-    def decode_room(self, rids: Sequence[Hashable], starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """One token at position starts[i] [R] for each rids[i]: (KV write slot [R] int64, whether it
-        lands in a block rid already holds alone [R] bool: nothing to add or copy, the batched
-        `_has_room`). A slot is meaningful only where the answer is True."""
-        bs, blocks, rows = self.block_size, self._blocks, self._row
-        held = np.fromiter(map(len, map(blocks.__getitem__, rids)), dtype=np.int64, count=len(rids))
-        col = starts // bs
-        inside = col < held
-        table = self.tables.array
-        ids = table[list(map(rows.__getitem__, rids)), np.minimum(col, table.shape[1] - 1)].astype(np.int64)
-        ok = inside
-        partial = inside & (starts % bs != 0)
-        if partial.any():  # a partial block a fork still shares is copied before the first write
-            refcount = self.pool.refcount
-            shared = np.array([refcount[b] > 1 for b in ids[partial].tolist()], dtype=bool)
-            ok = inside.copy()
-            ok[np.flatnonzero(partial)[shared]] = False
-        return ids * bs + starts % bs, ok
+    def decode_room(self, rids: Sequence[Hashable], starts: Sequence[int]) -> tuple[list[int], list[bool]]:
+        """One token at position starts[i] for each rids[i]: (its KV write slot, -1 past the blocks
+        rid holds; whether it lands in a block rid holds alone: nothing to add or copy, the batched
+        `_has_room`). One loop of a few operations per request (numpy costs more below ~1000)."""
+        bs, blocks_of, refcount = self.block_size, self._blocks, self.pool.refcount
+        slots, room = [], []
+        for rid, start in zip(rids, starts):
+            blocks, i, off = blocks_of[rid], start // bs, start % bs
+            if i < len(blocks):
+                b = blocks[i]
+                slots.append(b * bs + off)
+                room.append(not off or refcount[b] <= 1)  # a fork's shared partial block is copied first
+            else:
+                slots.append(-1)
+                room.append(False)
+        return slots, room
 
     def slot_mapping(self, rid: Hashable, start: int, end: int) -> list[int]:
         """KV write slots `block * block_size + pos % block_size` for positions [start, end)."""
