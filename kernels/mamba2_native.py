@@ -101,7 +101,7 @@ class Mamba2MixerDecode:
     groups of norm_group with eps; norm_weight [H P]), 0: y silu(z) (norm_weight None).
     Built once per layer and pools: dtypes, layouts and shapes are checked once and the static
     arguments kept (a call with ~25 ctypes arguments costs more than the work at batch 1); a call
-    sets only the step's rows and slots. `key(...)` of the same tensors tells whether it still fits.
+    sets only the step's rows and slots. `key_of(...)` tells the caller when to build another one.
     """
 
     def __init__(self, conv_state, ssm_state, num_heads, head_dim, n_groups, conv_weight, conv_bias,
@@ -111,7 +111,6 @@ class Mamba2MixerDecode:
         conv_dim, k = conv_weight.shape
         self.width = H * P + conv_dim + H
         tensors = (conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_bias, D, norm_weight)
-        self._keep = tensors  # the pointers below stay valid while this object lives
         self.usable = (fp32_cpu(*tensors) and all(t is None or t.is_contiguous() for t in tensors)
                        and conv_state.shape[0] == ssm_state.shape[0] and H % G == 0
                        and tuple(conv_state.shape[1:]) == (conv_dim, k - 1)
@@ -124,12 +123,14 @@ class Mamba2MixerDecode:
         a.conv_w, a.conv_b, a.A_log, a.dt_bias, a.D, a.norm_w = (ptr(t) for t in tensors[2:])
         a.norm_group, a.eps, a.norm_mode = norm_group, eps, norm_mode
         a.xbc, a.A = self._xbc.data_ptr(), self._A.data_ptr()
-        self.key = self.key_of(*tensors)
 
     @staticmethod
     def key_of(*tensors) -> tuple:
-        """What a built call depends on: the tensors' storage (a moved or re-typed weight is new)."""
-        return tuple(None if t is None else t.data_ptr() for t in tensors)
+        """What a built call depends on: each tensor's address, shape, strides and dtype. It keeps
+        no reference to them (a pool freed by its engine is not held here); the caller passes the
+        live tensors and rebuilds the call when their key differs, so a pointer it keeps is used
+        only while a tensor with that very layout lives there."""
+        return tuple(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors)
 
     def __call__(self, proj: torch.Tensor, slot_idx: torch.Tensor) -> torch.Tensor | None:
         """proj [B, H P + conv_dim + H] (in_proj's rows [z | xBC | dt]); slot_idx [B] ->

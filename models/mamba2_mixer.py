@@ -69,7 +69,8 @@ class Mamba2Mixer(nn.Module):
         self.zxbcdt_multipliers = (None if zxbcdt_multipliers is None
                                    else [float(m) for m in zxbcdt_multipliers])
         self._mup: Optional[torch.Tensor] = None  # built lazily: the model is built on `meta`
-        self._native_decode: Optional[Mamba2MixerDecode] = None  # built at the first decode step
+        # (key, call) of the C decode, built at the first decode step (kernels/mamba2_native.py)
+        self._native_decode: Optional[tuple[tuple, Mamba2MixerDecode]] = None
 
     def _mup_vector(self, like: torch.Tensor) -> torch.Tensor:
         """[d_inner + conv_dim + H] per-column multipliers of in_proj's output, on like's device/dtype."""
@@ -145,11 +146,11 @@ class Mamba2Mixer(nn.Module):
         norm = self.norm
         tensors = (conv_state, ssm_state, self.conv1d.weight, self.conv1d.bias, self.A_log, self.dt_bias,
                    self.D, None if norm is None else norm.weight)
-        call = self._native_decode
-        if call is None or call.key != Mamba2MixerDecode.key_of(*tensors):
-            call = self._native_decode = Mamba2MixerDecode(
+        key = Mamba2MixerDecode.key_of(*tensors)
+        if self._native_decode is None or self._native_decode[0] != key:
+            self._native_decode = (key, Mamba2MixerDecode(
                 conv_state, ssm_state, self.num_heads, self.head_dim, self.n_groups,
                 self.conv1d.weight.squeeze(1), *tensors[3:7], tensors[7],
                 self.d_inner if norm is None else norm.group_size, 0.0 if norm is None else norm.eps,
-                0 if norm is None else 2 if norm.norm_before_gate else 1)
-        return call(proj, slots)
+                0 if norm is None else 2 if norm.norm_before_gate else 1))
+        return self._native_decode[1](proj, slots)

@@ -43,9 +43,10 @@ def random_mixer(seed, **kw):
 def test_native_decode_matches_torch_path(kw, monkeypatch):
     if native_cpu.library("mamba2_decode") is None:
         pytest.fail("kernels/native/mamba2_decode.c must build on these machines")
-    ran = []
-    native = Mamba2MixerDecode.__call__
+    ran, built = [], []
+    native, build = Mamba2MixerDecode.__call__, Mamba2MixerDecode.__init__
     monkeypatch.setattr(Mamba2MixerDecode, "__call__", lambda *a: ran.append(native(*a)) or ran[-1])
+    monkeypatch.setattr(Mamba2MixerDecode, "__init__", lambda *a: built.append(1) or build(*a))
     mixer = random_mixer(3, **kw)
     pools = {}
     for name in ("native", "torch"):
@@ -68,3 +69,4 @@ def test_native_decode_matches_torch_path(kw, monkeypatch):
             for a, w in zip(pools["native"], pools["torch"]):
                 assert (a - w).abs().max() <= 1e-5 * w.abs().max()
     assert len(ran) == 3 and all(y is not None for y in ran)  # the three decode-only steps ran in C
+    assert len(built) == 1  # its arguments were set up once for these pools and weights
