@@ -16,7 +16,7 @@ Cases, with bench_engine.py's Bamba model (hidden 256, 8 layers, attention at 3 
 heads x 64, 1 group, d_state 64, chunk 64, fp32):
 - one Mamba2 layer (`Mamba2Mixer.forward`: in_proj, conv, SSD, gated norm, out_proj) prefilling
   14 fresh prompts of 32-256 tokens, and 1 x 2048 tokens; again with the chunk_size of real Bamba
-  / Mamba2 checkpoints, 256 (this tree's CPU scan cuts chunks of 64 whatever the checkpoint says);
+  / Mamba2 checkpoints, 256 (this tree's CPU scan cuts chunks of 32 whatever the checkpoint says);
 - the engine prefilling bench_engine.py's Bamba workload (32 prompts of 32-256 tokens) and long
   workload (8 prompts of 1k-2k tokens) with chunks of 2048 tokens, prefix caching off: every step
   until each request has its first token (`generate` with max_tokens 1).

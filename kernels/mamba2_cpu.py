@@ -26,11 +26,12 @@ from .varlen import check_positions_arg, request_spans, state_cuts
 
 _CUT = -60.0  # exp below this (< 1e-26) is taken as 0: denormal results make exp and matmul ~15x slower
 # The scan's result does not depend on where chunks are cut. Per token, the intra-chunk matmul costs
-# O(chunk x head_dim), the state passes O(head_dim x d_state): chunks of at most 64 balance them for
-# d_state 64-128 (a chunk_size 256 checkpoint's prefill scan: 1.6-2.2x faster, BENCHMARKS.md). A call
-# of short pieces only (the tails after prompt-end checkpoints) takes the power of two >= its longest,
-# at least 16: a 5-token tail padded to 64 rows would cost 13x its work.
-CPU_CHUNK, MIN_CHUNK = 64, 16
+# O(chunk x head_dim), the state passes O(head_dim x d_state), and each request pads its last chunk:
+# chunks of 32 ran the engine's prefill calls (prompts of 32-256 tokens and their tails) 12-22%
+# faster than 64, one 2048-token prompt as fast (d_state 64), and a checkpoint's chunk_size of 256
+# several times slower (BENCHMARKS.md, issue 12). A call of short pieces only (the tails after
+# prompt-end checkpoints) takes the power of two >= its longest, at least 16.
+CPU_CHUNK, MIN_CHUNK = 32, 16
 
 
 def _decay(log_decay: torch.Tensor) -> torch.Tensor:

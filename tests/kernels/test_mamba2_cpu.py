@@ -116,7 +116,7 @@ def test_long_chunks_are_cut_at_the_cpu_chunk(short, prefill_path):
     states at positions included."""
     from hybridkv.kernels.mamba2_cpu import CPU_CHUNK
 
-    n = 17 if short else 2 * CPU_CHUNK  # short: chunks of 32 (the power of two above 27)
+    n = 5 if short else 2 * CPU_CHUNK  # short: chunks of 16 (the power of two above 15)
     lengths, init = [n + 10, 3, n], [True, False, False]
     args, qsl, slots, has_init, pool = case(lengths, init, seed=9)
     kw = dict(query_start_loc=qsl, slot_idx=slots, has_initial_state=has_init, chunk_size=256,
