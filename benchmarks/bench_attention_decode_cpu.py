@@ -15,23 +15,32 @@ pool with spare blocks. Also prints skewed / uniform (31 x 64 + 1 x 2048 over 32
 requests with prompts of 32-256 tokens, steps alternating native / torch path (adjacent steps
 hold nearly the same contexts); median step CPU time per path and the time inside
 `paged_attention_cpu`.
+
+--kernel-before COMMIT: the C kernel as it was at COMMIT (`git show`, built beside the current
+one) against the current one, on a step of 8 layers each with its own pool (as in the engine,
+no layer's K/V is in cache when it runs), 32 decodes of 100-330 tokens; also a C loop that only
+reads the same K/V rows, the memory floor.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import random
-import sys
-from pathlib import Path
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from hybridkv.kernels import native_cpu
 from hybridkv.kernels.attention_cpu import paged_attention_cpu
 
+_rng = random.Random(0)
 CASES = {
-    "32 decodes of 32-320 tokens": [random.Random(0).randint(32, 320) for _ in range(32)],
+    "32 decodes of 32-320 tokens": [_rng.randint(32, 320) for _ in range(32)],
     "batch 1, 128 tokens": [128],
     "32 x 64 (uniform)": [64] * 32,
     "31 x 64 + 1 x 2048 (skewed)": [64] * 31 + [2048],
@@ -121,12 +130,95 @@ def engine_steps(steps: int):
     print(f"decode step, torch path / native: {ratio:.2f}x")
 
 
+# reads every K and V row a decode sees, in the kernel's order, and nothing else
+READ_ONLY_SRC = r"""
+#include <stdint.h>
+#include <string.h>
+typedef float v8 __attribute__((vector_size(32)));
+int64_t paged_decode_attention(const float *q, int64_t q_tok, int64_t q_head, const float *kv,
+    int64_t num_blocks, int64_t kv_blk, int64_t kv_half, int64_t kv_pos, int64_t kv_head,
+    const int32_t *table, int64_t table_row, const int32_t *seq_lens, const int32_t *reqs,
+    const int32_t *rows, int64_t n, int64_t hkv, int64_t group, int64_t d, int64_t bs, float scale,
+    float soft_cap, int64_t window, const float *sinks, float *out, int64_t out_tok, int64_t out_head) {
+    for (int64_t i = 0; i < n; i++) {
+        v8 acc = {0};
+        const int64_t len = seq_lens[reqs[i]];
+        const int32_t *blocks = table + reqs[i] * table_row;
+        for (int64_t b = 0, j = 0; j < len; b++) {
+            const int64_t nk = bs < len - j ? bs : len - j;
+            const float *k = kv + blocks[b] * kv_blk;
+            j += nk;
+            for (int64_t x = 0; x < nk * kv_pos; x += 8) {
+                v8 a, c;
+                memcpy(&a, k + x, sizeof a);
+                memcpy(&c, k + kv_half + x, sizeof c);
+                acc += a + c;
+            }
+        }
+        memcpy(out + rows[i] * out_tok, &acc, sizeof acc);
+    }
+    return 0;
+}
+"""
+
+
+def kernel_versions(before: str, repeats: int):
+    """The kernel at `before` vs the current one vs a read-only loop, alternating."""
+    from hybridkv.kernels import attention_decode_native as native
+
+    repo = Path(__file__).resolve().parents[1]
+    src = subprocess.run(["git", "show", f"{before}:kernels/native/paged_attention.c"], cwd=repo,
+                         capture_output=True, text=True)
+    if src.returncode != 0:
+        raise SystemExit(f"git show {before}:kernels/native/paged_attention.c failed: {src.stderr.strip()}")
+    kernels = {"current": native._decode_kernel()}
+    with tempfile.TemporaryDirectory() as d:
+        for name, text in ((before, src.stdout), ("read only", READ_ONLY_SRC)):
+            sub = Path(d) / name.replace(" ", "_")
+            sub.mkdir()
+            (sub / "paged_attention.c").write_text(text)
+            lib = native_cpu.library("paged_attention", sub)
+            if lib is None:
+                raise SystemExit(f"the kernel at {name} did not build")
+            fn = lib.paged_decode_attention
+            fn.argtypes, fn.restype = native._ARGTYPES, ctypes.c_int64
+            kernels[name] = fn
+    rng = random.Random(1)
+    lens = [rng.randint(100, 330) for _ in range(32)]
+    layers = [decode_step(lens, seed=s) for s in range(8)]  # 8 pools, ~20 MB each
+
+    def run(name):
+        native._kernel = kernels[name]
+        try:
+            plans = {}
+            return [paged_attention_cpu(*inputs, 0.125, plan_cache=plans) for inputs in layers]
+        finally:
+            native._kernel = kernels["current"]
+
+    diff = max((a - b).abs().max().item() for a, b in zip(run("current"), run(before)))
+    times = {name: [] for name in kernels}
+    order = list(kernels)
+    for r in range(repeats):
+        for name in (order if r % 2 == 0 else order[::-1]):
+            c0 = time.process_time()
+            run(name)
+            times[name].append(1e3 * (time.process_time() - c0) / len(layers))
+    print(f"torch {torch.__version__}, 1 thread, {repeats} repeats; 8 layers, each its own pool, "
+          f"32 decodes, {sum(lens)} keys a layer; CPU ms per layer: median (min-max); "
+          f"current vs {before}: max abs diff {diff:.1e}")
+    for name in order:
+        print(f"| {name} | {statistics.median(times[name]):.3f} ({min(times[name]):.3f}-"
+              f"{max(times[name]):.3f}) |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--layers", type=int, default=8, help="attention layers per step (one plan)")
     ap.add_argument("--engine", action="store_true", help="whole decode steps of the tiny Llama instead")
     ap.add_argument("--steps", type=int, default=40, help="--engine: decode steps (half per path)")
+    ap.add_argument("--kernel-before", default="", metavar="COMMIT",
+                    help="the C kernel at COMMIT against the current one")
     args = ap.parse_args()
     if args.repeats < 1 or args.layers < 1 or args.steps < 2:
         raise SystemExit(f"--repeats {args.repeats} / --layers {args.layers} / --steps {args.steps}: "
@@ -137,6 +229,8 @@ def main():
                          "compiler): only the torch path exists, nothing to compare")
     if args.engine:
         return engine_steps(args.steps)
+    if args.kernel_before:
+        return kernel_versions(args.kernel_before, args.repeats)
     print(f"torch {torch.__version__}, 1 thread, {args.repeats} repeats, {args.layers} layers a step, "
           "CPU ms per layer: median (min-max)")
     print("| decodes | torch path | native | speed-up | max abs diff |")
