@@ -14,6 +14,9 @@ import torch
 from hybridkv.specs import RecurrentSpec
 
 FREE, LIVE, CHECKPOINT, NULL = "free", "live", "checkpoint", "null"
+# Above this many bytes per slot a tensor's deferred copies run one by one (measured on the CPU:
+# a gather of 2-16 slots of 128 KiB costs ~1.6-2.6x the copies; of 1 KiB slots, 0.3-0.7x)
+_GATHER_MAX_SLOT_BYTES = 16 << 10
 
 
 class StatePool:
@@ -65,16 +68,19 @@ class StatePool:
         """Copy slot `src` into slot `dst` in every recurrent layer (copy-on-hit, fork, checkpoint).
         Inside `deferred_copies()` it is only recorded."""
         if self._pending is not None:
-            self._pending[dst] = src  # a later copy into the same slot wins, as it would in order
+            self._pending.pop(dst, None)  # a later copy into the same slot wins, as it would in order
+            self._pending[dst] = src
             return
         for t in self._tensors():
             t[dst].copy_(t[src])
 
     @contextlib.contextmanager
     def deferred_copies(self):
-        """Copies made inside run at the exit as one gather and one scatter per tensor (a step's
-        checkpoints: one pair of calls per layer instead of one copy per request and layer).
-        Only for work whose copies read slots nothing in it writes (sources are live slots)."""
+        """Copies made inside run at the exit: a tensor whose slots are small takes them all as
+        one gather and one scatter (a step's checkpoints: one pair of calls per layer instead of
+        one copy per request and layer); one with large slots copies each in place (a gather
+        would move its bytes twice, and there the bytes cost more than the calls). Only for work
+        whose copies read slots nothing in it writes (sources are live slots)."""
         if self._pending is not None:  # nested: the outer one runs them
             yield
             return
@@ -83,16 +89,20 @@ class StatePool:
             yield
         finally:
             pending, self._pending = self._pending, None
-            if len(pending) == 1:
-                (dst, src), = pending.items()
-                self.copy(src, dst)
-            elif pending:
-                tensors = list(self._tensors())
-                dev = tensors[0].device if tensors else "cpu"
-                dst = torch.tensor(list(pending), dtype=torch.long, device=dev)
-                src = torch.tensor(list(pending.values()), dtype=torch.long, device=dev)
-                for t in tensors:
-                    t.index_copy_(0, dst, t.index_select(0, src))
+            if pending:
+                self._copy_all(list(pending.values()), list(pending))
+
+    def _copy_all(self, srcs: list[int], dsts: list[int]) -> None:
+        index = None
+        for t in self._tensors():
+            if len(dsts) > 1 and t[0].numel() * t.element_size() <= _GATHER_MAX_SLOT_BYTES:
+                if index is None:
+                    index = (torch.tensor(srcs, dtype=torch.long, device=t.device),
+                             torch.tensor(dsts, dtype=torch.long, device=t.device))
+                t.index_copy_(0, index[1], t.index_select(0, index[0]))
+            else:
+                for src, dst in zip(srcs, dsts):
+                    t[dst].copy_(t[src])
 
     def to_host(self, slot: int, device: torch.device | str = "cpu", pin: bool = False) -> tuple[dict, dict]:
         """Copy one slot out: `({layer: conv[conv_shape]}, {layer: ssm[state_shape]})` on `device`."""

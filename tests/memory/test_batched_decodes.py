@@ -135,10 +135,11 @@ def test_batched_decodes_leave_the_same_state_as_one_by_one(model, seed):
     assert any(len(r.token_ids) > r.num_prompt_tokens + BS for r in a.requests.values()) or short
 
 
-def test_deferred_copies_equal_copies_in_order():
-    """StatePool.deferred_copies: one gather and scatter at the exit, the same slots as copying
-    each at once, a later copy into a slot winning (as in order)."""
-    spec = {0: RecurrentSpec((3, 2), (2, 4), torch.float32), 1: RecurrentSpec((2,), (), torch.float32)}
+@pytest.mark.parametrize("ssm_shape", [(2, 4), (64, 80)])  # small slots: gathered; 20 KiB: copied one by one
+def test_deferred_copies_equal_copies_in_order(ssm_shape):
+    """StatePool.deferred_copies: the copies at the exit, the same slots as copying each at once,
+    a later copy into a slot winning (as in order)."""
+    spec = {0: RecurrentSpec((3, 2), ssm_shape, torch.float32), 1: RecurrentSpec((2,), (), torch.float32)}
     rng = random.Random(0)
     for _ in range(20):
         now, later = StatePool(spec, 8), StatePool(spec, 8)
