@@ -141,7 +141,7 @@ class Mamba2Mixer(nn.Module):
         """The decode between in_proj and out_proj in C (kernels/mamba2_native.py): y [B, d_inner]
         fp32, or None when it cannot run here (the torch path then runs). The call is built once
         for this layer's pools and weights and rebuilt when one of them is another tensor."""
-        if not native_cpu.enabled():
+        if not (proj.is_cpu and native_cpu.enabled()):
             return None
         norm = self.norm
         tensors = (conv_state, ssm_state, self.conv1d.weight, self.conv1d.bias, self.A_log, self.dt_bias,
