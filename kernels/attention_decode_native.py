@@ -1,11 +1,13 @@
 """One-token decodes of CPU paged attention in C, read straight from the paged pool.
 
 The torch path (kernels/attention_cpu.py) gathers each bucket's KV blocks into a new tensor and
-multiplies that copy twice (a read, a write and two reads of all the KV: ~70% of a Llama decode
-layer's attention). `kernels/native/paged_attention.c` reads each request's K and V rows once,
-in place through the block table, every query head of a GQA group sharing each row read, with
-fp32 accumulation; one C call per layer serves every decode of the step. It supports what the
-torch path does for decodes: scale, sliding window, soft cap and sinks.
+multiplies that copy twice (a read, a write and two more reads of all the KV; the gather and the
+two `bmm`s were ~85% of a Llama decode step's attention). `kernels/native/paged_attention.c`
+makes one pass over each request's keys, block by block (online softmax), reading each K and V
+row once, in place through the block table, for every query head of its GQA group, with fp32
+accumulation; one C call per layer serves every decode of the step. It supports what the torch
+path does for decodes: scale, sliding window, soft cap and sinks. Measured in BENCHMARKS.md
+(issue 12) with benchmarks/bench_attention_decode_cpu.py.
 
 Used when the kernel builds here (kernels/native_cpu.py; `HYBRIDKV_CPU_NATIVE=0` or
 `native_cpu.forced_off()` turn it off), q and the pool are fp32 and their head_dim is contiguous;
