@@ -47,8 +47,8 @@ def _decode_kernel():
 def native_decodes_usable(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether this layer's decodes can run in C: the kernel is here, q [T, Hq, D] and the pool
     [num_blocks, 2, bs, Hkv, D] are fp32 CPU tensors with a contiguous head_dim."""
-    return (q.dtype == torch.float32 and kv_cache.dtype == torch.float32 and q.device.type == "cpu"
-            and kv_cache.device.type == "cpu" and q.stride(2) == 1 and kv_cache.stride(4) == 1
+    return (q.dtype == torch.float32 and kv_cache.dtype == torch.float32 and q.is_cpu
+            and kv_cache.is_cpu and q.stride(2) == 1 and kv_cache.stride(4) == 1
             and _decode_kernel() is not None)
 
 
