@@ -79,10 +79,11 @@ def test_decodes_match_reference(path, group, opts):
     assert (plan.decodes is not None) == (path == "native")
 
 
-@pytest.mark.parametrize("d", [8, 24, 12, 128])
-def test_head_dims(d):
-    """D a multiple of 16, 8 but not 16 (a half tile), not a multiple of 8 (plain loops), 128."""
-    q, kv, qsl, seq_lens, table = decode_batch([3, 40, 77], 8, 2, 3, d, seed=d)
+@pytest.mark.parametrize("d,bs", [(8, 8), (24, 8), (12, 8), (128, 8), (64, 12), (16, 5)])
+def test_head_dims_and_block_sizes(d, bs):
+    """D a multiple of 16, 8 but not 16, not a multiple of 8 (plain loops), 128; blocks of 12 and 5
+    (a block's keys not a multiple of the 8-row logit tree)."""
+    q, kv, qsl, seq_lens, table = decode_batch([3, 40, 77], bs, 2, 3, d, seed=d)
     want = paged_attention_ref(q, kv, qsl, seq_lens, table, d ** -0.5)
     got, plans = run("native", q, kv, qsl, seq_lens, table, d ** -0.5)
     assert rel_err(got, want) < 1e-5 and next(iter(plans.values())).decodes is not None
