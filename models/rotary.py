@@ -55,8 +55,10 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self._inv_freq.device != positions.device:
             self._inv_freq = self._inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * self._inv_freq[None, :]
+        freqs = torch.outer(positions.float(), self._inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
+        if self.scaling == 1.0:  # (most rope types: the multiply would change nothing)
+            return emb.cos(), emb.sin()
         return emb.cos() * self.scaling, emb.sin() * self.scaling
 
 
