@@ -136,7 +136,7 @@ class Mamba2MixerDecode:
         """proj [B, H P + conv_dim + H] (in_proj's rows [z | xBC | dt]); slot_idx [B] ->
         y [B, H P] fp32 (out_proj's input), or None (see the module docstring)."""
         fn = _fn("mamba2_mixer_decode")
-        if fn is None or not self.usable or proj.dtype != torch.float32 or proj.device.type != "cpu" \
+        if fn is None or not self.usable or proj.dtype != torch.float32 or not proj.is_cpu \
                 or proj.dim() != 2 or proj.shape[1] != self.width or proj.stride(1) != 1:
             return None
         nb = proj.shape[0]
