@@ -66,7 +66,7 @@ def rope_write_kv(qkv, rope, num_heads, num_kv_heads, head_dim, kv_cache, slot_m
         return None
     from .write_kv_cpu import rope_write_kv_cpu
 
-    return rope_write_kv_cpu(qkv, rope, num_heads, num_kv_heads, head_dim, kv_cache, slot_mapping)
+    return rope_write_kv_cpu(qkv, rope, num_heads, num_kv_heads, head_dim, kv_cache, slot_mapping, plan_cache)
 
 
 def causal_conv1d(x, conv_state, weight, bias, query_start_loc, slot_idx, has_initial_state,

@@ -26,11 +26,12 @@ _rope_write_kv = []  # [the C function or None], looked up at first use
 
 
 def rope_write_kv_cpu(qkv: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]], num_heads: int,
-                      num_kv_heads: int, head_dim: int, kv_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> Optional[torch.Tensor]:
+                      num_kv_heads: int, head_dim: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      plan_cache: Optional[dict] = None) -> Optional[torch.Tensor]:
     """qkv [T, (Hq + 2 Hkv) * D] (q heads, k heads, v heads; rows may be strided), rope (cos, sin)
     [T, rot] or None -> q [T, Hq, D] rotated, with k (rotated) and v written into kv_cache
-    [num_blocks, 2, bs, Hkv, D] at slot_mapping [T] (-1 skipped), in place.
+    [num_blocks, 2, bs, Hkv, D] at slot_mapping [T] (-1 skipped), in place. plan_cache: a dict
+    living for one step, where the checks of rope and slot_mapping are kept for the next layers.
 
     None when the C loop does not apply (not CPU float32, native kernels off or unbuilt): the
     caller then runs apply_rotary and write_kv.
@@ -45,27 +46,42 @@ def rope_write_kv_cpu(qkv: torch.Tensor, rope: Optional[tuple[torch.Tensor, torc
     if (fn is None or qkv.dtype != torch.float32 or kv_cache.dtype != torch.float32 or not qkv.is_cpu
             or not kv_cache.is_cpu or qkv.dim() != 2 or qkv.stride(1) != 1 or kv_cache.stride(4) != 1
             or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * D or kv_cache.shape[3:] != (num_kv_heads, D)
-            or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()
-            or slot_mapping.shape[0] != T or qkv.requires_grad):
+            or qkv.requires_grad):
         return None
+    key = ("rope_write_kv", id(rope), id(slot_mapping), T, D)
+    step = None if plan_cache is None else plan_cache.get(key)
+    if step is None:
+        step = _step_args(rope, slot_mapping, T, D)
+        if plan_cache is not None:
+            plan_cache[key] = step
+    if not step:
+        return None
+    rot, cos_ptr, sin_ptr, cs_stride, slots_ptr = step
     q = torch.empty((T, num_heads, D))
-    if rope is None:
-        cos = sin = q  # not read: rot 0
-        rot, cs_stride = 0, 0
-    else:
-        cos, sin = rope
-        rot, cs_stride = cos.shape[-1], cos.stride(0)
-        if (cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.stride() != sin.stride()
-                or cos.stride(1) != 1 or rot % 2 or rot > D or cos.shape[0] != T):
-            return None
     s, (num_blocks, _, bs) = kv_cache.stride(), kv_cache.shape[:3]
-    bad = fn(qkv.data_ptr(), qkv.stride(0), T, num_heads, num_kv_heads, D, rot, cos.data_ptr(),
-             sin.data_ptr(), cs_stride, q.data_ptr(), kv_cache.data_ptr(), s[0], s[1], s[2], s[3],
-             slot_mapping.data_ptr(), bs, num_blocks)
+    bad = fn(qkv.data_ptr(), qkv.stride(0), T, num_heads, num_kv_heads, D, rot, cos_ptr, sin_ptr,
+             cs_stride, q.data_ptr(), kv_cache.data_ptr(), s[0], s[1], s[2], s[3], slots_ptr, bs, num_blocks)
     if bad >= 0:
         raise IndexError(f"slot_mapping[{bad}] = {int(slot_mapping[bad])} lies past the KV pool of "
                          f"{num_blocks} blocks x {bs} slots")
     return q
+
+
+def _step_args(rope, slot_mapping: torch.Tensor, T: int, D: int) -> tuple:
+    """(rot, cos ptr, sin ptr, their row stride, slots ptr), the same for every layer of a step;
+    () when the C loop cannot read them."""
+    if (slot_mapping.dtype != torch.int64 or not slot_mapping.is_cpu or not slot_mapping.is_contiguous()
+            or slot_mapping.shape != (T,)):
+        return ()
+    if rope is None:  # rot 0: cos and sin are not read (any valid address will do)
+        return 0, slot_mapping.data_ptr(), slot_mapping.data_ptr(), 0, slot_mapping.data_ptr()
+    cos, sin = rope
+    rot = cos.shape[-1]
+    if (cos.dtype != torch.float32 or sin.dtype != torch.float32 or not cos.is_cpu or not sin.is_cpu
+            or cos.dim() != 2 or cos.shape != sin.shape or cos.stride() != sin.stride()
+            or cos.stride(1) != 1 or rot % 2 or rot > D or cos.shape[0] != T):
+        return ()
+    return rot, cos.data_ptr(), sin.data_ptr(), cos.stride(0), slot_mapping.data_ptr()
 
 
 def write_kv_cpu(k, v, kv_cache, slot_mapping, plan_cache: Optional[dict] = None):

@@ -124,10 +124,13 @@ def test_rope_write_kv_matches_rotary_and_write(native, rot):
         with native_cpu.forced_off():
             assert K.rope_write_kv(qkv, rope, hq, hkv, d, cache, slots) is None
         return
-    got = K.rope_write_kv(qkv, rope, hq, hkv, d, cache, slots)
+    plans, second = {}, cache.clone()
+    got = K.rope_write_kv(qkv, rope, hq, hkv, d, cache, slots, plans)
     assert got is not None, "the C loop must build and run on CPU float32"
     torch.testing.assert_close(got, want_q, rtol=0, atol=0)  # the same roundings: bit-exact
     torch.testing.assert_close(cache, want_cache, rtol=0, atol=0)
+    again = K.rope_write_kv(qkv, rope, hq, hkv, d, second, slots, plans)  # a second layer of the step
+    assert torch.equal(again, want_q) and torch.equal(second, want_cache)
     bad = slots.clone()
     bad[1] = nb * bs  # past the pool
     with pytest.raises(IndexError, match="past the KV pool"):
