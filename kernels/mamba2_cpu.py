@@ -29,8 +29,8 @@ _CUT = -60.0  # exp below this (< 1e-26) is taken as 0: denormal results make ex
 # O(chunk x head_dim), the state passes O(head_dim x d_state), and each request pads its last chunk:
 # chunks of 32 ran the engine's prefill calls (prompts of 32-256 tokens and their tails) 12-22%
 # faster than 64, one 2048-token prompt as fast (d_state 64); a checkpoint's chunk_size of 256 made
-# the whole layer 1.85-2.5x slower (BENCHMARKS.md, "CPU prefill"). A call of short pieces only (the tails after
-# prompt-end checkpoints) takes the power of two >= its longest, at least 16.
+# the whole layer 1.85-2.5x slower (BENCHMARKS.md, "CPU prefill"). A call of short pieces only
+# (the tails after prompt-end checkpoints) takes the power of two >= its longest, at least 16.
 CPU_CHUNK, MIN_CHUNK = 32, 16
 
 
