@@ -90,7 +90,8 @@ def mamba2_chunk_scan_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_
         seg = acum_h[..., :, None] - acum_h[..., None, :]  # [c, H, l, s]
         decay = seg.masked_fill_(lay.upper | (seg < _CUT), float("-inf")).exp_()  # as _decay, in place
         scores = decay.view(nc, G, hpg, cs, cs).mul_(cb[:, :, None])
-    y = torch.matmul(scores.view(nc, H, cs, cs), xdt.transpose(1, 2))  # [c, H, l, P]; no copy in C's layout
+    # [c, H, l, P]; the C path's xdt is heads first, so this operand needs no copy
+    y = torch.matmul(scores.view(nc, H, cs, cs), xdt.transpose(1, 2))
     # each chunk's own inputs at its end, per group: (xdt e^(end - l))^T B -> [c, H, P, N]
     xs = xs.view(nc, cs, G, hpg * P)
     ends = torch.matmul(xs.permute(0, 2, 3, 1), Bp.transpose(1, 2)).view(nc, H, P, N)
