@@ -151,8 +151,9 @@ class Ours:
         self.forwards.clear()
         self.steps.clear()
         # EOS suppressed for every token, as transformers' min_new_tokens does on the other side, so
-        # the greedy tokens can be compared (ignore_eos alone would let EOS be picked and go on)
-        params = [SamplingParams(max_tokens=m, min_tokens=m, temperature=0.0, ignore_eos=True)
+        # the greedy tokens can be compared. Not ignore_eos: like vLLM, min_tokens then no longer
+        # holds EOS back (EOS would be picked and generation go on past it)
+        params = [SamplingParams(max_tokens=m, min_tokens=m, temperature=0.0)
                   for m in max_tokens]
         t0, c0 = time.perf_counter(), time.process_time()
         outs = self.llm.generate(prompts, params, use_tqdm=False)
