@@ -1,5 +1,6 @@
-"""The engine step: schedule, build the packed batch (batch_builder.py), run the model, sample,
-advance the manager.
+"""The engine step: schedule, build the packed batch (batch_builder.py), run the model, commit
+(decodes together: `commit_decodes`), sample, append the tokens and end the sequences that stop
+(token_append.py), fork n > 1 (forks.py), build the outputs asked for (request_outputs.py).
 
 Request-level API for a server: `add_request`, `step`, `abort`, `export_request` /
 `import_request` (migration), `stats`. A request id names a `SequenceGroup`: a prompt and its n
