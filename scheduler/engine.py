@@ -37,6 +37,7 @@ from . import migration
 from .batch_builder import BatchBuilder
 from .decode_graphs import DecodeInputs
 from .door import Door
+from .engine_stats import engine_stats
 from .forks import fork_children
 from .logit_rows import PromptSpan, plan_logit_rows, prompt_logprobs
 from .sampler import Sampler
@@ -197,25 +198,7 @@ class Engine:
 
     def stats(self) -> dict:
         """Pools (blocks, slots), prefix hits and why requests missed, preemptions, tokens/s."""
-        m = self.mgr.stats()
-        c = self.counters
-        secs = c["model_seconds"]
-        return {
-            "kv_blocks_used": m.kv_blocks_used, "kv_blocks_cached": m.kv_blocks_cached,
-            "kv_blocks_total": m.kv_blocks_total, "state_slots_live": m.slots_live,
-            "state_slots_checkpoint": m.slots_checkpoint, "state_slots_total": m.slots_total,
-            "prefix_hit_tokens": m.prefix_hit_tokens, "prefix_query_tokens": m.prefix_query_tokens,
-            "prefix_hit_rate": m.prefix_hit_rate, "prefix_misses": dict(m.prefix_misses),
-            "preemptions": dict(m.preemptions), "burst_waits": m.burst_waits, "swaps": c["swaps_out"],
-            "migrations": {"out": c["migrations_out"], "in": c["migrations_in"]},
-            "forks": c["forks"], "aborted": c["aborted"], "failed": c["failed"],
-            "fragmentation": m.fragmentation,
-            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-            "swapped": len(self.scheduler.swapped), "steps": c["steps"],
-            "generated_tokens": c["generated_tokens"],
-            "tokens_per_second": c["processed_tokens"] / secs if secs else 0.0,  # prompt + decode
-            "generated_tokens_per_second": c["generated_tokens"] / secs if secs else 0.0,
-        }
+        return engine_stats(self.mgr.stats(), self.counters, self.scheduler)
 
     # ---- the step --------------------------------------------------------------------------
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
