@@ -135,7 +135,22 @@ def test_preempted_mid_decode_resumes_identically(name, mode, family_models, mon
             return None
         return allocate(req_id, n)
 
+    allocate_decodes = mgr.allocate_decodes
+
+    def decodes_refusing_once(req_ids, starts):
+        """The batched decode verb leaves out (not allocated) each request due its refusal, so the
+        scheduler asks `allocate` for it alone, as it does when a pool runs short."""
+        due = {i for i, rid in enumerate(req_ids)
+               if rid not in refused and mgr.request(rid).num_computed_tokens >= 20}
+        keep = [i for i in range(len(req_ids)) if i not in due]
+        got = allocate_decodes([req_ids[i] for i in keep], [starts[i] for i in keep])
+        slots, ckpts, ready = [-1] * len(req_ids), [False] * len(req_ids), [False] * len(req_ids)
+        for j, i in enumerate(keep):
+            slots[i], ckpts[i], ready[i] = got[0][j], got[1][j], got[2][j]
+        return slots, ckpts, ready
+
     monkeypatch.setattr(mgr, "allocate", refuse_once)
+    monkeypatch.setattr(mgr, "allocate_decodes", decodes_refusing_once)
     prompts = _prompts(80)
     ids = [llm.add_request(p, greedy(12)) for p in prompts]
     _assert_hf(hf, prompts, _run(llm, ids))
