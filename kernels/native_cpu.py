@@ -6,7 +6,7 @@ all the KV), a recurrent state update makes three passes over a state of megabyt
 small as one RMSNorm row costs tens of microseconds of dispatch. A plain C loop does each in one pass.
 
 How: `kernels/native/<name>.c` (plain C11, no Python or torch headers, so it compiles in well under a
-second) is compiled with `$CC` (default `cc`) and `-O3 -march=native -fopenmp-simd` into a shared library
+second; it may include the `.h` files of its folder, which are hashed with it) is compiled with `$CC` (default `cc`) and `-O3 -march=native -fopenmp-simd` into a shared library
 under the cache directory (`$HYBRIDKV_CACHE_DIR`, else `$XDG_CACHE_HOME/hybridkv`, else
 `~/.cache/hybridkv`), in `native/`. The file's name carries a hash of the source, the flags, the
 compiler's version and the CPU's feature flags, so an edited source, another compiler or another CPU
@@ -102,15 +102,15 @@ def _compiler() -> str | None:
     return shutil.which(cc)
 
 
-def _identity(cc: str, flags: tuple[str, ...], source: bytes) -> str:
-    """A hash of everything the built library depends on."""
+def _identity(cc: str, flags: tuple[str, ...], source: bytes, headers: list[bytes]) -> str:
+    """A hash of everything the built library depends on (the headers of its folder included)."""
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         version = "?"
     h = hashlib.sha256()
     for part in (source, " ".join(flags).encode(), version.encode(), platform.machine().encode(),
-                 _cpu_features().encode()):
+                 _cpu_features().encode(), *headers):
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:20]
@@ -134,12 +134,13 @@ def _build_and_load(name: str, src: Path) -> ctypes.CDLL | None:
         return None
     try:
         source = src.read_bytes()
+        headers = [h.read_bytes() for h in sorted(src.parent.glob("*.h"))]
     except OSError as e:
         logger.warning("native kernel source %s unreadable (%s): the torch path runs", src, e)
         return None
     errors = []
     for flags in (FLAGS + ARCH_FLAGS, FLAGS):  # a compiler without -march=native still gets a build
-        out = cache_dir() / f"{name}-{_identity(cc, flags, source)}.so"
+        out = cache_dir() / f"{name}-{_identity(cc, flags, source, headers)}.so"
         if not out.exists():
             err = _compile(cc, flags, src, out)
             if err is not None:
@@ -158,7 +159,7 @@ def _compile(cc: str, flags: tuple[str, ...], src: Path, out: Path) -> str | Non
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp.so", dir=out.parent)
     os.close(fd)
-    cmd = [cc, *flags, "-o", tmp, str(src), "-lm"]
+    cmd = [cc, *flags, "-I", str(src.parent), "-o", tmp, str(src), "-lm"]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
         if res.returncode != 0:

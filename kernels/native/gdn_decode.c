@@ -7,32 +7,12 @@
  * q and k come prepared by the caller (l2-normalised, scaled, one row per value head).
  * Returns 1 (a slot repeated) or 2 (a slot outside the pool) before writing anything, and the
  * caller runs its torch path; 0 on success. Called from kernels/gdn_native.py.
- * (Each file under kernels/native/ is one library, hashed and built alone: check_slots is
- * repeated from mamba2_decode.c rather than included.)
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-static int check_slots(const int32_t *slots, int64_t nb, int64_t num_slots) {
-    for (int64_t i = 0; i < nb; i++)
-        if (slots[i] < 0 || slots[i] >= num_slots) return 2;
-    if (nb <= 64) {
-        for (int64_t i = 0; i < nb; i++)
-            for (int64_t j = i + 1; j < nb; j++)
-                if (slots[i] == slots[j]) return 1;
-        return 0;
-    }
-    unsigned char *seen = calloc((size_t)num_slots, 1);
-    if (!seen) return 1;
-    int rc = 0;
-    for (int64_t i = 0; i < nb && !rc; i++) {
-        if (seen[slots[i]]) rc = 1;
-        seen[slots[i]] = 1;
-    }
-    free(seen);
-    return rc;
-}
+#include "decode_common.h"  /* check_slots, exp_vec */
 
 int gdn_state_update(float *state, int64_t num_slots, const int32_t *slots, int64_t nb, int64_t HV,
                      int64_t K, int64_t V, const float *q, const float *k, const float *v,

@@ -5,8 +5,6 @@
  * the state [d, N] read and written once, where it lives in the pool (slots index it directly).
  * Returns 1 (a slot repeated) or 2 (a slot outside the pool) before writing anything, and the
  * caller runs its torch path; 0 on success. Called from kernels/mamba1_native.py.
- * (Each file under kernels/native/ is one library, hashed and built alone: check_slots and
- * exp_vec are repeated from mamba2_decode.c rather than included.)
  */
 #pragma GCC optimize("no-trapping-math")  /* compares do not trap: the clamps vectorize */
 #pragma GCC target("prefer-vector-width=256")
@@ -16,45 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int check_slots(const int32_t *slots, int64_t nb, int64_t num_slots) {
-    for (int64_t i = 0; i < nb; i++)
-        if (slots[i] < 0 || slots[i] >= num_slots) return 2;
-    if (nb <= 64) {
-        for (int64_t i = 0; i < nb; i++)
-            for (int64_t j = i + 1; j < nb; j++)
-                if (slots[i] == slots[j]) return 1;
-        return 0;
-    }
-    unsigned char *seen = calloc((size_t)num_slots, 1);
-    if (!seen) return 1;
-    int rc = 0;
-    for (int64_t i = 0; i < nb && !rc; i++) {
-        if (seen[slots[i]]) rc = 1;
-        seen[slots[i]] = 1;
-    }
-    free(seen);
-    return rc;
-}
-
-/* e^x vectorizable (see mamba2_decode.c): relative error ~1e-7 on [-87, 88], 0 below */
-static inline float exp_vec(float x) {
-    const float below = x < -87.0f ? 0.0f : 1.0f;
-    x = x < -87.0f ? -87.0f : x;
-    x = x > 88.0f ? 88.0f : x;
-    const float n = (x * 1.44269504089f + 12582912.0f) - 12582912.0f;
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale * below;
-}
+#include "decode_common.h"  /* check_slots, exp_vec */
 
 /* log(1 + t) for t in [0, 1], vectorizable: 2 atanh(s), s = t / (2 + t) <= 1/3, by its series */
 static inline float log1p_unit(float t) {

@@ -71,3 +71,21 @@ def test_compile_error_warns_and_gives_none(scale_lib, caplog):
         assert native_cpu.library("broken", scale_lib) is None
     assert "broken" in caplog.text and "failed" in caplog.text
     assert not list((scale_lib.parent / "cache" / "native").glob("*.tmp.so"))  # no half-built file left
+
+
+def test_headers_of_the_folder_are_included_and_hashed(scale_lib, tmp_path):
+    (scale_lib / "twice.h").write_text("static inline float twice(float v) { return 2.0f * v; }\n")
+    (scale_lib / "doubler.c").write_text('#include <stdint.h>\n#include "twice.h"\n'
+                                         "void double_all(float *x, int64_t n) { for (int64_t i = 0; i < n; i++) "
+                                         "x[i] = twice(x[i]); }\n")
+    lib = native_cpu.library("doubler", scale_lib)
+    assert lib is not None
+    x = torch.randn(9)
+    want = 2 * x
+    lib.double_all.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.double_all(x.data_ptr(), 9)
+    torch.testing.assert_close(x, want, rtol=0, atol=0)
+    (scale_lib / "twice.h").write_text("static inline float twice(float v) { return v + v; }\n")
+    native_cpu._loaded.clear()
+    native_cpu.library("doubler", scale_lib)
+    assert len(list((tmp_path / "cache" / "native").glob("doubler-*.so"))) == 2  # edited header: rebuilt
