@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from native_paths import native_or_torch
 from hybridkv.kernels import native_cpu
 from hybridkv.kernels.causal_conv_cpu import conv1d_update_cpu
 from hybridkv.kernels.conv1d_ref import conv1d_update_ref
@@ -20,16 +21,7 @@ def rel_err(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
-@pytest.fixture(params=["native", "torch"])
-def path(request):
-    """Each test runs twice: with the C kernels, and with them forced off (the torch path)."""
-    if request.param == "native":
-        if native_cpu.library("mamba2_decode") is None:
-            pytest.fail("these machines have a C compiler; kernels/native/mamba2_decode.c must build")
-        yield "native"
-    else:
-        with native_cpu.forced_off():
-            yield "torch"
+path = native_or_torch("mamba2_decode")
 
 
 def ssm_inputs(g, nb, groups, with_z):

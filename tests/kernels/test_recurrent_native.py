@@ -4,7 +4,7 @@ references on random inputs, over several steps and slot orders; the torch paths
 import pytest
 import torch
 
-from hybridkv.kernels import native_cpu
+from native_paths import native_or_torch
 from hybridkv.kernels.gdn_cpu import gdn_state_update_cpu
 from hybridkv.kernels.gdn_ref import gdn_state_update_ref
 from hybridkv.kernels.mamba1_cpu import mamba1_state_update_cpu
@@ -19,17 +19,7 @@ def rel_err(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
-@pytest.fixture(params=["native", "torch"])
-def path(request):
-    """Each test runs with the C kernels, and with them forced off (the torch path)."""
-    if request.param == "native":
-        for lib in ("mamba1_decode", "gdn_decode"):
-            if native_cpu.library(lib) is None:
-                pytest.fail(f"these machines have a C compiler; kernels/native/{lib}.c must build")
-        yield "native"
-    else:
-        with native_cpu.forced_off():
-            yield "torch"
+path = native_or_torch("mamba1_decode", "gdn_decode")
 
 
 @pytest.mark.parametrize("order", SLOT_ORDERS)

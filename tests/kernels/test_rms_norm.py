@@ -3,7 +3,7 @@ random inputs, both with native kernels on and forced off."""
 import pytest
 import torch
 
-from hybridkv.kernels import native_cpu
+from native_paths import native_or_torch
 from hybridkv.kernels import rms_norm as rn
 from hybridkv.models.norms import GatedRMSNorm, RMSNorm
 
@@ -25,16 +25,7 @@ def _gated(y, z, w, eps, group, before):
     return w * norm(y if z is None else y * torch.nn.functional.silu(z))
 
 
-@pytest.fixture(params=["native", "torch"])
-def path(request):
-    if request.param == "torch":
-        with native_cpu.forced_off():
-            yield "torch"
-        return
-    if native_cpu._compiler() is None:
-        pytest.fail("these machines have a C compiler; the native kernels must build here")
-    assert native_cpu.library("rms_norm") is not None
-    yield "native"
+path = native_or_torch("rms_norm")
 
 
 def _weight(d, g):
