@@ -38,6 +38,9 @@ import torch
 from hybridkv.kernels import native_cpu
 from hybridkv.kernels.attention_cpu import paged_attention_cpu
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_cpu_kernels import attention_case  # noqa: E402 (the same decode inputs)
+
 _rng = random.Random(0)
 CASES = {
     "32 decodes of 32-320 tokens": [_rng.randint(32, 320) for _ in range(32)],
@@ -47,22 +50,10 @@ CASES = {
 }
 
 
-def decode_step(lens: list[int], bs=16, hkv=2, group=2, d=64, seed=0):
-    """q [R, Hq, D] (one query per request), a pool holding the requests' blocks shuffled among
-    spare ones, query_start_loc, seq_lens and the block table."""
-    g = torch.Generator().manual_seed(seed)
-    need = [-(-n // bs) for n in lens]
-    num_blocks = 2 * sum(need) + 8
-    kv = torch.randn(num_blocks, 2, bs, hkv, d, generator=g)
-    perm = torch.randperm(num_blocks, generator=g)
-    table = torch.zeros(len(lens), max(need), dtype=torch.int32)
-    used = 0
-    for r, n in enumerate(need):
-        table[r, :n] = perm[used:used + n].to(torch.int32)
-        used += n
-    q = torch.randn(len(lens), hkv * group, d, generator=g)
-    qsl = torch.arange(len(lens) + 1, dtype=torch.int32)
-    return q, kv, qsl, torch.tensor(lens, dtype=torch.int32), table
+def decode_step(lens: list[int], seed=0):
+    """bench_cpu_kernels.attention_case with as many spare blocks as used ones (+8), the requests'
+    blocks shuffled among them: q [R, Hq, D], kv, query_start_loc, seq_lens, block table."""
+    return attention_case(lens, seed=seed, spare_blocks=sum(-(-n // 16) for n in lens) + 8)
 
 
 def step(inputs, layers: int, native: bool):

@@ -78,11 +78,12 @@ def rel_err(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
-def attention_case(lens, bs=16, hkv=2, group=2, d=64, seed=0):
-    """Decode inputs: one query per request over a pool whose blocks are shuffled."""
+def attention_case(lens, bs=16, hkv=2, group=2, d=64, seed=0, spare_blocks=4):
+    """Decode inputs: one query per request over a pool whose blocks are shuffled among
+    `spare_blocks` others: q [R, Hq, D], kv, query_start_loc, seq_lens, block table."""
     g = torch.Generator().manual_seed(seed)
     need = [-(-s // bs) for s in lens]
-    kv = torch.randn(sum(need) + 4, 2, bs, hkv, d, generator=g)
+    kv = torch.randn(sum(need) + spare_blocks, 2, bs, hkv, d, generator=g)
     perm = torch.randperm(kv.shape[0], generator=g)
     table = torch.zeros(len(lens), max(need), dtype=torch.int32)
     used = 0
