@@ -322,13 +322,15 @@ class HybridCacheManager:
         one) get it here only when every pool can give all of them theirs, else none of them does
         (False: allocate() those one by one, in run order, preempting as needed)."""
         n, bs = len(req_ids), self.block_size
-        ready, slots = [True] * n, [-1] * n
+        ready, slots = None, [-1] * n
         for kind in self._allocating:
             kind_slots, room = kind.decode_room(req_ids, starts)
-            ready = [a and b for a, b in zip(ready, room)]
+            ready = room if ready is None else [a and b for a, b in zip(ready, room)]
             if kind is self.attention:
                 slots = kind_slots
-        short = [i for i, ok in enumerate(ready) if not ok]
+        if ready is None:
+            ready = [True] * n
+        short = [] if all(ready) else [i for i, ok in enumerate(ready) if not ok]
         if short and all(len(short) <= k.pool.num_free for k in self._allocating):  # <= 1 block each
             for i in short:
                 rid, s = req_ids[i], starts[i]
@@ -339,9 +341,9 @@ class HybridCacheManager:
                 ready[i] = True
         due = [False] * n
         if self.recurrent is not None and self.enable_prefix_caching:  # due only at a block boundary
-            for i, s in enumerate(starts):
-                if not (s + 1) % bs:
-                    due[i] = self.checkpoint_due(req_ids[i], s, s + 1) is not None
+            for i in [i for i, s in enumerate(starts) if not (s + 1) % bs]:
+                s = starts[i]
+                due[i] = self.checkpoint_due(req_ids[i], s, s + 1) is not None
         return slots, due, ready
 
     def commit_decodes(self, req_ids: Sequence[Hashable]) -> dict[int, Exception]:

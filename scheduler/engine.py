@@ -239,12 +239,19 @@ class Engine:
             return
         self.counters["model_seconds"] += time.perf_counter() - t0
         self.counters["steps"] += 1
-        self.counters["processed_tokens"] += sum(c.num_tokens for c in chunks)
         rows, row_seqs = [], []         # the other chunks' sampling rows, in batch order
         plain_rows, plain_seqs = [], []  # decodes (ScheduledChunk.decode): committed together
         plain_checkpoints: list[Sequence] = []  # those of them due a state checkpoint
         commit, last, spans = self.mgr.commit, logit_rows.last, logit_rows.spans
         failed_before = self.counters["failed"]
+        # Most steps are all plain decodes with finite logits: their lists come in three passes
+        # of C-level comprehensions instead of the per-chunk loop below (the same lists).
+        all_plain = all(finite) and len(decode_seqs := [c.seq for c in chunks if c.decode]) == len(chunks)
+        self.counters["processed_tokens"] += len(chunks) if all_plain else sum(c.num_tokens for c in chunks)
+        if all_plain:
+            plain_rows, plain_seqs = last, decode_seqs
+            plain_checkpoints = [c.seq for c in chunks if c.checkpoint]
+            chunks = ()  # nothing left for the loop
         with self.mgr.batched_checkpoints():  # this step's state checkpoints copy together
             for i, c in enumerate(chunks):
                 seq = c.seq
@@ -302,13 +309,15 @@ class Engine:
         errors = self.mgr.commit_decodes([s.request_id for s in seqs])
         for j, e in errors.items():
             self._fail_group(seqs[j], e, touched, discard=True)
+        checkpoint_failed = False
         for seq in checkpoints:
             if not seq.finished:
                 try:
                     self.mgr.checkpoint(seq.request_id)
                 except Exception as e:
                     self._fail_group(seq, e, touched)
-        if not errors and not checkpoints:
+                    checkpoint_failed = True
+        if not errors and not checkpoint_failed:  # nobody failed here: all of them sample
             return rows, seqs
         keep = [j for j, s in enumerate(seqs) if not s.finished]
         return [rows[j] for j in keep], [seqs[j] for j in keep]

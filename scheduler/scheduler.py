@@ -152,6 +152,10 @@ class Scheduler:
         slots, due, done = self.mgr.allocate_decodes([seq.request_id for _, seq in decodes],
                                                      [start for start, _ in decodes])
         rest, chunks = [], out.chunks
+        if all(done):  # the usual step: one comprehension, no per-decode branch
+            chunks.extend([ScheduledChunk(seq, start, 1, [slot], ckpt, start >= seq.num_prompt_tokens)
+                           for (start, seq), slot, ckpt in zip(decodes, slots, due)])
+            return rest, budget - len(decodes)
         for (start, seq), slot, ckpt, ok in zip(decodes, slots, due, done):
             if ok:  # past the prompt: a plain decode (the last prompt token samples the first output)
                 chunks.append(ScheduledChunk(seq, start, 1, [slot], ckpt, start >= seq.num_prompt_tokens))

@@ -49,7 +49,7 @@ class TokenAppender:
                 rule = seq.stop_rule
                 if rule is None:
                     rule = seq.stop_rule = StopRule.of(seq, eos, max_len, tok_)
-                if rule.may_stop(len(ids), tok):
+                if len(ids) >= rule.limit or tok in rule.ids or rule.strings:  # rule.may_stop, inlined
                     stop = check_stop(seq, eos, max_len, tok_)
                     if stop is not None:
                         seq.stop_reason = stop.stop_reason
