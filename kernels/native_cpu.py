@@ -156,9 +156,12 @@ def _build_and_load(name: str, src: Path) -> ctypes.CDLL | None:
 
 def _compile(cc: str, flags: tuple[str, ...], src: Path, out: Path) -> str | None:
     """Compile src into out (atomically); an error message, or None on success."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp.so", dir=out.parent)
-    os.close(fd)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp.so", dir=out.parent)
+        os.close(fd)
+    except OSError as e:  # an unwritable cache: say where, and let the torch path run
+        return f"cache directory {out.parent} unusable ({e}); set HYBRIDKV_CACHE_DIR to a writable one"
     cmd = [cc, *flags, "-I", str(src.parent), "-o", tmp, str(src), "-lm"]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)

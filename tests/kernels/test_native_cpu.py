@@ -89,3 +89,12 @@ def test_headers_of_the_folder_are_included_and_hashed(scale_lib, tmp_path):
     native_cpu._loaded.clear()
     native_cpu.library("doubler", scale_lib)
     assert len(list((tmp_path / "cache" / "native").glob("doubler-*.so"))) == 2  # edited header: rebuilt
+
+
+def test_unwritable_cache_warns_and_gives_none(scale_lib, tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("a file where the cache directory should be")
+    monkeypatch.setenv("HYBRIDKV_CACHE_DIR", str(blocker))
+    with caplog.at_level(logging.WARNING, logger=native_cpu.__name__):
+        assert native_cpu.library("scale", scale_lib) is None
+    assert "HYBRIDKV_CACHE_DIR" in caplog.text and "not_a_dir" in caplog.text
