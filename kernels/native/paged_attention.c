@@ -52,6 +52,19 @@ static inline v8 exp8(v8 x) {
 }
 
 /* logits[head * stride] = scale * q_head . k for one key row k, every query head */
+/* q . k for d a multiple of 8, as 8 lane sums (two chains of multiply-adds, summed) */
+static inline v8 dot8(const float *q, const float *k, int64_t d) {
+    v8 a = {0}, b = {0};
+    int64_t x = 0;
+    for (; x + 16 <= d; x += 16) {
+        a += load8(q + x) * load8(k + x);
+        b += load8(q + x + 8) * load8(k + x + 8);
+    }
+    if (x < d)
+        a += load8(q + x) * load8(k + x);
+    return a + b;
+}
+
 static inline void logits_1(const float *qi, int64_t q_head, const float *k, int64_t kv_head,
                             int64_t hkv, int64_t group, int64_t d, float scale, float *logits,
                             int64_t stride) {
@@ -62,15 +75,7 @@ static inline void logits_1(const float *qi, int64_t q_head, const float *k, int
             const float *qh = qi + head * q_head;
             float s;
             if (d % 8 == 0) {
-                v8 a = {0}, b = {0}; /* two chains of multiply-adds */
-                int64_t x = 0;
-                for (; x + 16 <= d; x += 16) {
-                    a += load8(qh + x) * load8(kh + x);
-                    b += load8(qh + x + 8) * load8(kh + x + 8);
-                }
-                if (x < d)
-                    a += load8(qh + x) * load8(kh + x);
-                s = hsum8(a + b);
+                s = hsum8(dot8(qh, kh, d));
             } else {
                 s = 0.0f;
                 for (int64_t x = 0; x < d; x++)
@@ -115,15 +120,7 @@ static void logits_of(const float *qi, int64_t q_head, const float *k, int64_t n
             for (int64_t g = 0; g < group; g++) {
                 const int64_t head = h * group + g;
                 const float *qh = qi + head * q_head;
-                v8 a = {0}, b = {0}; /* two chains of multiply-adds */
-                int64_t x = 0;
-                for (; x + 16 <= d; x += 16) {
-                    a += load8(qh + x) * load8(kh + x);
-                    b += load8(qh + x + 8) * load8(kh + x + 8);
-                }
-                if (x < d)
-                    a += load8(qh + x) * load8(kh + x);
-                part[head * stride + r] = a + b;
+                part[head * stride + r] = dot8(qh, kh, d);
             }
         }
     }
