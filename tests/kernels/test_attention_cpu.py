@@ -33,6 +33,17 @@ def paged_batch(reqs, bs, hkv, group, d, dtype=torch.float32, seed=0, pad_rows=2
     seq_lens = torch.tensor([s for _, s in reqs], dtype=torch.int32)
     return q, kv, qsl, seq_lens, table
 
+def poison_unread(kv, table, reqs, bs):
+    """NaN into every pool block no request of `reqs` [(qlen, seq_len)] reads and into the
+    unwritten tail of each request's last block: an output that touches them is not finite."""
+    used = {int(table[r, i]) for r, (_, s) in enumerate(reqs) for i in range(-(-s // bs))}
+    for b in range(kv.shape[0]):
+        if b not in used:
+            kv[b] = float("nan")
+    for r, (_, s) in enumerate(reqs):
+        kv[int(table[r, (s - 1) // bs]), :, s % bs or bs:] = float("nan")
+
+
 
 def rel_err(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
@@ -157,12 +168,7 @@ def test_blocks_no_request_owns_may_hold_nan(decode_path):
     row may see them, on the decode and on the prefill path."""
     reqs = [(1, 21), (7, 7), (12, 29), (1, 70)]
     q, kv, qsl, seq_lens, table = paged_batch(reqs, 16, 2, 2, 32, seed=9)
-    used = {int(table[r, i]) for r, (_, s) in enumerate(reqs) for i in range(-(-s // 16))}
-    for b in range(kv.shape[0]):
-        if b not in used:
-            kv[b] = float("nan")
-    for r, (_, s) in enumerate(reqs):  # the unwritten tail of each request's last block too
-        kv[int(table[r, (s - 1) // 16]), :, s % 16 or 16:] = float("nan")
+    poison_unread(kv, table, reqs, 16)
     want = paged_attention_ref(q, kv, qsl, seq_lens, table, 0.2)
     got = paged_attention_cpu(q, kv, qsl, seq_lens, table, 0.2, plan_cache={})
     assert torch.isfinite(got).all() and rel_err(got, want) < 1e-5
@@ -176,12 +182,7 @@ def test_one_group_in_order_returns_its_rows(reqs, opts):
     unwritten tail of each last block and every block no request owns hold NaN. (The torch path:
     with native kernels on, these decodes run in C.)"""
     q, kv, qsl, seq_lens, table = paged_batch(reqs, 16, 2, 2, 32, seed=len(reqs), pad_rows=0)
-    used = {int(table[r, i]) for r, (_, s) in enumerate(reqs) for i in range(-(-s // 16))}
-    for b in range(kv.shape[0]):
-        if b not in used:
-            kv[b] = float("nan")
-    for r, (_, s) in enumerate(reqs):
-        kv[int(table[r, (s - 1) // 16]), :, s % 16 or 16:] = float("nan")
+    poison_unread(kv, table, reqs, 16)
     q_before = q.clone()
     want = paged_attention_ref(q, kv, qsl, seq_lens, table, 0.2, **opts)
     plans = {}
@@ -236,12 +237,7 @@ def test_chunks_over_cached_context_merge_two_pieces(group, dtype, decode_path):
     their log-sum-exp; chunks from 0 keep the causal kernel and one-token rows the decode path.
     Unwritten tails and unowned blocks hold NaN."""
     q, kv, qsl, seq_lens, table = paged_batch(RAGGED, 8, 2, group, 32, dtype=dtype, seed=20 + group)
-    used = {int(table[r, i]) for r, (_, s) in enumerate(RAGGED) for i in range(-(-s // 8))}
-    for b in range(kv.shape[0]):
-        if b not in used:
-            kv[b] = float("nan")
-    for r, (_, s) in enumerate(RAGGED):
-        kv[int(table[r, (s - 1) // 8]), :, s % 8 or 8:] = float("nan")
+    poison_unread(kv, table, RAGGED, 8)
     want = paged_attention_ref(q, kv, qsl, seq_lens, table, 0.25)
     plans = {}
     got = paged_attention_cpu(q, kv, qsl, seq_lens, table, 0.25, plan_cache=plans)
