@@ -27,13 +27,16 @@ class PagedAttention(nn.Module):
     - sliding_window / soft_cap / scale go to the kernel (scale defaults to head_dim ** -0.5).
     - sinks: a learned logit per query head in the softmax denominator, `sinks [num_heads]` (GPT-OSS).
     - head_gate: `g_proj` maps the layer input to one gate per head; head h's output *= sigmoid(gate_h) (LFM3).
+    - out_size: o_proj's output width, hidden_size by default (Zamba's attention reads [h | emb] of
+      width 2H and writes H).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  qkv_bias: bool = False, o_bias: bool = False,
                  qk_norm: Optional[Callable[[int], nn.Module]] = None, output_gate: bool = False,
                  sliding_window: Optional[int] = None, soft_cap: Optional[float] = None,
-                 scale: Optional[float] = None, sinks: bool = False, head_gate: bool = False):
+                 scale: Optional[float] = None, sinks: bool = False, head_gate: bool = False,
+                 out_size: Optional[int] = None):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads={num_heads} is not a multiple of "
@@ -47,7 +50,7 @@ class PagedAttention(nn.Module):
         self.q_proj = nn.Linear(hidden_size, q_out, bias=qkv_bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, out_size or hidden_size, bias=o_bias)
         self.q_norm = qk_norm(head_dim) if qk_norm else None
         self.k_norm = qk_norm(head_dim) if qk_norm else None
         self.qkv = FusedLinear((self.q_proj, self.k_proj, self.v_proj))  # one matmul per step
@@ -85,8 +88,6 @@ class PagedAttention(nn.Module):
         out = out.reshape(hidden.shape[0], self.num_heads * self.head_dim)
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        if self.o.linears[0] is not self._modules["o_proj"]:  # replaced since (Zamba's, to H)
-            self.o = FusedLinear((self._modules["o_proj"],))
         return F.linear(out, *self.o.weight_bias())
 
     def _split_rotate(self, qkv: torch.Tensor, rope):

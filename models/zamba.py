@@ -93,8 +93,7 @@ class ZambaSharedBlock(nn.Module):
         super().__init__()
         width, heads, head_dim = config.attention_hidden_size, config.num_attention_heads, config.attention_head_dim
         self.self_attn = PagedAttention(width, heads, config.num_key_value_heads, head_dim,
-                                        scale=(head_dim / 2) ** -0.5)
-        self.self_attn.o_proj = nn.Linear(heads * head_dim, config.hidden_size, bias=False)  # to H, not 2H
+                                        scale=(head_dim / 2) ** -0.5, out_size=config.hidden_size)  # to H, not 2H
         self.feed_forward = GatedMLP(config.hidden_size, config.intermediate_size, act=config.hidden_act)
         self.input_layernorm = RMSNorm(width, eps=config.rms_norm_eps)
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)

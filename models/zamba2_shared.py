@@ -39,8 +39,8 @@ class Zamba2SharedAttention(PagedAttention):
     def __init__(self, config, num_sites: int, block_id: int):
         width, heads, kv_heads = config.attention_hidden_size, config.num_attention_heads, config.num_key_value_heads
         head_dim = config.attention_head_dim
-        super().__init__(width, heads, kv_heads, head_dim, scale=(head_dim / 2) ** -0.5)
-        self.o_proj = nn.Linear(heads * head_dim, config.hidden_size, bias=False)  # back to H, not 2H
+        super().__init__(width, heads, kv_heads, head_dim, scale=(head_dim / 2) ** -0.5,
+                         out_size=config.hidden_size)  # o_proj back to H, not 2H
         self.use_adapters = bool(config.use_shared_attention_adapter)
         if self.use_adapters:
             if kv_heads * head_dim != width:
