@@ -349,8 +349,9 @@ class HybridCacheManager:
     def commit_decodes(self, req_ids: Sequence[Hashable]) -> dict[int, Exception]:
         """commit(req_id, 1) for each: the model computed one more token of each. Those whose token
         fills no block (and no kind does more than hash full blocks) advance in one loop, the
-        others through commit(). Each must hold its token's slot (decode_slots or allocate). Returns {index: the error} of those whose commit raised (each of
-        them left as it was); the others are committed whatever happened to those."""
+        others through commit(). Each must hold its token's slot (allocate_decodes or allocate).
+        Returns {index: the error} of those whose commit raised (each of them left as it was); the
+        others are committed whatever happened to those."""
         bs, reqs, failed = self.block_size, self._reqs, {}
         plain = all(getattr(k, "commits_only_full_blocks", False) for k in self._committing)
         for i, rid in enumerate(req_ids):
