@@ -6,8 +6,9 @@ fingerprint, adapter id, multimodal hashes and the tenant's cache_salt, so tenan
 """
 from __future__ import annotations
 
+import functools
 import hashlib
-from array import array
+import struct
 from typing import Sequence
 
 
@@ -20,7 +21,13 @@ def extend_hashes(hashes: list[bytes], token_ids: Sequence[int], num_blocks: int
                   block_size: int) -> None:
     """Append chained hashes to `hashes` until it covers `num_blocks` full blocks of `token_ids`."""
     prev = hashes[-1] if hashes else b""
+    pack, sha256 = _block_bytes(block_size).pack, hashlib.sha256
     for i in range(len(hashes), num_blocks):
-        block = array("q", token_ids[i * block_size:(i + 1) * block_size]).tobytes()
-        prev = hashlib.sha256(prev + extra + block).digest()
+        prev = sha256(prev + extra + pack(*token_ids[i * block_size:(i + 1) * block_size])).digest()
         hashes.append(prev)
+
+
+@functools.lru_cache(maxsize=None)
+def _block_bytes(block_size: int) -> struct.Struct:
+    """A block's token ids as native int64s (array("q")'s bytes, without its per-call setup)."""
+    return struct.Struct(f"{block_size}q")

@@ -85,9 +85,11 @@ class BlockPool:
     def set_hash(self, block: int, h: bytes, parent: Optional[bytes] = None) -> None:
         """Record a full block's chained hash (and the hash of the block before it, b"" for the
         first); the first block with a hash answers lookups for it."""
-        self.block_hash[block] = h
         if parent is not None:
             self.parent[block] = parent
+        elif self.block_hash[block] == h and self.cached.get(h) == block:
+            return  # a checkpoint's re-registration: already the one answering, linked when it became so
+        self.block_hash[block] = h
         if self.cached.setdefault(h, block) == block:
             self._link(block, h)
 

@@ -112,6 +112,15 @@ class RecurrentMemory(LayerMemory):
             old = self._rolling.get(rid)
             self._rolling[rid] = h
             if old is not None and old != h and old in self.checkpoints:
+                if h not in self.checkpoints:
+                    # the new state takes the old one's slot in place: what freeing it and taking a
+                    # slot would do (the free list hands the slot just freed back first)
+                    live, c = self._slot[rid], self.checkpoints.pop(old)
+                    self.states.copy(live, c.slot)
+                    self._clock += 1
+                    c.position, c.last_used, c.output = position, self._clock, True
+                    self.checkpoints[h] = c
+                    return True
                 self._drop(old)
         if h in self.checkpoints:
             self._touch(h)

@@ -1,4 +1,9 @@
 """Chained block hashes: a prefix's identity, with the extra key that keeps tenants apart."""
+import hashlib
+import random
+
+import numpy as np
+
 from hybridkv.block_hash import extend_hashes, extra_key
 
 BS = 4
@@ -24,3 +29,19 @@ def test_extend_continues_an_existing_chain():
     part = hashes(t[:8])
     extend_hashes(part, t, 5, extra_key("m"), BS)
     assert part == hashes(t)
+
+
+def test_hashes_follow_the_documented_chain():
+    """h_i = sha256(h_{i-1} | extra key | block i's token ids as int64), h_{-1} = b"" (the bytes
+    every stored hash was made from), for several block sizes and large token ids."""
+    rng = random.Random(0)
+    for bs in (1, 4, 16):
+        tokens = [rng.randrange(1 << 40) for _ in range(5 * bs + 3)]
+        key = extra_key("m", cache_salt="s")
+        out = []
+        extend_hashes(out, tokens, 5, key, bs)
+        prev, want = b"", []
+        for i in range(5):
+            prev = hashlib.sha256(prev + key + np.asarray(tokens[i * bs:(i + 1) * bs], dtype=np.int64).tobytes()).digest()
+            want.append(prev)
+        assert out == want

@@ -1,4 +1,6 @@
 """BlockPool: tensors, refcounts, LRU free queue that keeps hashes, hash map."""
+import random
+
 import torch
 
 from hybridkv.block_pool import BlockPool
@@ -66,3 +68,38 @@ def test_copy_gather_scatter_roundtrip():
     p.scatter([4, 1], out)
     for i, t in p.kv.items():
         assert torch.equal(t[4], t[0]) and torch.equal(t[1], t[2]) and torch.equal(out[i][0], t[0])
+
+
+def test_prefix_tree_links_match_the_cached_blocks_under_random_use():
+    """After any mix of allocate / set_hash (with its parent, or again without it, as a checkpoint
+    re-registers a block) / ref / release, `children` is exactly what the cached blocks say:
+    parent hash -> hashes of the cached blocks whose parent it is."""
+    rng = random.Random(0)
+    p = pool(n=8)
+    held: list[int] = []
+    names = [bytes([i]) for i in range(12)]
+    for _ in range(3000):
+        op = rng.random()
+        if op < 0.25 and p.num_free:
+            held += p.allocate(1)
+        elif op < 0.55 and held:  # a block that just became full (a block's hash never changes)
+            b, i = rng.choice(held), rng.randrange(12)
+            if p.block_hash[b] is None:
+                p.set_hash(b, names[i], names[i - 1] if i else b"")
+        elif op < 0.7 and held:
+            b = rng.choice(held)
+            if p.block_hash[b] is not None:
+                p.set_hash(b, p.block_hash[b])
+                assert p.lookup(p.block_hash[b]) is not None  # it answers, unless a twin does
+        elif op < 0.8 and held:
+            b = rng.choice(held)
+            p.ref([b])
+            held.append(b)
+        elif held:
+            p.release([held.pop(rng.randrange(len(held)))])
+        assert all(p.block_hash[b] == h for h, b in p.cached.items())
+        want: dict = {}
+        for h, b in p.cached.items():
+            if p.parent[b] is not None:
+                want.setdefault(p.parent[b], set()).add(h)
+        assert p.children == want

@@ -1,4 +1,8 @@
 """RecurrentMemory on its own: live slots, checkpoints (copy-on-hit, dedup), eviction order."""
+import contextlib
+import random
+
+import pytest
 import torch
 
 from hybridkv.memory.recurrent import RecurrentMemory
@@ -68,3 +72,60 @@ def test_checkpoint_copies_and_dedups_and_output_states_roll():
     assert set(mem.checkpoints) == {b"p", b"o2"}  # one rolling output state per request
     mem.release("a", donate=(b"end", 16))  # the live state stays as a checkpoint, no copy
     assert b"end" in mem.checkpoints and mem.stats()["slots_live"] == 0
+
+
+def _drop_then_checkpoint(mem, rid, h, pos, output):
+    """checkpoint() as it was before the rolling state reused its slot in place: the old
+    rolling state freed first, then a slot taken (the free list, eviction) for the new one."""
+    old = mem._rolling.get(rid) if output else None
+    if old is not None and old != h and old in mem.checkpoints and h not in mem.checkpoints:
+        mem._drop(old)
+    return mem.checkpoint(rid, h, pos, output)
+
+
+def _observed(mem):
+    return ([(h, c.slot, c.position, c.last_used, c.output) for h, c in mem.checkpoints.items()],
+            list(mem.states.kind), list(mem.states._free), mem._clock, dict(mem._slot), dict(mem._rolling),
+            [t.clone() for t in mem.states._tensors()])
+
+
+@pytest.mark.parametrize("eviction", ["lru", "flop"])
+def test_rolling_output_state_in_place_equals_free_then_take(eviction):
+    """The rolling output checkpoint that takes its predecessor's slot in place leaves exactly what
+    freeing it and taking a slot did: same keys, slots, positions, clock and LRU order, free list,
+    slot kinds and state contents, over random admits (hits), checkpoints (prompt and output,
+    deferred copies or not), finishes and evictions on a tight pool."""
+    rng = random.Random(eviction)
+    mems = [make(n_slots=7, eviction=eviction), make(n_slots=7, eviction=eviction)]
+    keys = [bytes([i]) for i in range(24)]
+    running: list[str] = []
+    for step in range(600):
+        op, rid = rng.random(), f"r{rng.randrange(6)}"
+        if op < 0.15 and rid not in running:
+            cached = [i for i, h in enumerate(keys) if h in mems[0].checkpoints]
+            hit = rng.choice([0] + [i + 1 for i in cached])
+            if not all(m.can_admit(keys[:hit], hit, 0) for m in mems):
+                continue
+            for m in mems:
+                m.admit(rid, keys[:hit], hit)
+            running.append(rid)
+        elif op < 0.25 and rid in running:
+            donate = rng.choice([None, (keys[rng.randrange(24)], 64)])
+            for m in mems:
+                m.release(rid, donate)
+                m.forget(rid)
+            running.remove(rid)
+        elif running:
+            rid = rng.choice(running)
+            value = torch.randn(mems[0].states.conv[1][0].shape)
+            for m in mems:
+                m.states.conv[1][m.live_slot(rid)] = value
+            h, pos, output = keys[rng.randrange(24)], 4 * rng.randrange(1, 16), rng.random() < 0.8
+            deferred = rng.random() < 0.5
+            done = []
+            for m, call in zip(mems, (RecurrentMemory.checkpoint, _drop_then_checkpoint)):
+                with m.states.deferred_copies() if deferred else contextlib.nullcontext():
+                    done.append(call(m, rid, h, pos, output))
+            assert done[0] == done[1]
+        a, b = _observed(mems[0]), _observed(mems[1])
+        assert a[:-1] == b[:-1] and all(torch.equal(x, y) for x, y in zip(a[-1], b[-1])), step

@@ -1,4 +1,7 @@
 """StatePool: per-layer conv and state tensors, null slot 0, live/checkpoint kinds, copies, host."""
+import contextlib
+import random
+
 import pytest
 import torch
 
@@ -46,3 +49,34 @@ def test_copy_and_host_roundtrip():
     p.from_host(2, conv, ssm)
     assert torch.equal(p.conv[2][2], p.conv[2][1]) and torch.equal(p.ssm[0][2], p.ssm[0][1])
     assert not torch.equal(p.conv[0][0], p.conv[0][1])  # other slots untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_copies", [3, 12])  # few: one copy per slot; many: small slots gathered
+def test_copies_on_byte_rows_equal_torch_copies(dtype, num_copies):
+    """The CPU path (numpy views of the tensors' bytes) and the torch path (the GPU's) copy the
+    same slots as torch indexing one copy at a time, deferred or not; every other slot untouched."""
+    specs = {0: RecurrentSpec((4, 3), (3, 8, 8), dtype),  # 96 B and 768 B slots (fp32): gathered
+             1: RecurrentSpec((5, 2), (40, 64), dtype),  # 10 KiB ssm slots: copied one by one
+             3: RecurrentSpec((7, 3), (), dtype)}
+    rng = random.Random(num_copies)
+    for deferred in (False, True):
+        rows, tensors = StatePool(specs, 32), StatePool(specs, 32)
+        tensors._rows = None  # the torch path, as on a GPU
+        assert rows._rows is not None and len(rows._rows) == 5
+        for t, u in zip(rows._tensors(), tensors._tensors()):
+            t.copy_(torch.randn(t.shape).to(dtype))
+            u.copy_(t)
+        ref = [t.clone() for t in rows._tensors()]
+        live = rng.sample(range(1, 32), 8)
+        free = [s for s in range(1, 32) if s not in live]
+        copies = [(rng.choice(live), rng.choice(free)) for _ in range(num_copies)]
+        for pool in (rows, tensors):
+            with pool.deferred_copies() if deferred else contextlib.nullcontext():
+                for src, dst in copies:
+                    pool.copy(src, dst)
+        for src, dst in copies:
+            for t in ref:
+                t[dst].copy_(t[src])
+        for t, u, r in zip(rows._tensors(), tensors._tensors(), ref):
+            assert torch.equal(t, r) and torch.equal(u, r)
