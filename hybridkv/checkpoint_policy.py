@@ -63,6 +63,8 @@ class CheckpointPolicy:
         'junctions' guesses from the chunk (see _keeps_prompt_end)."""
         if self.name == "none" or end <= start:
             return None
+        if not shared and start >= num_prompt_tokens:  # a decode's case: no list to build
+            return self._due_in_output(start, end, num_prompt_tokens, branch_point)
         found = list(shared)
         if self.rolling_output:
             e = self.prompt_end(num_prompt_tokens)
@@ -78,6 +80,25 @@ class CheckpointPolicy:
             found.append((start // step + 1) * step)
         hits = [b for b in found if start < b <= end and b > 0]
         return min(hits) if hits else None
+
+    def _due_in_output(self, start: int, end: int, num_prompt_tokens: int, branch_point: Optional[int]
+                       ) -> Optional[int]:
+        """due() for a chunk past the prompt with no shared boundary: the prompt end lies before
+        start, so only the latest output boundary, the branch point and every n blocks count."""
+        best = None
+        if self.rolling_output:
+            latest = end // self.block_size * self.block_size
+            if latest > start:  # so past the prompt too
+                best = latest
+        if branch_point is not None and start < branch_point <= end and self.name in ("branch_points", "junctions"):
+            if best is None or branch_point < best:
+                best = branch_point
+        if self.name == "every_n_blocks":
+            step = self.every_n * self.block_size
+            b = (start // step + 1) * step
+            if b <= end and (best is None or b < best):
+                best = b
+        return best
 
     def _keeps_prompt_end(self, e: int, start: int, resumed_from: Optional[int], branch_point: Optional[int],
                           shared: Sequence[int]) -> bool:
