@@ -26,7 +26,8 @@ BS = 16
 FAMILIES = {"bamba": (10, 5, 5, 2),    # Mamba2 + full attention
             "gpt_oss": (9, 5, 5, 0),   # a full and a sliding-window attention group
             "llama": (10, 5, 5, 0),    # attention only
-            "mamba2": (0, 5, 3, 2)}    # no attention: states only (short of slots: queues, never preempts)
+            "mamba2": (0, 5, 3, 2),    # no attention: states only (short of slots: queues, never preempts)
+            "recurrent_gemma": (8, 5, 5, 2)}  # RG-LRU state beside sliding-window attention
 
 
 @pytest.fixture(scope="module")
@@ -249,7 +250,7 @@ def drive(fast: LLM, slow: LLM, seed: int, num_ops: int = 90, max_steps: int = 4
 # migrates and stops
 CASES = [("bamba", "recompute", "junctions", 0), ("bamba", "swap", "every_n_blocks", 0),
          ("gpt_oss", "swap", "junctions", 0), ("llama", "recompute", "junctions", 0),
-         ("mamba2", "recompute", "every_n_blocks", 1)]
+         ("mamba2", "recompute", "every_n_blocks", 1), ("recurrent_gemma", "swap", "junctions", 0)]
 
 
 @pytest.mark.parametrize("family, mode, policy, seed", CASES)
