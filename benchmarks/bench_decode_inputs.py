@@ -40,9 +40,9 @@ def decode_chunks(path: str, batch: int, context: int):
     engine = llm.engine
     while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
         llm.step()
-    plan = engine.scheduler.schedule()
-    assert all(c.num_tokens == 1 for c in plan.chunks) and len(plan.chunks) == batch
-    return engine, plan.chunks
+    chunks = engine.scheduler.schedule().all_chunks()
+    assert all(c.num_tokens == 1 for c in chunks) and len(chunks) == batch
+    return engine, chunks
 
 
 def per_call_us(fn) -> float:

@@ -68,18 +68,19 @@ def step(sched: Scheduler) -> int:
     """One engine step without the model; returns the number of scheduled chunks."""
     out = sched.schedule()
     mgr = sched.mgr
-    for c in out.chunks:
+    chunks = out.all_chunks()  # a decode batch as its chunks
+    for c in chunks:
         mgr.commit(c.seq.request_id, c.num_tokens)
         if c.checkpoint:
             mgr.checkpoint(c.seq.request_id)
-    for c in out.chunks:
+    for c in chunks:
         seq = c.seq
         if c.start + c.num_tokens < seq.num_tokens:
             continue  # a prefill chunk short of the end: nothing sampled yet
         seq.append_token(seq.num_tokens % 997 + 4)  # the manager reads the same list
         if seq.num_output_tokens >= seq.params.max_tokens:
             sched.finish(seq, "length")
-    return len(out.chunks)
+    return len(chunks)
 
 
 def step_times(num_waiting: int, steps: int, warmup: int, max_num_seqs: int = 64,

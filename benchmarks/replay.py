@@ -97,12 +97,13 @@ def replay(mgr: HybridCacheManager, trace: Sequence[TraceRequest], max_num_seqs:
             raise RuntimeError(f"replay did not finish in {max_steps} steps; stats: {mgr.stats()}")
         out = sched.schedule()
         res.preemptions += len(out.preempted)
-        if not out.chunks:
+        chunks = out.all_chunks()  # a decode batch as its chunks
+        if not chunks:
             if out.preempted:
                 continue
             raise RuntimeError(f"no request fits the pools; stats: {mgr.stats()}")
         res.steps += 1
-        for c in out.chunks:
+        for c in chunks:
             req, rid = c.seq, c.seq.request_id
             if rid not in admitted:  # first admission: this is the request's prefix hit
                 admitted.add(rid)
@@ -119,7 +120,7 @@ def replay(mgr: HybridCacheManager, trace: Sequence[TraceRequest], max_num_seqs:
         res.running.append(len(sched.running))
         if on_step is not None:
             on_step(mgr)
-        for c in out.chunks:
+        for c in chunks:
             req = c.seq
             if c.start + c.num_tokens < req.num_tokens:
                 continue  # prefill not finished: nothing sampled yet

@@ -25,9 +25,8 @@ class BlockTables:
     def free_row(self, row: int) -> None:
         self._free_rows.append(row)
 
-    def write(self, row: int, start: int, blocks: list[int]) -> None:
-        """Set columns [start, start + len(blocks)) of `row`."""
-        end = start + len(blocks)
+    def ensure_cols(self, end: int) -> None:
+        """Make columns [0, end) exist (doubling the width)."""
         cols = self.array.shape[1]
         if end > cols:
             while cols < end:
@@ -35,6 +34,11 @@ class BlockTables:
             grown = np.zeros((self.array.shape[0], cols), dtype=np.int32)
             grown[:, : self.array.shape[1]] = self.array
             self.array = grown
+
+    def write(self, row: int, start: int, blocks: list[int]) -> None:
+        """Set columns [start, start + len(blocks)) of `row`."""
+        end = start + len(blocks)
+        self.ensure_cols(end)
         if len(blocks) == 1:
             self.array[row, start] = blocks[0]
         else:

@@ -53,14 +53,18 @@ The semantics of each verb over each kind: docs/design.md.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import types
+from operator import attrgetter
 from typing import Hashable, Mapping, Optional, Sequence
 
+import numpy as np
 import torch
 
 from hybridkv import snapshot_transfer
 from hybridkv.block_hash import extend_hashes, extra_key
 from hybridkv.checkpoint_policy import DEFAULT_POLICY, CheckpointPolicy
+from hybridkv.decode_rows import DecodeRows
 from hybridkv.eviction import DEFAULT_EVICTION
 from hybridkv.errors import MemoryBudgetError, RequestStateError, RequestTooLargeError
 from hybridkv.manager_stats import ManagerStats
@@ -74,6 +78,9 @@ from hybridkv.prefix_match import NO_MATCH, PrefixHitCounter, PrefixMatch, match
 from hybridkv.request_state import PREEMPTED, RUNNING, SWAPPED, RequestState
 from hybridkv.snapshot import RequestSnapshot
 from hybridkv.specs import LayerSpec
+
+_num_computed = attrgetter("num_computed_tokens")
+_token_ids = attrgetter("token_ids")
 
 
 class HybridCacheManager:
@@ -313,56 +320,99 @@ class HybridCacheManager:
             return [-1] * num_new_tokens
         return self.attention.slot_mapping(req_id, start, end)
 
-    def allocate_decodes(self, req_ids: Sequence[Hashable], starts: Sequence[int]
-                         ) -> tuple[list[int], list[bool], list[bool]]:
-        """allocate(req_id, 1) and checkpoint_due for one token of each running request at its
-        num_computed_tokens starts[i], all at once: (KV write slot, -1 without attention; whether a
-        checkpoint is due after the token; whether it was allocated). Most tokens land in a block
-        the request holds alone and need nothing; the few that need a block (or a copy of a shared
-        one) get it here only when every pool can give all of them theirs, else none of them does
-        (False: allocate() those one by one, in run order, preempting as needed)."""
-        n, bs = len(req_ids), self.block_size
-        ready, slots = None, [-1] * n
+    def decode_rows(self, req_ids: Sequence[Hashable]) -> DecodeRows:
+        """The handle of the batched one-token verbs for these running requests, in this order
+        (decode_rows.py: valid while they run and get blocks only through allocate_decodes)."""
+        req_ids = list(req_ids)
+        states = list(map(self._running, req_ids))
+        return DecodeRows.of(req_ids, states, self.live_slots(req_ids), self.attention_groups, self.attention)
+
+    def allocate_decodes(self, rows: DecodeRows | Sequence[Hashable], starts: Sequence[int] | np.ndarray
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """allocate(req_id, 1) and checkpoint_due for one token of each running request (a
+        DecodeRows, or their ids) at its num_computed_tokens starts[i], all at once: arrays of
+        (KV write slot, int64, -1 without attention; whether a checkpoint is due after the token;
+        whether it was allocated). Most tokens land in a block the request holds alone and need
+        nothing; those that start a block get one, and a copy of a shared partial block is made,
+        only when every pool can give all of them theirs, else none of them does (False:
+        allocate() those one by one, in run order, preempting as needed)."""
+        if not isinstance(rows, DecodeRows):
+            rows = self.decode_rows(rows)
+        n, bs = len(rows), self.block_size
+        starts = np.asarray(starts, dtype=np.int64)
+        ready, slots = np.ones(n, dtype=bool), np.full(n, -1, dtype=np.int64)
+        rooms = {}
         for kind in self._allocating:
-            kind_slots, room = kind.decode_room(req_ids, starts)
-            ready = room if ready is None else [a and b for a, b in zip(ready, room)]
-            if kind is self.attention:
+            group = rows.group_of(kind)
+            kind_slots, rooms[kind] = kind.decode_room(group.rows, group.held, starts)
+            ready &= rooms[kind]
+            if group is rows.lead:
                 slots = kind_slots
-        if ready is None:
-            ready = [True] * n
-        short = [] if all(ready) else [i for i, ok in enumerate(ready) if not ok]
-        if short and all(len(short) <= k.pool.num_free for k in self._allocating):  # <= 1 block each
-            for i in short:
-                rid, s = req_ids[i], starts[i]
-                for kind in self._allocating:
-                    kind.allocate(rid, s, s + 1)
-                if self.attention is not None:
-                    slots[i] = self.attention.slot_mapping(rid, s, s + 1)[0]
-                ready[i] = True
-        due = [False] * n
+        short = np.flatnonzero(~ready)
+        if short.size and all(short.size <= k.pool.num_free for k in self._allocating):  # <= 1 block each
+            for kind in self._allocating:
+                group = rows.group_of(kind)
+                need = short[~rooms[kind][short]]
+                at_end = starts[need] == group.held[need] * bs  # a token that starts the next block
+                if at_end.all():  # the usual case: the pool hands them out in one call, in row order
+                    kind.add_decode_blocks([rows.req_ids[i] for i in need.tolist()], group.rows[need], group.held[need])
+                    group.held[need] += 1
+                else:  # some copy a shared partial block (a fork's): one by one, in row order
+                    for i in need.tolist():
+                        rid, s = rows.req_ids[i], int(starts[i])
+                        kind.allocate(rid, s, s + 1)
+                        group.held[i] = len(kind.block_ids(rid))
+                if group is rows.lead:
+                    table = kind.tables.array
+                    slots[short] = table[group.rows[short], starts[short] // bs].astype(np.int64) * bs + starts[short] % bs
+            ready[short] = True
+        due = np.zeros(n, dtype=bool)
         if self.recurrent is not None and self.enable_prefix_caching:  # due only at a block boundary
-            for i in [i for i, s in enumerate(starts) if not (s + 1) % bs]:
-                s = starts[i]
-                due[i] = self.checkpoint_due(req_ids[i], s, s + 1) is not None
+            ends = np.flatnonzero((starts + 1) % bs == 0)
+            if ends.size:
+                inside = starts[ends] < rows.num_prompt[ends]
+                due[ends] = self.policy.decodes_due(starts[ends] + 1)  # past the prompt: the policy's own rule
+                for i in ends[inside].tolist():
+                    s = int(starts[i])
+                    due[i] = self.checkpoint_due(rows.req_ids[i], s, s + 1) is not None
         return slots, due, ready
 
-    def commit_decodes(self, req_ids: Sequence[Hashable]) -> dict[int, Exception]:
-        """commit(req_id, 1) for each: the model computed one more token of each. Those whose token
-        fills no block (and no kind does more than hash full blocks) advance in one loop, the
-        others through commit(). Each must hold its token's slot (allocate_decodes or allocate).
-        Returns {index: the error} of those whose commit raised (each of them left as it was); the
-        others are committed whatever happened to those."""
-        bs, reqs, failed = self.block_size, self._reqs, {}
-        plain = all(getattr(k, "commits_only_full_blocks", False) for k in self._committing)
-        for i, rid in enumerate(req_ids):
+    def commit_decodes(self, rows: DecodeRows | Sequence[Hashable], starts: Optional[np.ndarray] = None
+                       ) -> dict[int, Exception]:
+        """commit(req_id, 1) for each request (a DecodeRows, or their ids): the model computed one
+        more token of each. starts: their num_computed_tokens as given to allocate_decodes (None:
+        read here; given, each request's next token must be known). Those whose token fills no
+        block and changes nothing else in any kind (past the prompt: no burst to drop) advance
+        together, the others through commit(), in order. Each must hold its token's slot
+        (allocate_decodes or allocate). Returns {index: the error} of those whose commit raised
+        (each of them left as it was); the others are committed whatever happened to those."""
+        failed: dict[int, Exception] = {}
+        if not isinstance(rows, DecodeRows):
             try:
-                r = reqs[rid]
-                new = r.num_computed_tokens + 1
-                # past the prompt (no burst to drop), inside a block (nothing to hash), a known token
-                if plain and new % bs and new > r.num_prompt_tokens and new <= len(r.token_ids):
-                    r.num_computed_tokens = new
-                else:
-                    self.commit(rid, 1)
+                rows = self.decode_rows(rows)
+            except (RequestStateError, KeyError):  # an unknown or idle id: each one on its own
+                for i, rid in enumerate(rows):
+                    try:
+                        self.commit(rid, 1)
+                    except Exception as e:
+                        failed[i] = e
+                return failed
+        n, states = len(rows), rows.states
+        if starts is None:
+            new = np.fromiter(map(_num_computed, states), np.int64, n) + 1
+            alone = new <= np.fromiter(map(len, map(_token_ids, states)), np.int64, n)
+            alone &= new > rows.num_prompt
+        else:
+            new = starts + 1
+            alone = new > rows.num_prompt
+        alone &= new % self.block_size != 0
+        for kind in self._committing:
+            alone &= kind.decode_commit_idle(new)
+        for r in itertools.compress(states, alone.tolist()):
+            r.num_computed_tokens += 1
+        for i in np.flatnonzero(~alone).tolist():
+            try:
+                self.commit(rows.req_ids[i], 1)
             except Exception as e:
                 failed[i] = e
         return failed

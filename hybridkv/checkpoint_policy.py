@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import numpy as np
+
 POLICIES = ("none", "prompt_end", "every_n_blocks", "branch_points", "junctions")
 DEFAULT_POLICY = "junctions"  # what LLM, EngineConfig and the manager use when none is named
 
@@ -80,6 +82,16 @@ class CheckpointPolicy:
             found.append((start // step + 1) * step)
         hits = [b for b in found if start < b <= end and b > 0]
         return min(hits) if hits else None
+
+    def decodes_due(self, ends: np.ndarray) -> np.ndarray:
+        """due() for one-token steps past their prompts that end at the block boundaries `ends`
+        (int64): an array of bools. Shared boundaries and branch points lie inside prompts, and so
+        does the prompt end, so only the rule's own output boundaries count."""
+        if self.rolling_output:  # the latest output boundary: this one
+            return np.ones(len(ends), dtype=bool)
+        if self.name == "every_n_blocks":
+            return ends % (self.every_n * self.block_size) == 0
+        return np.zeros(len(ends), dtype=bool)
 
     def _due_in_output(self, start: int, end: int, num_prompt_tokens: int, branch_point: Optional[int]
                        ) -> Optional[int]:

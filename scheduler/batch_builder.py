@@ -18,6 +18,8 @@ import torch
 
 from hybridkv.models.forward_batch import ForwardBatch, KVGroupTables
 
+from .step_plan import DecodeBatch
+
 
 class BatchBuilder:
     """Builds each step's ForwardBatch for `manager`'s requests on `device` (see module doc)."""
@@ -35,22 +37,51 @@ class BatchBuilder:
         sequence running in the manager with its blocks allocated for the chunk.
         logits_indices: token indices whose logits come back (None: the model's default rule).
         Returns the batch on the builder's device; T tokens over R = len(chunks) requests."""
-        mgr, bs = self.mgr, self.mgr.block_size
-        num_reqs = len(chunks)
         counts = [c.num_tokens for c in chunks]
         starts = [c.start for c in chunks]
         rids = [c.seq.request_id for c in chunks]
-        if sum(counts) == num_reqs:  # every chunk a decode: one token each
+        if sum(counts) == len(chunks):  # every chunk a decode: one token each
             ids = [c.seq.token_ids[c.start] for c in chunks]
         else:
             ids = []
             for c in chunks:
                 ids.extend(c.seq.token_ids[c.start:c.start + c.num_tokens])
+        mgr = self.mgr
+        groups = {w: t.numpy() for w, t in mgr.block_tables(rids).items()} if len(mgr.attention_groups) > 1 else {}
+        if groups:
+            lead = next(groups[w] for w, g in mgr.attention_groups.items() if g is mgr.attention)
+        else:
+            lead = mgr.block_table(rids).numpy()
+        return self._build(ids, np.array(starts, dtype=np.int64), counts, lead, groups, mgr.live_slots(rids),
+                           logits_indices)
+
+    def build_decodes(self, batch: DecodeBatch) -> ForwardBatch:
+        """The batch of a DecodeBatch (allocated): one token per sequence, its last."""
+        rows = batch.rows
+        groups = {w: g.table() for w, g in rows.groups.items()} if len(rows.groups) > 1 else {}
+        lead = (groups.get(next(w for w, g in rows.groups.items() if g is rows.lead)) if groups else None)
+        if lead is None:
+            lead = rows.lead.table() if rows.lead is not None else np.zeros((len(rows), 1), dtype=np.int32)
+        return self._build([s.token_ids[-1] for s in batch.seqs], batch.positions, None, lead, groups,
+                           rows.state_slots, None, batch.kv_slots)
+
+    def _build(self, ids: list[int], start: np.ndarray, counts: Optional[list[int]], lead: np.ndarray,
+               groups: dict, state_slots, logits_indices: Optional[Sequence[int]],
+               lead_slots: Optional[np.ndarray] = None) -> ForwardBatch:
+        """R requests' counts[r] tokens (None: one each) from position start[r] (int64); ids: the
+        batch's token ids, request after request; lead: the lead attention group's block table
+        [R, W] (int32 numpy); groups: {window: table} of every group when there are several,
+        else {}; state_slots: R live slots; lead_slots: the lead group's slot mapping when known
+        (else derived from its table)."""
+        mgr, bs = self.mgr, self.mgr.block_size
+        num_reqs = len(start)
         num_tokens = len(ids)
-        start = np.array(starts, dtype=np.int64)
-        count = np.array(counts, dtype=np.int64)
-        qsl = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(count, out=qsl[1:])
+        if counts is None:
+            count, qsl = 1, np.arange(num_reqs + 1, dtype=np.int64)
+        else:
+            count = np.array(counts, dtype=np.int64)
+            qsl = np.zeros(num_reqs + 1, dtype=np.int64)
+            np.cumsum(count, out=qsl[1:])
         if num_tokens == num_reqs:
             rows, positions = np.arange(num_reqs), start
         else:  # token t of request r sits at start[r] + (t - qsl[r])
@@ -60,17 +91,12 @@ class BatchBuilder:
         def slots(table: np.ndarray) -> np.ndarray:
             return table[rows, positions // bs].astype(np.int64) * bs + positions % bs
 
-        groups = mgr.block_tables(rids) if len(mgr.attention_groups) > 1 else {}
-        if groups:
-            lead = next(groups[w] for w, g in mgr.attention_groups.items() if g is mgr.attention).numpy()
-        else:
-            lead = mgr.block_table(rids).numpy()
-        lead_slots = slots(lead) if mgr.attention is not None else np.full(num_tokens, -1, dtype=np.int64)
-        state_slots = mgr.live_slots(rids)
+        if lead_slots is None:
+            lead_slots = slots(lead) if mgr.attention is not None else np.full(num_tokens, -1, dtype=np.int64)
+        seq_lens = start + count
 
-        parts: list = [ids, positions, lead_slots, qsl, start + count, state_slots, start > 0, lead]
+        parts: list = [ids, positions, lead_slots, qsl, seq_lens, state_slots, start > 0, lead]
         for table in groups.values():
-            table = table.numpy()
             parts += [table, slots(table)]
         if logits_indices is not None:
             parts.append(logits_indices)
@@ -86,7 +112,7 @@ class BatchBuilder:
             query_start_loc=views[3].to(i32), seq_lens=views[4].to(i32), state_slots=views[5].to(i32),
             has_initial_state=views[6].to(torch.bool), block_table=views[7].view(lead.shape).to(i32),
             logits_indices=views[-1] if logits_indices is not None else None,
-            query_lens_cpu=counts, seq_lens_cpu=[s + n for s, n in zip(starts, counts)])
+            query_lens_cpu=[1] * num_reqs if counts is None else counts, seq_lens_cpu=seq_lens.tolist())
         for k, (w, table) in enumerate(groups.items()):
             t, s = views[8 + 2 * k], views[9 + 2 * k]
             batch.kv_groups[w] = KVGroupTables(t.view(table.shape).to(i32), s)

@@ -95,6 +95,14 @@ class DecodeInputs:
                             [c.slot_mapping[0] for c in chunks], [manager.live_slot(r) for r in rids],
                             manager.block_table(rids), groups)
 
+    @staticmethod
+    def from_batch(batch, manager) -> "DecodeInputs":
+        """The inputs of a step_plan.DecodeBatch (allocated) whose requests `manager` runs."""
+        rids = batch.req_ids
+        groups = manager.block_tables(rids) if len(manager.attention_groups) > 1 else {}
+        return DecodeInputs([s.token_ids[-1] for s in batch.seqs], batch.positions.tolist(),
+                            batch.kv_slots.tolist(), manager.live_slots(rids), manager.block_table(rids), groups)
+
 
 def check_option(option, device: torch.device, tensor_parallel_size: int = 1) -> Optional[str]:
     """The DecodeGraphs mode for LLM's `cuda_graphs` option (None: off); ValueError where it

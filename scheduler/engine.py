@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 import uuid
@@ -28,6 +29,7 @@ from typing import Hashable, Optional
 import torch
 
 from hybridkv.cache_manager import HybridCacheManager
+from hybridkv.decode_rows import DecodeRows
 from hybridkv.models.forward_batch import ModelCaches
 from hybridkv.outputs import RequestOutput
 from hybridkv.sampling_params import SamplingParams
@@ -41,9 +43,10 @@ from .engine_stats import engine_stats
 from .forks import fork_children
 from .logit_rows import PromptSpan, plan_logit_rows, prompt_logprobs
 from .sampler import Sampler
-from .scheduler import ScheduledChunk, Scheduler
+from .scheduler import Scheduler
 from .request_outputs import request_output
 from .sequence import Sequence, SequenceGroup
+from .step_plan import DecodeBatch, ScheduledChunk
 from .stopping import decoded_logprobs
 from .token_append import TokenAppender
 
@@ -74,7 +77,7 @@ class Engine:
         self._serials = itertools.count()
         self.counters = {"steps": 0, "generated_tokens": 0, "processed_tokens": 0, "model_seconds": 0.0,
                          "swaps_out": 0, "migrations_out": 0, "migrations_in": 0, "forks": 0,
-                         "aborted": 0, "failed": 0}
+                         "aborted": 0, "failed": 0, "decode_batch_steps": 0}
 
     # ---- requests --------------------------------------------------------------------------
     def validate(self, token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
@@ -212,46 +215,89 @@ class Engine:
             self.counters["swaps_out"] += sum(1 for _, m in plan.preempted if m == "swap")
             for seq in plan.failed:
                 self._fail_group(seq, seq.error or "failed while scheduling", touched)
-            if not plan.chunks:
-                if self.scheduler.has_unfinished() and not plan.preempted and not plan.failed:
-                    self._fail_stuck(touched)
-            else:
-                self._run(plan.chunks, touched, finished_only)
+            if plan.decodes is not None and not plan.chunks:
+                self._run_decodes(plan.decodes, touched, finished_only)
+            elif plan.decodes is not None or plan.chunks:
+                self._run(plan.all_chunks(), touched, finished_only)
+            elif self.scheduler.has_unfinished() and not plan.preempted and not plan.failed:
+                self._fail_stuck(touched)
             return self._outputs(touched, finished_only)
+
+    def _run_decodes(self, batch: DecodeBatch, touched: dict, finished_only: bool) -> None:
+        """A step of steady decodes from arrays (step_plan.py): the same work as `_run` on its
+        chunks, without an object per sequence. Non-finite logits take `_run`'s rows."""
+        t0 = time.perf_counter()
+        seqs = batch.seqs
+
+        def forward():
+            graphs = self.decode_graphs
+            if graphs is not None and graphs.bucket_for(len(batch)) is not None:
+                logits = graphs.run(DecodeInputs.from_batch(batch, self.mgr))
+            else:
+                logits = self.model(self.batch_builder.build_decodes(batch), self.caches)
+            return logits, math.isfinite(float(logits.sum()))  # NaN or inf anywhere makes the sum one
+
+        logits, finite = self._forward(seqs, forward, touched)
+        if logits is None:
+            return
+        if not finite:
+            chunks = batch.chunks()
+            logit_rows = plan_logit_rows(chunks, self._collects_prompt_logprobs)
+            self._after_forward(chunks, logits, logit_rows, logit_rows.finite(logits), touched, finished_only, t0)
+            return
+        self._count_step(t0, len(seqs))
+        self.counters["decode_batch_steps"] += 1
+        with self.mgr.batched_checkpoints():
+            rows, seqs = self._commit_decodes(list(range(len(seqs))), seqs, [seqs[i] for i in batch.checkpoints],
+                                              touched, False, batch.rows, batch.positions)
+        self._sample(logits if len(rows) == len(logits) else logits[rows], seqs, touched, finished_only)
+        self.scheduler.decoded(batch)
+
+    def _forward(self, seqs: list[Sequence], forward, touched: dict) -> tuple:
+        """forward()'s (logits, finite), or (None, None) when it raised: the batch cannot be told
+        apart, each of its requests fails."""
+        try:
+            with torch.inference_mode():  # no autograd graph (it would also chain the pools across steps)
+                return forward()
+        except Exception as e:
+            log.exception("the forward pass failed; its %d requests end with an error", len(seqs))
+            for seq in seqs:
+                self._fail_group(seq, f"the forward pass of its batch failed: {type(e).__name__}: {e}",
+                                 touched, discard=True)
+            return None, None
+
+    def _count_step(self, t0: float, num_tokens: int) -> None:
+        self.counters["model_seconds"] += time.perf_counter() - t0
+        self.counters["steps"] += 1
+        self.counters["processed_tokens"] += num_tokens
 
     def _run(self, chunks: list[ScheduledChunk], touched: dict, finished_only: bool) -> None:
         t0 = time.perf_counter()
         logit_rows = plan_logit_rows(chunks, self._collects_prompt_logprobs)
-        try:
-            with torch.inference_mode():  # no autograd graph (it would also chain the pools across steps)
-                graphs = self.decode_graphs
-                if graphs is not None and graphs.takes(chunks, logit_rows.indices):
-                    logits = graphs.run(DecodeInputs.from_chunks(chunks, self.mgr))
-                else:
-                    batch = self.batch_builder.build(chunks, logit_rows.indices)
-                    logits = self.model(batch, self.caches)
-                finite = logit_rows.finite(logits)
-        except Exception as e:  # the batch cannot be told apart: each of its requests fails
-            log.exception("the forward pass failed; its %d requests end with an error", len(chunks))
-            for c in chunks:
-                self._fail_group(c.seq, f"the forward pass of its batch failed: {type(e).__name__}: {e}",
-                                 touched, discard=True)
+        graphs = self.decode_graphs
+
+        def forward():
+            if graphs is not None and graphs.takes(chunks, logit_rows.indices):
+                logits = graphs.run(DecodeInputs.from_chunks(chunks, self.mgr))
+            else:
+                logits = self.model(self.batch_builder.build(chunks, logit_rows.indices), self.caches)
+            return logits, logit_rows.finite(logits)
+
+        logits, finite = self._forward([c.seq for c in chunks], forward, touched)
+        if logits is None:
             return
-        self.counters["model_seconds"] += time.perf_counter() - t0
-        self.counters["steps"] += 1
+        self._after_forward(chunks, logits, logit_rows, finite, touched, finished_only, t0)
+
+    def _after_forward(self, chunks: list[ScheduledChunk], logits: torch.Tensor, logit_rows, finite: list[bool],
+                       touched: dict, finished_only: bool, t0: float) -> None:
+        """Commit, checkpoint, fork, sample and append for a step's chunks, from its logits;
+        finite[i]: whether chunk i's rows are (a chunk with NaN or inf fails alone)."""
+        self._count_step(t0, sum(c.num_tokens for c in chunks))
         rows, row_seqs = [], []         # the other chunks' sampling rows, in batch order
         plain_rows, plain_seqs = [], []  # decodes (ScheduledChunk.decode): committed together
         plain_checkpoints: list[Sequence] = []  # those of them due a state checkpoint
         commit, last, spans = self.mgr.commit, logit_rows.last, logit_rows.spans
         failed_before = self.counters["failed"]
-        # Most steps are all plain decodes with finite logits: their lists come in three passes
-        # of C-level comprehensions instead of the per-chunk loop below (the same lists).
-        all_plain = all(finite) and len(decode_seqs := [c.seq for c in chunks if c.decode]) == len(chunks)
-        self.counters["processed_tokens"] += len(chunks) if all_plain else sum(c.num_tokens for c in chunks)
-        if all_plain:
-            plain_rows, plain_seqs = last, decode_seqs
-            plain_checkpoints = [c.seq for c in chunks if c.checkpoint]
-            chunks = ()  # nothing left for the loop
         with self.mgr.batched_checkpoints():  # this step's state checkpoints copy together
             for i, c in enumerate(chunks):
                 seq = c.seq
@@ -299,14 +345,19 @@ class Engine:
                          finished_only)
 
     def _commit_decodes(self, rows: list[int], seqs: list[Sequence], checkpoints: list[Sequence],
-                        touched: dict, some_failed: bool) -> tuple[list[int], list[Sequence]]:
+                        touched: dict, some_failed: bool, decode_rows: Optional[DecodeRows] = None,
+                        positions=None) -> tuple[list[int], list[Sequence]]:
         """Commit the decodes' tokens in one manager call, then take the checkpoints due after
         them; returns the rows and sequences left to sample (a commit or checkpoint that raised
-        fails its request alone, as in the per-chunk path)."""
+        fails its request alone, as in the per-chunk path). decode_rows: the manager's handle on
+        the seqs and their positions (num_computed_tokens), if at hand."""
         if some_failed:  # a sibling's failure earlier in the step may have ended some of them
             keep = [j for j, s in enumerate(seqs) if not s.finished]
-            rows, seqs = [rows[j] for j in keep], [seqs[j] for j in keep]
-        errors = self.mgr.commit_decodes([s.request_id for s in seqs])
+            rows, seqs, decode_rows = [rows[j] for j in keep], [seqs[j] for j in keep], None
+        if decode_rows is not None:
+            errors = self.mgr.commit_decodes(decode_rows, positions)
+        else:
+            errors = self.mgr.commit_decodes([s.request_id for s in seqs])
         for j, e in errors.items():
             self._fail_group(seqs[j], e, touched, discard=True)
         checkpoint_failed = False

@@ -17,41 +17,24 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Optional
+
+import numpy as np
 
 from hybridkv.cache_manager import HybridCacheManager
 
 from .preemption import PreemptionPolicy
 from .sequence import Sequence, SequenceStatus, run_order
 from .sequence_queue import SequenceQueue
+from .step_plan import DecodeBatch, ScheduledChunk, SchedulerOutput
+
+_request_id = attrgetter("request_id")
+_num_computed = attrgetter("num_computed_tokens")
+_num_prompt = attrgetter("num_prompt_tokens")
+_token_ids = attrgetter("token_ids")
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class ScheduledChunk:
-    """`num_tokens` tokens of `seq` from position `start`; `checkpoint` if a state checkpoint is
-    due once they are computed. `decode`: one token past the prompt (no prompt logprobs, no forks
-    to make): the engine commits those together."""
-
-    seq: Sequence
-    start: int
-    num_tokens: int
-    slot_mapping: list[int]
-    checkpoint: bool = False
-    decode: bool = False
-
-
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[tuple[Sequence, str]] = field(default_factory=list)
-    failed: list[Sequence] = field(default_factory=list)  # ended with "error" while scheduling
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
 
 
 class Scheduler:
@@ -64,6 +47,10 @@ class Scheduler:
         self.waiting = SequenceQueue()   # new, and preempted by recompute
         self.swapped = SequenceQueue()
         self.running = SequenceQueue()
+        # Steps in which every running sequence is a plain decode come as one DecodeBatch
+        # (step_plan.py); False: every step as ScheduledChunks (the general path, for tests).
+        self.batch_decodes = True
+        self._advanced: Optional[DecodeBatch] = None  # the last batch the engine ran whole
 
     # ---- queues ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -112,14 +99,26 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_tokens
-        # Decodes (one token left to compute) before prefills; within each, by priority/arrival.
-        reqs = self.mgr.requests
-        decodes, prefills = [], []
-        for seq in self.running:  # run order, kept within decodes and within prefills
-            start = reqs[seq.request_id].num_computed_tokens
-            (decodes if len(seq.token_ids) - start <= 1 else prefills).append((start, seq))
-        if decodes and len(decodes) <= budget:
-            decodes, budget = self._plain_decodes(decodes, budget, out)
+        batch = self._steady_decodes(budget) if self.batch_decodes else None
+        if batch is not None:  # every running sequence is a plain decode: one array-based batch
+            slots, due, done = self.mgr.allocate_decodes(batch.rows, batch.positions)
+            if done.all():
+                batch.kv_slots, batch.checkpoints = slots, np.flatnonzero(due).tolist()
+                out.decodes, decodes, prefills = batch, [], []
+                budget -= len(batch)
+            else:  # a pool is short: those go one by one below, preempting as needed
+                decodes, prefills = list(zip(batch.positions.tolist(), batch.seqs)), []
+                decodes, budget = self._place_decodes(decodes, slots.tolist(), due.tolist(), done.tolist(),
+                                                      budget, out)
+        else:
+            # Decodes (one token left to compute) before prefills; within each, by priority/arrival.
+            reqs = self.mgr.requests
+            decodes, prefills = [], []
+            for seq in self.running:  # run order, kept within decodes and within prefills
+                start = reqs[seq.request_id].num_computed_tokens
+                (decodes if len(seq.token_ids) - start <= 1 else prefills).append((start, seq))
+            if decodes and len(decodes) <= budget:
+                decodes, budget = self._plain_decodes(decodes, budget, out)
         for start, seq in itertools.chain(decodes, prefills):
             if budget == 0:
                 break
@@ -144,6 +143,32 @@ class Scheduler:
                 break
         return out
 
+    def _steady_decodes(self, budget: int) -> Optional[DecodeBatch]:
+        """The running sequences as one DecodeBatch (positions only) when every one of them is a
+        plain decode (one token left, past its prompt) and the budget takes them all, else None.
+        After a batch the engine ran whole (`decoded`) and while nobody joined or left since,
+        it is that batch one token later: no look at each sequence."""
+        running = self.running
+        n = len(running)
+        if not n or n > budget:
+            return None
+        last, self._advanced = self._advanced, None
+        if last is not None and last.version == running.version:
+            return last.advanced(running.version)
+        seqs = list(running)  # run order
+        states = list(map(self.mgr.requests.__getitem__, map(_request_id, seqs)))
+        positions = np.fromiter(map(_num_computed, states), np.int64, n)
+        known = np.fromiter(map(len, map(_token_ids, seqs)), np.int64, n)
+        prompt = np.fromiter(map(_num_prompt, seqs), np.int64, n)
+        if not ((known - positions == 1) & (positions >= prompt)).all():
+            return None
+        return DecodeBatch(seqs, self.mgr.decode_rows([s.request_id for s in seqs]), positions, running.version)
+
+    def decoded(self, batch: DecodeBatch) -> None:
+        """The engine computed, committed and appended one token for every sequence of `batch`
+        (those that failed or stopped left the running queue): the next step may advance it."""
+        self._advanced = batch
+
     def _plain_decodes(self, decodes: list[tuple[int, Sequence]], budget: int, out: SchedulerOutput
                        ) -> tuple[list[tuple[int, Sequence]], int]:
         """Schedule the decodes in one manager call (`allocate_decodes`); returns those it could
@@ -151,6 +176,12 @@ class Scheduler:
         preemption takes a victim's chunk out again, as for any chunk."""
         slots, due, done = self.mgr.allocate_decodes([seq.request_id for _, seq in decodes],
                                                      [start for start, _ in decodes])
+        return self._place_decodes(decodes, slots.tolist(), due.tolist(), done.tolist(), budget, out)
+
+    def _place_decodes(self, decodes: list[tuple[int, Sequence]], slots, due, done, budget: int,
+                       out: SchedulerOutput) -> tuple[list[tuple[int, Sequence]], int]:
+        """Chunks for the decodes `allocate_decodes` answered (slots, due, done per decode);
+        returns the others, in run order, and the budget left."""
         rest, chunks = [], out.chunks
         if all(done):  # the usual step: one comprehension, no per-decode branch
             chunks.extend([ScheduledChunk(seq, start, 1, [slot], ckpt, start >= seq.num_prompt_tokens)

@@ -21,6 +21,7 @@ class SequenceQueue:
         self._live: dict[str, tuple[int, Sequence]] = {}
         self._tickets = itertools.count()
         self._order: Optional[list[Sequence]] = None  # run order of the live ones, until one changes
+        self.version = 0  # counts adds and removes: the same version, the same sequences
 
     def add(self, seq: Sequence) -> None:
         """Queue `seq` at its place by (priority, arrival, serial); its id must not be queued."""
@@ -29,6 +30,7 @@ class SequenceQueue:
         ticket = next(self._tickets)
         self._live[seq.request_id] = (ticket, seq)
         self._order = None
+        self.version += 1
         heapq.heappush(self._heap, (*run_order(seq), ticket, seq.request_id))
 
     def remove(self, seq: Sequence) -> bool:
@@ -38,6 +40,7 @@ class SequenceQueue:
             return False
         del self._live[seq.request_id]
         self._order = None
+        self.version += 1
         if len(self._heap) > 2 * len(self._live) + 64:  # keep stale entries a bounded share
             self._heap = [(*run_order(s), t, s.request_id) for t, s in self._live.values()]
             heapq.heapify(self._heap)

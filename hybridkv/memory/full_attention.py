@@ -29,8 +29,6 @@ class FullAttentionMemory(LayerMemory):
     (parts 2: key and value; 1: a latent per token, same block bookkeeping, see AttentionSpec)."""
 
     name = "full_attention"
-    # commit changes something only when a block fills (its hash); SlidingWindowMemory's lets go too
-    commits_only_full_blocks = True
 
     @staticmethod
     def handles(spec) -> bool:
@@ -152,22 +150,36 @@ class FullAttentionMemory(LayerMemory):
             self.tables.write(row, len(blocks), new)
             blocks.extend(new)
 
-    def decode_room(self, rids: Sequence[Hashable], starts: Sequence[int]) -> tuple[list[int], list[bool]]:
-        """One token at position starts[i] for each rids[i]: (its KV write slot, -1 past the blocks
-        rid holds; whether it lands in a block rid holds alone: nothing to add or copy, the batched
-        `_has_room`). One loop of a few operations per request (numpy costs more below ~1000)."""
-        bs, blocks_of, refcount = self.block_size, self._blocks, self.pool.refcount
-        slots, room = [], []
-        for rid, start in zip(rids, starts):
-            blocks, i, off = blocks_of[rid], start // bs, start % bs
-            if i < len(blocks):
-                b = blocks[i]
-                slots.append(b * bs + off)
-                room.append(not off or refcount[b] <= 1)  # a fork's shared partial block is copied first
-            else:
-                slots.append(-1)
-                room.append(False)
-        return slots, room
+    def table_row(self, rid: Hashable) -> int:
+        """rid's row in `tables`."""
+        return self._row[rid]
+
+    def decode_room(self, rows: np.ndarray, held: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """One token at position starts[i] for the request with table row rows[i] holding held[i]
+        table positions (int64 arrays, decode_rows.py): arrays of (its KV write slot, -1 past the
+        blocks it holds; whether it lands in a block it holds alone: nothing to add or copy, the
+        batched `_has_room`)."""
+        bs, table = self.block_size, self.tables.array
+        col, off = np.divmod(starts, bs)
+        inside = col < held
+        block = table[rows, np.minimum(col, table.shape[1] - 1)].astype(np.int64)
+        room = inside.copy()
+        mid = np.flatnonzero(inside & (off != 0))  # a fork's shared partial block is copied first
+        if mid.size:
+            refcount = np.fromiter(map(self.pool.refcount.__getitem__, block[mid].tolist()), np.int64, mid.size)
+            room[mid] = refcount <= 1
+        return np.where(inside, block * bs + off, -1), room
+
+    def add_decode_blocks(self, rids: list, rows: np.ndarray, cols: np.ndarray) -> None:
+        """One new block for each of rids, at table position cols[i] (its next; rows[i]: its table
+        row): the batched allocate() of decodes that start a block. The pool must have them."""
+        new = self.pool.allocate(len(rids))
+        if new is None:
+            raise RuntimeError(f"add_decode_blocks: {len(rids)} blocks wanted, {self.pool.num_free} free")
+        self.tables.ensure_cols(int(cols.max()) + 1)
+        self.tables.array[rows, cols] = new
+        for blocks, b in zip(map(self._blocks.__getitem__, rids), new):
+            blocks.append(b)
 
     def slot_mapping(self, rid: Hashable, start: int, end: int) -> list[int]:
         """KV write slots `block * block_size + pos % block_size` for positions [start, end)."""
@@ -182,6 +194,10 @@ class FullAttentionMemory(LayerMemory):
         if width is None:
             width = max(map(len, map(self._blocks.__getitem__, rids)), default=1)
         return self.tables.gather(list(map(self._row.__getitem__, rids)), width)
+
+    def decode_commit_idle(self, num_computed: np.ndarray) -> np.ndarray:
+        # commit changes something only when a block fills (its hash, which the manager sees)
+        return np.ones(len(num_computed), dtype=bool)
 
     def commit(self, rid: Hashable, hashes: Sequence[bytes], num_hashed: int, num_full: int,
                num_computed: int) -> None:

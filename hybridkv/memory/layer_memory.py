@@ -13,6 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, Hashable, Mapping, Optional, Sequence
 
+import numpy as np
 import torch
 
 
@@ -61,6 +62,12 @@ class LayerMemory(ABC):
                num_computed: int) -> None:
         """rid now has num_computed tokens computed; blocks [num_hashed, num_full) just became full
         and their hashes are hashes[num_hashed:num_full]."""
+
+    def decode_commit_idle(self, num_computed: np.ndarray) -> np.ndarray:
+        """Per request, whether commit() up to num_computed[i] tokens, one more than before and
+        filling no block, would change nothing in this kind (then the manager skips it); an
+        array of bools. A kind that overrides commit must say; by default, never."""
+        return np.zeros(len(num_computed), dtype=bool)
 
     def mark_boundary(self, rid: Hashable, index: int, h: bytes) -> None:
         """A checkpoint is being taken after block `index` (hash h): make that block findable."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Hashable, Mapping, Optional, Sequence
 
+import numpy as np
 import torch
 
 from hybridkv.specs import AttentionSpec
@@ -18,8 +19,6 @@ from .full_attention import NO_BLOCK, FullAttentionMemory
 
 class SlidingWindowMemory(FullAttentionMemory):
     """Paged KV of layers that share one sliding window of `window` tokens."""
-
-    commits_only_full_blocks = False  # a commit may let blocks that left the window go
 
     @staticmethod
     def handles(spec) -> bool:
@@ -62,12 +61,22 @@ class SlidingWindowMemory(FullAttentionMemory):
                 return m
         return 0
 
+    def _let_go_before(self, num_computed):
+        """Table positions before it leave the window once num_computed tokens are computed (the
+        block holding token num_computed - 1 stays: a checkpoint at num_computed re-registers it);
+        an int or an int64 array."""
+        first = np.maximum(0, num_computed - self.window + 1) // self.block_size
+        return np.minimum(first, np.maximum(0, (num_computed - 1) // self.block_size))
+
+    def decode_commit_idle(self, num_computed: np.ndarray) -> np.ndarray:
+        # idle unless this token moves a block out of the window (the previous commit let go the rest)
+        return self._let_go_before(num_computed) == self._let_go_before(num_computed - 1)
+
     def commit(self, rid: Hashable, hashes: Sequence[bytes], num_hashed: int, num_full: int,
                num_computed: int) -> None:
         super().commit(rid, hashes, num_hashed, num_full, num_computed)  # hash first: freed blocks stay findable
         blocks = self._blocks[rid]
-        # the block holding num_computed - 1 stays: a checkpoint at num_computed re-registers it
-        gone = min(self.first_needed_block(num_computed), max(0, (num_computed - 1) // self.block_size))
+        gone = int(self._let_go_before(num_computed))
         start = self._let_go.get(rid, 0)  # positions before it were let go already: O(new) per step
         self._let_go[rid] = max(start, gone)
         out = [i for i in range(start, gone) if blocks[i] != NO_BLOCK]

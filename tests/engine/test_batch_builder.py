@@ -44,6 +44,20 @@ def reference(chunks, mgr):
                 block_table=mgr.block_table(rids).tolist()), groups
 
 
+def assert_same_batch(got, want) -> None:
+    """Every field of two ForwardBatches equal (values and dtypes; each KV group's too)."""
+    for name in ("input_ids", "positions", "query_start_loc", "seq_lens", "block_table", "slot_mapping",
+                 "state_slots", "has_initial_state"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and a.tolist() == b.tolist(), name
+    assert got.logits_indices is None and want.logits_indices is None
+    assert (got.query_lens_cpu, got.seq_lens_cpu) == (want.query_lens_cpu, want.seq_lens_cpu)
+    assert set(got.kv_groups) == set(want.kv_groups)
+    for w, group in got.kv_groups.items():
+        assert group.block_table.tolist() == want.kv_groups[w].block_table.tolist()
+        assert group.slot_mapping.tolist() == want.kv_groups[w].slot_mapping.tolist()
+
+
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_batch_matches_per_chunk_reference(model):
     specs = MODELS[model]
@@ -55,11 +69,14 @@ def test_batch_matches_per_chunk_reference(model):
     for i in range(10):  # some share a prefix (cached blocks), lengths cross block and chunk edges
         prompt = (shared if i % 2 else []) + [rng.randrange(4, 500) for _ in range(rng.randint(1, 30))]
         sched.add(Sequence(f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(1, 12)), arrival=float(i)))
-    steps = mixed = 0
+    steps = mixed = decodes = 0
     while sched.has_unfinished():
         out = sched.schedule()
-        chunks = out.chunks
+        chunks = out.all_chunks()
         assert chunks, "the pools are large enough for every request to progress"
+        if out.decodes is not None and not out.chunks:  # a decode batch builds as its chunks would
+            decodes += 1
+            assert_same_batch(builder.build_decodes(out.decodes), builder.build(chunks))
         indices = sorted(rng.sample(range(out.num_tokens), min(3, out.num_tokens))) if steps % 3 == 0 else None
         batch = builder.build(chunks, indices)
         want, groups = reference(chunks, mgr)
@@ -90,7 +107,7 @@ def test_batch_matches_per_chunk_reference(model):
                 if c.seq.num_output_tokens >= c.seq.params.max_tokens:
                     sched.finish(c.seq, "length")
         steps += 1
-    assert steps > 5 and mixed, "the run covered prefill-only, mixed and decode steps"
+    assert steps > 5 and mixed and decodes, "the run covered prefill-only, mixed and decode-batch steps"
 
 
 def test_a_batch_does_not_alias_the_next_steps_buffer():
@@ -105,6 +122,6 @@ def test_a_batch_does_not_alias_the_next_steps_buffer():
     kept = first.input_ids.tolist(), first.positions.tolist()
     mgr.commit("a", 5)
     out.chunks[0].seq.append_token(11)
-    second = builder.build(sched.schedule().chunks)
+    second = builder.build(sched.schedule().all_chunks())
     assert (first.input_ids.tolist(), first.positions.tolist()) == kept == ([5, 6, 7, 8, 9], [0, 1, 2, 3, 4])
     assert (second.input_ids.tolist(), second.positions.tolist()) == ([11], [5])

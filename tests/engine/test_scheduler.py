@@ -32,12 +32,12 @@ def seq(rid: str, n: int, arrival: float, priority: int = 0, max_tokens: int = 8
 
 
 def scheduled(out) -> list[str]:
-    return [c.seq.request_id for c in out.chunks]
+    return [c.seq.request_id for c in out.all_chunks()]
 
 
 def advance(sched: Scheduler, out) -> None:
     """What the engine does after the forward pass: commit, checkpoint, append a sampled token."""
-    for c in out.chunks:
+    for c in out.all_chunks():
         sched.mgr.commit(c.seq.request_id, c.num_tokens)
         if c.checkpoint:
             sched.mgr.checkpoint(c.seq.request_id)

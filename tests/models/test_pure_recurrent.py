@@ -1,6 +1,7 @@
 """Models without a single attention layer (Mamba, Mamba2, FalconMamba) through the whole engine:
 the KV pool takes no memory, prefix hits come from state checkpoints alone, preemption and
 migration move only states, and every token is transformers' greedy choice."""
+import numpy as np
 import pytest
 
 from hybridkv import LLM, SamplingParams
@@ -137,16 +138,16 @@ def test_preempted_mid_decode_resumes_identically(name, mode, family_models, mon
 
     allocate_decodes = mgr.allocate_decodes
 
-    def decodes_refusing_once(req_ids, starts):
+    def decodes_refusing_once(rows, starts):
         """The batched decode verb leaves out (not allocated) each request due its refusal, so the
         scheduler asks `allocate` for it alone, as it does when a pool runs short."""
+        req_ids = list(getattr(rows, "req_ids", rows))  # a DecodeRows handle, or the ids
         due = {i for i, rid in enumerate(req_ids)
                if rid not in refused and mgr.request(rid).num_computed_tokens >= 20}
         keep = [i for i in range(len(req_ids)) if i not in due]
         got = allocate_decodes([req_ids[i] for i in keep], [starts[i] for i in keep])
-        slots, ckpts, ready = [-1] * len(req_ids), [False] * len(req_ids), [False] * len(req_ids)
-        for j, i in enumerate(keep):
-            slots[i], ckpts[i], ready[i] = got[0][j], got[1][j], got[2][j]
+        slots, ckpts, ready = np.full(len(req_ids), -1), np.zeros(len(req_ids), bool), np.zeros(len(req_ids), bool)
+        slots[keep], ckpts[keep], ready[keep] = got
         return slots, ckpts, ready
 
     monkeypatch.setattr(mgr, "allocate", refuse_once)

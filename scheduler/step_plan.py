@@ -1,0 +1,87 @@
+"""What the scheduler hands the engine for one step: chunks of tokens to compute, and the steady
+decodes as one array-based `DecodeBatch`.
+
+A `ScheduledChunk` is one sequence's tokens from a position. When every running sequence is a
+plain decode (one token left, past its prompt), the step is a `DecodeBatch` instead: the same
+information for all of them as arrays and lists, made without an object per sequence, and kept
+from one step to the next while nobody joins or leaves the running queue (its positions advance
+by one). `DecodeBatch.chunks()` gives the chunks the general path would have had, for steps that
+mix it with other work.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from hybridkv.decode_rows import DecodeRows
+
+from .sequence import Sequence
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """`num_tokens` tokens of `seq` from position `start`; `checkpoint` if a state checkpoint is
+    due once they are computed. `decode`: one token past the prompt (no prompt logprobs, no forks
+    to make): the engine commits those together."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    slot_mapping: list[int]
+    checkpoint: bool = False
+    decode: bool = False
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """One token for each of `seqs` (run order): the token at `positions[i]` (int64, the
+    sequence's num_computed_tokens; its last token), written to KV slot `kv_slots[i]` of the lead
+    attention group (-1 without attention); `checkpoints`: indices of those due a state
+    checkpoint after it. `rows`: the manager's handle on their memory (hybridkv/decode_rows.py).
+    `version`: the running queue's version this batch was made for."""
+
+    seqs: list[Sequence]
+    rows: DecodeRows
+    positions: np.ndarray
+    version: int
+    kv_slots: Optional[np.ndarray] = None  # set once the manager allocated them
+    checkpoints: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def req_ids(self) -> list:
+        return self.rows.req_ids
+
+    def advanced(self, version: int) -> "DecodeBatch":
+        """The same sequences one token later (each computed and appended one), for `version`."""
+        return DecodeBatch(self.seqs, self.rows, self.positions + 1, version)
+
+    def chunks(self) -> list[ScheduledChunk]:
+        """The general path's chunks for these decodes (allocated: kv_slots set)."""
+        due = set(self.checkpoints)
+        return [ScheduledChunk(seq, start, 1, [slot], i in due, True) for i, (seq, start, slot) in
+                enumerate(zip(self.seqs, self.positions.tolist(), self.kv_slots.tolist()))]
+
+
+@dataclass
+class SchedulerOutput:
+    """chunks: in batch order; decodes: the step's steady decodes (they run before the chunks),
+    or None; preempted: (sequence, "recompute" | "swap"); failed: ended with "error" while
+    scheduling."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[tuple[Sequence, str]] = field(default_factory=list)
+    failed: list[Sequence] = field(default_factory=list)
+    decodes: Optional[DecodeBatch] = None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks) + (len(self.decodes) if self.decodes else 0)
+
+    def all_chunks(self) -> list[ScheduledChunk]:
+        """Every scheduled chunk in batch order, the decode batch's as chunks."""
+        return (self.decodes.chunks() if self.decodes else []) + self.chunks
