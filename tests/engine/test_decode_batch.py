@@ -18,6 +18,8 @@ import torch
 from hybridkv import LLM, SamplingParams
 from hybridkv.models.tiny import make_tiny_checkpoint
 from hybridkv.plan import kv_bytes_per_block, state_bytes_per_slot
+from hybridkv.scheduler.sequence import Sequence
+from hybridkv.scheduler.sequence_queue import SequenceQueue
 
 from engine_fixtures import assert_no_leaks
 
@@ -371,3 +373,35 @@ def test_a_stop_token_mid_batch_and_the_steps_after_it(checkpoints):
     assert any(op[2] == "fast" for op in ops[stopped + 1:]), f"no fast step after the leaver: {ops}"
     assert len(ops) > stopped + 3 and fast.stats()["failed"] == 0
     assert_paths_taken(fast, slow)
+
+
+def test_running_queue_version_changes_exactly_when_its_sequences_do():
+    """The decode batch is kept while the running queue's `version` stays: every add and remove
+    (pop included) moves it on, and nothing else does (refused adds, removes of what is not
+    queued, peeks and walks that drop stale heap entries); one version, one set of sequences."""
+    rng = random.Random(3)
+    q, made, seen = SequenceQueue(), [], {}
+    params = SamplingParams(max_tokens=4)
+    for i in range(600):
+        before, members = q.version, [(s.request_id, id(s)) for s in q]
+        op = rng.random()
+        if op < 0.3 or not made:
+            made.append(Sequence(f"s{i % 40}", [5, 6], params, priority=rng.randint(0, 2), arrival=float(i)))
+            try:
+                q.add(made[-1])
+            except ValueError:  # an id already queued: refused, nothing changed
+                pass
+        elif op < 0.55:
+            q.remove(rng.choice(made))  # queued, finished, or an impostor with a queued id
+        elif op < 0.65 and len(q):
+            q.pop()
+        elif op < 0.8:
+            q.peek()
+            q.head(rng.randint(1, 5))
+        else:
+            assert len(q) == len(list(q)) and all(s in q for s in q)
+        after = [(s.request_id, id(s)) for s in q]
+        assert (q.version != before) == (after != members), (i, before, q.version, members, after)
+        assert q.version >= before
+        assert seen.setdefault(q.version, after) == after, (i, q.version)
+    assert q.version > 100
