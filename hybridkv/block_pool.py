@@ -49,11 +49,12 @@ class BlockPool:
         """Take `n` blocks with refcount 1 from the LRU front, evicting their hashes; None if fewer are free."""
         if n > len(self.free):
             return None
-        out = []
+        free, refcount, block_hash, out = self.free, self.refcount, self.block_hash, []
         for _ in range(n):
-            b, _ = self.free.popitem(last=False)
-            self._drop_hash(b)
-            self.refcount[b] = 1
+            b = free.popitem(last=False)[0]
+            if block_hash[b] is not None:  # a cached block: its hash goes
+                self._drop_hash(b)
+            refcount[b] = 1
             out.append(b)
         return out
 
