@@ -344,7 +344,7 @@ class HybridCacheManager:
         rooms = {}
         for kind in self._allocating:
             group = rows.group_of(kind)
-            kind_slots, rooms[kind] = kind.decode_room(group.rows, group.held, starts)
+            kind_slots, rooms[kind] = kind.decode_room(group.rows, group.held, group.alone, starts)
             ready &= rooms[kind]
             if group is rows.lead:
                 slots = kind_slots
@@ -356,12 +356,13 @@ class HybridCacheManager:
                 at_end = starts[need] == group.held[need] * bs  # a token that starts the next block
                 if at_end.all():  # the usual case: the pool hands them out in one call, in row order
                     kind.add_decode_blocks([rows.req_ids[i] for i in need.tolist()], group.rows[need], group.held[need])
+                    group.alone[need] = group.held[need]
                     group.held[need] += 1
                 else:  # some copy a shared partial block (a fork's): one by one, in row order
                     for i in need.tolist():
                         rid, s = rows.req_ids[i], int(starts[i])
                         kind.allocate(rid, s, s + 1)
-                        group.held[i] = len(kind.block_ids(rid))
+                        group.held[i], group.alone[i] = len(kind.block_ids(rid)), s // bs
                 if group is rows.lead:
                     table = kind.tables.array
                     slots[short] = table[group.rows[short], starts[short] // bs].astype(np.int64) * bs + starts[short] % bs
@@ -397,7 +398,7 @@ class HybridCacheManager:
                     except Exception as e:
                         failed[i] = e
                 return failed
-        n, states = len(rows), rows.states
+        n, states, req_ids = len(rows), rows.states, rows.req_ids
         if starts is None:
             new = np.fromiter(map(_num_computed, states), np.int64, n) + 1
             alone = new <= np.fromiter(map(len, map(_token_ids, states)), np.int64, n)
@@ -405,14 +406,20 @@ class HybridCacheManager:
         else:
             new = starts + 1
             alone = new > rows.num_prompt
-        alone &= new % self.block_size != 0
         for kind in self._committing:
             alone &= kind.decode_commit_idle(new)
-        for r in itertools.compress(states, alone.tolist()):
+        fills = new % self.block_size == 0
+        inside = alone & ~fills
+        for r in itertools.compress(states, inside.tolist()):
             r.num_computed_tokens += 1
-        for i in np.flatnonzero(~alone).tolist():
+        # allocated and known (the engine's batch): a token that fills a block needs its hash only
+        hash_only = (alone & fills).tolist() if starts is not None else None
+        for i in np.flatnonzero(~inside).tolist():  # in order: the first of equal blocks is the cached one
             try:
-                self.commit(rows.req_ids[i], 1)
+                if hash_only is not None and hash_only[i]:
+                    self._advance(req_ids[i], states[i], int(new[i]))
+                else:
+                    self.commit(req_ids[i], 1)
             except Exception as e:
                 failed[i] = e
         return failed
@@ -427,6 +434,12 @@ class HybridCacheManager:
             raise RequestStateError(
                 f"commit of {num_new_tokens} tokens for {req_id!r} reaches {new}, past its "
                 f"{len(r.token_ids)} known tokens or {held} allocated token slots: allocate() first")
+        self._advance(req_id, r, new)
+        if new >= r.num_prompt_tokens:  # its prompt is computed: no follower can wait for it now
+            self.bursts.drop(req_id)
+
+    def _advance(self, req_id: Hashable, r: RequestState, new: int) -> None:
+        """commit() past its checks: num_computed_tokens becomes `new`, full blocks get hashed."""
         r.num_computed_tokens = new
         hashed = r.num_hashed_blocks
         full = max(new // self.block_size if self.enable_prefix_caching else 0, hashed)
@@ -435,8 +448,6 @@ class HybridCacheManager:
         for kind in self._committing:
             kind.commit(req_id, r.block_hashes, hashed, full, new)
         r.num_hashed_blocks = full
-        if new >= r.num_prompt_tokens:  # its prompt is computed: no follower can wait for it now
-            self.bursts.drop(req_id)
 
     def block_table(self, req_ids: Sequence[Hashable], width: Optional[int] = None) -> torch.Tensor:
         """int32 `[len(req_ids), width]` (CPU) of block ids of running requests; width defaults to

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Hashable, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -24,18 +24,20 @@ from hybridkv.request_state import RequestState
 
 @dataclass
 class GroupRows:
-    """One attention group's view: each request's row in `kind.tables` and how many table
-    positions (blocks, let go or not) it holds."""
+    """One attention group's view: each request's row in `kind.tables`, how many table
+    positions (blocks, let go or not) it holds, and the table position whose block it is known
+    to hold alone (-1: not known)."""
 
     kind: FullAttentionMemory
     rows: np.ndarray  # int64 [R]
     held: np.ndarray  # int64 [R]
+    alone: np.ndarray  # int64 [R]
 
     @classmethod
     def of(cls, kind: FullAttentionMemory, req_ids: list) -> "GroupRows":
         n = len(req_ids)
         return cls(kind, np.fromiter(map(kind.table_row, req_ids), np.int64, n),
-                   np.fromiter(map(len, map(kind.block_ids, req_ids)), np.int64, n))
+                   np.fromiter(map(len, map(kind.block_ids, req_ids)), np.int64, n), np.full(n, -1, dtype=np.int64))
 
     def table(self) -> np.ndarray:
         """int32 [R, longest] block ids (entries past a request's blocks are stale: unused)."""
@@ -75,9 +77,6 @@ class DecodeRows:
 
     def group_of(self, kind) -> Optional[GroupRows]:
         return next((g for g in self.groups.values() if g.kind is kind), None)
-
-    def request_ids(self) -> list[Hashable]:
-        return self.req_ids
 
 
 _num_prompt = attrgetter("num_prompt_tokens")

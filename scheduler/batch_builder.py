@@ -63,7 +63,7 @@ class BatchBuilder:
         if lead is None:
             lead = rows.lead.table() if rows.lead is not None else np.zeros((len(rows), 1), dtype=np.int32)
         return self._build([s.token_ids[-1] for s in batch.seqs], batch.positions, None, lead, groups,
-                           rows.state_slots, None, batch.kv_slots)
+                           rows.state_slots.copy(), None, batch.kv_slots)  # no batch aliases the handle
 
     def _build(self, ids: list[int], start: np.ndarray, counts: Optional[list[int]], lead: np.ndarray,
                groups: dict, state_slots, logits_indices: Optional[Sequence[int]],
@@ -100,22 +100,30 @@ class BatchBuilder:
             parts += [table, slots(table)]
         if logits_indices is not None:
             parts.append(logits_indices)
-        if self.device.type == "cpu":  # nothing to transfer: each field a tensor over its own fresh array
+        if self.device.type == "cpu":  # nothing to transfer: each field a tensor over its own array
             kinds = [np.int64, np.int64, np.int64, np.int32, np.int32, np.int32, np.bool_, np.int32]
             kinds += [np.int32, np.int64] * len(groups) + [np.int64] * (logits_indices is not None)
-            views = [torch.from_numpy(np.asarray(p, dtype=k).reshape(-1)) for p, k in zip(parts, kinds)]
+            views = [torch.from_numpy(np.asarray(p, dtype=k)) for p, k in zip(parts, kinds)]
+
+            def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+                return t  # made in its dtype and shape
         else:
             _, views = self._transfer(parts)
+            views[7] = views[7].view(lead.shape)
+            for k, table in enumerate(groups.values()):
+                views[8 + 2 * k] = views[8 + 2 * k].view(table.shape)
+
+            def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+                return t.to(dtype)
         i32 = torch.int32
         batch = ForwardBatch(
             input_ids=views[0], positions=views[1], slot_mapping=views[2],
-            query_start_loc=views[3].to(i32), seq_lens=views[4].to(i32), state_slots=views[5].to(i32),
-            has_initial_state=views[6].to(torch.bool), block_table=views[7].view(lead.shape).to(i32),
+            query_start_loc=cast(views[3], i32), seq_lens=cast(views[4], i32), state_slots=cast(views[5], i32),
+            has_initial_state=cast(views[6], torch.bool), block_table=cast(views[7], i32),
             logits_indices=views[-1] if logits_indices is not None else None,
             query_lens_cpu=[1] * num_reqs if counts is None else counts, seq_lens_cpu=seq_lens.tolist())
-        for k, (w, table) in enumerate(groups.items()):
-            t, s = views[8 + 2 * k], views[9 + 2 * k]
-            batch.kv_groups[w] = KVGroupTables(t.view(table.shape).to(i32), s)
+        for k, w in enumerate(groups):
+            batch.kv_groups[w] = KVGroupTables(cast(views[8 + 2 * k], i32), views[9 + 2 * k])
         return batch
 
     def _transfer(self, parts: list) -> tuple[torch.Tensor, list[torch.Tensor]]:

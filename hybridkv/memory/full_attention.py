@@ -154,20 +154,27 @@ class FullAttentionMemory(LayerMemory):
         """rid's row in `tables`."""
         return self._row[rid]
 
-    def decode_room(self, rows: np.ndarray, held: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def decode_room(self, rows: np.ndarray, held: np.ndarray, alone: np.ndarray, starts: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray]:
         """One token at position starts[i] for the request with table row rows[i] holding held[i]
         table positions (int64 arrays, decode_rows.py): arrays of (its KV write slot, -1 past the
         blocks it holds; whether it lands in a block it holds alone: nothing to add or copy, the
-        batched `_has_room`)."""
+        batched `_has_room`). alone[i]: the table position whose block the request is known to hold
+        alone (-1: none); the blocks found alone here are recorded in it."""
         bs, table = self.block_size, self.tables.array
         col, off = np.divmod(starts, bs)
         inside = col < held
         block = table[rows, np.minimum(col, table.shape[1] - 1)].astype(np.int64)
         room = inside.copy()
-        mid = np.flatnonzero(inside & (off != 0))  # a fork's shared partial block is copied first
-        if mid.size:
-            refcount = np.fromiter(map(self.pool.refcount.__getitem__, block[mid].tolist()), np.int64, mid.size)
-            room[mid] = refcount <= 1
+        # a fork's shared partial block is copied first; a block once alone stays so while the
+        # request decodes (only full, hashed blocks are found by others)
+        unknown = np.flatnonzero(inside & (off != 0) & (col != alone))
+        if unknown.size:
+            refcount = np.fromiter(map(self.pool.refcount.__getitem__, block[unknown].tolist()), np.int64,
+                                   unknown.size)
+            room[unknown] = refcount <= 1
+            found = unknown[refcount <= 1]
+            alone[found] = col[found]
         return np.where(inside, block * bs + off, -1), room
 
     def add_decode_blocks(self, rids: list, rows: np.ndarray, cols: np.ndarray) -> None:
