@@ -18,6 +18,7 @@ import torch
 from hybridkv import LLM, SamplingParams
 from hybridkv.models.tiny import make_tiny_checkpoint
 from hybridkv.plan import kv_bytes_per_block, state_bytes_per_slot
+from hybridkv.scheduler.sampler import Sampler
 from hybridkv.scheduler.sequence import Sequence
 from hybridkv.scheduler.sequence_queue import SequenceQueue
 
@@ -344,6 +345,77 @@ def test_nonfinite_logits_in_a_decode_batch_fail_only_their_request(checkpoints,
     for rid, o in zip(calm, ref):
         assert [c[1] for c in done[rid][3]] == [c.token_ids for c in o.outputs], rid
         assert all(c[2] == "length" for c in done[rid][3]), rid
+    assert_paths_taken(fast, slow)
+
+
+class Injected(RuntimeError):
+    pass
+
+
+def unperturbed(path: str, requests: dict) -> dict:
+    """The token ids of each request's sequences on a roomy engine of its own."""
+    outs = LLM(path, memory_budget_bytes=8 << 20).generate([p for p, _ in requests.values()],
+                                                            [q for _, q in requests.values()], use_tqdm=False)
+    return {rid: [c.token_ids for c in o.outputs] for rid, o in zip(requests, outs)}
+
+
+@pytest.mark.parametrize("stage", ["checkpoint", "sampler", "forward"])
+def test_a_fault_in_a_decode_batch_step_ends_what_it_hit(checkpoints, stage, monkeypatch):
+    """An exception in a step of a steady decode batch: the output checkpoint or the draw of the
+    victim (n=2, seeded) ends that request alone; a failed forward ends the whole batch. Both twins
+    alike, the rest keeps the tokens of an unperturbed run, and the engine serves on (fast again)."""
+    fast, slow = roomy_twins(checkpoints("bamba"))
+    vocab, path = fast.model.vocab_size, fast.model_path
+    requests = bystanders(vocab)
+    victim_prompt = torch.randint(4, vocab, (13,), generator=torch.Generator().manual_seed(5)).tolist()
+    requests["v"] = (victim_prompt, SamplingParams(max_tokens=14, temperature=0.9, seed=4242, n=2, ignore_eos=True))
+    ops, hits = [], {}  # twin -> the first step the fault hit
+
+    def hit(name):
+        hits.setdefault(name, len(ops))
+        return True
+    for name, llm in (("fast", fast), ("slow", slow)):
+        mgr = llm.engine.mgr
+        if stage == "checkpoint":  # the victim's first output checkpoint (a block boundary at 16)
+            real = mgr.checkpoint
+
+            def checkpoint(rid, name=name, mgr=mgr, real=real):
+                if (rid == "v" or rid[0] == "v") and mgr.request(rid).num_computed_tokens > 13 and hit(name):
+                    raise Injected("injected fault in checkpoint")
+                return real(rid)
+            monkeypatch.setattr(mgr, "checkpoint", checkpoint)
+        elif stage == "forward":  # once every request is well into its decodes
+            real = llm.model.forward
+
+            def forward(batch, caches, name=name, mgr=mgr, real=real):
+                if all(r.num_computed_tokens >= r.num_prompt_tokens + 5 for r in mgr.requests.values()) and hit(name):
+                    raise Injected("injected fault in the forward pass")
+                return real(batch, caches)
+            monkeypatch.setattr(llm.model, "forward", forward)
+    if stage == "sampler":  # the victim's 5th draw; the engine redoes the batch's rows one by one
+        real_draw, twin_of = Sampler._draw, {id(fast.engine.sampler): "fast", id(slow.engine.sampler): "slow"}
+
+        def draw(self, logits, rows):
+            if id(self) in twin_of and any(r.params.seed == 4242 and r.num_generated == 4 for r in rows) \
+                    and hit(twin_of[id(self)]):
+                raise Injected("injected fault in the sampler")
+            return real_draw(self, logits, rows)
+        monkeypatch.setattr(Sampler, "_draw", draw)
+    done, _ = run_twins(fast, slow, requests, ops=ops)
+    assert hits.keys() == {"fast", "slow"} and hits["fast"] == hits["slow"], hits
+    k = hits["fast"]
+    assert ops[k - 1][2] == "fast" and len(ops[k - 1]) == 3, f"no steady decode batch at step {k}: {ops}"
+    failed = {rid for rid, o in done.items() if any(c[2] == "error" for c in o[3])}
+    assert failed == (set(requests) if stage == "forward" else {"v"}), (failed, ops)
+    assert all(c[2] == "error" and "injected" in c[4] for c in done["v"][3]), done["v"]
+    monkeypatch.undo()
+    ref = unperturbed(path, requests)
+    for rid in set(requests) - failed:
+        assert [c[1] for c in done[rid][3]] == ref[rid], rid
+    again = {f"again-{rid}": r for rid, r in requests.items()}
+    done, ops = run_twins(fast, slow, again)
+    assert {rid: [c[1] for c in o[3]] for rid, o in done.items()} == {f"again-{r}": t for r, t in ref.items()}
+    assert any(op[2] == "fast" for op in ops), ops
     assert_paths_taken(fast, slow)
 
 
