@@ -447,6 +447,29 @@ def test_a_stop_token_mid_batch_and_the_steps_after_it(checkpoints):
     assert_paths_taken(fast, slow)
 
 
+def test_switching_the_fast_path_off_and_on_mid_batch(checkpoints):
+    """`batch_decodes` is a plain switch: turned off for a few steps of a steady batch (nobody
+    joins or leaves) and on again, the fast twin still gives the slow twin's outputs and memory
+    (the batch kept from before the switch is three tokens behind and may not be reused)."""
+    fast, slow = roomy_twins(checkpoints("bamba"))
+    for rid, (prompt, params) in bystanders(fast.model.vocab_size).items():
+        for llm in (fast, slow):
+            llm.add_request(prompt, params, request_id=rid)
+    ops = []
+    for i in range(40):
+        if not fast.has_unfinished_requests():
+            break
+        if ops and ops[-1][2] == "fast" and fast.engine.scheduler.batch_decodes and i < 9:
+            fast.engine.scheduler.batch_decodes = False
+            off = i
+        elif i == 9:
+            fast.engine.scheduler.batch_decodes = True
+        step_twins(fast, slow, ops, i)
+    assert off < 8 and [op[2] for op in ops[off:9]] == ["general"] * (9 - off), ops
+    assert ops[9][2] == "fast" and not slow.has_unfinished_requests(), ops
+    assert_paths_taken(fast, slow)
+
+
 def test_running_queue_version_changes_exactly_when_its_sequences_do():
     """The decode batch is kept while the running queue's `version` stays: every add and remove
     (pop included) moves it on, and nothing else does (refused adds, removes of what is not
