@@ -99,7 +99,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_tokens
-        batch = self._steady_decodes(budget) if self.batch_decodes else None
+        last, self._advanced = self._advanced, None  # a kept batch serves the very next step only
+        batch = self._steady_decodes(budget, last) if self.batch_decodes else None
         if batch is not None:  # every running sequence is a plain decode: one array-based batch
             slots, due, done = self.mgr.allocate_decodes(batch.rows, batch.positions)
             if done.all():
@@ -143,16 +144,15 @@ class Scheduler:
                 break
         return out
 
-    def _steady_decodes(self, budget: int) -> Optional[DecodeBatch]:
+    def _steady_decodes(self, budget: int, last: Optional[DecodeBatch]) -> Optional[DecodeBatch]:
         """The running sequences as one DecodeBatch (positions only) when every one of them is a
         plain decode (one token left, past its prompt) and the budget takes them all, else None.
-        After a batch the engine ran whole (`decoded`) and while nobody joined or left since,
-        it is that batch one token later: no look at each sequence."""
+        After `last`, a batch the engine ran whole in the step before (`decoded`), and while
+        nobody joined or left since, it is that batch one token later: no look at each sequence."""
         running = self.running
         n = len(running)
         if not n or n > budget:
             return None
-        last, self._advanced = self._advanced, None
         if last is not None and last.version == running.version:
             return last.advanced(running.version)
         seqs = list(running)  # run order
