@@ -2,7 +2,8 @@
 plain decode) against the general per-chunk path: twin engines of one checkpoint, the fast path on
 in one (`scheduler.batch_decodes = True`) and off in the other, driven by the same seeded
 operations (adds with shared prefixes, n > 1, stop ids, min_tokens, seeded top-p sampling,
-logprobs, penalties; aborts; migrations out and back in; steps) on pools small enough to preempt (recompute and swap) and evict. After
+logprobs, penalties; aborts; migrations out and back in; steps, every third reporting only what
+finished) on pools small enough to preempt (recompute and swap) and evict. After
 every step both twins gave the same outputs and hold the same memory: each request's progress,
 blocks and slot, the pool counts, the recurrent checkpoints, and the bytes of the live states and
 the KV that was written. The fast twin must have taken the fast path (its `decode_batch_steps`
@@ -122,10 +123,12 @@ def first_difference(a, b, where="") -> str:
     return f"{where}: fast {a!r} != slow {b!r}"
 
 
-def step_twins(fast: LLM, slow: LLM, ops: list, i: int) -> list:
-    """One step of each twin; asserts they agree on the outputs and the memory afterwards."""
+def step_twins(fast: LLM, slow: LLM, ops: list, i: int, finished_only: bool = False) -> list:
+    """One step of each twin; asserts they agree on the outputs and the memory afterwards.
+    finished_only: the engine's step that reports only finished requests (generate's)."""
     before = fast.engine.counters.get("decode_batch_steps", 0)
-    outs = [outputs_view(fast.step()), outputs_view(slow.step())]
+    step = (lambda llm: llm.engine.step(finished_only=True)) if finished_only else (lambda llm: llm.step())
+    outs = [outputs_view(step(fast)), outputs_view(step(slow))]
     took = fast.engine.counters.get("decode_batch_steps", 0) > before
     ops.append(("step", i, "fast" if took else "general"))
     where = f"after step {i} ({ops[-1][2]} path in the fast twin); last ops: {ops[-8:]}"
@@ -235,7 +238,7 @@ def drive(fast: LLM, slow: LLM, seed: int, num_ops: int = 90, max_steps: int = 4
                 live.append(rid)
                 single.append(rid)
                 ops.append(("import", rid))
-        for o in step_twins(fast, slow, ops, i):
+        for o in step_twins(fast, slow, ops, i, finished_only=i % 3 == 2):
             if o[1]:
                 done[o[0]] = o
                 for ids in (live, single):
