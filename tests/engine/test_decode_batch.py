@@ -7,7 +7,8 @@ finished) on pools small enough to preempt (recompute and swap) and evict. After
 every step both twins gave the same outputs and hold the same memory: each request's progress,
 blocks and slot, the pool counts, the recurrent checkpoints, and the bytes of the live states and
 the KV that was written. The fast twin must have taken the fast path (its `decode_batch_steps`
-counter), the slow twin never."""
+counter), the slow twin never. Also on their own: faults in a fast step (NaN logits, checkpoint,
+sampler, forward), a stop id mid-batch, the switch flipped mid-batch, the running queue's version."""
 from __future__ import annotations
 
 import dataclasses
