@@ -1,6 +1,8 @@
 """The engine step: schedule, build the packed batch (batch_builder.py), run the model, commit
 (decodes together: `commit_decodes`), sample, append the tokens and end the sequences that stop
-(token_append.py), fork n > 1 (forks.py), build the outputs asked for (request_outputs.py).
+(token_append.py), fork n > 1 (forks.py), build the outputs asked for (request_outputs.py). A
+step of steady decodes comes as one array-based DecodeBatch (step_plan.py) and runs the same
+work without an object per sequence (`_run_decodes`).
 
 Request-level API for a server: `add_request`, `step`, `abort`, `export_request` /
 `import_request` (migration), `stats`. A request id names a `SequenceGroup`: a prompt and its n
