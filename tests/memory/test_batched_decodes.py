@@ -1,11 +1,13 @@
 """The batched decode verbs (allocate_decodes, commit_decodes, batched_checkpoints) against the
 per-request ones (checkpoint_due, allocate, commit, checkpoint), on twin managers driven through
 the same random runs: after every decode round both hold the same state, block for block and
-slot for slot, and the same KV and state values. Random forks (shared partial blocks: copy on
+slot for slot, and the same KV and state values; a third twin keeps its DecodeRows handle across
+rounds while the same requests decode, as the engine's decode batch does. Random forks (shared partial blocks: copy on
 write), finishes, small pools (blocks run short: the batched call leaves those to allocate one by
 one) and a sliding-window group are in the runs."""
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -50,14 +52,19 @@ def decode_one_by_one(m, rids, values):
             m.checkpoint(rid)
 
 
-def decode_batched(m, rids, values):
+def decode_batched(m, rids, values, handle=None):
+    """One decode round through the batched verbs; with `handle` (a DecodeRows of rids kept from
+    earlier rounds) as the engine's decode batch calls them: the handle, and the starts."""
     starts = [m.request(r).num_computed_tokens for r in rids]
-    slots, due, done = m.allocate_decodes(rids, starts)
+    slots, due, done = m.allocate_decodes(handle if handle is not None else rids, starts)
     ready = [i for i, ok in enumerate(done) if ok]
     with m.batched_checkpoints():
         for i in ready:
             model_writes(m, rids[i], slots[i], starts[i], values[i])
-        assert m.commit_decodes([rids[i] for i in ready]) == {}
+        if handle is not None and all(done):
+            assert m.commit_decodes(handle, np.asarray(starts, dtype=np.int64)) == {}
+        else:
+            assert m.commit_decodes([rids[i] for i in ready]) == {}
         for i in ready:
             if due[i]:
                 m.checkpoint(rids[i])
@@ -95,13 +102,15 @@ def test_batched_decodes_leave_the_same_state_as_one_by_one(model, seed):
     rng = random.Random(seed)
     blocks = rng.choice([14, 40])
     policy = rng.choice(["junctions", "every_n_blocks", "none"])
-    a, b = twin(MODELS[model], blocks, policy), twin(MODELS[model], blocks, policy)
-    next_id, short = 0, 0
+    a, b, c = (twin(MODELS[model], blocks, policy) for _ in range(3))  # c keeps its DecodeRows handle
+    next_id, short, handle, reused = 0, 0, None, 0
     for _ in range(40):
         op = rng.random()
+        if not op >= 0.35 or not a.requests:
+            handle = None  # a request joined, forked or left: the engine makes a new batch
         if op < 0.2 or not a.requests:  # admit and prefill a new prompt (shared starts: prefix hits)
             prompt = [rng.randrange(3) for _ in range(rng.randint(1, 3))] * rng.randint(1, 4)
-            for m in (a, b):
+            for m in (a, b, c):
                 if m.admit(next_id, list(prompt), max_tokens=30) is not None:
                     n = len(prompt) - m.request(next_id).num_computed_tokens
                     slots = m.allocate(next_id, n)
@@ -114,25 +123,35 @@ def test_batched_decodes_leave_the_same_state_as_one_by_one(model, seed):
             next_id += 1
         elif op < 0.3:  # fork: the child shares the parent's partial block (copied on first write)
             parent = rng.choice(sorted(a.requests))
-            for m in (a, b):
+            for m in (a, b, c):
                 m.fork(parent, next_id)
             next_id += 1
         elif op < 0.35:
             rid = rng.choice(sorted(a.requests))
-            for m in (a, b):
+            for m in (a, b, c):
                 m.finish(rid)
         else:  # a decode round over every request whose tokens are all computed
             rids = [r for r in sorted(a.requests) if a.request(r).num_computed_tokens == len(a.request(r).token_ids)
                     and len(a.request(r).token_ids) < 60]
             toks = [rng.randrange(3) for _ in rids]
-            for m in (a, b):
+            for m in (a, b, c):
                 for rid, t in zip(rids, toks):
                     m.append_tokens(rid, [t])
             values = [rng.random() for _ in rids]
             short += decode_batched(a, rids, values)
             decode_one_by_one(b, rids, values)
-        assert same(snapshot(a), snapshot(b))
+            if rids:
+                if handle is not None and handle.req_ids == rids:
+                    reused += 1
+                else:
+                    handle = c.decode_rows(rids)
+                if decode_batched(c, rids, values, handle):
+                    handle = None  # some went one by one (allocate): their blocks changed under the handle
+            else:
+                handle = None
+        assert same(snapshot(a), snapshot(b)) and same(snapshot(a), snapshot(c))
     assert any(len(r.token_ids) > r.num_prompt_tokens + BS for r in a.requests.values()) or short
+    assert reused, "a kept handle served later rounds"
 
 
 @pytest.mark.parametrize("ssm_shape", [(2, 4), (64, 80)])  # small slots: gathered; 20 KiB: copied one by one
