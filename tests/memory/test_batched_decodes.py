@@ -2,9 +2,9 @@
 per-request ones (checkpoint_due, allocate, commit, checkpoint), on twin managers driven through
 the same random runs: after every decode round both hold the same state, block for block and
 slot for slot, and the same KV and state values; a third twin keeps its DecodeRows handle across
-rounds while the same requests decode, as the engine's decode batch does. Random forks (shared partial blocks: copy on
-write), finishes, small pools (blocks run short: the batched call leaves those to allocate one by
-one) and a sliding-window group are in the runs."""
+rounds while the same requests decode, as the engine's decode batch does. Random forks (shared
+partial blocks: copy on write), finishes, small pools (blocks run short: the batched call leaves
+those to allocate one by one) and a sliding-window group are in the runs."""
 import random
 
 import numpy as np
