@@ -19,10 +19,11 @@ FREE, LIVE, CHECKPOINT, NULL = "free", "live", "checkpoint", "null"
 # Above this many bytes per slot a tensor's deferred copies run one by one (measured on the CPU:
 # a gather of 2-16 slots of 128 KiB costs ~1.6-2.6x the copies; of 1 KiB slots, 0.3-0.7x)
 _GATHER_MAX_SLOT_BYTES = 16 << 10
-# The same choice for the CPU's byte rows: a numpy gather of n slots costs ~5 us + twice the
-# bytes, a row copy ~1 us + the bytes (16 slots of 1 KiB: 11 vs 16 us; of 4 KiB: 16 vs 16 us)
-_ROWS_GATHER_MIN_SLOTS = 8
-_ROWS_GATHER_MAX_SLOT_BYTES = 2 << 10
+# The same choice on the CPU, where a slot is one numpy element of its bytes (measured over random
+# slots of 576: 16 slots of 8 KiB gathered 20 us, copied one by one 26; of 32 KiB 106 vs 86;
+# 4 of 8 KiB 8 vs 8; 2 of 1 KiB 3.4 vs 3.0)
+_ROWS_GATHER_MIN_SLOTS = 4
+_ROWS_GATHER_MAX_SLOT_BYTES = 8 << 10
 
 
 class StatePool:
@@ -44,12 +45,16 @@ class StatePool:
         self.kind: list[str] = [NULL] + [FREE] * max(0, self.num_slots - 1)
         self._free: list[int] = list(range(self.num_slots - 1, 0, -1))  # pop() hands out low ids first
         self._pending: Optional[dict[int, int]] = None  # dst -> src while copies are deferred
-        # On the CPU every tensor also as numpy bytes [num_slots, bytes per slot] (views, no copy):
-        # a slot copy there costs ~1 us against ~9 us for torch's index + copy_ dispatch
+        # On the CPU every tensor also as numpy views of its bytes (no copy): rows [num_slots, bytes
+        # a slot], and [num_slots] of one void element a slot (a gather moves whole slots); a slot
+        # copy there costs ~1 us against ~9 us for torch's index + copy_ dispatch
         self._rows: Optional[list[np.ndarray]] = None
+        self._slots: list[np.ndarray] = []
         tensors = list(self._tensors())
         if all(t.device.type == "cpu" for t in tensors):
             self._rows = [t.view(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8).numpy() for t in tensors]
+            self._slots = [a.view(np.dtype((np.void, a.shape[1]))).reshape(a.shape[0]) if a.shape[1] else a
+                           for a in self._rows]
 
     @property
     def num_free(self) -> int:
@@ -113,13 +118,13 @@ class StatePool:
     def _copy_all(self, srcs: list[int], dsts: list[int]) -> None:
         """Copy slot srcs[i] into dsts[i] for all i in every tensor (no dst is a src)."""
         index = None
-        if self._rows is not None:  # CPU: numpy on the byte rows
+        if self._rows is not None:  # CPU: numpy on the bytes
             gather = len(dsts) >= _ROWS_GATHER_MIN_SLOTS
-            for a in self._rows:
+            for a, whole in zip(self._rows, self._slots):
                 if gather and a.shape[1] <= _ROWS_GATHER_MAX_SLOT_BYTES:
                     if index is None:
                         index = (np.array(srcs, dtype=np.intp), np.array(dsts, dtype=np.intp))
-                    a[index[1]] = a[index[0]]
+                    whole[index[1]] = whole[index[0]]
                 else:
                     for src, dst in zip(srcs, dsts):
                         a[dst] = a[src]
