@@ -338,8 +338,53 @@ class HybridCacheManager:
         allocate() those one by one, in run order, preempting as needed)."""
         if not isinstance(rows, DecodeRows):
             rows = self.decode_rows(rows)
-        n, bs = len(rows), self.block_size
         starts = np.asarray(starts, dtype=np.int64)
+        slots = self._next_decode_slots(rows, starts)
+        if slots is None:
+            slots, ready = self._decode_slots(rows, starts)
+        else:
+            ready = np.ones(len(rows), dtype=bool)
+        rows.last = (starts, slots) if ready.all() else None
+        due = np.zeros(len(rows), dtype=bool)
+        if self.recurrent is not None and self.enable_prefix_caching:  # due only at a block boundary
+            ends = np.flatnonzero(starts % self.block_size == self.block_size - 1)
+            if ends.size:
+                inside = starts[ends] < rows.num_prompt[ends]
+                due[ends] = self.policy.decodes_due(starts[ends] + 1)  # past the prompt: the policy's own rule
+                for i in ends[inside].tolist():
+                    s = int(starts[i])
+                    due[i] = self.checkpoint_due(rows.req_ids[i], s, s + 1) is not None
+        return slots, due, ready
+
+    def _next_decode_slots(self, rows: DecodeRows, starts: np.ndarray) -> Optional[np.ndarray]:
+        """The slots when `rows` allocated every token one before these last time: a token inside
+        the block of the one before writes the next slot of that block, which it holds alone (it
+        was checked, or handed out to it, and only full blocks are found by others); those that
+        start a block get a new one each, when every pool has them all. None: the general way."""
+        if rows.last is None or not np.array_equal(rows.last[0] + 1, starts):
+            return None
+        bs, slots = self.block_size, rows.last[1]
+        slots = slots + 1 if rows.lead is not None else slots.copy()
+        fresh = np.flatnonzero(starts % bs == 0)
+        if not fresh.size:
+            return slots
+        groups = [rows.group_of(kind) for kind in self._allocating]
+        if any(fresh.size > kind.pool.num_free for kind in self._allocating) or not all(
+                (g.held[fresh] * bs == starts[fresh]).all() for g in groups):
+            return None
+        ids = [rows.req_ids[i] for i in fresh.tolist()]
+        for kind, group in zip(self._allocating, groups):
+            kind.add_decode_blocks(ids, group.rows[fresh], group.held[fresh])
+            group.alone[fresh] = group.held[fresh]
+            group.held[fresh] += 1
+        lead = rows.lead
+        if lead is not None:
+            slots[fresh] = lead.kind.tables.array[lead.rows[fresh], starts[fresh] // bs].astype(np.int64) * bs
+        return slots
+
+    def _decode_slots(self, rows: DecodeRows, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """allocate_decodes' (slots, ready), each kind asked where every token lands."""
+        n, bs = len(rows), self.block_size
         ready, slots = np.ones(n, dtype=bool), np.full(n, -1, dtype=np.int64)
         rooms = {}
         for kind in self._allocating:
@@ -367,16 +412,7 @@ class HybridCacheManager:
                     table = kind.tables.array
                     slots[short] = table[group.rows[short], starts[short] // bs].astype(np.int64) * bs + starts[short] % bs
             ready[short] = True
-        due = np.zeros(n, dtype=bool)
-        if self.recurrent is not None and self.enable_prefix_caching:  # due only at a block boundary
-            ends = np.flatnonzero((starts + 1) % bs == 0)
-            if ends.size:
-                inside = starts[ends] < rows.num_prompt[ends]
-                due[ends] = self.policy.decodes_due(starts[ends] + 1)  # past the prompt: the policy's own rule
-                for i in ends[inside].tolist():
-                    s = int(starts[i])
-                    due[i] = self.checkpoint_due(rows.req_ids[i], s, s + 1) is not None
-        return slots, due, ready
+        return slots, ready
 
     def commit_decodes(self, rows: DecodeRows | Sequence[Hashable], starts: Optional[np.ndarray] = None
                        ) -> dict[int, Exception]:

@@ -62,6 +62,9 @@ class DecodeRows:
     state_slots: np.ndarray
     groups: dict[Optional[int], GroupRows]
     lead: Optional[GroupRows]
+    # (starts, lead slots) of the last allocate_decodes that placed every token: the next one,
+    # a token later each, continues from them
+    last: Optional[tuple[np.ndarray, np.ndarray]] = None
 
     def __len__(self) -> int:
         return len(self.req_ids)
