@@ -521,6 +521,17 @@ class HybridCacheManager:
         output = nc > r.num_prompt_tokens and self.policy.rolling_output
         return self.recurrent.checkpoint(req_id, h, nc, output)
 
+    def checkpoint_decode(self, rows: DecodeRows, i: int) -> bool:
+        """checkpoint() of the i-th request of `rows` right after commit_decodes(rows, ...)
+        committed its token at a block boundary that allocate_decodes said was due: that commit
+        hashed the block and made it findable in every kind, so only the state is kept."""
+        if self.recurrent is None or not self.enable_prefix_caching:
+            return False
+        r = rows.states[i]
+        nc = r.num_computed_tokens
+        output = nc > r.num_prompt_tokens and self.policy.rolling_output
+        return self.recurrent.checkpoint(rows.req_ids[i], r.block_hashes[nc // self.block_size - 1], nc, output)
+
     def batched_checkpoints(self):
         """A context in which checkpoint() calls keep their bookkeeping but copy the states at the
         exit, one gather and scatter per tensor (a step's checkpoints together)."""

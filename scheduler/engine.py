@@ -26,12 +26,12 @@ import math
 import threading
 import time
 import uuid
+from functools import partial
 from typing import Hashable, Optional
 
 import torch
 
 from hybridkv.cache_manager import HybridCacheManager
-from hybridkv.decode_rows import DecodeRows
 from hybridkv.models.forward_batch import ModelCaches
 from hybridkv.outputs import RequestOutput
 from hybridkv.sampling_params import SamplingParams
@@ -250,8 +250,7 @@ class Engine:
         self._count_step(t0, len(seqs))
         self.counters["decode_batch_steps"] += 1
         with self.mgr.batched_checkpoints():
-            rows, seqs = self._commit_decodes(list(range(len(seqs))), seqs, [seqs[i] for i in batch.checkpoints],
-                                              touched, False, batch.rows, batch.positions)
+            rows, seqs = self._commit_decodes(list(range(len(seqs))), seqs, [], touched, False, batch)
         self._sample(logits if len(rows) == len(logits) else logits[rows], seqs, touched, finished_only)
         self.scheduler.decoded(batch)
 
@@ -347,26 +346,28 @@ class Engine:
                          finished_only)
 
     def _commit_decodes(self, rows: list[int], seqs: list[Sequence], checkpoints: list[Sequence],
-                        touched: dict, some_failed: bool, decode_rows: Optional[DecodeRows] = None,
-                        positions=None) -> tuple[list[int], list[Sequence]]:
+                        touched: dict, some_failed: bool, batch: Optional[DecodeBatch] = None
+                        ) -> tuple[list[int], list[Sequence]]:
         """Commit the decodes' tokens in one manager call, then take the checkpoints due after
         them; returns the rows and sequences left to sample (a commit or checkpoint that raised
-        fails its request alone, as in the per-chunk path). decode_rows: the manager's handle on
-        the seqs and their positions (num_computed_tokens), if at hand."""
+        fails its request alone, as in the per-chunk path). batch: the seqs' DecodeBatch, whose
+        handle the manager's verbs take (then `checkpoints` is unused: the batch has them)."""
         if some_failed:  # a sibling's failure earlier in the step may have ended some of them
             keep = [j for j, s in enumerate(seqs) if not s.finished]
-            rows, seqs, decode_rows = [rows[j] for j in keep], [seqs[j] for j in keep], None
-        if decode_rows is not None:
-            errors = self.mgr.commit_decodes(decode_rows, positions)
+            rows, seqs = [rows[j] for j in keep], [seqs[j] for j in keep]
+        if batch is not None:
+            errors = self.mgr.commit_decodes(batch.rows, batch.positions)
+            due = [(seqs[i], partial(self.mgr.checkpoint_decode, batch.rows, i)) for i in batch.checkpoints]
         else:
             errors = self.mgr.commit_decodes([s.request_id for s in seqs])
+            due = [(seq, partial(self.mgr.checkpoint, seq.request_id)) for seq in checkpoints]
         for j, e in errors.items():
             self._fail_group(seqs[j], e, touched, discard=True)
         checkpoint_failed = False
-        for seq in checkpoints:
+        for seq, checkpoint in due:
             if not seq.finished:
                 try:
-                    self.mgr.checkpoint(seq.request_id)
+                    checkpoint()
                 except Exception as e:
                     self._fail_group(seq, e, touched)
                     checkpoint_failed = True

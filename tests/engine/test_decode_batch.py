@@ -388,6 +388,14 @@ def test_a_fault_in_a_decode_batch_step_ends_what_it_hit(checkpoints, stage, mon
                     raise Injected("injected fault in checkpoint")
                 return real(rid)
             monkeypatch.setattr(mgr, "checkpoint", checkpoint)
+            real_decode = mgr.checkpoint_decode  # the decode batch's checkpoint verb
+
+            def checkpoint_decode(rows, i, name=name, mgr=mgr, real=real_decode):
+                rid = rows.req_ids[i]
+                if (rid == "v" or rid[0] == "v") and mgr.request(rid).num_computed_tokens > 13 and hit(name):
+                    raise Injected("injected fault in checkpoint")
+                return real(rows, i)
+            monkeypatch.setattr(mgr, "checkpoint_decode", checkpoint_decode)
         elif stage == "forward":  # once every request is well into its decodes
             real = llm.model.forward
 

@@ -63,11 +63,14 @@ def decode_batched(m, rids, values, handle=None):
             model_writes(m, rids[i], slots[i], starts[i], values[i])
         if handle is not None and all(done):
             assert m.commit_decodes(handle, np.asarray(starts, dtype=np.int64)) == {}
+            for i in ready:
+                if due[i]:
+                    m.checkpoint_decode(handle, i)
         else:
             assert m.commit_decodes([rids[i] for i in ready]) == {}
-        for i in ready:
-            if due[i]:
-                m.checkpoint(rids[i])
+            for i in ready:
+                if due[i]:
+                    m.checkpoint(rids[i])
     decode_one_by_one(m, [r for r, ok in zip(rids, done) if not ok], [v for v, ok in zip(values, done) if not ok])
     return len(ready) < len(rids)
 
