@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step_overhead import HERE, _importable  # noqa: E402
+from bench_step_overhead import run_trees  # noqa: E402
 
 KEYS = ("due", "commit", "checkpoint", "copies_per_step", "copies_per_slot", "boundary_per_step")
 
@@ -112,16 +110,9 @@ def main(argv=None) -> int:
     if args.one_run:
         print(json.dumps(one_run(args.requests, args.steps, args.real)))
         return 0
-    trees = ([("before", Path(args.before).resolve())] if args.before else []) + [("this", HERE)]
-    results: dict[str, list[dict]] = {name: [] for name, _ in trees}
-    for _ in range(args.repeats):
-        for name, root in trees:
-            env = dict(os.environ, PYTHONPATH=str(_importable(root)))
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--one-run", "--requests", str(args.requests),
-                   "--steps", str(args.steps)] + (["--real"] if args.real else [])
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
-            results[name].append(json.loads(out.strip().splitlines()[-1]))
-    per = results[trees[-1][0]][0]["boundaries_per_step"]
+    results = run_trees(Path(__file__), ["--requests", str(args.requests), "--steps", str(args.steps)]
+                        + (["--real"] if args.real else []), args.before, args.repeats)
+    per = results["this"][0]["boundaries_per_step"]
     print(f"{args.requests} decodes, {'real' if args.real else 'default'} tiny Bamba states, ~{per:.1f} block "
           f"boundaries per step, {args.steps} steps x {args.repeats} repeats; CPU us: median (min-max)")
     for name, runs in results.items():

@@ -123,15 +123,9 @@ def main(argv=None) -> int:
     if args.one_run:
         print(json.dumps(one_run(args.requests, args.steps, args.real, args.stream)))
         return 0
-    trees = ([("before", Path(args.before).resolve())] if args.before else []) + [("this", HERE)]
-    results: dict[str, list[dict]] = {name: [] for name, _ in trees}
-    for _ in range(args.repeats):
-        for name, root in trees:
-            env = dict(os.environ, PYTHONPATH=str(_importable(root)))
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--one-run", "--requests", str(args.requests),
-                   "--steps", str(args.steps)] + (["--real"] if args.real else []) + (["--stream"] if args.stream else [])
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
-            results[name].append(json.loads(out.strip().splitlines()[-1]))
+    results = run_trees(Path(__file__), ["--requests", str(args.requests), "--steps", str(args.steps)]
+                        + (["--real"] if args.real else []) + (["--stream"] if args.stream else []),
+                        args.before, args.repeats)
     print(f"{args.requests} running decodes, {'real tiny Bamba' if args.real else 'stub'} forward, "
           f"{'every step' if args.stream else 'finished'} outputs, "
           f"{args.steps} steps x {args.repeats} repeats, CPU ms per step: median (min-max) of repeat medians")
@@ -143,6 +137,20 @@ def main(argv=None) -> int:
             cells.append(f"{key} {fmt(statistics.median(vals))} ({fmt(min(vals))}-{fmt(max(vals))})")
         print(f"  {name}: " + ", ".join(cells))
     return 0
+
+
+def run_trees(script: Path, args: list[str], before: str, repeats: int) -> dict[str, list[dict]]:
+    """`script --one-run *args` in a fresh process per repeat, alternating this checkout with
+    `before` (another checkout, run first) when given; {"before", "this": each run's last line as JSON}."""
+    trees = ([("before", Path(before).resolve())] if before else []) + [("this", HERE)]
+    results: dict[str, list[dict]] = {name: [] for name, _ in trees}
+    for _ in range(repeats):
+        for name, root in trees:
+            env = dict(os.environ, PYTHONPATH=str(_importable(root)))
+            cmd = [sys.executable, str(script.resolve()), "--one-run"] + args
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+            results[name].append(json.loads(out.strip().splitlines()[-1]))
+    return results
 
 
 def _importable(root: Path) -> Path:
