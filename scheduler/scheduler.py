@@ -10,6 +10,8 @@ state at that boundary exists at the end of the step. When blocks or slots run o
 evicts cached blocks and checkpoints first; if that is not enough, the lowest-priority,
 latest-arriving running sequence is preempted (recompute or swap, per PreemptionPolicy) and goes
 back to its queue. Queues are keyed by id (sequence_queue.py): a step costs what it schedules.
+When every running sequence is a plain decode, they go out as one DecodeBatch (step_plan.py),
+kept and advanced a token a step while the running queue's version stays the same.
 A verb that raises for one sequence (admit, swap-in, swap-out, allocate) ends that sequence
 alone with "error" (`fail`, listed in `SchedulerOutput.failed`); the scan goes on for the rest.
 """
