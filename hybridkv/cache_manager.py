@@ -372,14 +372,10 @@ class HybridCacheManager:
         if any(fresh.size > kind.pool.num_free for kind in self._allocating) or not all(
                 (g.held[fresh] * bs == starts[fresh]).all() for g in groups):
             return None
-        ids = [rows.req_ids[i] for i in fresh.tolist()]
-        for kind, group in zip(self._allocating, groups):
-            kind.add_decode_blocks(ids, group.rows[fresh], group.held[fresh])
-            group.alone[fresh] = group.held[fresh]
-            group.held[fresh] += 1
-        lead = rows.lead
-        if lead is not None:
-            slots[fresh] = lead.kind.tables.array[lead.rows[fresh], starts[fresh] // bs].astype(np.int64) * bs
+        for group in groups:
+            group.add_blocks(rows.req_ids, fresh)
+        if rows.lead is not None:
+            slots[fresh] = rows.lead.slots(fresh, starts)
         return slots
 
     def _decode_slots(self, rows: DecodeRows, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -400,17 +396,14 @@ class HybridCacheManager:
                 need = short[~rooms[kind][short]]
                 at_end = starts[need] == group.held[need] * bs  # a token that starts the next block
                 if at_end.all():  # the usual case: the pool hands them out in one call, in row order
-                    kind.add_decode_blocks([rows.req_ids[i] for i in need.tolist()], group.rows[need], group.held[need])
-                    group.alone[need] = group.held[need]
-                    group.held[need] += 1
+                    group.add_blocks(rows.req_ids, need)
                 else:  # some copy a shared partial block (a fork's): one by one, in row order
                     for i in need.tolist():
                         rid, s = rows.req_ids[i], int(starts[i])
                         kind.allocate(rid, s, s + 1)
                         group.held[i], group.alone[i] = len(kind.block_ids(rid)), s // bs
                 if group is rows.lead:
-                    table = kind.tables.array
-                    slots[short] = table[group.rows[short], starts[short] // bs].astype(np.int64) * bs + starts[short] % bs
+                    slots[short] = group.slots(short, starts)
             ready[short] = True
         return slots, ready
 

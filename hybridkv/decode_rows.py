@@ -39,6 +39,17 @@ class GroupRows:
         return cls(kind, np.fromiter(map(kind.table_row, req_ids), np.int64, n),
                    np.fromiter(map(len, map(kind.block_ids, req_ids)), np.int64, n), np.full(n, -1, dtype=np.int64))
 
+    def add_blocks(self, req_ids: list, idx: np.ndarray) -> None:
+        """One new block at the end of each of rows idx (req_ids: the handle's), held alone."""
+        self.kind.add_decode_blocks([req_ids[i] for i in idx.tolist()], self.rows[idx], self.held[idx])
+        self.alone[idx] = self.held[idx]
+        self.held[idx] += 1
+
+    def slots(self, idx: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        """int64 KV write slots of rows idx at positions starts[idx], from their table rows."""
+        bs, pos = self.kind.block_size, starts[idx]
+        return self.kind.tables.array[self.rows[idx], pos // bs].astype(np.int64) * bs + pos % bs
+
     def table(self) -> np.ndarray:
         """int32 [R, longest] block ids (entries past a request's blocks are stale: unused)."""
         width = max(1, int(self.held.max(initial=1)))

@@ -58,10 +58,12 @@ class BatchBuilder:
     def build_decodes(self, batch: DecodeBatch) -> ForwardBatch:
         """The batch of a DecodeBatch (allocated): one token per sequence, its last."""
         rows = batch.rows
-        groups = {w: g.table() for w, g in rows.groups.items()} if len(rows.groups) > 1 else {}
-        lead = (groups.get(next(w for w, g in rows.groups.items() if g is rows.lead)) if groups else None)
-        if lead is None:
-            lead = rows.lead.table() if rows.lead is not None else np.zeros((len(rows), 1), dtype=np.int32)
+        groups = {w: g.table() for w, g in rows.groups.items()}
+        lead = next((groups[w] for w, g in rows.groups.items() if g is rows.lead), None)
+        if lead is None:  # no attention layers
+            lead = np.zeros((len(rows), 1), dtype=np.int32)
+        if len(groups) == 1:  # one group: block_table and slot_mapping serve every layer
+            groups = {}
         return self._build([s.token_ids[-1] for s in batch.seqs], batch.positions, None, lead, groups,
                            rows.state_slots.copy(), None, batch.kv_slots)  # no batch aliases the handle
 

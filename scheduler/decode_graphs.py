@@ -89,19 +89,22 @@ class DecodeInputs:
     def from_chunks(chunks, manager) -> "DecodeInputs":
         """The inputs of a step of one-token decode chunks (scheduler.ScheduledChunk) whose
         requests `manager` (HybridCacheManager) runs."""
-        rids = [c.seq.request_id for c in chunks]
-        groups = manager.block_tables(rids) if len(manager.attention_groups) > 1 else {}
-        return DecodeInputs([c.seq.token_ids[c.start] for c in chunks], [c.start for c in chunks],
-                            [c.slot_mapping[0] for c in chunks], [manager.live_slot(r) for r in rids],
-                            manager.block_table(rids), groups)
+        return DecodeInputs._of(manager, [c.seq.request_id for c in chunks],
+                                [c.seq.token_ids[c.start] for c in chunks], [c.start for c in chunks],
+                                [c.slot_mapping[0] for c in chunks])
 
     @staticmethod
     def from_batch(batch, manager) -> "DecodeInputs":
         """The inputs of a step_plan.DecodeBatch (allocated) whose requests `manager` runs."""
-        rids = batch.req_ids
+        return DecodeInputs._of(manager, batch.req_ids, [s.token_ids[-1] for s in batch.seqs],
+                                batch.positions.tolist(), batch.kv_slots.tolist())
+
+    @staticmethod
+    def _of(manager, rids: list, token_ids: list[int], positions: list[int], slot_mapping: list[int]
+            ) -> "DecodeInputs":
         groups = manager.block_tables(rids) if len(manager.attention_groups) > 1 else {}
-        return DecodeInputs([s.token_ids[-1] for s in batch.seqs], batch.positions.tolist(),
-                            batch.kv_slots.tolist(), manager.live_slots(rids), manager.block_table(rids), groups)
+        return DecodeInputs(token_ids, positions, slot_mapping, manager.live_slots(rids),
+                            manager.block_table(rids), groups)
 
 
 def check_option(option, device: torch.device, tensor_parallel_size: int = 1) -> Optional[str]:
