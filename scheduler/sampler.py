@@ -75,10 +75,9 @@ class Sampler:
         """logits [R, V] -> (token ids [R], per row {token: Logprob} when `logprobs` asked: of the
         model's distribution, before the processors, as vLLM). rows: SampleRows, or anything
         with their fields (the engine passes its Sequences)."""
+        if self.plain(rows):
+            return self.greedy(logits)[1], [None] * len(rows)
         params = [r.params for r in rows]
-        distinct = {id(p): p for p in params}.values()  # most batches share one or a few
-        if not any(_processed(p) or p.logprobs is not None for p in distinct):  # all plain greedy
-            return logits.float().argmax(dim=-1).tolist(), [None] * len(rows)
         work = self.process(logits, rows) if any(_processed(p) for p in params) else logits.float()
         tokens = work.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
@@ -92,6 +91,20 @@ class Sampler:
             for i, entry in zip(want, got):
                 logprobs[i] = entry
         return token_list, logprobs
+
+    @staticmethod
+    def plain(rows: list[SampleRow]) -> bool:
+        """Whether every row is plain greedy with no logprobs (nothing changes its logits, nothing
+        but the argmax leaves the device): then `greedy` is the whole of `__call__`. It depends on
+        the rows' params alone, so a batch that keeps its rows can ask once."""
+        distinct = {id(r.params): r.params for r in rows}.values()  # most batches share one or a few
+        return not any(_processed(p) or p.logprobs is not None for p in distinct)
+
+    @staticmethod
+    def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """logits [R, V] -> (the argmax, int64 [R] on the logits' device; the same as a list)."""
+        tokens = logits.float().argmax(dim=-1)
+        return tokens, tokens.tolist()
 
     def state(self) -> torch.Tensor:
         """The shared generator's state, to redo a batch's unseeded draws after a failure."""

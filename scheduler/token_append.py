@@ -1,13 +1,21 @@
 """A step's sampled tokens appended to their sequences, and the sequences that stop ended.
 
-One tight loop over the sampled rows: append the token (the manager reads it from the sequence's
-own list), keep its logprobs when asked, and ask `check_stop` only where the sequence's
-`StopRule` says it may stop (a length limit reached, a stop or EOS id, stop strings to look for):
-a token of a plain decode costs a list append, a length compare and a set lookup.
+`__call__`, any rows: one tight loop over the sampled rows: append the token (the manager reads it
+from the sequence's own list), keep its logprobs when asked, and ask `check_stop` only where the
+sequence's `StopRule` says it may stop (a length limit reached, a stop or EOS id, stop strings to
+look for): a token of a plain decode costs a list append, a length compare and a set lookup.
+
+`batch_stops` + `append_batch`, the engine's steady decode batch (the same running sequences for
+many steps, every row plain greedy without logprobs): the rules are turned into arrays once per
+batch (`BatchStops`), so a step finds the rows that may stop with a few numpy calls over all rows
+and costs one list append per row; only those rows run through `check_stop`, in row order.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
+
+import numpy as np
 
 from hybridkv.outputs import PositionLogprobs
 
@@ -15,6 +23,24 @@ from .sequence import Sequence, SequenceStatus
 from .stopping import StopRule, check_stop, decoded_logprobs
 
 _FINISHED = SequenceStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class BatchStops:
+    """The stop rules of one batch's rows (row order), as arrays a step tests in a few numpy calls.
+
+    token_lists: each row's own `token_ids` list (appended to in place).
+    ask_from: int64 [R], the length (prompt + output, after the append) from which the row's
+        `check_stop` is asked whatever its token: its `StopRule.limit`, or 0 for a row with stop
+        strings (asked every step).
+    stop_table: bool [max id + 2] over token ids, True for the union of the rows' stop and EOS ids
+        (`StopRule.ids`); its last entry is False, so `take(..., mode="clip")` answers False for
+        any larger id. None when the union is empty (no row can stop on a token).
+    """
+
+    token_lists: list
+    ask_from: np.ndarray
+    stop_table: Optional[np.ndarray]
 
 
 class TokenAppender:
@@ -58,3 +84,69 @@ class TokenAppender:
             except Exception as e:
                 fail(seq, e)
         return appended, stopped
+
+    def batch_stops(self, seqs: list[Sequence]) -> BatchStops:
+        """The rows' stop rules as arrays, built once for a batch that keeps the same seqs (row
+        order) for many steps; a row's `stop_rule` is made here when it has none yet."""
+        eos, max_len, tok_ = self.eos_ids, self.max_model_len, self.tokenizer
+        rules = []
+        for seq in seqs:
+            rule = seq.stop_rule
+            if rule is None:
+                rule = seq.stop_rule = StopRule.of(seq, eos, max_len, tok_)
+            rules.append(rule)
+        ask_from = np.array([0 if r.strings else r.limit for r in rules], dtype=np.int64)
+        union = frozenset().union(*(r.ids for r in rules))
+        table = None
+        if union:  # a bool per id (one take per step) beats np.isin's sort for a few ids in 256k
+            table = np.zeros(max(union) + 2, dtype=bool)
+            table[list(union)] = True
+        return BatchStops([seq.token_ids for seq in seqs], ask_from, table)
+
+    def append_batch(self, seqs: list[Sequence], tokens: list[int], stops: BatchStops, lengths: np.ndarray,
+                     fail: Callable[[Sequence, BaseException], None],
+                     token_array: Optional[np.ndarray] = None) -> tuple[int, list[Sequence]]:
+        """Append tokens[i] to seqs[i] for a steady decode batch; answers exactly what
+        `self(seqs, tokens, [None] * R, fail)` would (tokens appended, sequences stopped and
+        finished, in row order, with the same reasons and stop_reason; a row whose check raises
+        goes to `fail` and the others go on).
+
+        tokens: R sampled ids (ints: greedy, no logprobs kept: a row that wants logprobs does not
+            belong here, its logprobs would be dropped); token_array: the same as int64 numpy [R]
+            (the argmax tensor's `.numpy()` on the CPU), made from tokens when None and needed.
+        stops: `batch_stops(seqs)` for these same seqs in this order.
+        lengths: int64 numpy [R], each row's len(token_ids) AFTER this append.
+        Precondition: every seq is running (none finished) at the call; `finish(seq, reason)` ends
+        only `seq` (the scheduler's does). After a `fail`, which may end others (its group), the
+        rest of the rows go through `__call__`, which skips the finished ones."""
+        may = lengths >= stops.ask_from
+        if stops.stop_table is not None:
+            if token_array is None:
+                token_array = np.array(tokens, dtype=np.int64)
+            may |= stops.stop_table.take(token_array, mode="clip")
+        asked = np.flatnonzero(may).tolist()
+        lists = stops.token_lists
+        if not asked:
+            for ids, t in zip(lists, tokens):
+                ids.append(t)
+            return len(tokens), []
+        eos, max_len, tok_ = self.eos_ids, self.max_model_len, self.tokenizer
+        stopped, start = [], 0
+        for i in asked:  # append up to row i, then ask row i (row order, as __call__)
+            for ids, t in zip(lists[start:i + 1], tokens[start:i + 1]):
+                ids.append(t)
+            start = i + 1
+            seq = seqs[i]
+            try:
+                stop = check_stop(seq, eos, max_len, tok_)
+                if stop is not None:
+                    seq.stop_reason = stop.stop_reason
+                    self.finish(seq, stop.finish_reason)
+                    stopped.append(seq)
+            except Exception as e:
+                fail(seq, e)
+                appended, more = self(seqs[start:], tokens[start:], [None] * (len(seqs) - start), fail)
+                return start + appended, stopped + more
+        for ids, t in zip(lists[start:], tokens[start:]):
+            ids.append(t)
+        return len(tokens), stopped

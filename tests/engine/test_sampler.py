@@ -169,3 +169,26 @@ def test_sampler_logprobs_are_of_the_model_not_the_processed_logits():
     assert toks == [9]
     assert lps[0][9].logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[9]), abs=1e-5)
     assert len(lps[0]) == 3 and min(v.rank for v in lps[0].values()) == 1
+
+
+PLAIN = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, stop_token_ids=[4], max_tokens=9),
+         SamplingParams(temperature=0.0, ignore_eos=True, stop=["x"])]
+NOT_PLAIN = CASES + [SamplingParams(temperature=0.0, logprobs=0), SamplingParams(temperature=0.0, min_tokens=2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_plain_and_greedy_are_what_the_sampler_does_for_plain_rows(dtype):
+    logits, ids, P = random_case(6, seed=9)
+    logits = logits.to(dtype)
+    rows = rows_for([PLAIN[i % 3] for i in range(6)], ids, P)
+    assert Sampler.plain(rows)
+    tensor, tokens = Sampler.greedy(logits)
+    assert tensor.dtype == torch.int64 and tensor.shape == (6,) and tensor.tolist() == tokens
+    assert Sampler(eos_ids=EOS)(logits, rows) == (tokens, [None] * 6)
+    if dtype != torch.bfloat16:  # ties are possible there; numpy's argmax is the oracle elsewhere
+        assert tokens == logits.numpy().argmax(axis=-1).tolist()
+    for p in NOT_PLAIN:  # one row that is not plain makes the batch not plain
+        mixed = rows_for(PLAIN + [p], ids[:4], P)
+        assert not Sampler.plain(mixed), p
+        if p.greedy and p.logprobs is not None:
+            assert Sampler(eos_ids=EOS)(logits[:4], mixed)[1][3] is not None
