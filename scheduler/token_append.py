@@ -42,6 +42,13 @@ class BatchStops:
     ask_from: np.ndarray
     stop_table: Optional[np.ndarray]
 
+    def keep(self, rows: list[int]) -> "BatchStops":
+        """The stops of the batch that keeps only these rows (ascending), e.g. once some stopped:
+        no rule is read again (~4x cheaper than batch_stops at 256 rows). Its table still holds
+        the dropped rows' ids: a few more rows asked, the same answers (check_stop decides)."""
+        lists = self.token_lists
+        return BatchStops([lists[i] for i in rows], self.ask_from[rows], self.stop_table)
+
 
 class TokenAppender:
     """Appends sampled tokens for a model (its EOS ids, max_model_len and tokenizer); `finish(seq,

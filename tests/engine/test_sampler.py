@@ -8,7 +8,7 @@ from transformers.generation import logits_process as hf
 
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.scheduler import logits_processors as lp
-from hybridkv.scheduler.sampler import SampleRow, Sampler, gather_logprobs
+from hybridkv.scheduler.sampler import SampleRow, Sampler, argmax_rows, gather_logprobs
 
 V = 1000
 EOS = [3]
@@ -185,10 +185,21 @@ def test_plain_and_greedy_are_what_the_sampler_does_for_plain_rows(dtype):
     tensor, tokens = Sampler.greedy(logits)
     assert tensor.dtype == torch.int64 and tensor.shape == (6,) and tensor.tolist() == tokens
     assert Sampler(eos_ids=EOS)(logits, rows) == (tokens, [None] * 6)
-    if dtype != torch.bfloat16:  # ties are possible there; numpy's argmax is the oracle elsewhere
-        assert tokens == logits.numpy().argmax(axis=-1).tolist()
+    assert tokens == logits.float().argmax(dim=-1).tolist()  # torch's own argmax, the oracle
     for p in NOT_PLAIN:  # one row that is not plain makes the batch not plain
         mixed = rows_for(PLAIN + [p], ids[:4], P)
         assert not Sampler.plain(mixed), p
         if p.greedy and p.logprobs is not None:
             assert Sampler(eos_ids=EOS)(logits[:4], mixed)[1][3] is not None
+
+
+def test_argmax_rows_is_torchs_argmax_with_ties_nans_and_strides():
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(40, 300, generator=g)
+    x[:20] = x[:20].round()  # many ties: the first maximum wins
+    x[3, 7] = x[5, 0] = x[5, 299] = float("nan")  # a NaN is the maximum
+    x[6] = float("-inf")
+    x[8, 100] = x[8, 200] = float("inf")
+    for view in (x, x[::3], x[:, 50:], x.t().contiguous().t()):
+        got = argmax_rows(view)
+        assert got.dtype == torch.int64 and torch.equal(got, view.argmax(dim=-1))

@@ -1,7 +1,8 @@
 """TokenAppender.batch_stops + append_batch (the steady decode batch's path) against the row loop
 `TokenAppender.__call__` on twin copies of random batches: random stop rules (max_tokens,
 stop ids, EOS or ignore_eos, min_tokens, stop strings, max_model_len), tokens drawn often from the
-stop ids, finish and check_stop that raise for some rows, and sibling rows a failure ends; after
+stop ids, finish and check_stop that raise for some rows, and sibling rows a failure ends, the
+batch rebuilt or kept (`BatchStops.keep`) without the rows that ended; after
 every step the returned values, every row's tokens, status, finish reason and stop_reason, and the
 order of the finish / fail calls must be the same."""
 import random
@@ -102,8 +103,9 @@ def test_append_batch_answers_as_the_row_loop(seed):
             stopped_rows += len(want[1])
             if any(s.finished for s in new.running):  # the engine rebuilds its batch without them
                 old.running = [s for s in old.running if not s.finished]
-                new.running = [s for s in new.running if not s.finished]
-                stops = new.appender.batch_stops(new.running)
+                rows = [i for i, s in enumerate(new.running) if not s.finished]
+                new.running = [new.running[i] for i in rows]
+                stops = stops.keep(rows) if rng.random() < 0.5 else new.appender.batch_stops(new.running)
         failed += sum(entry[0] == "fail" for entry in old.log)
     assert stopped_rows > 20 and failed > 0 and asked > 500  # stops and failures did happen
 
