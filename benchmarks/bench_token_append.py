@@ -12,7 +12,8 @@ kept low so no row stops and the batch stays the same), max_tokens large, random
            `TokenAppender.__call__`;
   batch:   `Sampler.greedy` and `TokenAppender.append_batch` with `Sampler.plain` and the
            BatchStops made once per batch (that one-off cost printed apart, the rows' StopRules
-           already made, as the engine's are by their first token), lengths kept as an array.
+           already made, as the engine's are by their first token), lengths kept as an array;
+           `BatchStops.keep` (the batch less a row that stopped) printed apart too.
 CPU time (`time.process_time`, 1 torch thread), the two paths alternating in one process, each
 repeat on fresh sequences; per path the median of the repeats' ms per step, with min-max.
 """
@@ -63,7 +64,7 @@ def per_row(sampler, appender, seqs, logits_cycle, steps) -> float:
     return (time.process_time() - t0) / steps
 
 
-def batched(sampler, appender, seqs, logits_cycle, steps) -> tuple[float, float]:
+def batched(sampler, appender, seqs, logits_cycle, steps) -> tuple[float, float, float]:
     appender.batch_stops(seqs)  # makes the rows' StopRules
     t0 = time.process_time()
     assert sampler.plain(seqs)
@@ -74,7 +75,9 @@ def batched(sampler, appender, seqs, logits_cycle, steps) -> tuple[float, float]
         tensor, tokens = sampler.greedy(logits_cycle[k % len(logits_cycle)])
         lengths += 1
         appender.append_batch(seqs, tokens, stops, lengths, unexpected, tensor.numpy())
-    return (time.process_time() - t1) / steps, t1 - t0
+    t2 = time.process_time()
+    stops.keep(list(range(1, len(seqs))))  # the batch after its first row stopped
+    return (time.process_time() - t1) / steps, t1 - t0, time.process_time() - t2
 
 
 def main():
@@ -94,15 +97,16 @@ def main():
     sampler = Sampler(eos_ids=EOS)
     appender = TokenAppender(set(EOS), 1 << 20, None, lambda seq, reason: unexpected(seq, reason))
     rng = np.random.default_rng(0)
-    old, row, new, once = [], [], [], []
+    old, row, new, once, kept = [], [], [], [], []
     for path in (before, per_row, batched):  # warm-up
         path(sampler, appender, batch(a.rows, a.vocab, rng), logits_cycle, 20)
     for _ in range(a.repeats):
         old.append(before(sampler, appender, batch(a.rows, a.vocab, rng), logits_cycle, a.steps))
         row.append(per_row(sampler, appender, batch(a.rows, a.vocab, rng), logits_cycle, a.steps))
-        step, setup = batched(sampler, appender, batch(a.rows, a.vocab, rng), logits_cycle, a.steps)
+        step, setup, keep = batched(sampler, appender, batch(a.rows, a.vocab, rng), logits_cycle, a.steps)
         new.append(step)
         once.append(setup)
+        kept.append(keep)
 
     def show(xs):
         return f"{statistics.median(xs) * 1e3:.3f} ({min(xs) * 1e3:.3f}-{max(xs) * 1e3:.3f}) ms"
@@ -114,6 +118,7 @@ def main():
         print(f"{name} / before: {statistics.median(n / o for n, o in zip(xs, old)):.2f}x "
               f"(median of the repeats' ratios)")
     print(f"once per batch (plain + batch_stops):  {show(once)}")
+    print(f"BatchStops.keep (one row dropped):     {show(kept)}")
 
 
 if __name__ == "__main__":
