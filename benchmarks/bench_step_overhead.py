@@ -81,6 +81,8 @@ def one_run(num_reqs: int, steps: int, real: bool, stream: bool = False) -> dict
     eng, acc = llm.engine, {}
     eng.model = _Timed(llm.model if real else _StubModel(llm.model), acc, "model")
     eng.sampler = _Timed(eng.sampler, acc, "sampler")
+    if hasattr(eng.sampler.inner, "greedy"):  # a decode batch's plain greedy rows (absent in older trees)
+        eng.sampler.greedy = _Timed(eng.sampler.inner.greedy, acc, "sampler")
     eng.scheduler.schedule = _Timed(eng.scheduler.schedule, acc, "schedule")
     eng.mgr.commit = _Timed(eng.mgr.commit, acc, "commit")
     if hasattr(eng.mgr, "commit_decodes"):  # the batched commit of plain decodes (absent in older trees)
@@ -100,8 +102,8 @@ def one_run(num_reqs: int, steps: int, real: bool, stream: bool = False) -> dict
         total = time.process_time() - t0
         if i < 5:
             continue
-        over = total - acc["model"] - acc["sampler"]
-        for key, v in (("step", total), ("overhead", over), ("model", acc["model"]), ("sampler", acc["sampler"]),
+        over = total - acc["model"] - acc.get("sampler", 0.0)
+        for key, v in (("step", total), ("overhead", over), ("model", acc["model"]), ("sampler", acc.get("sampler", 0.0)),
                        ("schedule", acc["schedule"]), ("commit", acc.get("commit", 0.0)),
                        ("overhead_share", over / total)):
             rows.setdefault(key, []).append(v)

@@ -53,9 +53,7 @@ The semantics of each verb over each kind: docs/design.md.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import types
-from operator import attrgetter
 from typing import Hashable, Mapping, Optional, Sequence
 
 import numpy as np
@@ -78,9 +76,6 @@ from hybridkv.prefix_match import NO_MATCH, PrefixHitCounter, PrefixMatch, match
 from hybridkv.request_state import PREEMPTED, RUNNING, SWAPPED, RequestState
 from hybridkv.snapshot import RequestSnapshot
 from hybridkv.specs import LayerSpec
-
-_num_computed = attrgetter("num_computed_tokens")
-_token_ids = attrgetter("token_ids")
 
 
 class HybridCacheManager:
@@ -106,9 +101,9 @@ class HybridCacheManager:
         self.recurrent: Optional[RecurrentMemory] = kinds.recurrent
         self.kinds: list[LayerMemory] = kinds.all  # those that can refuse for lack of a slot first
         # the kinds whose pools change per token (a recurrent state is written in place): the
-        # per-step verbs skip the others, whose allocate and commit do nothing
-        self._allocating = [k for k in self.kinds if type(k).allocate is not LayerMemory.allocate]
-        self._committing = [k for k in self.kinds if type(k).commit is not LayerMemory.commit]
+        # per-step verbs (here and in decode_rows.py) skip the others, whose allocate and commit do nothing
+        self.allocating_kinds = [k for k in self.kinds if type(k).allocate is not LayerMemory.allocate]
+        self.committing_kinds = [k for k in self.kinds if type(k).commit is not LayerMemory.commit]
         self.bursts = BurstRule(block_size, self._prompt_hashes, lambda hashes, n: self._match(hashes, n).blocks)
         self._reqs: dict[Hashable, RequestState] = {}
         self.hits = PrefixHitCounter()
@@ -310,7 +305,7 @@ class HybridCacheManager:
             return []
         start = r.num_computed_tokens
         end = start + num_new_tokens
-        kinds = self._allocating
+        kinds = self.allocating_kinds
         for kind in kinds:
             if not kind.can_allocate(req_id, start, end):
                 return None
@@ -324,8 +319,7 @@ class HybridCacheManager:
         """The handle of the batched one-token verbs for these running requests, in this order
         (decode_rows.py: valid while they run and get blocks only through allocate_decodes)."""
         req_ids = list(req_ids)
-        states = list(map(self._running, req_ids))
-        return DecodeRows.of(req_ids, states, self.live_slots(req_ids), self.attention_groups, self.attention)
+        return DecodeRows.of(self, req_ids, list(map(self._running, req_ids)), self.live_slots(req_ids))
 
     def allocate_decodes(self, rows: DecodeRows | Sequence[Hashable], starts: Sequence[int] | np.ndarray
                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -335,77 +329,11 @@ class HybridCacheManager:
         whether it was allocated). Most tokens land in a block the request holds alone and need
         nothing; those that start a block get one, and a copy of a shared partial block is made,
         only when every pool can give all of them theirs, else none of them does (False:
-        allocate() those one by one, in run order, preempting as needed)."""
+        allocate() those one by one, in run order, preempting as needed). A step that continues
+        the handle's last one costs no look at each request (decode_rows.py)."""
         if not isinstance(rows, DecodeRows):
             rows = self.decode_rows(rows)
-        starts = np.asarray(starts, dtype=np.int64)
-        slots = self._next_decode_slots(rows, starts)
-        if slots is None:
-            slots, ready = self._decode_slots(rows, starts)
-        else:
-            ready = np.ones(len(rows), dtype=bool)
-        rows.last = (starts, slots) if ready.all() else None
-        due = np.zeros(len(rows), dtype=bool)
-        if self.recurrent is not None and self.enable_prefix_caching:  # due only at a block boundary
-            ends = np.flatnonzero(starts % self.block_size == self.block_size - 1)
-            if ends.size:
-                inside = starts[ends] < rows.num_prompt[ends]
-                due[ends] = self.policy.decodes_due(starts[ends] + 1)  # past the prompt: the policy's own rule
-                for i in ends[inside].tolist():
-                    s = int(starts[i])
-                    due[i] = self.checkpoint_due(rows.req_ids[i], s, s + 1) is not None
-        return slots, due, ready
-
-    def _next_decode_slots(self, rows: DecodeRows, starts: np.ndarray) -> Optional[np.ndarray]:
-        """The slots when `rows` allocated every token one before these last time: a token inside
-        the block of the one before writes the next slot of that block, which it holds alone (it
-        was checked, or handed out to it, and only full blocks are found by others); those that
-        start a block get a new one each, when every pool has them all. None: the general way."""
-        if rows.last is None or not np.array_equal(rows.last[0] + 1, starts):
-            return None
-        bs, slots = self.block_size, rows.last[1]
-        slots = slots + 1 if rows.lead is not None else slots.copy()
-        fresh = np.flatnonzero(starts % bs == 0)
-        if not fresh.size:
-            return slots
-        groups = [rows.group_of(kind) for kind in self._allocating]
-        if any(fresh.size > kind.pool.num_free for kind in self._allocating) or not all(
-                (g.held[fresh] * bs == starts[fresh]).all() for g in groups):
-            return None
-        for group in groups:
-            group.add_blocks(rows.req_ids, fresh)
-        if rows.lead is not None:
-            slots[fresh] = rows.lead.slots(fresh, starts)
-        return slots
-
-    def _decode_slots(self, rows: DecodeRows, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """allocate_decodes' (slots, ready), each kind asked where every token lands."""
-        n, bs = len(rows), self.block_size
-        ready, slots = np.ones(n, dtype=bool), np.full(n, -1, dtype=np.int64)
-        rooms = {}
-        for kind in self._allocating:
-            group = rows.group_of(kind)
-            kind_slots, rooms[kind] = kind.decode_room(group.rows, group.held, group.alone, starts)
-            ready &= rooms[kind]
-            if group is rows.lead:
-                slots = kind_slots
-        short = np.flatnonzero(~ready)
-        if short.size and all(short.size <= k.pool.num_free for k in self._allocating):  # <= 1 block each
-            for kind in self._allocating:
-                group = rows.group_of(kind)
-                need = short[~rooms[kind][short]]
-                at_end = starts[need] == group.held[need] * bs  # a token that starts the next block
-                if at_end.all():  # the usual case: the pool hands them out in one call, in row order
-                    group.add_blocks(rows.req_ids, need)
-                else:  # some copy a shared partial block (a fork's): one by one, in row order
-                    for i in need.tolist():
-                        rid, s = rows.req_ids[i], int(starts[i])
-                        kind.allocate(rid, s, s + 1)
-                        group.held[i], group.alone[i] = len(kind.block_ids(rid)), s // bs
-                if group is rows.lead:
-                    slots[short] = group.slots(short, starts)
-            ready[short] = True
-        return slots, ready
+        return rows.allocate(starts)
 
     def commit_decodes(self, rows: DecodeRows | Sequence[Hashable], starts: Optional[np.ndarray] = None
                        ) -> dict[int, Exception]:
@@ -416,42 +344,18 @@ class HybridCacheManager:
         together, the others through commit(), in order. Each must hold its token's slot
         (allocate_decodes or allocate). Returns {index: the error} of those whose commit raised
         (each of them left as it was); the others are committed whatever happened to those."""
-        failed: dict[int, Exception] = {}
         if not isinstance(rows, DecodeRows):
             try:
                 rows = self.decode_rows(rows)
             except (RequestStateError, KeyError):  # an unknown or idle id: each one on its own
+                failed: dict[int, Exception] = {}
                 for i, rid in enumerate(rows):
                     try:
                         self.commit(rid, 1)
                     except Exception as e:
                         failed[i] = e
                 return failed
-        n, states, req_ids = len(rows), rows.states, rows.req_ids
-        if starts is None:
-            new = np.fromiter(map(_num_computed, states), np.int64, n) + 1
-            alone = new <= np.fromiter(map(len, map(_token_ids, states)), np.int64, n)
-            alone &= new > rows.num_prompt
-        else:
-            new = starts + 1
-            alone = new > rows.num_prompt
-        for kind in self._committing:
-            alone &= kind.decode_commit_idle(new)
-        fills = new % self.block_size == 0
-        inside = alone & ~fills
-        for r in itertools.compress(states, inside.tolist()):
-            r.num_computed_tokens += 1
-        # allocated and known (the engine's batch): a token that fills a block needs its hash only
-        hash_only = (alone & fills).tolist() if starts is not None else None
-        for i in np.flatnonzero(~inside).tolist():  # in order: the first of equal blocks is the cached one
-            try:
-                if hash_only is not None and hash_only[i]:
-                    self._advance(req_ids[i], states[i], int(new[i]))
-                else:
-                    self.commit(req_ids[i], 1)
-            except Exception as e:
-                failed[i] = e
-        return failed
+        return rows.commit(starts)
 
     def commit(self, req_id: Hashable, num_new_tokens: int) -> None:
         """The model computed `num_new_tokens` more tokens: advance num_computed_tokens, hash
@@ -463,18 +367,18 @@ class HybridCacheManager:
             raise RequestStateError(
                 f"commit of {num_new_tokens} tokens for {req_id!r} reaches {new}, past its "
                 f"{len(r.token_ids)} known tokens or {held} allocated token slots: allocate() first")
-        self._advance(req_id, r, new)
+        self.advance(req_id, r, new)
         if new >= r.num_prompt_tokens:  # its prompt is computed: no follower can wait for it now
             self.bursts.drop(req_id)
 
-    def _advance(self, req_id: Hashable, r: RequestState, new: int) -> None:
-        """commit() past its checks: num_computed_tokens becomes `new`, full blocks get hashed."""
+    def advance(self, req_id: Hashable, r: RequestState, new: int) -> None:
+        """commit() past its checks (the caller made them, as the decode verbs do): num_computed_tokens becomes `new`, full blocks get hashed."""
         r.num_computed_tokens = new
         hashed = r.num_hashed_blocks
         full = max(new // self.block_size if self.enable_prefix_caching else 0, hashed)
         if full > hashed:
             extend_hashes(r.block_hashes, r.token_ids, full, r.extra_key, self.block_size)
-        for kind in self._committing:
+        for kind in self.committing_kinds:
             kind.commit(req_id, r.block_hashes, hashed, full, new)
         r.num_hashed_blocks = full
 
@@ -518,12 +422,7 @@ class HybridCacheManager:
         """checkpoint() of the i-th request of `rows` right after commit_decodes(rows, ...)
         committed its token at a block boundary that allocate_decodes said was due: that commit
         hashed the block and made it findable in every kind, so only the state is kept."""
-        if self.recurrent is None or not self.enable_prefix_caching:
-            return False
-        r = rows.states[i]
-        nc = r.num_computed_tokens
-        output = nc > r.num_prompt_tokens and self.policy.rolling_output
-        return self.recurrent.checkpoint(rows.req_ids[i], r.block_hashes[nc // self.block_size - 1], nc, output)
+        return rows.checkpoint(i)
 
     def batched_checkpoints(self):
         """A context in which checkpoint() calls keep their bookkeeping but copy the states at the

@@ -83,12 +83,12 @@ class CheckpointPolicy:
         hits = [b for b in found if start < b <= end and b > 0]
         return min(hits) if hits else None
 
-    def decodes_due(self, ends: np.ndarray) -> np.ndarray:
+    def decodes_due(self, ends: np.ndarray) -> np.ndarray | bool:
         """due() for one-token steps past their prompts that end at the block boundaries `ends`
-        (int64): an array of bools. Shared boundaries and branch points lie inside prompts, and so
-        does the prompt end, so only the rule's own output boundaries count."""
+        (int64): an array of bools, or one bool for all. Shared boundaries and branch points lie
+        inside prompts, and so does the prompt end, so only the rule's own output boundaries count."""
         if self.rolling_output:  # the latest output boundary: this one
-            return np.ones(len(ends), dtype=bool)
+            return True
         if self.name == "every_n_blocks":
             return ends % (self.every_n * self.block_size) == 0
         return np.zeros(len(ends), dtype=bool)

@@ -58,6 +58,8 @@ class BatchBuilder:
     def build_decodes(self, batch: DecodeBatch) -> ForwardBatch:
         """The batch of a DecodeBatch (allocated): one token per sequence, its last."""
         rows = batch.rows
+        if self.device.type == "cpu" and len(rows.groups) <= 1:
+            return self._cpu_decodes(batch)
         groups = {w: g.table() for w, g in rows.groups.items()}
         lead = next((groups[w] for w, g in rows.groups.items() if g is rows.lead), None)
         if lead is None:  # no attention layers
@@ -66,6 +68,30 @@ class BatchBuilder:
             groups = {}
         return self._build([s.token_ids[-1] for s in batch.seqs], batch.positions, None, lead, groups,
                            rows.state_slots.copy(), None, batch.kv_slots)  # no batch aliases the handle
+
+    def _cpu_decodes(self, batch: DecodeBatch) -> ForwardBatch:
+        """build_decodes on the CPU with at most one attention group: the fields that stay the
+        same while the batch lives (query starts, state slots, has_initial_state: a decode is past
+        its prompt) are made once and shared by its steps (nothing writes a batch's fields); the
+        token ids are the tensor the step before sampled, when it did."""
+        n = len(batch)
+        fixed = batch.fixed.get("cpu_batch")
+        if fixed is None:
+            fixed = batch.fixed["cpu_batch"] = (
+                torch.arange(n + 1, dtype=torch.int32), torch.from_numpy(batch.rows.state_slots.copy()),
+                torch.ones(n, dtype=torch.bool), [1] * n)
+        qsl, state_slots, has_initial_state, query_lens = fixed
+        ids = batch.input_ids
+        if ids is None:
+            ids = torch.tensor([s.token_ids[-1] for s in batch.seqs], dtype=torch.long)
+        lead = batch.rows.lead
+        table = lead.table() if lead is not None else np.zeros((n, 1), dtype=np.int32)
+        seq_lens = batch.positions + 1
+        return ForwardBatch(
+            input_ids=ids, positions=torch.from_numpy(batch.positions), slot_mapping=torch.from_numpy(batch.kv_slots),
+            query_start_loc=qsl, seq_lens=torch.from_numpy(seq_lens.astype(np.int32)), state_slots=state_slots,
+            has_initial_state=has_initial_state, block_table=torch.from_numpy(table),
+            query_lens_cpu=query_lens, seq_lens_cpu=seq_lens.tolist())
 
     def _build(self, ids: list[int], start: np.ndarray, counts: Optional[list[int]], lead: np.ndarray,
                groups: dict, state_slots, logits_indices: Optional[Sequence[int]],

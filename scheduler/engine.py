@@ -26,7 +26,6 @@ import math
 import threading
 import time
 import uuid
-from functools import partial
 from typing import Hashable, Optional
 
 import torch
@@ -249,10 +248,54 @@ class Engine:
             return
         self._count_step(t0, len(seqs))
         self.counters["decode_batch_steps"] += 1
-        with self.mgr.batched_checkpoints():
-            rows, seqs = self._commit_decodes(list(range(len(seqs))), seqs, [], touched, False, batch)
-        self._sample(logits if len(rows) == len(logits) else logits[rows], seqs, touched, finished_only)
+        mgr, failed = self.mgr, False
+        with mgr.batched_checkpoints():
+            errors = mgr.commit_decodes(batch.rows, batch.positions)
+            for j, e in errors.items():
+                self._fail_group(seqs[j], e, touched, discard=True)
+            for i in batch.checkpoints:
+                seq = seqs[i]
+                if not seq.finished:
+                    try:
+                        mgr.checkpoint_decode(batch.rows, i)
+                    except Exception as e:
+                        self._fail_group(seq, e, touched)
+                        failed = True
+        if errors or failed:  # those left sample as in the general path; the batch ends here
+            keep = [j for j, s in enumerate(seqs) if not s.finished]
+            if keep:
+                self._sample(logits[keep], [seqs[j] for j in keep], touched, finished_only)
+            return
+        self._sample_batch(batch, logits, touched, finished_only)
         self.scheduler.decoded(batch)
+
+    def _sample_batch(self, batch: DecodeBatch, logits: torch.Tensor, touched: dict, finished_only: bool) -> None:
+        """_sample for a decode batch all of whose rows are left: when every row is plain greedy
+        (no logprobs), one argmax and the batch's stop rules (made once per batch) instead of a
+        look at each row; the tokens it samples are the next step's input ids."""
+        seqs, fixed = batch.seqs, batch.fixed
+        plain = fixed.get("plain")
+        if plain is None:
+            plain = fixed["plain"] = self.sampler.plain(seqs)
+        if not plain:
+            self._sample(logits, seqs, touched, finished_only)
+            return
+        stops = fixed.get("stops")
+        if stops is None:
+            stops = fixed["stops"] = self.append_tokens.batch_stops(seqs)
+        try:
+            sampled, tokens = self.sampler.greedy(logits)
+        except Exception:  # row by row, each failing alone
+            self._sample(logits, seqs, touched, finished_only)
+            return
+        appended, stopped = self.append_tokens.append_batch(
+            seqs, tokens, stops, batch.positions + 2, lambda seq, e: self._fail_group(seq, e, touched),
+            sampled.numpy() if sampled.device.type == "cpu" else None)
+        batch.sampled = sampled
+        self.counters["generated_tokens"] += appended
+        groups = self.groups
+        for seq in (stopped if finished_only else seqs):
+            touched[seq.group_id] = groups[seq.group_id]
 
     def _forward(self, seqs: list[Sequence], forward, touched: dict) -> tuple:
         """forward()'s (logits, finite), or (None, None) when it raised: the batch cannot be told
@@ -346,28 +389,21 @@ class Engine:
                          finished_only)
 
     def _commit_decodes(self, rows: list[int], seqs: list[Sequence], checkpoints: list[Sequence],
-                        touched: dict, some_failed: bool, batch: Optional[DecodeBatch] = None
-                        ) -> tuple[list[int], list[Sequence]]:
+                        touched: dict, some_failed: bool) -> tuple[list[int], list[Sequence]]:
         """Commit the decodes' tokens in one manager call, then take the checkpoints due after
         them; returns the rows and sequences left to sample (a commit or checkpoint that raised
-        fails its request alone, as in the per-chunk path). batch: the seqs' DecodeBatch, whose
-        handle the manager's verbs take (then `checkpoints` is unused: the batch has them)."""
+        fails its request alone, as in the per-chunk path)."""
         if some_failed:  # a sibling's failure earlier in the step may have ended some of them
             keep = [j for j, s in enumerate(seqs) if not s.finished]
             rows, seqs = [rows[j] for j in keep], [seqs[j] for j in keep]
-        if batch is not None:
-            errors = self.mgr.commit_decodes(batch.rows, batch.positions)
-            due = [(seqs[i], partial(self.mgr.checkpoint_decode, batch.rows, i)) for i in batch.checkpoints]
-        else:
-            errors = self.mgr.commit_decodes([s.request_id for s in seqs])
-            due = [(seq, partial(self.mgr.checkpoint, seq.request_id)) for seq in checkpoints]
+        errors = self.mgr.commit_decodes([s.request_id for s in seqs])
         for j, e in errors.items():
             self._fail_group(seqs[j], e, touched, discard=True)
         checkpoint_failed = False
-        for seq, checkpoint in due:
+        for seq in checkpoints:
             if not seq.finished:
                 try:
-                    checkpoint()
+                    self.mgr.checkpoint(seq.request_id)
                 except Exception as e:
                     self._fail_group(seq, e, touched)
                     checkpoint_failed = True

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
+import torch
 
 from hybridkv.decode_rows import DecodeRows
 
@@ -40,7 +41,11 @@ class DecodeBatch:
     sequence's num_computed_tokens; its last token), written to KV slot `kv_slots[i]` of the lead
     attention group (-1 without attention); `checkpoints`: indices of those due a state
     checkpoint after it. `rows`: the manager's handle on their memory (hybridkv/decode_rows.py).
-    `version`: the running queue's version this batch was made for."""
+    `version`: the running queue's version this batch was made for. `fixed`: what stays the
+    same while these sequences decode together (kept by the engine and the batch builder: the
+    sequences' stop rules, constant batch fields), shared by every step of the batch.
+    `input_ids`: the tokens at `positions` as an int64 tensor when the step before sampled them
+    (else read from the sequences)."""
 
     seqs: list[Sequence]
     rows: DecodeRows
@@ -48,6 +53,9 @@ class DecodeBatch:
     version: int
     kv_slots: Optional[np.ndarray] = None  # set once the manager allocated them
     checkpoints: list[int] = field(default_factory=list)
+    fixed: dict = field(default_factory=dict)
+    input_ids: Optional[torch.Tensor] = None
+    sampled: Optional[torch.Tensor] = None  # this step's sampled tokens, once the engine has them
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -57,8 +65,12 @@ class DecodeBatch:
         return self.rows.req_ids
 
     def advanced(self, version: int) -> "DecodeBatch":
-        """The same sequences one token later (each computed and appended one), for `version`."""
-        return DecodeBatch(self.seqs, self.rows, self.positions + 1, version)
+        """The same sequences one token later (each computed and appended one), for `version`:
+        at the starts the manager's commit left (`rows.next`: passing them back tells it the
+        step continues the last one), reading the tokens sampled last step."""
+        after = self.rows.next
+        return DecodeBatch(self.seqs, self.rows, self.positions + 1 if after is None else after, version,
+                           fixed=self.fixed, input_ids=self.sampled)
 
     def chunks(self) -> list[ScheduledChunk]:
         """The general path's chunks for these decodes (allocated: kv_slots set)."""

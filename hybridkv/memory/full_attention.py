@@ -177,9 +177,10 @@ class FullAttentionMemory(LayerMemory):
             alone[found] = col[found]
         return np.where(inside, block * bs + off, -1), room
 
-    def add_decode_blocks(self, rids: list, rows: np.ndarray, cols: np.ndarray) -> None:
+    def add_decode_blocks(self, rids: list, rows: np.ndarray, cols: np.ndarray) -> list[int]:
         """One new block for each of rids, at table position cols[i] (its next; rows[i]: its table
-        row): the batched allocate() of decodes that start a block. The pool must have them."""
+        row): the batched allocate() of decodes that start a block; returns them. The pool must
+        have them."""
         new = self.pool.allocate(len(rids))
         if new is None:
             raise RuntimeError(f"add_decode_blocks: {len(rids)} blocks wanted, {self.pool.num_free} free")
@@ -187,6 +188,7 @@ class FullAttentionMemory(LayerMemory):
         self.tables.array[rows, cols] = new
         for blocks, b in zip(map(self._blocks.__getitem__, rids), new):
             blocks.append(b)
+        return new
 
     def slot_mapping(self, rid: Hashable, start: int, end: int) -> list[int]:
         """KV write slots `block * block_size + pos % block_size` for positions [start, end)."""
@@ -202,9 +204,9 @@ class FullAttentionMemory(LayerMemory):
             width = max(map(len, map(self._blocks.__getitem__, rids)), default=1)
         return self.tables.gather(list(map(self._row.__getitem__, rids)), width)
 
-    def decode_commit_idle(self, num_computed: np.ndarray) -> np.ndarray:
+    def decode_commit_idle(self, num_computed: np.ndarray) -> np.ndarray | bool:
         # commit changes something only when a block fills (its hash, which the manager sees)
-        return np.ones(len(num_computed), dtype=bool)
+        return True
 
     def commit(self, rid: Hashable, hashes: Sequence[bytes], num_hashed: int, num_full: int,
                num_computed: int) -> None:

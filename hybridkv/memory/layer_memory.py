@@ -63,10 +63,11 @@ class LayerMemory(ABC):
         """rid now has num_computed tokens computed; blocks [num_hashed, num_full) just became full
         and their hashes are hashes[num_hashed:num_full]."""
 
-    def decode_commit_idle(self, num_computed: np.ndarray) -> np.ndarray:
+    def decode_commit_idle(self, num_computed: np.ndarray) -> np.ndarray | bool:
         """Per request, whether commit() up to num_computed[i] tokens, one more than before and
         filling no block, would change nothing in this kind (then the manager skips it); an
-        array of bools. A kind that overrides commit must say; by default, never."""
+        array of bools, or True for every one. A kind that overrides commit must say; by
+        default, never."""
         return np.zeros(len(num_computed), dtype=bool)
 
     def mark_boundary(self, rid: Hashable, index: int, h: bytes) -> None:
