@@ -372,15 +372,37 @@ class HybridCacheManager:
             self.bursts.drop(req_id)
 
     def advance(self, req_id: Hashable, r: RequestState, new: int) -> None:
-        """commit() past its checks (the caller made them, as the decode verbs do): num_computed_tokens becomes `new`, full blocks get hashed."""
-        r.num_computed_tokens = new
-        hashed = r.num_hashed_blocks
-        full = max(new // self.block_size if self.enable_prefix_caching else 0, hashed)
-        if full > hashed:
-            extend_hashes(r.block_hashes, r.token_ids, full, r.extra_key, self.block_size)
-        for kind in self.committing_kinds:
-            kind.commit(req_id, r.block_hashes, hashed, full, new)
-        r.num_hashed_blocks = full
+        """commit() past its checks (the caller made them): num_computed_tokens becomes `new`,
+        full blocks get hashed."""
+        failed = self.advance_each([req_id], [r], [0], [new])
+        if failed:
+            raise failed[0]
+
+    def advance_each(self, req_ids: list, states: list[RequestState], rows: list[int], new: list[int]
+                     ) -> dict[int, Exception]:
+        """advance() of requests `rows` (indices into req_ids and states, in this order) to new[i]
+        tokens, in one loop (a decode step's tokens that fill blocks); {row: error} of those
+        that raised, each left at the tokens it had."""
+        bs, kinds, failed = self.block_size, self.committing_kinds, {}
+        caching = self.enable_prefix_caching
+        for i in rows:
+            r, n = states[i], new[i]
+            before = r.num_computed_tokens
+            try:
+                r.num_computed_tokens = n
+                hashed = r.num_hashed_blocks
+                full = n // bs if caching else 0
+                if full > hashed:
+                    extend_hashes(r.block_hashes, r.token_ids, full, r.extra_key, bs)
+                else:
+                    full = hashed
+                for kind in kinds:
+                    kind.commit(req_ids[i], r.block_hashes, hashed, full, n)
+                r.num_hashed_blocks = full
+            except Exception as e:
+                r.num_computed_tokens = before
+                failed[i] = e
+        return failed
 
     def block_table(self, req_ids: Sequence[Hashable], width: Optional[int] = None) -> torch.Tensor:
         """int32 `[len(req_ids), width]` (CPU) of block ids of running requests; width defaults to

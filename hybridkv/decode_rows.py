@@ -233,13 +233,10 @@ class DecodeRows:
         if starts is not None and alone.all():  # the steady case: only the filling ones hash
             for r in states:
                 r.num_computed_tokens += 1
-            new_list = new.tolist() if fills.size else ()
-            for i in fills.tolist():  # in order: the first of equal blocks is the cached one
-                try:
-                    mgr.advance(req_ids[i], states[i], new_list[i])
-                except Exception as e:
-                    states[i].num_computed_tokens = new_list[i] - 1
-                    failed[i] = e
+            if fills.size:  # in order: the first of equal blocks is the cached one
+                failed = mgr.advance_each(req_ids, states, fills.tolist(), new.tolist())
+                for i in failed:
+                    states[i].num_computed_tokens -= 1  # left as it was
         else:
             on_own = ~alone
             on_own[fills] = True

@@ -9,7 +9,7 @@ PREEMPTED = "preempted"      # recompute: holds nothing, resumes through a prefi
 SWAPPED = "swapped"          # holds a host copy of its memory
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class RequestState:
     """One request as the manager sees it. Read freely; change only through the manager.
 

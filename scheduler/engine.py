@@ -254,13 +254,13 @@ class Engine:
             for j, e in errors.items():
                 self._fail_group(seqs[j], e, touched, discard=True)
             for i in batch.checkpoints:
-                seq = seqs[i]
-                if not seq.finished:
-                    try:
-                        mgr.checkpoint_decode(batch.rows, i)
-                    except Exception as e:
-                        self._fail_group(seq, e, touched)
-                        failed = True
+                if (errors or failed) and seqs[i].finished:
+                    continue
+                try:
+                    mgr.checkpoint_decode(batch.rows, i)
+                except Exception as e:
+                    self._fail_group(seqs[i], e, touched)
+                    failed = True
         if errors or failed:  # those left sample as in the general path; the batch ends here
             keep = [j for j, s in enumerate(seqs) if not s.finished]
             if keep:
