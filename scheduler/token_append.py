@@ -13,6 +13,7 @@ and costs one list append per row; only those rows run through `check_stop`, in 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections import deque
 from typing import Callable, Optional
 
 import numpy as np
@@ -133,9 +134,8 @@ class TokenAppender:
             may |= stops.stop_table.take(token_array, mode="clip")
         asked = np.flatnonzero(may).tolist()
         lists = stops.token_lists
-        if not asked:
-            for ids, t in zip(lists, tokens):
-                ids.append(t)
+        if not asked:  # the usual step: the appends in one C loop
+            deque(map(list.append, lists, tokens), maxlen=0)
             return len(tokens), []
         eos, max_len, tok_ = self.eos_ids, self.max_model_len, self.tokenizer
         stopped, start = [], 0
