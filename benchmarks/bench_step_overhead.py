@@ -138,6 +138,10 @@ def main(argv=None) -> int:
             fmt = (lambda v: f"{100 * v:.1f}%") if key == "overhead_share" else (lambda v: f"{v:.2f}")
             cells.append(f"{key} {fmt(statistics.median(vals))} ({fmt(min(vals))}-{fmt(max(vals))})")
         print(f"  {name}: " + ", ".join(cells))
+    if args.before:  # each repeat's pair ran back to back: their ratio drifts less with the machine
+        pairs = [t["overhead"] / b["overhead"] for b, t in zip(results["before"], results["this"])]
+        print(f"  overhead this/before, per repeat's pair: median {statistics.median(pairs):.2f}x "
+              f"({min(pairs):.2f}-{max(pairs):.2f}x)")
     return 0
 
 

@@ -52,17 +52,25 @@ def decode_one_by_one(m, rids, values):
             m.checkpoint(rid)
 
 
-def decode_batched(m, rids, values, handle=None):
+def decode_batched(m, rids, values, handle=None, continued=None):
     """One decode round through the batched verbs; with `handle` (a DecodeRows of rids kept from
-    earlier rounds) as the engine's decode batch calls them: the handle, and the starts."""
+    earlier rounds) as the engine's decode batch calls them: the handle, and the starts (the very
+    array the last commit left, `handle.next`, when this round continues the last: then
+    continued[0] counts it)."""
     starts = [m.request(r).num_computed_tokens for r in rids]
-    slots, due, done = m.allocate_decodes(handle if handle is not None else rids, starts)
+    given = starts
+    if handle is not None:
+        given = handle.next if handle.next is not None else np.asarray(starts, dtype=np.int64)
+        assert given.tolist() == starts
+        if given is handle.next:
+            continued[0] += 1
+    slots, due, done = m.allocate_decodes(handle if handle is not None else rids, given)
     ready = [i for i, ok in enumerate(done) if ok]
     with m.batched_checkpoints():
         for i in ready:
             model_writes(m, rids[i], slots[i], starts[i], values[i])
         if handle is not None and all(done):
-            assert m.commit_decodes(handle, np.asarray(starts, dtype=np.int64)) == {}
+            assert m.commit_decodes(handle, given) == {}
             for i in ready:
                 if due[i]:
                     m.checkpoint_decode(handle, i)
@@ -106,7 +114,7 @@ def test_batched_decodes_leave_the_same_state_as_one_by_one(model, seed):
     blocks = rng.choice([14, 40])
     policy = rng.choice(["junctions", "every_n_blocks", "none"])
     a, b, c = (twin(MODELS[model], blocks, policy) for _ in range(3))  # c keeps its DecodeRows handle
-    next_id, short, handle, reused = 0, 0, None, 0
+    next_id, short, handle, reused, continued = 0, 0, None, 0, [0]
     for _ in range(40):
         op = rng.random()
         if not op >= 0.35 or not a.requests:
@@ -148,13 +156,14 @@ def test_batched_decodes_leave_the_same_state_as_one_by_one(model, seed):
                     reused += 1
                 else:
                     handle = c.decode_rows(rids)
-                if decode_batched(c, rids, values, handle):
+                if decode_batched(c, rids, values, handle, continued):
                     handle = None  # some went one by one (allocate): their blocks changed under the handle
             else:
                 handle = None
         assert same(snapshot(a), snapshot(b)) and same(snapshot(a), snapshot(c))
     assert any(len(r.token_ids) > r.num_prompt_tokens + BS for r in a.requests.values()) or short
     assert reused, "a kept handle served later rounds"
+    assert continued[0], "a round continued the handle's last one (the starts its commit left)"
 
 
 @pytest.mark.parametrize("ssm_shape", [(2, 4), (64, 80)])  # small slots: gathered; 20 KiB: copied one by one
