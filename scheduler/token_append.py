@@ -84,14 +84,18 @@ class TokenAppender:
                 if rule is None:
                     rule = seq.stop_rule = StopRule.of(seq, eos, max_len, tok_)
                 if len(ids) >= rule.limit or tok in rule.ids or rule.strings:  # rule.may_stop, inlined
-                    stop = check_stop(seq, eos, max_len, tok_)
-                    if stop is not None:
-                        seq.stop_reason = stop.stop_reason
-                        self.finish(seq, stop.finish_reason)
-                        stopped.append(seq)
+                    self._end_if_stopped(seq, stopped)
             except Exception as e:
                 fail(seq, e)
         return appended, stopped
+
+    def _end_if_stopped(self, seq: Sequence, stopped: list[Sequence]) -> None:
+        """Ask check_stop after seq's last token; a sequence that stops is finished and listed."""
+        stop = check_stop(seq, self.eos_ids, self.max_model_len, self.tokenizer)
+        if stop is not None:
+            seq.stop_reason = stop.stop_reason
+            self.finish(seq, stop.finish_reason)
+            stopped.append(seq)
 
     def batch_stops(self, seqs: list[Sequence]) -> BatchStops:
         """The rows' stop rules as arrays, built once for a batch that keeps the same seqs (row
@@ -137,7 +141,6 @@ class TokenAppender:
         if not asked:  # the usual step: the appends in one C loop
             deque(map(list.append, lists, tokens), maxlen=0)
             return len(tokens), []
-        eos, max_len, tok_ = self.eos_ids, self.max_model_len, self.tokenizer
         stopped, start = [], 0
         for i in asked:  # append up to row i, then ask row i (row order, as __call__)
             for ids, t in zip(lists[start:i + 1], tokens[start:i + 1]):
@@ -145,11 +148,7 @@ class TokenAppender:
             start = i + 1
             seq = seqs[i]
             try:
-                stop = check_stop(seq, eos, max_len, tok_)
-                if stop is not None:
-                    seq.stop_reason = stop.stop_reason
-                    self.finish(seq, stop.finish_reason)
-                    stopped.append(seq)
+                self._end_if_stopped(seq, stopped)
             except Exception as e:
                 fail(seq, e)
                 appended, more = self(seqs[start:], tokens[start:], [None] * (len(seqs) - start), fail)
