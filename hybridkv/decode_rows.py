@@ -121,6 +121,24 @@ class DecodeRows:
     def group_of(self, kind) -> Optional[GroupRows]:
         return next((g for g in self.groups.values() if g.kind is kind), None)
 
+    def kept(self, idx: list[int]) -> "DecodeRows":
+        """The handle of rows idx (ascending) alone, once the others left (finished, failed,
+        preempted: their memory is no longer this handle's business): every array cut, the last
+        step's placement and commit kept, so the next step still continues it (`next`)."""
+        sel = np.asarray(idx, dtype=np.int64)
+        groups = {w: GroupRows(g.kind, g.rows[sel], g.held[sel], g.alone[sel]) for w, g in self.groups.items()}
+        lead = next((groups[w] for w, g in self.groups.items() if g is self.lead), None)
+        rows = DecodeRows(self.mgr, [self.req_ids[i] for i in idx], [self.states[i] for i in idx],
+                          self.num_prompt[sel], self.state_slots[sel], groups, lead)
+        if self.last is not None:
+            rows.last = (self.last[0][sel], self.last[1][sel])
+        if self.next is not None:
+            rows.next = self.next[sel]
+        rows._allocating = [rows.group_of(g.kind) for g in self._allocating]
+        rows._ready = np.ones(len(idx), dtype=bool)
+        rows._ready.flags.writeable = False
+        return rows
+
     # ---- allocate --------------------------------------------------------------------------
     def allocate(self, starts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The manager's allocate_decodes for these rows (see there): (slots, due, allocated)."""
@@ -166,7 +184,8 @@ class DecodeRows:
         bs = self.mgr.block_size
         phase = starts % bs
         order = np.argsort(phase, kind="stable")
-        self._buckets = np.split(order, np.cumsum(np.bincount(phase, minlength=bs))[:-1])
+        ends = np.cumsum(np.bincount(phase, minlength=bs)).tolist()
+        self._buckets = [order[a:b] for a, b in zip([0] + ends[:-1], ends)]
         self._phase = 0
 
     def _place(self, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -274,15 +274,17 @@ class Engine:
         (no logprobs), one argmax and the batch's stop rules (made once per batch) instead of a
         look at each row; the tokens it samples are the next step's input ids."""
         seqs, fixed = batch.seqs, batch.fixed
+        parent = fixed.pop("kept_from", None)  # (the fixed of the batch this one was cut from, its rows)
         plain = fixed.get("plain")
-        if plain is None:
-            plain = fixed["plain"] = self.sampler.plain(seqs)
+        if plain is None:  # rows cut from plain rows are plain
+            plain = fixed["plain"] = bool(parent and parent[0].get("plain")) or self.sampler.plain(seqs)
         if not plain:
             self._sample(logits, seqs, touched, finished_only)
             return
         stops = fixed.get("stops")
         if stops is None:
-            stops = fixed["stops"] = self.append_tokens.batch_stops(seqs)
+            cut = parent[0].get("stops") if parent else None
+            stops = fixed["stops"] = cut.keep(parent[1]) if cut is not None else self.append_tokens.batch_stops(seqs)
         try:
             sampled, tokens = self.sampler.greedy(logits)
         except Exception:  # row by row, each failing alone

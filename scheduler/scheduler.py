@@ -53,6 +53,7 @@ class Scheduler:
         # (step_plan.py); False: every step as ScheduledChunks (the general path, for tests).
         self.batch_decodes = True
         self._advanced: Optional[DecodeBatch] = None  # the last batch the engine ran whole
+        self.batches_cut = 0  # batches made by cutting the last one to the sequences left (internal)
 
     # ---- queues ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -150,13 +151,20 @@ class Scheduler:
         """The running sequences as one DecodeBatch (positions only) when every one of them is a
         plain decode (one token left, past its prompt) and the budget takes them all, else None.
         After `last`, a batch the engine ran whole in the step before (`decoded`), and while
-        nobody joined or left since, it is that batch one token later: no look at each sequence."""
+        nobody joined or left since, it is that batch one token later: no look at each sequence;
+        when some left and nobody joined, it is that batch cut to those left (`DecodeBatch.kept`)."""
         running = self.running
         n = len(running)
         if not n or n > budget:
             return None
         if last is not None and last.version == running.version:
             return last.advanced(running.version)
+        if last is not None and last.added == running.added:  # some left, nobody joined: cut the batch
+            running_ = SequenceStatus.RUNNING
+            keep = [i for i, seq in enumerate(last.seqs) if seq.status is running_]
+            if len(keep) == n:
+                self.batches_cut += 1
+                return last.kept(keep, running.version)
         seqs = list(running)  # run order
         states = list(map(self.mgr.requests.__getitem__, map(_request_id, seqs)))
         positions = np.fromiter(map(_num_computed, states), np.int64, n)
@@ -164,7 +172,8 @@ class Scheduler:
         prompt = np.fromiter(map(_num_prompt, seqs), np.int64, n)
         if not ((known - positions == 1) & (positions >= prompt)).all():
             return None
-        return DecodeBatch(seqs, self.mgr.decode_rows([s.request_id for s in seqs]), positions, running.version)
+        return DecodeBatch(seqs, self.mgr.decode_rows([s.request_id for s in seqs]), positions, running.version,
+                           added=running.added)
 
     def decoded(self, batch: DecodeBatch) -> None:
         """The engine computed, committed and appended one token for every sequence of `batch`

@@ -22,6 +22,7 @@ class SequenceQueue:
         self._tickets = itertools.count()
         self._order: Optional[list[Sequence]] = None  # run order of the live ones, until one changes
         self.version = 0  # counts adds and removes: the same version, the same sequences
+        self.added = 0  # counts adds: the same count, nobody joined (those left may have)
 
     def add(self, seq: Sequence) -> None:
         """Queue `seq` at its place by (priority, arrival, serial); its id must not be queued."""
@@ -31,6 +32,7 @@ class SequenceQueue:
         self._live[seq.request_id] = (ticket, seq)
         self._order = None
         self.version += 1
+        self.added += 1
         heapq.heappush(self._heap, (*run_order(seq), ticket, seq.request_id))
 
     def remove(self, seq: Sequence) -> bool:

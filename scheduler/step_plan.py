@@ -56,6 +56,7 @@ class DecodeBatch:
     fixed: dict = field(default_factory=dict)
     input_ids: Optional[torch.Tensor] = None
     sampled: Optional[torch.Tensor] = None  # this step's sampled tokens, once the engine has them
+    added: int = 0  # the running queue's count of adds this batch was made for
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -70,7 +71,18 @@ class DecodeBatch:
         step continues the last one), reading the tokens sampled last step."""
         after = self.rows.next
         return DecodeBatch(self.seqs, self.rows, self.positions + 1 if after is None else after, version,
-                           fixed=self.fixed, input_ids=self.sampled)
+                           fixed=self.fixed, input_ids=self.sampled, added=self.added)
+
+    def kept(self, idx: list[int], version: int) -> "DecodeBatch":
+        """advanced() for the sequences idx (ascending) alone, once the others left the running
+        queue: the handle cut to them (`DecodeRows.kept`), still continuing the last step.
+        `fixed` starts empty but for {"kept_from": (this batch's fixed, idx)}, from which the
+        engine and the builder may cut what they kept instead of making it again."""
+        rows = self.rows.kept(idx)
+        sampled = self.sampled[torch.from_numpy(np.asarray(idx, dtype=np.int64))] if self.sampled is not None else None
+        return DecodeBatch([self.seqs[i] for i in idx], rows, rows.next if rows.next is not None
+                           else self.positions[idx] + 1, version, fixed={"kept_from": (self.fixed, idx)},
+                           input_ids=sampled, added=self.added)
 
     def chunks(self) -> list[ScheduledChunk]:
         """The general path's chunks for these decodes (allocated: kv_slots set)."""

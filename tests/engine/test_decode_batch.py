@@ -455,7 +455,27 @@ def test_a_stop_token_mid_batch_and_the_steps_after_it(checkpoints):
     stopped = next(i for i, op in enumerate(ops) if "s" in op[3:])
     assert ops[stopped][2] == "fast", f"the stop did not happen in a fast step: {ops}"
     assert any(op[2] == "fast" for op in ops[stopped + 1:]), f"no fast step after the leaver: {ops}"
+    assert fast.engine.scheduler.batches_cut > 0, "the batch after the leaver was not cut from the one before"
     assert len(ops) > stopped + 3 and fast.stats()["failed"] == 0
+    assert_paths_taken(fast, slow)
+
+
+def test_a_greedy_batch_cut_as_its_requests_finish(checkpoints):
+    """Plain greedy requests (a stop id on some, EOS on, different lengths) leave a steady batch
+    one or a few at a time: each such step cuts the batch to those left (their handle, positions,
+    sampled input ids and stop rules cut too, nothing made again); both twins stay alike every
+    step, and each request's tokens are those of an unperturbed run."""
+    fast, slow = roomy_twins(checkpoints("bamba"))
+    vocab, path = fast.model.vocab_size, fast.model_path
+    rng = random.Random(3)
+    requests = {f"g{i}": ([rng.randrange(4, vocab) for _ in range(rng.randint(3, 30))],
+                          SamplingParams(max_tokens=rng.randint(4, 30), temperature=0.0,
+                                         stop_token_ids=[rng.randrange(4, vocab)] if i % 3 == 0 else None))
+                for i in range(8)}
+    done, ops = run_twins(fast, slow, requests)
+    assert fast.engine.scheduler.batches_cut >= 3, (fast.engine.scheduler.batches_cut, ops)
+    ref = unperturbed(path, requests)
+    assert {rid: [c[1] for c in o[3]] for rid, o in done.items()} == ref
     assert_paths_taken(fast, slow)
 
 
@@ -485,12 +505,13 @@ def test_switching_the_fast_path_off_and_on_mid_batch(checkpoints):
 def test_running_queue_version_changes_exactly_when_its_sequences_do():
     """The decode batch is kept while the running queue's `version` stays: every add and remove
     (pop included) moves it on, and nothing else does (refused adds, removes of what is not
-    queued, peeks and walks that drop stale heap entries); one version, one set of sequences."""
+    queued, peeks and walks that drop stale heap entries); one version, one set of sequences.
+    Its `added` moves on exactly with an add (a batch may be cut while it stays)."""
     rng = random.Random(3)
     q, made, seen = SequenceQueue(), [], {}
     params = SamplingParams(max_tokens=4)
     for i in range(600):
-        before, members = q.version, [(s.request_id, id(s)) for s in q]
+        before, members, added = q.version, [(s.request_id, id(s)) for s in q], q.added
         op = rng.random()
         if op < 0.3 or not made:
             made.append(Sequence(f"s{i % 40}", [5, 6], params, priority=rng.randint(0, 2), arrival=float(i)))
@@ -511,4 +532,6 @@ def test_running_queue_version_changes_exactly_when_its_sequences_do():
         assert (q.version != before) == (after != members), (i, before, q.version, members, after)
         assert q.version >= before
         assert seen.setdefault(q.version, after) == after, (i, q.version)
+        # `added` moves exactly when one joined: the same count, those queued are a subset of before
+        assert (q.added != added) == any(m not in members for m in after) and q.added - added in (0, 1), i
     assert q.version > 100
