@@ -97,11 +97,16 @@ class DecodeRows:
     # the starts after the last placed tokens, once commit committed every one of them: the
     # next step's starts (passing this very array tells allocate the step continues)
     next: Optional[np.ndarray] = None
-    _allocating: list[GroupRows] = field(default_factory=list)  # the groups of the manager's allocating kinds
+    _allocating: list[GroupRows] = field(init=False)  # the groups of the manager's allocating kinds
+    _ready: np.ndarray = field(init=False)  # all True, read only
     _buckets: Optional[list[np.ndarray]] = None  # rows by start % block_size at phase 0
     _phase: int = 0  # steps continued since the buckets were made
     _fills: Optional[np.ndarray] = None  # rows whose token, placed by the last continuation, fills a block
-    _ready: Optional[np.ndarray] = None  # all True, read only
+
+    def __post_init__(self) -> None:
+        self._allocating = [self.group_of(kind) for kind in self.mgr.allocating_kinds]
+        self._ready = np.ones(len(self.req_ids), dtype=bool)
+        self._ready.flags.writeable = False
 
     def __len__(self) -> int:
         return len(self.req_ids)
@@ -111,12 +116,8 @@ class DecodeRows:
            state_slots: list[int]) -> "DecodeRows":
         groups = {w: GroupRows.of(kind, req_ids) for w, kind in mgr.attention_groups.items()}
         lead = next((g for g in groups.values() if g.kind is mgr.attention), None)
-        rows = cls(mgr, req_ids, states, np.fromiter(map(_num_prompt, states), np.int64, len(states)),
+        return cls(mgr, req_ids, states, np.fromiter(map(_num_prompt, states), np.int64, len(states)),
                    np.asarray(state_slots, dtype=np.int32), groups, lead)
-        rows._allocating = [rows.group_of(kind) for kind in mgr.allocating_kinds]
-        rows._ready = np.ones(len(req_ids), dtype=bool)
-        rows._ready.flags.writeable = False
-        return rows
 
     def group_of(self, kind) -> Optional[GroupRows]:
         return next((g for g in self.groups.values() if g.kind is kind), None)
@@ -134,21 +135,18 @@ class DecodeRows:
             rows.last = (self.last[0][sel], self.last[1][sel])
         if self.next is not None:
             rows.next = self.next[sel]
-        rows._allocating = [rows.group_of(g.kind) for g in self._allocating]
-        rows._ready = np.ones(len(idx), dtype=bool)
-        rows._ready.flags.writeable = False
         return rows
 
     # ---- allocate --------------------------------------------------------------------------
     def allocate(self, starts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The manager's allocate_decodes for these rows (see there): (slots, due, allocated)."""
         continues = starts is self.next
+        starts = np.asarray(starts, dtype=np.int64)  # the same array when it is one already
         if continues or (self.last is not None and len(starts) == len(self)
                          and np.array_equal(self.last[0] + 1, starts)):
-            placed = self._continue(np.asarray(starts, dtype=np.int64), checked=continues)
+            placed = self._continue(starts, checked=continues)
             if placed is not None:
                 return placed
-        starts = np.asarray(starts, dtype=np.int64)
         self._buckets = self._fills = self.next = None
         slots, ready = self._place(starts)
         self.last = (starts, slots) if ready.all() else None
