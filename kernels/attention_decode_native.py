@@ -15,33 +15,23 @@ otherwise the torch path runs. Checked against the reference in tests/kernels/te
 """
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from . import native_cpu
+from .native_args import F32, I64, CFunction, Ptr, f32, i32
 
-_I64, _F32, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-_ARGTYPES = [_P, _I64, _I64,                      # q, its token and head strides
-             _P, _I64, _I64, _I64, _I64, _I64,    # pool, num_blocks, strides: block, K->V, position, head
-             _P, _I64, _P,                        # block_table, its row stride, seq_lens
-             _P, _P, _I64,                        # reqs, rows, n
-             _I64, _I64, _I64, _I64,              # Hkv, group, D, block size
-             _F32, _F32, _I64, _P,                # scale, soft cap (0: none), window (0: none), sinks
-             _P, _I64, _I64]                      # out, its token and head strides
-_kernel = None
-
-
-def _decode_kernel():
-    """The C function, or None when native kernels are off or cannot be built here."""
-    global _kernel
-    if not native_cpu.enabled():
-        return None
-    if _kernel is None:
-        _kernel = native_cpu.function("paged_attention", "paged_decode_attention", _ARGTYPES, _I64)
-    return _kernel
+# native/paged_attention.c, declared parameter by parameter (native_args.py)
+PAGED_DECODE_ATTENTION = CFunction(
+    "paged_attention", "paged_decode_attention", I64,
+    q=f32("T", "hkv * group", "d", strides=("q_tok", "q_head", 1)), q_tok=I64, q_head=I64,
+    kv=f32("num_blocks", 2, "bs", "hkv", "d", strides=("kv_blk", "kv_half", "kv_pos", "kv_head", 1)),
+    num_blocks=I64, kv_blk=I64, kv_half=I64, kv_pos=I64, kv_head=I64,
+    table=Ptr(torch.int32, ("R", "W"), ("table_row", 1)), table_row=I64, seq_lens=i32("R"),
+    reqs=i32("n"), rows=i32("n"), n=I64, hkv=I64, group=I64, d=I64, bs=I64,
+    scale=F32, soft_cap=F32, window=I64, sinks=f32("hkv * group", optional=True),
+    out=f32("T", "hkv * group", "d", strides=("out_tok", "out_head", 1)), out_tok=I64, out_head=I64)
 
 
 def native_decodes_usable(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -49,7 +39,7 @@ def native_decodes_usable(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     [num_blocks, 2, bs, Hkv, D] are fp32 CPU tensors with a contiguous head_dim."""
     return (q.dtype == torch.float32 and kv_cache.dtype == torch.float32 and q.is_cpu
             and kv_cache.is_cpu and q.stride(2) == 1 and kv_cache.stride(4) == 1
-            and _decode_kernel() is not None)
+            and PAGED_DECODE_ATTENTION.available())
 
 
 @dataclass
@@ -83,15 +73,14 @@ def attend_decodes(q, kv_cache, dec: NativeDecodes, scale: float, soft_cap: Opti
     hkv, d = kv_cache.shape[3], kv_cache.shape[4]
     sink = None if sinks is None else sinks.detach().to(torch.float32).contiguous()
     st = kv_cache.stride()
-    status = _decode_kernel()(
-        q.data_ptr(), q.stride(0), q.stride(1),
-        kv_cache.data_ptr(), kv_cache.shape[0], st[0], st[1], st[2], st[3],
-        dec.block_table.data_ptr(), dec.block_table.stride(0), dec.seq_lens.data_ptr(),
-        dec.reqs.data_ptr(), dec.rows.data_ptr(), n,
-        hkv, q.shape[1] // hkv, d, kv_cache.shape[2],
-        scale, 0.0 if soft_cap is None else soft_cap, 0 if sliding_window is None else sliding_window,
-        None if sink is None else sink.data_ptr(),
-        out.data_ptr(), out.stride(0), out.stride(1))
+    status = PAGED_DECODE_ATTENTION.call(
+        q=q, q_tok=q.stride(0), q_head=q.stride(1),
+        kv=kv_cache, num_blocks=kv_cache.shape[0], kv_blk=st[0], kv_half=st[1], kv_pos=st[2], kv_head=st[3],
+        table=dec.block_table, table_row=dec.block_table.stride(0), seq_lens=dec.seq_lens,
+        reqs=dec.reqs, rows=dec.rows, n=n, hkv=hkv, group=q.shape[1] // hkv, d=d, bs=kv_cache.shape[2],
+        scale=scale, soft_cap=0.0 if soft_cap is None else soft_cap,
+        window=0 if sliding_window is None else sliding_window, sinks=sink,
+        out=out, out_tok=out.stride(0), out_head=out.stride(1))
     if status == -(1 + n):
         raise MemoryError("paged_decode_attention: no memory for its scratch buffers")
     if status != 0:

@@ -18,32 +18,43 @@ import ctypes
 import torch
 
 from . import native_cpu
-from .native_args import as_rows, fp32_cpu, ptr, rows_ok, slots_int32
+from .native_args import F32, I64, INT, CFunction, as_rows, f32, fp32_cpu, i32, ptr, slots_int32
 
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-_SIGNATURES = {
-    "conv1d_update": [_P, _I, _P, _I, _I, _I, _P, _I, _P, _P, ctypes.c_int, _P, _I],
-    "mamba2_state_update": [_P, _I, _P, _I, _I, _I, _I, _I, _P, _I, _P, _I, _P, _I, _P, _I, _P, _I,
-                            _P, _P, _P, ctypes.c_int, ctypes.c_int, _F, _F, _P],
-    "mamba2_mixer_decode": [_P],  # a struct mamba2_mixer_args * (_MixerArgs below)
-}
-_functions: dict = {}
+_P = ctypes.c_void_p
+# native/mamba2_decode.c, declared parameter by parameter (native_args.py)
+CONV1D_UPDATE = CFunction(
+    "mamba2_decode", "conv1d_update", INT,
+    conv_state=f32("num_slots", "dim", "k - 1"), num_slots=I64, slots=i32("nb"), nb=I64, dim=I64, k=I64,
+    x=f32("nb", "dim", strides=("x_row", 1)), x_row=I64, weight=f32("dim", "k"), bias=f32("dim", optional=True),
+    act=INT, y=f32("nb", "dim", strides=("y_row", 1)), y_row=I64)
+MAMBA2_STATE_UPDATE = CFunction(
+    "mamba2_decode", "mamba2_state_update", INT,
+    state=f32("num_slots", "H", "P", "N"), num_slots=I64, slots=i32("nb"), nb=I64, H=I64, P=I64, N=I64, G=I64,
+    x=f32("nb", "H", "P", strides=("x_row", "P", 1)), x_row=I64, dt=f32("nb", "H", strides=("dt_row", 1)),
+    dt_row=I64, B=f32("nb", "G", "N", strides=("B_row", "N", 1)), B_row=I64,
+    C=f32("nb", "G", "N", strides=("C_row", "N", 1)), C_row=I64,
+    z=f32("nb", "H", "P", strides=("z_row", "P", 1), optional=True), z_row=I64,
+    A=f32("H"), dt_bias=f32("H", optional=True), D=f32("H", optional=True), dt_softplus=INT, has_limit=INT,
+    dt_min=F32, dt_max=F32, y=f32("nb", "H", "P"))
 
 
-def _fn(symbol: str):
-    """The C function, or None when native kernels are off or not built."""
-    if not native_cpu.enabled():
-        return None
-    if symbol not in _functions:
-        _functions[symbol] = native_cpu.function("mamba2_decode", symbol, _SIGNATURES[symbol], ctypes.c_int)
-    return _functions[symbol]
+class _MixerArgs(ctypes.Structure):
+    """struct mamba2_mixer_args of kernels/native/mamba2_decode.c, field for field."""
+    _fields_ = [("proj", _P), ("proj_row", I64), ("nb", I64), ("slots", _P), ("y", _P),
+                ("conv_state", _P), ("ssm_state", _P), ("num_slots", I64), ("H", I64), ("P", I64),
+                ("N", I64), ("G", I64), ("k", I64), ("conv_w", _P), ("conv_b", _P), ("A_log", _P),
+                ("dt_bias", _P), ("D", _P), ("norm_w", _P), ("norm_group", I64), ("eps", F32),
+                ("norm_mode", ctypes.c_int32), ("xbc", _P), ("A", _P)]
+
+
+_MIXER_DECODE = ("mamba2_decode", "mamba2_mixer_decode", [ctypes.POINTER(_MixerArgs)], INT)
+_functions: dict = {}  # symbol -> the mixer's C function or None (benchmarks set None to force torch)
 
 
 def conv1d_update_native(x, conv_state, weight, bias, slot_idx, activation="silu"):
     """As `conv1d_update_cpu`: x [B, dim]; conv_state [S, dim, k-1] (updated in place);
     weight [dim, k]; bias [dim] or None -> [B, dim] fp32, or None (see the module docstring)."""
-    fn = _fn("conv1d_update")
-    if fn is None or activation not in (None, "silu", "swish") or x.ndim != 2:
+    if not CONV1D_UPDATE.available() or activation not in (None, "silu", "swish") or x.ndim != 2:
         return None
     if not (fp32_cpu(x, conv_state, weight, bias) and conv_state.is_contiguous()
             and weight.is_contiguous() and (bias is None or bias.is_contiguous())):
@@ -52,9 +63,9 @@ def conv1d_update_native(x, conv_state, weight, bias, slot_idx, activation="silu
     k = weight.shape[1]
     x = as_rows(x, (dim,))
     y = torch.empty(nb, dim)
-    rc = fn(conv_state.data_ptr(), conv_state.shape[0], slots_int32(slot_idx).data_ptr(), nb, dim, k,
-            x.data_ptr(), x.stride(0), weight.data_ptr(), ptr(bias), activation is not None,
-            y.data_ptr(), dim)
+    rc = CONV1D_UPDATE.call(conv_state=conv_state, num_slots=conv_state.shape[0], slots=slots_int32(slot_idx),
+                            nb=nb, dim=dim, k=k, x=x, x_row=x.stride(0), weight=weight, bias=bias,
+                            act=activation is not None, y=y, y_row=dim)
     return y if rc == 0 else None
 
 
@@ -63,8 +74,7 @@ def mamba2_state_update_native(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_id
     """As `mamba2_state_update_ref`: ssm_state [S, H, P, N] (updated in place); x [B, H, P];
     dt [B, H]; A [H]; B, C [B, G, N]; D [H] or None; z [B, H, P] or None; dt_bias [H] or None
     -> y [B, H, P] fp32, or None (see the module docstring)."""
-    fn = _fn("mamba2_state_update")
-    if fn is None or not fp32_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias):
+    if not MAMBA2_STATE_UPDATE.available() or not fp32_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias):
         return None
     nb, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
@@ -75,21 +85,12 @@ def mamba2_state_update_native(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_id
     A, D, dt_bias = (None if t is None else t.contiguous() for t in (A, D, dt_bias))
     lo, hi = (float(dt_limit[0]), float(dt_limit[1])) if dt_limit is not None else (0.0, 0.0)
     y = torch.empty(nb, H, P)
-    rc = fn(ssm_state.data_ptr(), ssm_state.shape[0], slots_int32(slot_idx).data_ptr(), nb, H, P, N, G,
-            x.data_ptr(), x.stride(0), dt.data_ptr(), dt.stride(0), B.data_ptr(), B.stride(0),
-            C.data_ptr(), C.stride(0), ptr(z), 0 if z is None else z.stride(0),
-            A.data_ptr(), ptr(dt_bias), ptr(D), bool(dt_softplus), dt_limit is not None, lo, hi,
-            y.data_ptr())
+    rc = MAMBA2_STATE_UPDATE.call(
+        state=ssm_state, num_slots=ssm_state.shape[0], slots=slots_int32(slot_idx), nb=nb, H=H, P=P, N=N, G=G,
+        x=x, x_row=x.stride(0), dt=dt, dt_row=dt.stride(0), B=B, B_row=B.stride(0), C=C, C_row=C.stride(0),
+        z=z, z_row=0 if z is None else z.stride(0), A=A, dt_bias=dt_bias, D=D, dt_softplus=bool(dt_softplus),
+        has_limit=dt_limit is not None, dt_min=lo, dt_max=hi, y=y)
     return y if rc == 0 else None
-
-
-class _MixerArgs(ctypes.Structure):
-    """struct mamba2_mixer_args of kernels/native/mamba2_decode.c, field for field."""
-    _fields_ = [("proj", _P), ("proj_row", _I), ("nb", _I), ("slots", _P), ("y", _P),
-                ("conv_state", _P), ("ssm_state", _P), ("num_slots", _I), ("H", _I), ("P", _I),
-                ("N", _I), ("G", _I), ("k", _I), ("conv_w", _P), ("conv_b", _P), ("A_log", _P),
-                ("dt_bias", _P), ("D", _P), ("norm_w", _P), ("norm_group", _I), ("eps", _F),
-                ("norm_mode", ctypes.c_int32), ("xbc", _P), ("A", _P)]
 
 
 class Mamba2MixerDecode:
@@ -135,7 +136,7 @@ class Mamba2MixerDecode:
     def __call__(self, proj: torch.Tensor, slot_idx: torch.Tensor) -> torch.Tensor | None:
         """proj [B, H P + conv_dim + H] (in_proj's rows [z | xBC | dt]); slot_idx [B] ->
         y [B, H P] fp32 (out_proj's input), or None (see the module docstring)."""
-        fn = _fn("mamba2_mixer_decode")
+        fn = _mixer_decode()
         if fn is None or not self.usable or proj.dtype != torch.float32 or not proj.is_cpu \
                 or proj.dim() != 2 or proj.shape[1] != self.width or proj.stride(1) != 1:
             return None
@@ -147,3 +148,13 @@ class Mamba2MixerDecode:
         a.slots, a.y = slots.data_ptr(), y.data_ptr()
         rc = fn(ctypes.byref(a))
         return y if rc == 0 else None
+
+
+def _mixer_decode():
+    """The C function of Mamba2MixerDecode (its argtypes: a pointer to _MixerArgs, nothing else),
+    or None when native kernels are off or not built."""
+    if not native_cpu.enabled():
+        return None
+    if "mamba2_mixer_decode" not in _functions:
+        _functions["mamba2_mixer_decode"] = native_cpu.function(*_MIXER_DECODE)
+    return _functions["mamba2_mixer_decode"]

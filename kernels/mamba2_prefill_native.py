@@ -16,27 +16,36 @@ test_causal_conv_cpu.py (both paths, tests/prefill_paths.py).
 """
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from . import native_cpu
+from .native_args import F32, I64, INT, CFunction, Ptr, f32, flags, i64
 
-_P, _I, _F, _B = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-_SIGNATURES = {
-    "ssd_inputs": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _F, _P, _P, _P],
-    "ssd_scores": [_P, _P, _I, _I, _I, _I, _F, _P],
-    "ssd_chain": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _P],
-    "ssd_output": [_P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _P],
-    "causal_conv": [_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _B, _P],
-}
-_functions: dict = {}
-
-
-def _fn(symbol: str):
-    if symbol not in _functions:
-        _functions[symbol] = native_cpu.function("mamba2_prefill", symbol, _SIGNATURES[symbol])
-    return _functions[symbol]
+# native/mamba2_prefill.c, declared parameter by parameter (native_args.py)
+SSD_INPUTS = CFunction(
+    "mamba2_prefill", "ssd_inputs", None,
+    x=f32("T", "H", "P", strides=("x_row", "P", 1)), x_row=I64, dt=f32("T", "H"), A=f32("H"),
+    src=i64("nc * cs"), nc=I64, cs=I64, H=I64, P=I64, cut=F32, acum=f32("nc", "cs", "H"),
+    xdt=f32("nc", "H", "cs", "P"), xend=f32("nc", "cs", "H", "P"))
+SSD_SCORES = CFunction(
+    "mamba2_prefill", "ssd_scores", None,
+    acum=f32("nc", "cs", "H"), cb=f32("nc", "G", "cs", "cs"), nc=I64, cs=I64, H=I64, G=I64, cut=F32,
+    out=f32("nc", "H", "cs", "cs"))
+SSD_CHAIN = CFunction(
+    "mamba2_prefill", "ssd_chain", None,
+    ends=f32("nc", "H", "PN"), acum=f32("nc", "cs", "H"), h0=f32("R", "H", "PN", optional=True),
+    init=flags("R"), first=i64("R"), count=i64("R"), R=I64, cs=I64, H=I64, PN=I64, cut=F32,
+    finals=f32("R", "H", "PN"))
+SSD_OUTPUT = CFunction(
+    "mamba2_prefill", "ssd_output", None,
+    y_in=f32("nc", "G", "cs", "H // G * P"), y_intra=f32("nc", "H", "cs", "P"), acum=f32("nc", "cs", "H"),
+    x=f32("T", "H", "P", strides=("x_row", "P", 1)), x_row=I64, D=f32("H", optional=True), dest=i64("T"),
+    T=I64, cs=I64, H=I64, P=I64, G=I64, cut=F32, out=f32("T", "H", "P"))
+CAUSAL_CONV = CFunction(
+    "mamba2_prefill", "causal_conv", None,
+    x=f32("T", "dim", strides=("x_row", 1)), x_row=I64, conv_state=f32("S", "dim", "k - 1"),
+    start=i64("R"), end=i64("R"), slot=i64("R"), init=Ptr(torch.uint8, ("R",)), R=I64, dim=I64, k=I64,
+    weight=f32("dim", "k"), bias=f32("dim", optional=True), act=INT, out=f32("T", "dim"))
 
 
 def usable(*tensors) -> bool:
@@ -48,11 +57,7 @@ def usable(*tensors) -> bool:
         if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"
                               or (grad and t.requires_grad)):
             return False
-    return _fn("ssd_scores") is not None
-
-
-def _ptr(t):
-    return None if t is None else t.data_ptr()
+    return SSD_SCORES.available()
 
 
 def _heads_rows(x: torch.Tensor) -> torch.Tensor:
@@ -71,8 +76,8 @@ def ssd_inputs(x, dtf, A, lay, cut: float):
     dtf, A = dtf.contiguous(), A.contiguous()
     acum = torch.empty(nc, cs, H)
     xdt, xend = torch.empty(nc, H, cs, P), torch.empty(nc, cs, H, P)
-    _fn("ssd_inputs")(x.data_ptr(), x.stride(0), dtf.data_ptr(), A.data_ptr(), lay.source_rows.data_ptr(),
-                      nc, cs, H, P, cut, acum.data_ptr(), xdt.data_ptr(), xend.data_ptr())
+    SSD_INPUTS.call(x=x, x_row=x.stride(0), dt=dtf, A=A, src=lay.source_rows, nc=nc, cs=cs, H=H, P=P, cut=cut,
+                    acum=acum, xdt=xdt, xend=xend)
     return acum, xdt, xend
 
 
@@ -83,7 +88,7 @@ def ssd_scores(acum, cb, num_heads: int, cut: float):
     G = cb.shape[1]
     cb = cb.contiguous()
     out = torch.empty(nc, num_heads, cs, cs)
-    _fn("ssd_scores")(acum.data_ptr(), cb.data_ptr(), nc, cs, num_heads, G, cut, out.data_ptr())
+    SSD_SCORES.call(acum=acum, cb=cb, nc=nc, cs=cs, H=num_heads, G=G, cut=cut, out=out)
     return out
 
 
@@ -94,9 +99,10 @@ def ssd_chain(ends, acum, h0, lay, cut: float):
     R = lay.slots.shape[0]
     finals = torch.empty(R, H, P, N)
     h0 = None if h0 is None else h0.contiguous()
-    _fn("ssd_chain")(ends.data_ptr(), acum.data_ptr(), _ptr(h0), lay.init.data_ptr(),
-                     lay.first.data_ptr(), lay.count.data_ptr(), R, lay.chunk, H, P * N, cut,
-                     finals.data_ptr())
+    PN = P * N
+    SSD_CHAIN.call(ends=ends.view(nc, H, PN), acum=acum, h0=None if h0 is None else h0.view(R, H, PN),
+                   init=lay.init, first=lay.first, count=lay.count, R=R, cs=lay.chunk, H=H, PN=PN, cut=cut,
+                   finals=finals.view(R, H, PN))
     return finals
 
 
@@ -108,9 +114,8 @@ def ssd_output(y_in, y_intra, acum, x, D, lay, cut: float):
     G = y_in.shape[1]
     out = torch.empty(T, H, P)
     D = None if D is None else D.contiguous()
-    _fn("ssd_output")(y_in.contiguous().data_ptr(), y_intra.contiguous().data_ptr(), acum.data_ptr(),
-                      x.data_ptr(), x.stride(0), _ptr(D), lay.padded_row_of(T).data_ptr(), T,
-                      lay.chunk, H, P, G, cut, out.data_ptr())
+    SSD_OUTPUT.call(y_in=y_in.contiguous(), y_intra=y_intra.contiguous(), acum=acum, x=x, x_row=x.stride(0),
+                    D=D, dest=lay.padded_row_of(T), T=T, cs=lay.chunk, H=H, P=P, G=G, cut=cut, out=out)
     return out
 
 
@@ -126,7 +131,6 @@ def causal_conv(x, conv_state, weight, bias, spans, activation):
     init = torch.tensor([bool(i) for *_, i in spans], dtype=torch.uint8)
     out = torch.empty(T, dim)
     weight, bias = weight.contiguous(), None if bias is None else bias.contiguous()
-    _fn("causal_conv")(x.data_ptr(), x.stride(0), conv_state.data_ptr(), start.data_ptr(),
-                       end.data_ptr(), slot.data_ptr(), init.data_ptr(), len(spans), dim, k,
-                       weight.data_ptr(), _ptr(bias), activation is not None, out.data_ptr())
+    CAUSAL_CONV.call(x=x, x_row=x.stride(0), conv_state=conv_state, start=start, end=end, slot=slot, init=init,
+                     R=len(spans), dim=dim, k=k, weight=weight, bias=bias, act=activation is not None, out=out)
     return out

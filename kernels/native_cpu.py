@@ -13,8 +13,11 @@ compiler's version and the CPU's feature flags, so an edited source, another com
 compiles anew, and a library built for one CPU is never loaded on another. It is written under a
 temporary name and renamed, so concurrent processes never load half a file.
 
-Functions take raw pointers (`tensor.data_ptr()`), element strides and sizes: the callers check
-dtypes (fp32 only), devices and shapes; each C function is tested against the torch path.
+Functions take raw pointers, element strides and sizes. Each is declared with its `argtypes` and
+`restype` (`function` below requires both), its pointer parameters typed by native_args.py (a CPU
+tensor of the declared dtype, never a bare address), and called only through one binding with
+keyword-only parameters that checks every tensor's dtype, shape and layout against the others
+(native_args.py); each C function is tested against the torch path.
 
 When it is not used:
 - `HYBRIDKV_CPU_NATIVE=0` in the environment (read once, at import), or inside `forced_off()` (tests,
@@ -87,12 +90,16 @@ def library(name: str, source_dir: Path | None = None) -> ctypes.CDLL | None:
     return _loaded[key]
 
 
-def function(name: str, symbol: str, argtypes: list, restype=None):
-    """`symbol` of library `name` with its ctypes signature set, or None (see library())."""
+def function(name: str, symbol: str, argtypes: list, restype):
+    """`symbol` of library `name` with its ctypes signature set, or None (see library()).
+    argtypes: one ctypes type per C parameter (pointers: native_args.F32, I32, ...); restype:
+    the C return type, None for void."""
+    if not isinstance(argtypes, (list, tuple)) or not argtypes:
+        raise TypeError(f"{name}.{symbol}: argtypes must list the C parameters' types, got {argtypes!r}")
     lib = library(name)
     if lib is None:
         return None
-    fn = getattr(lib, symbol)
+    fn = lib[symbol]  # its own function object: `lib.symbol` is shared, and anyone may reset its types
     fn.argtypes, fn.restype = argtypes, restype
     return fn
 

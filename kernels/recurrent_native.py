@@ -10,36 +10,33 @@ outside the pool.
 """
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
-from . import native_cpu
-from .native_args import as_rows, fp32_cpu, ptr, slots_int32
+from .native_args import I64, INT, CFunction, as_rows, f32, fp32_cpu, i32, slots_int32
 
-_P, _I = ctypes.c_void_p, ctypes.c_int64
-_SIGNATURES = {
-    ("mamba1_decode", "mamba1_state_update"): [_P, _I, _P, _I, _I, _I, _P, _I, _P, _I, _P, _P, _I, _P, _I,
-                                               _P, _P, _I, _P, ctypes.c_int, _P],
-    ("gdn_decode", "gdn_state_update"): [_P, _I, _P, _I, _I, _I, _I, _P, _P, _P, _I, _P, _I, _P, _I, _P, _P],
-}
-_functions: dict = {}
-
-
-def _fn(library: str, symbol: str):
-    if not native_cpu.enabled():
-        return None
-    key = (library, symbol)
-    if key not in _functions:
-        _functions[key] = native_cpu.function(library, symbol, _SIGNATURES[key], ctypes.c_int)
-    return _functions[key]
+# native/mamba1_decode.c and gdn_decode.c, declared parameter by parameter (native_args.py)
+MAMBA1_STATE_UPDATE = CFunction(
+    "mamba1_decode", "mamba1_state_update", INT,
+    state=f32("num_slots", "d", "N"), num_slots=I64, slots=i32("nb"), nb=I64, d=I64, N=I64,
+    x=f32("nb", "d", strides=("x_row", 1)), x_row=I64, dt=f32("nb", "d", strides=("dt_row", 1)), dt_row=I64,
+    A=f32("d", "N"), B=f32("nb", "N", strides=("B_row", 1)), B_row=I64,
+    C=f32("nb", "N", strides=("C_row", 1)), C_row=I64, D=f32("d", optional=True),
+    z=f32("nb", "d", strides=("z_row", 1), optional=True), z_row=I64, dt_bias=f32("d", optional=True),
+    dt_softplus=INT, y=f32("nb", "d"))
+GDN_STATE_UPDATE = CFunction(
+    "gdn_decode", "gdn_state_update", INT,
+    state=f32("num_slots", "HV", "K", "V"), num_slots=I64, slots=i32("nb"), nb=I64, HV=I64, K=I64, V=I64,
+    q=f32("nb", "HV", "K"), k=f32("nb", "HV", "K"), v=f32("nb", "HV", "V", strides=("v_row", "V", 1)),
+    v_row=I64, g=f32("nb", "HV", strides=("g_row", 1)), g_row=I64,
+    beta=f32("nb", "HV", strides=("beta_row", 1)), beta_row=I64, o=f32("nb", "HV", "V"),
+    scratch=f32("2 * V"))
 
 
 def mamba1_state_update_native(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, dt_softplus=True):
     """ssm_state [S, d, N] (updated in place); x, dt [B, d]; A [d, N]; B, C [B, N]; D [d] or None;
     z [B, d] or None; dt_bias [d] or None -> y [B, d] fp32, or None (see the module docstring)."""
-    fn = _fn("mamba1_decode", "mamba1_state_update")
-    if fn is None or not fp32_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias) or x.dim() != 2:
+    if not MAMBA1_STATE_UPDATE.available() or not fp32_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias) \
+            or x.dim() != 2:
         return None
     nb, d = x.shape
     N = A.shape[-1]
@@ -49,10 +46,11 @@ def mamba1_state_update_native(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_id
     z = None if z is None else as_rows(z, (d,))
     A, D, dt_bias = (None if t is None else t.contiguous() for t in (A, D, dt_bias))
     y = torch.empty(nb, d)
-    rc = fn(ssm_state.data_ptr(), ssm_state.shape[0], slots_int32(slot_idx).data_ptr(), nb, d, N,
-            x.data_ptr(), x.stride(0), dt.data_ptr(), dt.stride(0), A.data_ptr(), B.data_ptr(), B.stride(0),
-            C.data_ptr(), C.stride(0), ptr(D), ptr(z), 0 if z is None else z.stride(0), ptr(dt_bias),
-            bool(dt_softplus), y.data_ptr())
+    z_row = 0 if z is None else z.stride(0)
+    rc = MAMBA1_STATE_UPDATE.call(
+        state=ssm_state, num_slots=ssm_state.shape[0], slots=slots_int32(slot_idx), nb=nb, d=d, N=N,
+        x=x, x_row=x.stride(0), dt=dt, dt_row=dt.stride(0), A=A, B=B, B_row=B.stride(0), C=C,
+        C_row=C.stride(0), D=D, z=z, z_row=z_row, dt_bias=dt_bias, dt_softplus=bool(dt_softplus), y=y)
     return y if rc == 0 else None
 
 
@@ -60,8 +58,7 @@ def gdn_state_update_native(state, qf, kf, v, g, beta, slot_idx):
     """state [S, HV, K, V] (updated in place); qf, kf [B, HV, K] fp32, prepared as the reference
     does (l2-normalised, q scaled, repeated per value head); v [B, HV, V]; g, beta [B, HV]
     -> o [B, HV, V] fp32, or None (see the module docstring)."""
-    fn = _fn("gdn_decode", "gdn_state_update")
-    if fn is None or not fp32_cpu(state, qf, kf, v, g, beta) or v.dim() != 3:
+    if not GDN_STATE_UPDATE.available() or not fp32_cpu(state, qf, kf, v, g, beta) or v.dim() != 3:
         return None
     nb, HV, Vd = v.shape
     Kd = kf.shape[-1]
@@ -71,7 +68,8 @@ def gdn_state_update_native(state, qf, kf, v, g, beta, slot_idx):
     v, g, beta = as_rows(v, (HV, Vd)), as_rows(g, (HV,)), as_rows(beta, (HV,))
     o = torch.empty(nb, HV, Vd)
     scratch = torch.empty(2 * Vd)
-    rc = fn(state.data_ptr(), state.shape[0], slots_int32(slot_idx).data_ptr(), nb, HV, Kd, Vd,
-            qf.data_ptr(), kf.data_ptr(), v.data_ptr(), v.stride(0), g.data_ptr(), g.stride(0),
-            beta.data_ptr(), beta.stride(0), o.data_ptr(), scratch.data_ptr())
+    rc = GDN_STATE_UPDATE.call(
+        state=state, num_slots=state.shape[0], slots=slots_int32(slot_idx), nb=nb, HV=HV, K=Kd, V=Vd,
+        q=qf, k=kf, v=v, v_row=v.stride(0), g=g, g_row=g.stride(0), beta=beta, beta_row=beta.stride(0),
+        o=o, scratch=scratch)
     return o if rc == 0 else None

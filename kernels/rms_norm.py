@@ -9,34 +9,32 @@ Checked against it on random inputs in tests/kernels/test_rms_norm.py.
 """
 from __future__ import annotations
 
-import ctypes
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from . import native_cpu
+from .native_args import F32, I64, INT, CFunction, f32
 
-_P, _I, _F, _B = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-_SIGNATURES = {
-    "rms_norm_f32": [_P, _I, _P, _B, _P, _I, _I, _I, _F],
-    "add_rms_norm_f32": [_P, _I, _P, _I, _P, _B, _P, _I, _P, _I, _I, _I, _F],
-    "gated_rms_norm_f32": [_P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _B, _F],
-}
-_functions: dict = {}
+# native/rms_norm.c, declared parameter by parameter (native_args.py): x [n, d] rows, w [d]
+RMS_NORM = CFunction("rms_norm", "rms_norm_f32", None,
+                     x=f32("n", "d", strides=("x_stride", 1)), x_stride=I64, w=f32("d"), plus_one=INT,
+                     out=f32("n", "d", strides=("out_stride", 1)), out_stride=I64, n=I64, d=I64, eps=F32)
+ADD_RMS_NORM = CFunction("rms_norm", "add_rms_norm_f32", None,
+                         h=f32("n", "d", strides=("h_stride", 1)), h_stride=I64,
+                         delta=f32("n", "d", strides=("delta_stride", 1)), delta_stride=I64,
+                         w=f32("d"), plus_one=INT, sum=f32("n", "d", strides=("sum_stride", 1)),
+                         sum_stride=I64, out=f32("n", "d", strides=("out_stride", 1)), out_stride=I64,
+                         n=I64, d=I64, eps=F32)
+GATED_RMS_NORM = CFunction("rms_norm", "gated_rms_norm_f32", None,
+                           y=f32("n", "d", strides=("y_stride", 1)), y_stride=I64,
+                           z=f32("n", "d", strides=("z_stride", 1), optional=True), z_stride=I64,
+                           w=f32("d"), out=f32("n", "d", strides=("out_stride", 1)), out_stride=I64,
+                           n=I64, d=I64, group=I64, norm_before_gate=INT, eps=F32)
 # gated norm: C up to this many elements (measured, 1 thread, rows of 512: 32 rows 139 vs 197 us,
 # 256 rows 859 vs 1482 us, 2048 rows 6707 vs 5925 us in torch)
 _GATED_C_MAX_ELEMENTS = 512 * 512
-
-
-def _native(symbol: str):
-    """The C function, or None when native kernels are off or unbuilt (looked up once)."""
-    if not native_cpu.enabled():
-        return None
-    fn = _functions.get(symbol, False)
-    if fn is False:
-        fn = _functions[symbol] = native_cpu.function("rms_norm", symbol, _SIGNATURES[symbol])
-    return fn
 
 
 def _rows(*ts: Optional[torch.Tensor]) -> bool:
@@ -68,14 +66,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool =
     """x [..., d], weight [d], both float32 -> (x * rsqrt(mean(x^2) + eps)) * w, w = weight (or
     1 + weight when plus_one), a new tensor."""
     x2 = _as_rows(x)
-    fn = _native("rms_norm_f32") if _rows(x2) and _weight_ok(weight, x.shape[-1]) else None
-    if fn is None:
+    if not (_rows(x2) and _weight_ok(weight, x.shape[-1]) and RMS_NORM.available()):
         if plus_one:
             return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)) * (1.0 + weight)
         return F.rms_norm(x, weight.shape, weight, eps)
     out = torch.empty_like(x)  # (contiguous: x's rows have contiguous elements)
     n, d = x2.shape
-    fn(x2.data_ptr(), x2.stride(0), weight.data_ptr(), plus_one, out.data_ptr(), d, n, d, eps)
+    RMS_NORM.call(x=x2, x_stride=x2.stride(0), w=weight, plus_one=plus_one, out=out.view(n, d), out_stride=d,
+             n=n, d=d, eps=eps)
     return out
 
 
@@ -83,16 +81,14 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
                  plus_one: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """h, delta [T, d] float32 -> (s = h + delta, rms_norm(s) * w) as new tensors; the
     pre-norm block's residual add and the next norm in one pass."""
-    fn = None
-    if h.shape == delta.shape and _rows(h, delta) and _weight_ok(weight, h.shape[-1]):
-        fn = _native("add_rms_norm_f32")
-    if fn is None:
+    if not (h.shape == delta.shape and _rows(h, delta) and _weight_ok(weight, h.shape[-1])
+            and ADD_RMS_NORM.available()):
         s = h + delta
         return s, rms_norm(s, weight, eps, plus_one)
     n, d = h.shape
     s, out = torch.empty_like(h), torch.empty_like(h)  # (contiguous, as in rms_norm)
-    fn(h.data_ptr(), h.stride(0), delta.data_ptr(), delta.stride(0), weight.data_ptr(), plus_one,
-       s.data_ptr(), d, out.data_ptr(), d, n, d, eps)
+    ADD_RMS_NORM.call(h=h, h_stride=h.stride(0), delta=delta, delta_stride=delta.stride(0), w=weight,
+                 plus_one=plus_one, sum=s, sum_stride=d, out=out, out_stride=d, n=n, d=d, eps=eps)
     return s, out
 
 
@@ -108,12 +104,12 @@ def gated_rms_norm(y: torch.Tensor, z: Optional[torch.Tensor], weight: torch.Ten
         return None
     if z2 is not None and y2.numel() > _GATED_C_MAX_ELEMENTS:
         return None  # the C loop's scalar expf loses to torch's vectorised silu on prefill-sized inputs
-    fn = _native("gated_rms_norm_f32")
-    if fn is None:
+    if not GATED_RMS_NORM.available():
         return None
     n, d = y2.shape
     out = torch.empty_like(y)  # (contiguous, as in rms_norm)
-    fn(y2.data_ptr(), y2.stride(0), None if z2 is None else z2.data_ptr(),
-       0 if z2 is None else z2.stride(0), weight.data_ptr(), out.data_ptr(), d, n, d, group_size,
-       norm_before_gate, eps)
+    GATED_RMS_NORM.call(y=y2, y_stride=y2.stride(0), z=z2, z_stride=0 if z2 is None else z2.stride(0), w=weight,
+                   out=out.view(n, d), out_stride=d, n=n, d=d, group=group_size,
+                   norm_before_gate=norm_before_gate, eps=eps)
     return out
+

@@ -12,17 +12,22 @@ calls become one. Checked against apply_rotary + write_kv_ref in tests/kernels/t
 """
 from __future__ import annotations
 
-import ctypes
 from typing import Optional
 
 import torch
 
 from . import native_cpu
+from .native_args import I64, CFunction, f32, i64
 from .attention_ref import check_write_kv_inputs
 
-_P, _I = ctypes.c_void_p, ctypes.c_int64
-_ROPE_WRITE_KV_ARGS = [_P, _I, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _I, _I, _I, _I, _P, _I, _I]
-_rope_write_kv = []  # [the C function or None], looked up at first use
+# native/rope_write_kv.c, declared parameter by parameter (native_args.py)
+ROPE_WRITE_KV = CFunction(
+    "rope_write_kv", "rope_write_kv_f32", I64,
+    qkv=f32("T", "(Hq + 2 * Hkv) * D", strides=("qkv_stride", 1)), qkv_stride=I64, T=I64, Hq=I64, Hkv=I64,
+    D=I64, rot=I64, cos=f32("T", "rot", strides=("cs_stride", 1)), sin=f32("T", "rot", strides=("cs_stride", 1)),
+    cs_stride=I64, q_out=f32("T", "Hq", "D"),
+    kv=f32("num_blocks", 2, "block_size", "Hkv", "D", strides=("s_block", "s_part", "s_off", "s_head", 1)),
+    s_block=I64, s_part=I64, s_off=I64, s_head=I64, slots=i64("T"), block_size=I64, num_blocks=I64)
 
 
 def rope_write_kv_cpu(qkv: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]], num_heads: int,
@@ -36,14 +41,10 @@ def rope_write_kv_cpu(qkv: torch.Tensor, rope: Optional[tuple[torch.Tensor, torc
     None when the C loop does not apply (not CPU float32, native kernels off or unbuilt): the
     caller then runs apply_rotary and write_kv.
     """
-    if not native_cpu.enabled():
+    if not ROPE_WRITE_KV.available():
         return None
-    if not _rope_write_kv:
-        _rope_write_kv.append(native_cpu.function("rope_write_kv", "rope_write_kv_f32", _ROPE_WRITE_KV_ARGS,
-                                                  restype=ctypes.c_int64))
-    fn = _rope_write_kv[0]
     T, D = qkv.shape[0], head_dim
-    if (fn is None or qkv.dtype != torch.float32 or kv_cache.dtype != torch.float32 or not qkv.is_cpu
+    if (qkv.dtype != torch.float32 or kv_cache.dtype != torch.float32 or not qkv.is_cpu
             or not kv_cache.is_cpu or qkv.dim() != 2 or qkv.stride(1) != 1 or kv_cache.stride(4) != 1
             or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * D or kv_cache.shape[3:] != (num_kv_heads, D)
             or qkv.requires_grad):
@@ -56,11 +57,16 @@ def rope_write_kv_cpu(qkv: torch.Tensor, rope: Optional[tuple[torch.Tensor, torc
             plan_cache[key] = step
     if not step:
         return None
-    rot, cos_ptr, sin_ptr, cs_stride, slots_ptr = step
+    rot, cos, sin, cs_stride, slots = step
+    if rot == 0:  # cos and sin are not read: qkv's first columns stand in (valid addresses)
+        cos = sin = qkv[:, :0]
+        cs_stride = qkv.stride(0)
     q = torch.empty((T, num_heads, D))
     s, (num_blocks, _, bs) = kv_cache.stride(), kv_cache.shape[:3]
-    bad = fn(qkv.data_ptr(), qkv.stride(0), T, num_heads, num_kv_heads, D, rot, cos_ptr, sin_ptr,
-             cs_stride, q.data_ptr(), kv_cache.data_ptr(), s[0], s[1], s[2], s[3], slots_ptr, bs, num_blocks)
+    bad = ROPE_WRITE_KV.call(qkv=qkv, qkv_stride=qkv.stride(0), T=T, Hq=num_heads, Hkv=num_kv_heads, D=D,
+                             rot=rot, cos=cos, sin=sin, cs_stride=cs_stride, q_out=q, kv=kv_cache,
+                             s_block=s[0], s_part=s[1], s_off=s[2], s_head=s[3], slots=slots, block_size=bs,
+                             num_blocks=num_blocks)
     if bad >= 0:
         raise IndexError(f"slot_mapping[{bad}] = {int(slot_mapping[bad])} lies past the KV pool of "
                          f"{num_blocks} blocks x {bs} slots")
@@ -68,20 +74,20 @@ def rope_write_kv_cpu(qkv: torch.Tensor, rope: Optional[tuple[torch.Tensor, torc
 
 
 def _step_args(rope, slot_mapping: torch.Tensor, T: int, D: int) -> tuple:
-    """(rot, cos ptr, sin ptr, their row stride, slots ptr), the same for every layer of a step;
-    () when the C loop cannot read them."""
+    """(rot, cos, sin, their row stride, slots), the same for every layer of a step; () when
+    the C loop cannot read them (rot 0: no rotary, cos and sin None)."""
     if (slot_mapping.dtype != torch.int64 or not slot_mapping.is_cpu or not slot_mapping.is_contiguous()
             or slot_mapping.shape != (T,)):
         return ()
-    if rope is None:  # rot 0: cos and sin are not read (any valid address will do)
-        return 0, slot_mapping.data_ptr(), slot_mapping.data_ptr(), 0, slot_mapping.data_ptr()
+    if rope is None:
+        return 0, None, None, 0, slot_mapping
     cos, sin = rope
     rot = cos.shape[-1]
     if (cos.dtype != torch.float32 or sin.dtype != torch.float32 or not cos.is_cpu or not sin.is_cpu
             or cos.dim() != 2 or cos.shape != sin.shape or cos.stride() != sin.stride()
             or cos.stride(1) != 1 or rot % 2 or rot > D or cos.shape[0] != T):
         return ()
-    return rot, cos.data_ptr(), sin.data_ptr(), cos.stride(0), slot_mapping.data_ptr()
+    return rot, cos, sin, cos.stride(0), slot_mapping
 
 
 def write_kv_cpu(k, v, kv_cache, slot_mapping, plan_cache: Optional[dict] = None):
