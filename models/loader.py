@@ -110,11 +110,33 @@ def _hub_cache() -> Path:
     return Path(constants.HF_HUB_CACHE)
 
 
+BUILTIN_PREFIX = "hybridkv/"  # built-in names: hybridkv/<folder of hybridkv/builtin_models>
+
+
+def builtin_models() -> dict[str, Path]:
+    """Built-in name ("hybridkv/tiny-code") -> its checkpoint folder, shipped inside the package
+    (hybridkv/builtin_models/<name>/, each with a config.json), sorted by name."""
+    import hybridkv
+
+    root = Path(hybridkv.__file__).resolve().parent / "builtin_models"
+    found = sorted(p.parent for p in root.glob("*/config.json")) if root.is_dir() else []
+    return {BUILTIN_PREFIX + p.name: p for p in found}
+
+
 def resolve_checkpoint(model: str | Path) -> Path:
-    """A checkpoint directory, or a model id ("org/name") already in the local Hugging Face cache
-    -> the directory to load. Never downloads (local_files_only). FileNotFoundError naming the id
-    and the cache folder it looked in when neither fits."""
+    """A built-in name ("hybridkv/tiny-code": `builtin_models`), a checkpoint directory, or a model
+    id ("org/name") already in the local Hugging Face cache -> the directory to load. Never
+    downloads (local_files_only). FileNotFoundError listing the built-in names for an unknown
+    "hybridkv/..." name, or naming the id and the cache folder it looked in when nothing fits."""
     path = Path(model)
+    if isinstance(model, str) and model.startswith(BUILTIN_PREFIX) and not path.is_dir():
+        builtin = builtin_models()
+        if model not in builtin:
+            raise FileNotFoundError(
+                f"{model!r} is not a built-in model; the built-in names are "
+                f"{', '.join(builtin) or '(none: hybridkv/builtin_models is empty)'}; or pass a "
+                f"checkpoint directory")
+        return builtin[model]
     if path.is_dir() or isinstance(model, Path) or not _REPO_ID.fullmatch(str(model)):
         return path
     from huggingface_hub import snapshot_download
