@@ -11,7 +11,7 @@ import inspect
 import itertools
 import logging
 import numbers
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Hashable, Mapping, Optional, Sequence, Union
 
 import torch
 from tqdm.auto import tqdm
@@ -39,6 +39,19 @@ log = logging.getLogger("hybridkv.llm")
 _CPU_DEFAULT_BUDGET = 1 << 30
 _PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 _MULTIMODAL_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids")
+
+
+@dataclasses.dataclass
+class QueuedRequest:
+    """One sequence the engine holds, as a load balancer sees it (`LLM.queued`); read-only."""
+
+    request_id: Hashable          # the sequence's id: a request's id for its first sequence
+    status: str                   # "running", "waiting" or "swapped"
+    token_ids: Sequence[int]      # prompt + generated so far (the engine's own list: do not change it)
+    cache_salt: Optional[str]
+    tokens_left: int              # output tokens it may still generate
+    num_seqs: int                 # sequences of its request (n > 1, forks); only a single one can move
+    finished: bool
 
 
 def _dtype(d):
@@ -253,6 +266,19 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def queued(self) -> list[QueuedRequest]:
+        """Every sequence the engine holds: running ones in run order, then waiting, then swapped
+        (each queue in its order). What a data-parallel replica reports and migrates by."""
+        sched, groups = self.engine.scheduler, self.engine.groups
+        out = []
+        for status, queue in (("running", sched.running), ("waiting", sched.waiting), ("swapped", sched.swapped)):
+            for s in queue:
+                group = groups.get(s.group_id)
+                out.append(QueuedRequest(s.request_id, status, s.token_ids, s.cache_salt,
+                                         s.num_prompt_tokens + s.max_tokens - len(s.token_ids),
+                                         len(group.seqs) if group is not None else 1, s.finished))
+        return out
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What a request without SamplingParams gets, as vLLM: the checkpoint's

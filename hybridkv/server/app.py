@@ -20,8 +20,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 
-from .async_llm import AsyncLLM, EngineDeadError
+from .async_llm import AsyncLLM
 from .metrics import ServerMetrics
+from .news import EngineDeadError
 from .openai_format import APIError
 from .protocol import ChatRequest, CompletionRequest
 from .serving import Flow, OpenAIServing

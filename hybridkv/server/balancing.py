@@ -4,6 +4,9 @@ which of a replica's requests may leave.
     balancer = Balancer()
     moved = balancer.look(probes, migrate)     # probes: {replica: ReplicaProbe}; every 50 ms
     seqs = requests_free_to_leave(llm, ours, waiting=True)   # inside a replica, on its engine thread
+    p = probe(llm, token_ids, cache_salt)                      # a replica's ReplicaProbe (same thread)
+
+A replica reads its queues through `LLM.queued()`, never the scheduler's own.
 
 A replica is overloaded when requests wait behind a full batch, or waited at two looks in a row
 (a one-step burst wait for a shared prefix does not count: moving would spoil it). It is relieved
@@ -19,10 +22,9 @@ and elsewhere it would recompute the prefix). Running requests leave most tokens
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Collection
+from typing import Callable, Collection
 
-if TYPE_CHECKING:  # engine_process imports this module
-    from .engine_process import ReplicaProbe
+from .replica_messages import ReplicaProbe
 
 Migrate = Callable[[int, int, int, bool], int]  # (from, to, how many, waiting ones) -> how many moved
 
@@ -65,12 +67,21 @@ def requests_free_to_leave(llm, ours: Collection[str], waiting: bool) -> list:
     """The single-sequence requests of `llm` (ids in `ours`, not finished) that may leave it, in
     the order they should: waiting ones (`waiting`) that gain nothing by staying (no cached
     prefix here, no running leader here computing their prefix), or running ones, most tokens
-    left first."""
-    groups, sched, mgr = llm.engine.groups, llm.engine.scheduler, llm.manager
-    free = [s for s in (sched.waiting if waiting else sched.running)
-            if isinstance(s.request_id, str) and s.request_id in ours
-            and len(groups[s.request_id].seqs) == 1 and not s.finished]
+    left first: `LLM.queued()` items (hybridkv/llm.py's QueuedRequest)."""
+    mgr = llm.manager
+    free = [q for q in llm.queued() if q.status == ("waiting" if waiting else "running")
+            and isinstance(q.request_id, str) and q.request_id in ours and q.num_seqs == 1 and not q.finished]
     if waiting:
-        return [s for s in free if mgr.usable_prefix_tokens(s.token_ids, s.cache_salt) == 0
-                and mgr.bursts.leader_for(s.request_id, s.token_ids, s.cache_salt)[0] is None]
-    return sorted(free, key=lambda s: len(s.token_ids) - s.num_prompt_tokens - s.max_tokens)
+        return [q for q in free if mgr.usable_prefix_tokens(q.token_ids, q.cache_salt) == 0
+                and mgr.bursts.leader_for(q.request_id, q.token_ids, q.cache_salt)[0] is None]
+    return sorted(free, key=lambda q: -q.tokens_left)
+
+
+def probe(llm, token_ids, cache_salt) -> ReplicaProbe:
+    """`llm`'s answer to a probe: the usable cached prefix of `token_ids` (changes nothing) and its
+    load, from `LLM.queued()` (swapped requests count as waiting)."""
+    queued = llm.queued()
+    running = sum(q.status == "running" for q in queued)
+    return ReplicaProbe(llm.manager.usable_prefix_tokens(token_ids, cache_salt),
+                        sum(len(q.token_ids) for q in queued), running, len(queued) - running,
+                        llm.config.max_num_seqs)

@@ -24,11 +24,13 @@ from typing import Optional
 
 from hybridkv.sampling_params import SamplingParams
 
-from .async_llm import EngineDeadError, RequestStream, _Stream
 from .balancing import Balancer
-from .engine_process import ReplicaFacts
+from .news import EngineDeadError
+from .replica_messages import ReplicaFacts
 from .replica_set import ReplicaSet
+from .request_stream import RequestStream
 from .router import PrefixRouter
+from .sink import QueueSink
 
 log = logging.getLogger("hybridkv.replicas")
 _SUMMED = ("kv_blocks_used", "kv_blocks_cached", "kv_blocks_total", "state_slots_live", "state_slots_checkpoint",
@@ -58,7 +60,7 @@ class DataParallelLLM:
         self.size, self.call_timeout, self.transport = data_parallel_size, call_timeout, migration_transport
         self.moves = {"running": 0, "waiting": 0}  # requests moved by the balancer, by what they were
         self._lock = threading.Lock()  # streams, router, requests in transit
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, QueueSink] = {}  # each request's sink on its caller's event loop
         self._moving: set[str] = set()      # may be in transit between replicas: aborts wait
         self._aborted: set[str] = set()     # aborted while in transit
         self.balancer = Balancer()          # which requests move where (balancing.py)
@@ -134,7 +136,7 @@ class DataParallelLLM:
         for i, p in zip(alive, probes):
             hits[i] = None if isinstance(p, BaseException) else p.hit_tokens
         while True:  # a replica that dies between the probe and the add: the next best one
-            stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())  # fresh: a dying one posts its error
+            stream = QueueSink()  # fresh: a dying one posts its error
             with self._lock:
                 if request_id in self._streams:
                     raise ValueError(f"request id {request_id!r} is already in use; give another id")
@@ -182,9 +184,7 @@ class DataParallelLLM:
             if isinstance(news, BaseException) or news.finished:
                 del self._streams[rid]
                 self.router.finished(rid)
-        try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, news)
-        except RuntimeError:  # the caller's event loop is gone: nobody reads this request
+        if not stream.post(news):  # the caller's event loop is gone: nobody reads this request
             self.abort(rid)
 
     def _replica_died(self, i: int, why: str) -> None:
@@ -195,7 +195,7 @@ class DataParallelLLM:
             for rid in lost:
                 self.router.finished(rid)
         for rid, stream in streams:
-            _post(stream, EngineDeadError(f"request {rid}: {why}"))
+            stream.post(EngineDeadError(f"request {rid}: {why}"))
 
     # ---- the balancer: queued requests move to a replica with room, running ones to an idle one --
     def _balance_loop(self, interval: float) -> None:
@@ -265,36 +265,4 @@ class DataParallelLLM:
         if aborted and replica is not None:
             self.replicas.send(replica, ("abort", rid))
         elif stream is not None:
-            _post(stream, EngineDeadError(f"request {rid}: {why}"))
-
-
-def _post(stream: _Stream, news) -> None:
-    try:
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, news)
-    except RuntimeError:  # the caller's event loop is gone
-        pass
-
-
-def run_replicas_server(model: str, model_name: str, data_parallel_size: int, llm_kwargs: dict,
-                        host: str = "127.0.0.1", port: int = 8000, api_key: Optional[str] = None,
-                        log_stats_interval: float = 10.0) -> int:
-    """`hybridkv serve --data-parallel-size N`: serve N replicas of `model` over HTTP until
-    interrupted; 2 (after logging why) when the replicas cannot start."""
-    import uvicorn
-
-    from .app import create_app
-
-    try:
-        engine = DataParallelLLM(model, data_parallel_size, log_stats_interval, **llm_kwargs)
-    except (ValueError, TypeError, RuntimeError) as e:
-        log.error("cannot serve %s: %s", model, e)
-        return 2
-    f = engine.facts[0]
-    log.info("serving %r on http://%s:%d with %d data-parallel replicas (pids %s): %d KV blocks, %d state "
-             "slots each%s", model_name, host, port, data_parallel_size, ", ".join(str(x.pid) for x in engine.facts),
-             f.kv_blocks_total, f.state_slots_total, ", API key required" if api_key else "")
-    try:
-        uvicorn.run(create_app(engine, model_name, api_key), host=host, port=port, log_level="warning")
-    finally:
-        engine.close()
-    return 0
+            stream.post(EngineDeadError(f"request {rid}: {why}"))

@@ -4,9 +4,10 @@
 
 The process builds its own `LLM` (which sets torch's threads as hybridkv/cpu_threads.py says),
 joins the replicas' gloo group when given one (replica_group.py: moved snapshots travel through
-it rank to rank), and runs `AsyncLLM`'s engine thread unchanged; what differs is where a
-request's news goes: to the pipe, tagged with the request id, instead of an asyncio queue. The main thread of the
-process reads commands from the pipe; each runs on the engine thread between two steps and
+it rank to rank), and runs the engine loop (engine_loop.py) that `AsyncLLM` runs; what differs
+is its requests' sinks: a `PipeSink` sends each one's news to the pipe, tagged with the request
+id, where AsyncLLM's `QueueSink` puts it on an asyncio queue. The main thread of the process
+reads commands from the pipe; each runs on the engine thread between two steps and
 answers `("reply", call_id, ok, value)`. Messages in (parent -> replica):
 
     ("add", cid, token_ids, params, request_id, priority, cache_salt)
@@ -32,87 +33,29 @@ import logging
 import os
 import threading
 import traceback
-from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
-from .async_llm import AsyncLLM, _Stream
-from .balancing import requests_free_to_leave
+from .balancing import probe, requests_free_to_leave
+from .engine_loop import EngineLoop, RequestFeed
 from .replica_group import PendingSend, ReplicaGroup, SnapshotHeader
+from .replica_messages import MovedRequest, ReplicaFacts
+from .sink import PipeSink
 
 log = logging.getLogger("hybridkv.replica")
 _DEAD_POLL_S = 0.5  # how often an idle replica checks that its engine thread still runs
 
 
-@dataclass
-class ReplicaFacts:
-    """What the serving layer reads of an LLM, sent once by a replica that started."""
-
-    tokenizer: Any
-    max_model_len: Optional[int]
-    generation_defaults: Any
-    max_num_seqs: int
-    kv_blocks_total: int
-    state_slots_total: int
-    pid: int
-
-
-@dataclass
-class ReplicaProbe:
-    """A replica's answer to "where would this prompt go": its usable cached prefix (hybrid hit
-    rule) and its load, in tokens of running + waiting requests."""
-
-    hit_tokens: int
-    load_tokens: int
-    running: int
-    waiting: int
-    max_num_seqs: int
-
-
-@dataclass
-class MovedRequest:
-    """A request in transit between replicas: its snapshot (bytes from snapshot_io, or the header
-    of tensors sent over the gloo group) and how many tokens per sequence its client has been
-    sent, so the new replica posts only new ones."""
-
-    request_id: str
-    snapshot: Union[bytes, SnapshotHeader]
-    sent: dict[int, int]
-    prompt_logged: bool
-
-
-class _PipeSink:
-    """Stands where AsyncLLM puts a request's event loop and asyncio queue: it sends the news
-    to the parent over the pipe, on the engine thread that posts it."""
-
-    def __init__(self, request_id: str, send):
-        self.request_id, self._send = request_id, send
-
-    def call_soon_threadsafe(self, fn, *args) -> None:
-        fn(*args)
-
-    def put_nowait(self, news) -> None:
-        self._send(("news", self.request_id, news))
-
-
-class ReplicaEngine(AsyncLLM):
-    """AsyncLLM whose streams are pipe sinks, plus the verbs a replica answers (engine thread)."""
+class ReplicaEngine(EngineLoop):
+    """The engine loop with pipe sinks, plus the verbs a replica answers (engine thread)."""
 
     def __init__(self, llm, send, log_stats_interval: float, group: Optional[ReplicaGroup] = None):
         self._send, self.group = send, group
         self._outbox: dict[str, tuple[Any, Optional[PendingSend]]] = {}  # exported, not yet settled
         super().__init__(llm, log_stats_interval)
 
-    def add(self, llm, rid, ids, params, priority, cache_salt) -> None:
-        sink = _PipeSink(rid, self._send)
-        self._add(llm, rid, ids, params, priority, cache_salt, _Stream(sink, sink))
-
-    @staticmethod
-    def probe(llm, ids, cache_salt) -> ReplicaProbe:
-        sched = llm.engine.scheduler
-        queued = list(sched.running) + list(sched.waiting) + list(sched.swapped)
-        return ReplicaProbe(llm.manager.usable_prefix_tokens(ids, cache_salt),
-                            sum(len(s.token_ids) for s in queued), len(sched.running),
-                            len(sched.waiting) + len(sched.swapped), sched.max_seqs)
+    def add_piped(self, llm, rid, ids, params, priority, cache_salt) -> None:
+        """Queue a request whose news goes up the pipe."""
+        self.add(llm, rid, ids, params, priority, cache_salt, PipeSink(rid, self._send))
 
     def export(self, llm, k: int, waiting: bool, dst: Optional[int]) -> list[MovedRequest]:
         """Up to k single-sequence requests leave this engine: running ones (most tokens left
@@ -122,10 +65,10 @@ class ReplicaEngine(AsyncLLM):
         from hybridkv.scheduler.snapshot_io import snapshot_to_bytes
 
         moved = []
-        for seq in requests_free_to_leave(llm, self._streams, waiting)[:k]:
-            rid = seq.request_id
+        for q in requests_free_to_leave(llm, self.feeds, waiting)[:k]:
+            rid = q.request_id
             snap = llm.export_request(rid)
-            stream = self._streams.pop(rid)
+            feed = self.feeds.pop(rid)
             wire, sending = None, None
             if dst is not None and self.group is not None:
                 try:
@@ -135,7 +78,7 @@ class ReplicaEngine(AsyncLLM):
             if wire is None:
                 wire = snapshot_to_bytes(snap)
             self._outbox[rid] = (snap, sending)  # imported back here if the destination fails
-            moved.append(MovedRequest(rid, wire, dict(stream.sent), stream.prompt_logged))
+            moved.append(MovedRequest(rid, wire, dict(feed.sent), feed.prompt_logged))
         return moved
 
     def forget(self, request_ids) -> None:
@@ -160,8 +103,8 @@ class ReplicaEngine(AsyncLLM):
             llm.import_request(snap)
         except RuntimeError:
             llm.import_request(dataclasses.replace(snap, num_computed_tokens=0, kv={}, conv={}, ssm={}))
-        sink = _PipeSink(moved.request_id, self._send)
-        self._streams[moved.request_id] = _Stream(sink, sink, dict(moved.sent), set(), moved.prompt_logged)
+        self.feeds[moved.request_id] = RequestFeed(PipeSink(moved.request_id, self._send), dict(moved.sent), set(),
+                                                   moved.prompt_logged)
 
 
 def replica_main(index: int, conn, model: str, llm_kwargs: dict, log_stats_interval: float,
@@ -211,8 +154,8 @@ def _serve(engine: ReplicaEngine, conn, send) -> None:
         except Exception as e:  # an answer that does not pickle still ends the caller's wait
             send(("reply", cid, False, RuntimeError(f"{err or e!r}")))
 
-    verbs = {"add": lambda a: lambda llm: engine.add(llm, a[2], a[0], a[1], a[3], a[4]),
-             "probe": lambda a: lambda llm: engine.probe(llm, a[0], a[1]),
+    verbs = {"add": lambda a: lambda llm: engine.add_piped(llm, a[2], a[0], a[1], a[3], a[4]),
+             "probe": lambda a: lambda llm: probe(llm, a[0], a[1]),
              "stats": lambda a: lambda llm: llm.stats(),
              "export": lambda a: lambda llm: engine.export(llm, a[0], a[1], a[2]),
              "import": lambda a: lambda llm: engine.import_moved(llm, a[0])}

@@ -24,9 +24,10 @@ import time
 from multiprocessing import connection as mp_connection
 from typing import Callable
 
-from .async_llm import EngineDeadError
-from .engine_process import ReplicaFacts, replica_main
+from .engine_process import replica_main
+from .news import EngineDeadError
 from .replica_group import host_store
+from .replica_messages import ReplicaFacts
 
 log = logging.getLogger("hybridkv.replicas")
 

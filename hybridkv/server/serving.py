@@ -12,12 +12,14 @@ import time
 import uuid
 from typing import AsyncIterator, Optional, Union
 
-from .async_llm import AsyncLLM, DeltaOutput, RequestStream
+from .async_llm import AsyncLLM
 from .chat import chat_prompt_ids
 from .metrics import RequestTimer, ServerMetrics
+from .news import DeltaOutput
 from .openai_format import (SSE_DONE, APIError, chat_logprobs, completion_logprobs, envelope,
                             prompt_logprobs_json, sse, usage)
 from .protocol import ChatRequest, CompletionRequest, resolve_max_tokens
+from .request_stream import RequestStream
 
 log = logging.getLogger("hybridkv.server")
 

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from hybridkv import LLM, SamplingParams
-from hybridkv.server.balancing import Balancer, requests_free_to_leave
-from hybridkv.server.engine_process import ReplicaProbe
+from hybridkv.server.balancing import Balancer, probe, requests_free_to_leave
+from hybridkv.server.replica_messages import ReplicaProbe
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:
@@ -36,6 +36,14 @@ def test_a_follower_of_a_running_leader_stays_while_an_unrelated_waiting_request
     assert [s.request_id for s in requests_free_to_leave(llm, ours, waiting=True)] == ["stranger"]
     assert [s.request_id for s in requests_free_to_leave(llm, ours - {"stranger"}, waiting=True)] == []
     assert [s.request_id for s in requests_free_to_leave(llm, ours, waiting=False)] == ["leader"]
+    # the replica's load report reads LLM.queued(), which agrees with the scheduler's queues
+    queued = list(sched.running) + list(sched.waiting) + list(sched.swapped)
+    assert [(q.request_id, q.status) for q in llm.queued()] == (
+        [(s.request_id, "running") for s in sched.running] + [(s.request_id, "waiting") for s in sched.waiting]
+        + [(s.request_id, "swapped") for s in sched.swapped])
+    assert probe(llm, prefix, None) == ReplicaProbe(
+        mgr.usable_prefix_tokens(prefix, None), sum(len(s.token_ids) for s in queued), len(sched.running),
+        len(sched.waiting) + len(sched.swapped), sched.max_seqs)
     llm.close()
 
 

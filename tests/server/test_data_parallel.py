@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from hybridkv import LLM, SamplingParams
-from hybridkv.server.async_llm import EngineDeadError
+from hybridkv.server.news import EngineDeadError
 from hybridkv.server.replicas import DataParallelLLM
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,0 +1,54 @@
+"""`RequestStream`: the caller's side of one request, its news read from a `QueueSink` and
+detokenized into `DeltaOutput`s.
+
+    stream = await engine.add_request(ids, params, "req-1")   # AsyncLLM or DataParallelLLM
+    async for d in stream: ...                                  # leaving early aborts it
+
+The engine it came from needs `tokenizer` and `abort(request_id)`.
+"""
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from hybridkv.sampling_params import SamplingParams
+
+from .detokenizer import IncrementalDetokenizer, StopHoldback
+from .news import DeltaOutput
+from .sink import QueueSink
+
+
+class RequestStream:
+    """The deltas of one request, in order; `finished` once all its sequences are done."""
+
+    def __init__(self, engine, request_id: str, params: SamplingParams, sink: QueueSink):
+        self.engine, self.request_id, self.params, self._sink = engine, request_id, params, sink
+        self.finished = False
+
+    def abort(self) -> None:
+        """Stop the request if it is still running (idempotent, does not wait)."""
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+    async def __aiter__(self) -> AsyncIterator[DeltaOutput]:
+        detok: dict[int, IncrementalDetokenizer] = {}
+        hold: dict[int, StopHoldback] = {}
+        try:
+            while not self.finished:
+                news = await self._sink.queue.get()
+                if isinstance(news, BaseException):
+                    self.finished = True
+                    raise news
+                for j, d in enumerate(news.deltas):
+                    if d.index not in detok:
+                        detok[d.index] = IncrementalDetokenizer(self.engine.tokenizer)
+                        hold[d.index] = StopHoldback(self.params.stop)
+                    new = detok[d.index].push(d.token_ids)
+                    text = (hold[d.index].push(new) if d.finish_reason is None
+                            else hold[d.index].finish(new, d.final_text))
+                    yield DeltaOutput(self.request_id, d.index, d.token_ids, text, d.logprobs,
+                                      d.finish_reason, news.num_prompt_tokens, news.num_cached_tokens,
+                                      d.stop_reason, news.prompt_logprobs if j == 0 else None)
+                self.finished = self.finished or news.finished
+        finally:
+            self.abort()
