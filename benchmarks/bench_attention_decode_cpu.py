@@ -162,7 +162,7 @@ def kernel_versions(before: str, repeats: int):
                          capture_output=True, text=True)
     if src.returncode != 0:
         raise SystemExit(f"git show {before}:kernels/native/paged_attention.c failed: {src.stderr.strip()}")
-    kernels = {"current": native._decode_kernel()}
+    kernels = {"current": native.PAGED_DECODE_ATTENTION.function()}
     with tempfile.TemporaryDirectory() as d:
         for name, text in ((before, src.stdout), ("read only", READ_ONLY_SRC)):
             sub = Path(d) / name.replace(" ", "_")
@@ -171,20 +171,17 @@ def kernel_versions(before: str, repeats: int):
             lib = native_cpu.library("paged_attention", sub)
             if lib is None:
                 raise SystemExit(f"the kernel at {name} did not build")
-            fn = lib.paged_decode_attention
-            fn.argtypes, fn.restype = native._ARGTYPES, ctypes.c_int64
+            fn = lib["paged_decode_attention"]
+            fn.argtypes, fn.restype = native.PAGED_DECODE_ATTENTION.argtypes, ctypes.c_int64
             kernels[name] = fn
     rng = random.Random(1)
     lens = [rng.randint(100, 330) for _ in range(32)]
     layers = [decode_step(lens, seed=s) for s in range(8)]  # 8 pools, ~20 MB each
 
     def run(name):
-        native._kernel = kernels[name]
-        try:
+        with native.PAGED_DECODE_ATTENTION.replaced(kernels[name]):
             plans = {}
             return [paged_attention_cpu(*inputs, 0.125, plan_cache=plans) for inputs in layers]
-        finally:
-            native._kernel = kernels["current"]
 
     diff = max((a - b).abs().max().item() for a, b in zip(run("current"), run(before)))
     times = {name: [] for name in kernels}

@@ -31,6 +31,7 @@ Note that since the C kernels, "after" in the first two tables is the C path whe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import platform
 import statistics
@@ -313,9 +314,13 @@ class mamba2_torch_path:
 
     def __enter__(self):
         self.saved = dict(mamba2_native._functions)
-        mamba2_native._functions.update({s: None for s in mamba2_native._SIGNATURES})
+        mamba2_native._functions["mamba2_mixer_decode"] = None
+        self.stack = contextlib.ExitStack()
+        for cf in (mamba2_native.CONV1D_UPDATE, mamba2_native.MAMBA2_STATE_UPDATE):
+            self.stack.enter_context(cf.replaced(None))
 
     def __exit__(self, *exc):
+        self.stack.close()
         mamba2_native._functions.clear()
         mamba2_native._functions.update(self.saved)
 

@@ -1,4 +1,6 @@
-"""Which implementation runs: Triton on CUDA, the torch reference on CPU; HYBRIDKV_BACKEND overrides."""
+"""Which backend an op runs (the registry's internals, ops.py): 'triton' (its CUDA implementation)
+for inputs on CUDA, 'torch' (its CPU implementation: torch and the native C kernels) elsewhere;
+HYBRIDKV_BACKEND=torch|triton overrides (read at each call: tests and the decode-graph dry run set it)."""
 from __future__ import annotations
 
 import os

@@ -16,6 +16,7 @@ tensor that does not fit makes them run the torch path); these checks are for bu
 from __future__ import annotations
 
 import ctypes
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +80,16 @@ class CFunction:
 
     def available(self) -> bool:
         return self.function() is not None
+
+    @contextmanager
+    def replaced(self, fn):
+        """Within the block, calls go to `fn` (a ctypes function of this prototype, argtypes set:
+        another build of the kernel) or, for None, the function is not available (benchmarks)."""
+        before, self._fn = self._fn, (False if fn is None else fn)
+        try:
+            yield
+        finally:
+            self._fn = before
 
     def _loaded(self):
         fn = self.function()

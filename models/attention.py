@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv import kernels
+from hybridkv.kernels import ops
 from hybridkv.specs import AttentionSpec
 
 from .forward_batch import ForwardBatch
@@ -72,12 +72,12 @@ class PagedAttention(nn.Module):
         block_table, slot_mapping, plans = batch.kv_tables(self.sliding_window)  # this layer's KV group
         q = gate = None
         if self.q_norm is None and not self.output_gate:  # rotary and the KV write in one C loop on CPU
-            q = kernels.rope_write_kv(qkv, rope, self.num_heads, self.num_kv_heads, self.head_dim,
-                                      kv_cache, slot_mapping, plans)
+            q = ops.rope_write_kv(qkv, rope, self.num_heads, self.num_kv_heads, self.head_dim,
+                                  kv_cache, slot_mapping, plans)
         if q is None:
             q, k, v, gate = self._split_rotate(qkv, rope)
-            kernels.write_kv(k, v, kv_cache, slot_mapping, plan_cache=plans)
-        out = kernels.paged_attention(
+            ops.write_kv(k, v, kv_cache, slot_mapping, plan_cache=plans)
+        out = ops.paged_attention(
             q, kv_cache, batch.query_start_loc, batch.seq_lens, block_table,
             self.scale, causal=True, sliding_window=self.sliding_window, soft_cap=self.soft_cap,
             max_query_len=max(batch.query_lens_cpu) if batch.query_lens_cpu else None,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridkv import kernels
+from hybridkv.kernels import ops
 
 from .forward_batch import ForwardBatch
 from .latent_attention import LatentAttention
@@ -43,9 +43,9 @@ class GatedLatentAttention(LatentAttention):
         q = torch.cat([q_nope, rotate_interleaved(q_rot, cos, sin)], dim=-1)
         c, k_rot = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         k_rot = rotate_interleaved(k_rot[:, None, :], cos, sin)[:, 0]
-        kernels.write_latent(torch.cat([self.kv_a_layernorm(c), k_rot], dim=-1), kv_cache,
-                             batch.slot_mapping)
-        out = kernels.latent_paged_attention(
+        ops.write_latent(torch.cat([self.kv_a_layernorm(c), k_rot], dim=-1), kv_cache,
+                         batch.slot_mapping)
+        out = ops.latent_paged_attention(
             q, kv_cache, self.kv_b_proj.weight, batch.query_start_loc, batch.seq_lens,
             batch.block_table, self.scale, self.nope_dim, self.v_dim,
             max_query_len=max(batch.query_lens_cpu) if batch.query_lens_cpu else None)  # [T, heads, v_dim]

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.kernels import causal_conv1d, conv1d_update, gdn_chunk_scan, gdn_state_update
+from hybridkv.kernels import ops
 from hybridkv.specs import RecurrentSpec
 
 from .forward_batch import ForwardBatch
@@ -76,9 +76,9 @@ class GatedDeltaNetMixer(nn.Module):
         weight = self.conv1d.weight.squeeze(1)
         mixed = split.run(
             mixed,
-            decode=lambda xd, s: conv1d_update(xd, conv_state, weight, None, s.decode_slots),
-            prefill=lambda xp, s: causal_conv1d(xp, conv_state, weight, None, s.prefill_qsl,
-                                                s.prefill_slots, s.prefill_has_init),
+            decode=lambda xd, s: ops.conv1d_update(xd, conv_state, weight, None, s.decode_slots),
+            prefill=lambda xp, s: ops.causal_conv1d(xp, conv_state, weight, None, s.prefill_qsl,
+                                                    s.prefill_slots, s.prefill_has_init),
         )
         beta = b.sigmoid() * self.beta_scale
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
@@ -96,12 +96,12 @@ class GatedDeltaNetMixer(nn.Module):
 
         def decode(p, s):
             q, k, v, gs, bs = unpack(p)
-            return gdn_state_update(ssm_state, q, k, v, gs, bs, s.decode_slots, use_qk_l2norm=True)
+            return ops.gdn_state_update(ssm_state, q, k, v, gs, bs, s.decode_slots, use_qk_l2norm=True)
 
         def prefill(p, s):
             q, k, v, gs, bs = unpack(p)
-            return gdn_chunk_scan(ssm_state, q, k, v, gs, bs, s.prefill_qsl, s.prefill_slots,
-                                  s.prefill_has_init, use_qk_l2norm=True)
+            return ops.gdn_chunk_scan(ssm_state, q, k, v, gs, bs, s.prefill_qsl, s.prefill_slots,
+                                      s.prefill_has_init, use_qk_l2norm=True)
 
         core = split.run(packed, decode=decode, prefill=prefill)  # [T, HV, dv]
         core = self.norm(core.to(hidden.dtype).reshape(-1, self.head_v_dim),

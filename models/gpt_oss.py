@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridkv.kernels import fused_moe
+from hybridkv.kernels import ops
 from hybridkv.specs import LayerSpec
 
 from .attention import PagedAttention
@@ -98,8 +98,8 @@ class GptOssMoE(nn.Module):
         top, ids = torch.topk(self.router(hidden), self.top_k, dim=-1)
         weights = torch.softmax(top, dim=-1)
         e = self.experts
-        return fused_moe(hidden, e.gate_up_proj, e.down_proj, weights.to(hidden.dtype), ids,
-                         gate_up_bias=e.gate_up_proj_bias, down_bias=e.down_proj_bias, swiglu=self.swiglu)
+        return ops.fused_moe(hidden, e.gate_up_proj, e.down_proj, weights.to(hidden.dtype), ids,
+                             gate_up_bias=e.gate_up_proj_bias, down_bias=e.down_proj_bias, swiglu=self.swiglu)
 
 
 class GptOssDecoderLayer(HybridDecoderLayer):

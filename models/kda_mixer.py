@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.kernels import causal_conv1d, conv1d_update, kda_chunk_scan, kda_state_update
+from hybridkv.kernels import ops
 from hybridkv.specs import RecurrentSpec
 
 from .forward_batch import ForwardBatch
@@ -94,9 +94,9 @@ class KimiDeltaAttentionMixer(nn.Module):
         weight = self.conv1d.weight.squeeze(1)
         mixed = split.run(
             mixed,
-            decode=lambda xd, s: conv1d_update(xd, conv_state, weight, None, s.decode_slots),
-            prefill=lambda xp, s: causal_conv1d(xp, conv_state, weight, None, s.prefill_qsl,
-                                                s.prefill_slots, s.prefill_has_init),
+            decode=lambda xd, s: ops.conv1d_update(xd, conv_state, weight, None, s.decode_slots),
+            prefill=lambda xp, s: ops.causal_conv1d(xp, conv_state, weight, None, s.prefill_qsl,
+                                                    s.prefill_slots, s.prefill_has_init),
         )
         g = self.forget_gate(hidden)
         beta = torch.sigmoid(self.b_proj(hidden).float())
@@ -110,12 +110,12 @@ class KimiDeltaAttentionMixer(nn.Module):
 
         def decode(p, s):
             q, k, v, gs, bs = unpack(p)
-            return kda_state_update(state, q, k, v, gs, bs, s.decode_slots, use_qk_l2norm=True)
+            return ops.kda_state_update(state, q, k, v, gs, bs, s.decode_slots, use_qk_l2norm=True)
 
         def prefill(p, s):
             q, k, v, gs, bs = unpack(p)
-            return kda_chunk_scan(state, q, k, v, gs, bs, s.prefill_qsl, s.prefill_slots,
-                                  s.prefill_has_init, use_qk_l2norm=True)
+            return ops.kda_chunk_scan(state, q, k, v, gs, bs, s.prefill_qsl, s.prefill_slots,
+                                      s.prefill_has_init, use_qk_l2norm=True)
 
         core = split.run(packed, decode=decode, prefill=prefill)  # [T, H, K]
         gate = self.output_gate(hidden).view(T, H, K)

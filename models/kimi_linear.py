@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from hybridkv.kernels import fused_moe
+from hybridkv.kernels import ops
 from hybridkv.specs import LayerSpec
 
 from .base import HybridModel
@@ -82,8 +82,8 @@ class KimiMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(hidden)
-        out = fused_moe(hidden, self.experts.gate_up_proj, self.experts.down_proj,
-                        weights.to(hidden.dtype), ids, self.act)
+        out = ops.fused_moe(hidden, self.experts.gate_up_proj, self.experts.down_proj,
+                            weights.to(hidden.dtype), ids, self.act)
         return out + self.shared_experts(hidden)
 
 

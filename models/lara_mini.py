@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.kernels import fused_moe
+from hybridkv.kernels import ops
 from hybridkv.specs import LayerSpec
 
 from .attention import PagedAttention
@@ -107,8 +107,8 @@ class UngatedSharedExpertMoE(SparseMoE):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(hidden)
-        out = fused_moe(hidden, self.experts.gate_up_proj, self.experts.down_proj,
-                        weights.to(hidden.dtype), ids, self.act)
+        out = ops.fused_moe(hidden, self.experts.gate_up_proj, self.experts.down_proj,
+                            weights.to(hidden.dtype), ids, self.act)
         if self.shared_expert is not None:
             out = out + self.shared_expert(hidden)
         return out

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from hybridkv import kernels
+from hybridkv.kernels import ops
 from hybridkv.specs import AttentionSpec
 
 from .forward_batch import ForwardBatch
@@ -64,9 +64,9 @@ class LatentAttention(nn.Module):
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
         c, k_rot = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kernels.write_latent(torch.cat([self.kv_a_layernorm(c), k_rot], dim=-1), kv_cache,
-                             batch.slot_mapping)
-        out = kernels.latent_paged_attention(
+        ops.write_latent(torch.cat([self.kv_a_layernorm(c), k_rot], dim=-1), kv_cache,
+                         batch.slot_mapping)
+        out = ops.latent_paged_attention(
             q.view(T, self.num_heads, self.qk_dim), kv_cache, self.kv_b_proj.weight,
             batch.query_start_loc, batch.seq_lens, batch.block_table, self.scale, self.nope_dim,
             self.v_dim,

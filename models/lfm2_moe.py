@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridkv.kernels import fused_moe
+from hybridkv.kernels import ops
 
 from .lfm2 import _RENAMES as _LFM2_RENAMES
 from .lfm2 import Lfm2DecoderLayer, Lfm2Model
@@ -65,8 +65,8 @@ class Lfm2SparseMoE(SparseMoE):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(hidden)
-        return fused_moe(hidden, self.experts.gate_up_proj, self.experts.down_proj,
-                         weights.to(hidden.dtype), ids, self.act)
+        return ops.fused_moe(hidden, self.experts.gate_up_proj, self.experts.down_proj,
+                             weights.to(hidden.dtype), ids, self.act)
 
 
 class Lfm2MoeDecoderLayer(Lfm2DecoderLayer):

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.kernels import lightning_chunk_scan, lightning_state_update
+from hybridkv.kernels import ops
 from hybridkv.specs import RecurrentSpec
 
 from .forward_batch import ForwardBatch
@@ -63,12 +63,12 @@ class LightningAttentionMixer(nn.Module):
 
         def decode(x, s):
             q, k, v = torch.split(x, D, dim=-1)
-            return lightning_state_update(state, q, k, v, self._slopes, s.decode_slots)
+            return ops.lightning_state_update(state, q, k, v, self._slopes, s.decode_slots)
 
         def prefill(x, s):
             q, k, v = torch.split(x, D, dim=-1)
-            return lightning_chunk_scan(state, q, k, v, self._slopes, s.prefill_qsl,
-                                        s.prefill_slots, s.prefill_has_init)
+            return ops.lightning_chunk_scan(state, q, k, v, self._slopes, s.prefill_qsl,
+                                            s.prefill_slots, s.prefill_has_init)
 
         core = split.run(qkv, decode=decode, prefill=prefill)  # [T, H, D]
         core = self.norm(core.reshape(T, H * D))

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.kernels import causal_conv1d, conv1d_update, mamba1_scan, mamba1_state_update
+from hybridkv.kernels import ops
 from hybridkv.specs import RecurrentSpec
 
 from .forward_batch import ForwardBatch
@@ -65,9 +65,9 @@ class Mamba1Mixer(nn.Module):
 
         xc = split.run(
             x,
-            decode=lambda xd, s: conv1d_update(xd, conv_state, weight, bias, s.decode_slots),
-            prefill=lambda xp, s: causal_conv1d(xp, conv_state, weight, bias, s.prefill_qsl,
-                                                s.prefill_slots, s.prefill_has_init),
+            decode=lambda xd, s: ops.conv1d_update(xd, conv_state, weight, bias, s.decode_slots),
+            prefill=lambda xp, s: ops.causal_conv1d(xp, conv_state, weight, bias, s.prefill_qsl,
+                                                    s.prefill_slots, s.prefill_has_init),
         )
         dt, B, C = torch.split(self.x_proj(xc), [self.dt_rank, self.d_state, self.d_state], dim=-1)
         dt = F.linear(self.dt_layernorm(dt), self.dt_proj.weight)  # bias goes in as dt_bias
@@ -80,13 +80,13 @@ class Mamba1Mixer(nn.Module):
 
         def decode(p, s):
             xs, dts, zs, Bs, Cs = torch.split(p, sizes, dim=-1)
-            return mamba1_state_update(ssm_state, xs, dts, A, Bs, Cs, D, zs, dt_bias,
-                                       s.decode_slots, dt_softplus=True)
+            return ops.mamba1_state_update(ssm_state, xs, dts, A, Bs, Cs, D, zs, dt_bias,
+                                           s.decode_slots, dt_softplus=True)
 
         def prefill(p, s):
             xs, dts, zs, Bs, Cs = torch.split(p, sizes, dim=-1)
-            return mamba1_scan(ssm_state, xs, dts, A, Bs, Cs, D, zs, dt_bias, s.prefill_qsl,
-                               s.prefill_slots, s.prefill_has_init, dt_softplus=True)
+            return ops.mamba1_scan(ssm_state, xs, dts, A, Bs, Cs, D, zs, dt_bias, s.prefill_qsl,
+                                   s.prefill_slots, s.prefill_has_init, dt_softplus=True)
 
         y = split.run(packed, decode=decode, prefill=prefill, out_dim=self.d_inner)
         return self.out_proj(y.to(hidden.dtype))

@@ -3,7 +3,7 @@
 Prefill chunks go through the varlen kernels (`causal_conv1d`, `mamba2_chunk_scan`), decodes
 through the one-token kernels (`conv1d_update`, `mamba2_state_update`); both read and write the
 layer's pools in place through the requests' state slots. A step of decodes only runs, on CPU in
-fp32, everything between in_proj and out_proj in one C call (`Mamba2MixerDecode`).
+fp32, everything between in_proj and out_proj in one C call (`ops.mamba2_mixer_decode`).
 """
 from __future__ import annotations
 
@@ -13,9 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.kernels import causal_conv1d, conv1d_update, mamba2_chunk_scan, mamba2_state_update
-from hybridkv.kernels import native_cpu
-from hybridkv.kernels.mamba2_native import Mamba2MixerDecode
+from hybridkv.kernels import ops
 from hybridkv.specs import RecurrentSpec
 
 from .forward_batch import ForwardBatch
@@ -69,8 +67,8 @@ class Mamba2Mixer(nn.Module):
         self.zxbcdt_multipliers = (None if zxbcdt_multipliers is None
                                    else [float(m) for m in zxbcdt_multipliers])
         self._mup: Optional[torch.Tensor] = None  # built lazily: the model is built on `meta`
-        # (key, call) of the C decode, built at the first decode step (kernels/mamba2_native.py)
-        self._native_decode: Optional[tuple[tuple, Mamba2MixerDecode]] = None
+        # ops.mamba2_mixer_decode keeps the call it builds for this layer's pools and weights here
+        self._decode_cache: dict = {}
 
     def _mup_vector(self, like: torch.Tensor) -> torch.Tensor:
         """[d_inner + conv_dim + H] per-column multipliers of in_proj's output, on like's device/dtype."""
@@ -100,7 +98,7 @@ class Mamba2Mixer(nn.Module):
         if self.zxbcdt_multipliers is not None:
             proj = proj * self._mup_vector(proj)
         if split.all_decode:  # conv, SSM step and gated norm in one C call per step, if it can run
-            y = self._decode_native(proj, conv_state, ssm_state, split.decode_slots)
+            y = self._decode_fused(proj, conv_state, ssm_state, split.decode_slots)
             if y is not None:
                 return self.out_proj(y.to(hidden.dtype))
         weight = self.conv1d.weight.squeeze(1)  # [conv_dim, k]
@@ -115,21 +113,21 @@ class Mamba2Mixer(nn.Module):
 
         def decode(rows, sp):
             xbc_r, dt_r = rows[:, :self.conv_dim], rows[:, self.conv_dim:]
-            xbc_r = conv1d_update(xbc_r, conv_state, weight, self.conv1d.bias, sp.decode_slots)
+            xbc_r = ops.conv1d_update(xbc_r, conv_state, weight, self.conv1d.bias, sp.decode_slots)
             x, B, C = ssm_inputs(xbc_r)
-            y = mamba2_state_update(ssm_state, x, dt_r, A, B, C, self.D, None, self.dt_bias,
-                                    sp.decode_slots, dt_softplus=True)
+            y = ops.mamba2_state_update(ssm_state, x, dt_r, A, B, C, self.D, None, self.dt_bias,
+                                        sp.decode_slots, dt_softplus=True)
             return y.reshape(-1, self.d_inner)
 
         def prefill(rows, sp):
             xbc_r, dt_r = rows[:, :self.conv_dim], rows[:, self.conv_dim:]
-            xbc_r = causal_conv1d(xbc_r, conv_state, weight, self.conv1d.bias,
-                                  sp.prefill_qsl, sp.prefill_slots, sp.prefill_has_init)
+            xbc_r = ops.causal_conv1d(xbc_r, conv_state, weight, self.conv1d.bias,
+                                      sp.prefill_qsl, sp.prefill_slots, sp.prefill_has_init)
             x, B, C = ssm_inputs(xbc_r)
-            y = mamba2_chunk_scan(ssm_state, x, dt_r, A, B, C, self.D, None, self.dt_bias,
-                                  sp.prefill_qsl, sp.prefill_slots, sp.prefill_has_init,
-                                  chunk_size=self.chunk_size, dt_softplus=True,
-                                  dt_limit=self.dt_limit)
+            y = ops.mamba2_chunk_scan(ssm_state, x, dt_r, A, B, C, self.D, None, self.dt_bias,
+                                      sp.prefill_qsl, sp.prefill_slots, sp.prefill_has_init,
+                                      chunk_size=self.chunk_size, dt_softplus=True,
+                                      dt_limit=self.dt_limit)
             return y.reshape(-1, self.d_inner)
 
         # xBC and dt are adjacent columns of proj: one view, no copy
@@ -137,20 +135,14 @@ class Mamba2Mixer(nn.Module):
         y = self.norm(y, z) if self.norm is not None else y * F.silu(z)
         return self.out_proj(y.to(hidden.dtype))
 
-    def _decode_native(self, proj, conv_state, ssm_state, slots):
-        """The decode between in_proj and out_proj in C (kernels/mamba2_native.py): y [B, d_inner]
-        fp32, or None when it cannot run here (the torch path then runs). The call is built once
-        for this layer's pools and weights and rebuilt when one of them is another tensor."""
-        if not (proj.is_cpu and native_cpu.enabled()):
-            return None
+    def _decode_fused(self, proj, conv_state, ssm_state, slots):
+        """The decode between in_proj and out_proj in one kernel call (ops.mamba2_mixer_decode: C on
+        CPU): y [B, d_inner] fp32, or None when it cannot run here (the op-by-op path then runs)."""
         norm = self.norm
-        tensors = (conv_state, ssm_state, self.conv1d.weight, self.conv1d.bias, self.A_log, self.dt_bias,
-                   self.D, None if norm is None else norm.weight)
-        key = Mamba2MixerDecode.key_of(*tensors)
-        if self._native_decode is None or self._native_decode[0] != key:
-            self._native_decode = (key, Mamba2MixerDecode(
-                conv_state, ssm_state, self.num_heads, self.head_dim, self.n_groups,
-                self.conv1d.weight.squeeze(1), *tensors[3:7], tensors[7],
-                self.d_inner if norm is None else norm.group_size, 0.0 if norm is None else norm.eps,
-                0 if norm is None else 2 if norm.norm_before_gate else 1))
-        return self._native_decode[1](proj, slots)
+        return ops.mamba2_mixer_decode(
+            proj, slots, conv_state=conv_state, ssm_state=ssm_state, num_heads=self.num_heads,
+            head_dim=self.head_dim, n_groups=self.n_groups, conv_weight=self.conv1d.weight.squeeze(1),
+            conv_bias=self.conv1d.bias, A_log=self.A_log, dt_bias=self.dt_bias, D=self.D,
+            norm_weight=None if norm is None else norm.weight,
+            norm_group=self.d_inner if norm is None else norm.group_size, eps=0.0 if norm is None else norm.eps,
+            norm_mode=0 if norm is None else 2 if norm.norm_before_gate else 1, cache=self._decode_cache)

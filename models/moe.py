@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.kernels import fused_moe
+from hybridkv.kernels import ops
 
 from .mlp import GatedMLP
 
@@ -72,8 +72,8 @@ class SparseMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(hidden)
-        out = fused_moe(hidden, self.experts.gate_up_proj, self.experts.down_proj,
-                        weights.to(hidden.dtype), ids, self.act)
+        out = ops.fused_moe(hidden, self.experts.gate_up_proj, self.experts.down_proj,
+                            weights.to(hidden.dtype), ids, self.act)
         if self.shared_expert is not None:
             shared = self.shared_expert(hidden)
             out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * shared

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridkv.kernels import fused_moe
+from hybridkv.kernels import ops
 from hybridkv.specs import LayerSpec
 
 from .attention import PagedAttention
@@ -156,8 +156,8 @@ class NemotronHMoE(nn.Module):
         weights, ids = self.gate(hidden)
         x = self.fc1_latent_proj(hidden) if self.fc1_latent_proj is not None else hidden
         # the routed experts as one fused op over the stacked weights (no per-expert host sync)
-        out = fused_moe(x, self.experts.up_proj, self.experts.down_proj, weights.to(x.dtype), ids,
-                        self.act, gated=False)
+        out = ops.fused_moe(x, self.experts.up_proj, self.experts.down_proj, weights.to(x.dtype), ids,
+                            self.act, gated=False)
         if self.fc2_latent_proj is not None:
             out = self.fc2_latent_proj(out)
         return out + self.shared_experts(hidden)

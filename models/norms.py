@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.kernels.rms_norm import add_rms_norm, gated_rms_norm, rms_norm
+from hybridkv.kernels import ops
 
 
 class RMSNorm(nn.Module):
@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         if dtype == torch.float32 and self.weight.dtype == dtype:
             # float32: both forms below are one formula; a C loop on CPU, else torch's rms_norm
-            return rms_norm(x, self.weight, self.eps, self.zero_centered)
+            return ops.rms_norm(x, self.weight, self.eps, self.zero_centered)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.zero_centered:
@@ -37,7 +37,7 @@ class RMSNorm(nn.Module):
         and the next norm, in one pass over the row in float32 on CPU."""
         if h.dtype == torch.float32 and self.weight.dtype == torch.float32 \
                 and type(self).forward is RMSNorm.forward and "forward" not in self.__dict__:
-            return add_rms_norm(h, delta, self.weight, self.eps, self.zero_centered)
+            return ops.add_rms_norm(h, delta, self.weight, self.eps, self.zero_centered)
         # a subclass's (or a patched) forward has its own formula: add, then call it
         s = h + delta
         return s, self(s)
@@ -67,7 +67,7 @@ class GatedRMSNorm(nn.Module):
     def forward(self, y: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
         dtype = y.dtype
         if dtype == torch.float32 and self.weight.dtype == dtype:
-            out = gated_rms_norm(y, z, self.weight, self.eps, self.group_size, self.norm_before_gate)
+            out = ops.gated_rms_norm(y, z, self.weight, self.eps, self.group_size, self.norm_before_gate)
             if out is not None:  # the C loop (CPU, float32, rows it can read); else the formulas below
                 return out
         h = y.float()

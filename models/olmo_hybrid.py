@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridkv import kernels
+from hybridkv.kernels import ops
 from hybridkv.specs import LayerSpec
 
 from .attention import PagedAttention
@@ -137,8 +137,8 @@ class OlmoAttention(PagedAttention):
         v = self.v_proj(hidden).view(T, self.num_kv_heads, self.head_dim)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        kernels.write_kv(k, v, kv_cache, batch.slot_mapping)
-        out = kernels.paged_attention(
+        ops.write_kv(k, v, kv_cache, batch.slot_mapping)
+        out = ops.paged_attention(
             q.contiguous(), kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_table,
             self.scale, causal=True,
             max_query_len=max(batch.query_lens_cpu) if batch.query_lens_cpu else None,

@@ -5,7 +5,7 @@
 Per request it keeps the conv window (the last k-1 inputs of the conv, `[lru_width, k-1]`) and
 the RG-LRU state (`[lru_width]`, float32 as in transformers). Prefill chunks go through
 `causal_conv1d` and the varlen RG-LRU scan, decodes through `conv1d_update` and the one-token
-RG-LRU step (Triton on CUDA, kernels/rg_lru.py); both read and write the pools in place through
+RG-LRU step (`ops.rg_lru_state_update`: Triton on CUDA); both read and write the pools in place through
 the requests' slots.
 """
 from __future__ import annotations
@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.kernels import causal_conv1d, conv1d_update
-from hybridkv.kernels.rg_lru import rg_lru_scan, rg_lru_state_update
+from hybridkv.kernels import ops
 from hybridkv.specs import RecurrentSpec
 
 from .forward_batch import ForwardBatch
@@ -84,21 +83,21 @@ class RGLRUBlock(nn.Module):
         weight, bias = self.conv_1d.weight.squeeze(1), self.conv_1d.bias
         x = split.run(
             x,
-            decode=lambda xd, s: conv1d_update(xd, conv_state, weight, bias, s.decode_slots,
-                                               activation=None),
-            prefill=lambda xp, s: causal_conv1d(xp.contiguous(), conv_state, weight, bias,
-                                                s.prefill_qsl, s.prefill_slots, s.prefill_has_init,
-                                                activation=None),
+            decode=lambda xd, s: ops.conv1d_update(xd, conv_state, weight, bias, s.decode_slots,
+                                                   activation=None),
+            prefill=lambda xp, s: ops.causal_conv1d(xp.contiguous(), conv_state, weight, bias,
+                                                    s.prefill_qsl, s.prefill_slots, s.prefill_has_init,
+                                                    activation=None),
         )
         gi, gr = self.rg_lru.gates(x)
         packed = torch.cat([x, gi, gr], dim=-1)
         param = self.rg_lru.recurrent_param
 
         def decode(p, s):
-            return rg_lru_state_update(lru_state, *p.chunk(3, dim=-1), param, s.decode_slots)
+            return ops.rg_lru_state_update(lru_state, *p.chunk(3, dim=-1), param, s.decode_slots)
 
         def prefill(p, s):
-            return rg_lru_scan(lru_state, *p.chunk(3, dim=-1), param, s.prefill_qsl,
+            return ops.rg_lru_scan(lru_state, *p.chunk(3, dim=-1), param, s.prefill_qsl,
                                    s.prefill_slots, s.prefill_has_init)
 
         h = split.run(packed, decode=decode, prefill=prefill, out_dim=self.lru_width)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridkv.kernels import causal_conv1d, conv1d_update
+from hybridkv.kernels import ops
 from hybridkv.specs import RecurrentSpec
 
 from .forward_batch import ForwardBatch
@@ -54,11 +54,11 @@ class ShortConv(nn.Module):
         bias = self.conv.bias
 
         def decode(rows, sp):
-            return conv1d_update(rows, conv_state, weight, bias, sp.decode_slots, activation=None)
+            return ops.conv1d_update(rows, conv_state, weight, bias, sp.decode_slots, activation=None)
 
         def prefill(rows, sp):
-            return causal_conv1d(rows.contiguous(), conv_state, weight, bias, sp.prefill_qsl,
-                                 sp.prefill_slots, sp.prefill_has_init, activation=None)
+            return ops.causal_conv1d(rows.contiguous(), conv_state, weight, bias, sp.prefill_qsl,
+                                     sp.prefill_slots, sp.prefill_has_init, activation=None)
 
         conv_out = split.run(bx, decode, prefill)
         return self.out_proj(C * conv_out.to(C.dtype))

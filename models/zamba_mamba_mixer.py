@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridkv.kernels import causal_conv1d, conv1d_update, mamba1_scan, mamba1_state_update
+from hybridkv.kernels import ops
 from hybridkv.specs import RecurrentSpec
 
 from .forward_batch import ForwardBatch
@@ -61,9 +61,9 @@ class ZambaMambaMixer(nn.Module):
         weight, bias = self.conv1d.weight.squeeze(1), self.conv1d.bias
         x = split.run(
             x.contiguous(),
-            decode=lambda xd, s: conv1d_update(xd, conv_state, weight, bias, s.decode_slots),
-            prefill=lambda xp, s: causal_conv1d(xp.contiguous(), conv_state, weight, bias,
-                                                s.prefill_qsl, s.prefill_slots, s.prefill_has_init),
+            decode=lambda xd, s: ops.conv1d_update(xd, conv_state, weight, bias, s.decode_slots),
+            prefill=lambda xp, s: ops.causal_conv1d(xp.contiguous(), conv_state, weight, bias,
+                                                    s.prefill_qsl, s.prefill_slots, s.prefill_has_init),
         )
         xh = x.view(T, H, hd)
         params = torch.einsum("hrd,thd->thr", self.x_proj_weight, xh)  # [T, H, R + 2N]
@@ -79,13 +79,13 @@ class ZambaMambaMixer(nn.Module):
 
             def decode(p, s, pool=pool, h=h):
                 xs, dts, zs, Bs, Cs = torch.split(p, sizes, dim=-1)
-                return mamba1_state_update(pool, xs, dts, A[h], Bs, Cs, self.D[h], zs,
-                                           self.dt_proj_bias[h], s.decode_slots, dt_softplus=True)
+                return ops.mamba1_state_update(pool, xs, dts, A[h], Bs, Cs, self.D[h], zs,
+                                               self.dt_proj_bias[h], s.decode_slots, dt_softplus=True)
 
             def prefill(p, s, pool=pool, h=h):
                 xs, dts, zs, Bs, Cs = torch.split(p, sizes, dim=-1)
-                return mamba1_scan(pool, xs, dts, A[h], Bs, Cs, self.D[h], zs, self.dt_proj_bias[h],
-                                   s.prefill_qsl, s.prefill_slots, s.prefill_has_init, dt_softplus=True)
+                return ops.mamba1_scan(pool, xs, dts, A[h], Bs, Cs, self.D[h], zs, self.dt_proj_bias[h],
+                                       s.prefill_qsl, s.prefill_slots, s.prefill_has_init, dt_softplus=True)
 
             outs.append(split.run(packed, decode=decode, prefill=prefill, out_dim=hd))
         return self.out_proj(torch.cat(outs, dim=-1).to(hidden.dtype))

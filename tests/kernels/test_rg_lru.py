@@ -130,7 +130,7 @@ def test_triton_step_matches_reference(dtype, tol):
 
 
 def test_dispatcher_runs_both_backends(monkeypatch):
-    from hybridkv.kernels.rg_lru import rg_lru_state_update
+    from hybridkv.kernels.ops import rg_lru_state_update
 
     gen = torch.Generator().manual_seed(6)
     x, gi, gr = torch.randn(2, W, generator=gen), torch.rand(2, W, generator=gen), torch.rand(2, W, generator=gen)

@@ -154,10 +154,11 @@ def test_triton_rg_lru_step_decodes_like_transformers(family_models, monkeypatch
     """The RG-LRU decode step through its Triton kernel (interpreted on CPU; the other kernels
     stay torch, their Triton paths have their own tests): a ragged prefill then 8 greedy decodes,
     the long request past the window, are transformers' tokens."""
-    import hybridkv.kernels.rg_lru as rg_lru
+    from hybridkv.kernels import ops
 
     calls = []
-    monkeypatch.setattr(rg_lru, "backend_for", lambda t: calls.append(t.shape) or "triton")
+    monkeypatch.setattr(ops.rg_lru_state_update, "backend",
+                        lambda t, plan_cache=None: calls.append(t.shape) or "triton")
     _, ours, hf = family_models(NAME)
     h = Harness(ours)
     prompts = [prompt(n, 90 + n) for n in (2, WINDOW + 5)]
