@@ -4,6 +4,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # every test runs the CLI as a subprocess
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -86,6 +86,7 @@ def test_contiguous_reserves_max_len_and_paging_uses_more_of_it():
     assert max(rc.running) <= cont.num_blocks  # one max_len reservation per running request
 
 
+@pytest.mark.slow  # long
 def test_compare_baseline_small_end_to_end(tmp_path):
     import compare_baseline
     import matplotlib.image

@@ -78,7 +78,8 @@ def graph_step(graphs: DecodeGraphs, h: Harness, seqs) -> torch.Tensor:
     return logits
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", [  # long: llama and bamba in the fast tier
+    f if f in ("llama", "bamba") else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES])
 def test_graph_decode_matches_eager_and_padding_writes_nothing(models, family):
     model = models(family)
     eager, graphed = twin_harnesses(model)
@@ -216,6 +217,7 @@ def assert_same_generation(got, want):
             assert tg == tw and vg.logprob == pytest.approx(vw.logprob, abs=1e-4)
 
 
+@pytest.mark.slow  # long
 def test_engine_generates_the_eager_tokens_through_graphs(tmp_path):
     """LLM(cuda_graphs="dry_run") against LLM(): greedy tokens equal, logprobs close; requests
     finish after 2, 3 and 4 tokens, so decode batches of 3 (padded to 4), 2 and 1 replay."""

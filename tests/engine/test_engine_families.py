@@ -10,7 +10,8 @@ from model_harness import assert_greedy_matches_hf
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-@pytest.mark.parametrize("family", ["llama", "jamba", "qwen3_next", "falcon_h1", "zamba2", "nemotron_h"])
+@pytest.mark.parametrize("family", ["llama"] + [  # long: llama in the fast tier
+    pytest.param(f, marks=pytest.mark.slow) for f in ["jamba", "qwen3_next", "falcon_h1", "zamba2", "nemotron_h"]])
 def test_family_through_engine_under_pressure(family, mode, tmp_path):
     path = make_tiny_checkpoint(family, tmp_path)
     hf = hf_model(path)

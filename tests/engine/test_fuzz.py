@@ -73,7 +73,8 @@ def junk_snapshot(rng, snap, vocab):
     return dataclasses.replace(snap, sampling_state={"params": "junk"})
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", [p if p == "junctions" else pytest.param(p, marks=pytest.mark.slow)
+                                    for p in POLICIES])  # long: one policy in the fast tier
 def test_lifecycle_fuzz(ckpt, policy):
     rng = random.Random(POLICIES.index(policy))
     engines = [tight(ckpt, "recompute", policy), tight(ckpt, "swap", policy)]

@@ -91,6 +91,7 @@ WORKER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # two processes
 def test_migrate_between_processes_over_gloo(ckpt, tmp_path):
     import json
     expected = _engine(ckpt).generate([PROMPTS[1]], SEEDED, use_tqdm=False)[0].outputs[0].token_ids

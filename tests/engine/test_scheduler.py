@@ -168,6 +168,7 @@ def test_the_sequence_list_is_the_managers_list():
     assert sched.mgr.request("a#1").token_ids is child.token_ids
 
 
+@pytest.mark.slow  # a subprocess
 def test_migration_does_not_import_the_engine():
     code = ("import sys, hybridkv.scheduler.migration; "
             "print('hybridkv.scheduler.engine' in sys.modules)")
@@ -176,6 +177,7 @@ def test_migration_does_not_import_the_engine():
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.slow  # long
 def test_a_step_costs_the_same_with_20000_waiting_as_with_200():
     def cost(num_waiting: int) -> float:
         return min(statistics.median(step_times(num_waiting, steps=30, warmup=5, seed=r)) for r in range(3))

@@ -20,6 +20,8 @@ from hybridkv.parallel.sharding import shard_model
 from engine_fixtures import assert_no_leaks, greedy, tight_budget
 from family_checks import mamba2_scans_that_matter
 
+pytestmark = pytest.mark.slow  # tensor-parallel workers are processes
+
 FAMILIES = ["llama", "bamba", "qwen3_next", "mamba2"]
 OVERRIDES = {"llama": {"num_key_value_heads": 1}}  # fewer KV heads than ranks: replicated on both
 RNG = random.Random(1)

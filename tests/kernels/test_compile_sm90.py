@@ -18,6 +18,8 @@ import pytest
 from hybridkv.kernels import variants
 from hybridkv.kernels.sm90_compile import SM90_SHARED_LIMIT, CompiledVariant
 
+pytestmark = pytest.mark.slow  # sm_90 compiles, in a child process
+
 LEVEL = os.environ.get("HYBRIDKV_SM90_LEVEL", "default")
 
 

@@ -4,6 +4,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the benchmark runs as a subprocess with a server
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

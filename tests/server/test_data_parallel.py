@@ -27,6 +27,8 @@ from hybridkv import LLM, SamplingParams
 from hybridkv.server.news import EngineDeadError
 from hybridkv.server.replicas import DataParallelLLM
 
+pytestmark = pytest.mark.slow  # replicas and servers are processes
+
 ROOT = Path(__file__).resolve().parents[2]
 KW = dict(device="cpu", dtype="float32", block_size=16, memory_budget_bytes=8 << 20, max_num_seqs=2)
 WAIT_S = 60  # the most any one step of a test waits
