@@ -161,12 +161,13 @@ def _mixer_decode():
 
 
 def mamba2_mixer_decode(proj, slot_idx, *, conv_state, ssm_state, num_heads, head_dim, n_groups, conv_weight,
-                        conv_bias, A_log, dt_bias, D, norm_weight, norm_group, eps, norm_mode, cache: dict):
+                        conv_bias, A_log, dt_bias, D, norm_weight, norm_group, eps, norm_mode, cache: dict,
+                        plan_cache=None):
     """ops.mamba2_mixer_decode on CPU: a Mamba2 layer's decode between in_proj and out_proj, one C
     call. proj [B, H P + conv_dim + H], slot_idx [B]; the rest as Mamba2MixerDecode (conv_weight
     [conv_dim, k]) -> y [B, H P] fp32, or None when it cannot run here (the caller's torch path
     runs). cache: a dict the layer owns, where the call built for its pools and weights is kept
-    (built again when one of them is another tensor)."""
+    (built again when one of them is another tensor); plan_cache: the step's (the op's backend)."""
     if _mixer_decode() is None:
         return None
     tensors = (conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_bias, D, norm_weight)

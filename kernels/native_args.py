@@ -79,7 +79,7 @@ class CFunction:
         return self._fn or None
 
     def available(self) -> bool:
-        return self.function() is not None
+        return native_cpu.enabled() and bool(self._fn or self.function())
 
     @contextmanager
     def replaced(self, fn):

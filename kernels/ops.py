@@ -31,6 +31,7 @@ class Op:
     def __init__(self, name: str, cpu: Optional[str], cuda: Optional[str], doc: str):
         self.name, self.cpu, self.cuda, self.__doc__ = name, cpu, cuda, doc
         self._where = {"torch": _split(cpu), "triton": _split(cuda)}
+        self._one = cpu == cuda  # one function on both backends (the norms): nothing to choose
 
     def backend(self, t, plan_cache: Optional[dict] = None) -> str:
         """'torch' (the CPU implementation) or 'triton' (the CUDA one) for inputs on t's device."""
@@ -50,9 +51,7 @@ class Op:
         return getattr(sys.modules.get(module) or importlib.import_module(module), fn)
 
     def __call__(self, *args, **kwargs):
-        if self.cpu == self.cuda:  # one function on both backends (the norms): nothing to choose
-            return self.impl("torch")(*args, **kwargs)
-        fn = self.impl(self.backend(args[0], kwargs.get("plan_cache")))
+        fn = self.impl("torch" if self._one else self.backend(args[0], kwargs.get("plan_cache")))
         return None if fn is None else fn(*args, **kwargs)
 
     def __repr__(self) -> str:
@@ -114,7 +113,7 @@ mamba2_chunk_scan = Op("mamba2_chunk_scan", "mamba2_cpu:mamba2_chunk_scan_cpu", 
 chunk_size=256, dt_softplus=True, return_states_at=None, dt_limit=None): varlen chunked SSD from
 each slot's state; leaves the final state in the slot.""")
 mamba2_mixer_decode = Op("mamba2_mixer_decode", "mamba2_native:mamba2_mixer_decode", None, """
-(proj, slot_idx, *, conv_state, ssm_state, ..., cache): a Mamba2 layer's whole decode between
+(proj, slot_idx, *, conv_state, ssm_state, ..., cache, plan_cache=None): a Mamba2 layer's whole decode between
 in_proj and out_proj in one C call (see mamba2_native.mamba2_mixer_decode) -> y [B, H P], or None
 (the caller runs conv1d_update, mamba2_state_update and its norm).""")
 gdn_state_update = Op("gdn_state_update", "gdn_cpu:gdn_state_update_cpu", "gdn:gdn_state_update_triton", """

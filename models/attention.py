@@ -73,7 +73,7 @@ class PagedAttention(nn.Module):
         q = gate = None
         if self.q_norm is None and not self.output_gate:  # rotary and the KV write in one C loop on CPU
             q = ops.rope_write_kv(qkv, rope, self.num_heads, self.num_kv_heads, self.head_dim,
-                                  kv_cache, slot_mapping, plans)
+                                  kv_cache, slot_mapping, plan_cache=plans)
         if q is None:
             q, k, v, gate = self._split_rotate(qkv, rope)
             ops.write_kv(k, v, kv_cache, slot_mapping, plan_cache=plans)

@@ -98,7 +98,7 @@ class Mamba2Mixer(nn.Module):
         if self.zxbcdt_multipliers is not None:
             proj = proj * self._mup_vector(proj)
         if split.all_decode:  # conv, SSM step and gated norm in one C call per step, if it can run
-            y = self._decode_fused(proj, conv_state, ssm_state, split.decode_slots)
+            y = self._decode_fused(proj, conv_state, ssm_state, split.decode_slots, batch.kernel_plans)
             if y is not None:
                 return self.out_proj(y.to(hidden.dtype))
         weight = self.conv1d.weight.squeeze(1)  # [conv_dim, k]
@@ -135,7 +135,7 @@ class Mamba2Mixer(nn.Module):
         y = self.norm(y, z) if self.norm is not None else y * F.silu(z)
         return self.out_proj(y.to(hidden.dtype))
 
-    def _decode_fused(self, proj, conv_state, ssm_state, slots):
+    def _decode_fused(self, proj, conv_state, ssm_state, slots, plans):
         """The decode between in_proj and out_proj in one kernel call (ops.mamba2_mixer_decode: C on
         CPU): y [B, d_inner] fp32, or None when it cannot run here (the op-by-op path then runs)."""
         norm = self.norm
@@ -145,4 +145,5 @@ class Mamba2Mixer(nn.Module):
             conv_bias=self.conv1d.bias, A_log=self.A_log, dt_bias=self.dt_bias, D=self.D,
             norm_weight=None if norm is None else norm.weight,
             norm_group=self.d_inner if norm is None else norm.group_size, eps=0.0 if norm is None else norm.eps,
-            norm_mode=0 if norm is None else 2 if norm.norm_before_gate else 1, cache=self._decode_cache)
+            norm_mode=0 if norm is None else 2 if norm.norm_before_gate else 1, cache=self._decode_cache,
+            plan_cache=plans)
