@@ -110,6 +110,7 @@ def _rate(report, trace, policy, slots):
                 if (r["trace"], r["policy"], r["checkpoint_slots"]) == (trace, policy, slots))
 
 
+@pytest.mark.slow  # long: the small study (module fixture)
 def test_small_study_writes_report_and_plot(small):
     report, out = small
     rows, traces = report["rows"], list(report["ceilings"])
@@ -127,6 +128,7 @@ def test_small_study_writes_report_and_plot(small):
     assert img.shape[0] > 200 and img.shape[1] > 1000
 
 
+@pytest.mark.slow
 def test_burst_computes_the_shared_prompt_once(small):
     report, _ = small
     c = report["ceilings"]["burst"]
@@ -136,6 +138,7 @@ def test_burst_computes_the_shared_prompt_once(small):
         assert row["prefill_tokens"] <= 1.1 * (c["prompt_tokens"] - c["hit_tokens"]), (slots, row)
 
 
+@pytest.mark.slow
 def test_default_eviction_beats_align528_at_every_budget(small):
     # the claim of BENCHMARKS.md: at 2..32 checkpoint slots, on every trace
     report, _ = small
@@ -146,6 +149,7 @@ def test_default_eviction_beats_align528_at_every_budget(small):
                 (trace, slots)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("slots", [4, 16, 32])
 def test_default_policy_at_least_every_policy_but_every_n(small, slots):
     # the claim of BENCHMARKS.md: at 4, 16 and 32 slots the default is at least as good as every

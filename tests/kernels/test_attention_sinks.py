@@ -78,6 +78,7 @@ def test_sinks_of_a_wrong_shape_are_refused():
             fn(q, kv, qsl, seq_lens, table, 0.25, sinks=torch.zeros(3))
 
 
+@pytest.mark.slow  # interpreted Triton
 @pytest.mark.parametrize("opts", [dict(), dict(sliding_window=7), dict(num_kv_splits=3, max_seq_len=70)])
 def test_triton_kernel_matches_reference_with_sinks(opts):
     from hybridkv.kernels.paged_attention_kernel import paged_attention_triton  # interpreted on CPU

@@ -104,6 +104,7 @@ def test_decode_update_matches_transformers(layout, k):
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3}
 
 
+@pytest.mark.slow  # interpreted Triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_prefill_matches_reference(dtype):
     from hybridkv.kernels.conv1d import causal_conv1d_triton
@@ -126,6 +127,7 @@ def test_triton_prefill_matches_reference(dtype):
     assert untouched(before, pool, slots)
 
 
+@pytest.mark.slow  # interpreted Triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_decode_matches_reference(dtype):
     from hybridkv.kernels.conv1d import conv1d_update_triton
@@ -144,6 +146,7 @@ def test_triton_decode_matches_reference(dtype):
     assert untouched(before, pool, slots)
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_public_api_runs_both_backends(monkeypatch):
     import hybridkv.kernels as hk
 

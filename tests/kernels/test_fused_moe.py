@@ -40,6 +40,7 @@ def test_torch_path_loop_fallback_matches(monkeypatch):
     assert _rel(fused_moe_torch(*inp), fused_moe_ref(*inp)) < 1e-6
 
 
+@pytest.mark.slow  # interpreted Triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("T,E,k", CASES)
 def test_triton_kernel_matches_reference(T, E, k, dtype):
@@ -59,6 +60,7 @@ def test_no_tokens_gives_an_empty_output():
         assert fn(x, w1, w2, w, ids).shape == (0, 24)
 
 
+@pytest.mark.slow  # interpreted Triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("T,E,k", [(1, 8, 2), (29, 8, 2)])
 def test_ungated_relu2_experts_match_reference(T, E, k, dtype):
@@ -77,6 +79,7 @@ def test_ungated_relu2_experts_match_reference(T, E, k, dtype):
     assert _rel(fused_moe_triton(*inp, activation="relu2", gated=False), want) < TOL[dtype]
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_triton_kernel_odd_sizes_and_strided_hidden():
     """Sizes that are no multiple of any tile (H=20, I=36) and a hidden view with a row stride."""
     from hybridkv.kernels.fused_moe_kernel import fused_moe_triton
@@ -88,6 +91,7 @@ def test_triton_kernel_odd_sizes_and_strided_hidden():
     assert _rel(got, fused_moe_ref(x, w1, w2, w, ids)) < 1e-5
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_public_api_runs_both_backends(monkeypatch):
     import hybridkv.kernels as hk
 

@@ -64,6 +64,7 @@ def test_decode_steps_continue_a_prefill():
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3}
 
 
+@pytest.mark.slow  # interpreted Triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("l2norm", [True, False])
 def test_triton_step_matches_reference(dtype, l2norm):
@@ -87,6 +88,7 @@ def test_triton_step_matches_reference(dtype, l2norm):
     assert untouched(before, pool, slots)
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_public_api_runs_both_backends(monkeypatch):
     import hybridkv.kernels as hk
 

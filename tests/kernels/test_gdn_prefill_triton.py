@@ -33,12 +33,14 @@ def _both(pool, args, lengths, slots, init, l2norm=True, **kw):
     return got, want, ref_pool
 
 
+@pytest.mark.slow  # interpreted Triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_ragged_requests_match_reference(dtype):
     check_ragged_requests(_both, _case, (SLOTS, HV, K, V), [1, CS - 1, CS, CS + 1, 2 * CS + 3, 0],
                           [True, False, True, True, False, False], dtype, TOL[dtype])
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_without_l2norm_and_with_a_half_pool():
     gen = torch.Generator().manual_seed(1)
     lengths = [5, 13]
@@ -51,12 +53,14 @@ def test_without_l2norm_and_with_a_half_pool():
     assert rel_err(got, want) < 1e-3 and rel_err(pool, ref_pool) < 1e-3
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_two_calls_equal_one_call():
     check_two_calls_equal_one_call(
         lambda pool, args, starts, slots, init: gdn_chunk_scan_triton(
             pool, *args, starts, slots, init, chunk_size=CS), _case, (SLOTS, HV, K, V))
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_return_states_at_match_reference():
     check_return_states_at(_both, _case, (SLOTS, HV, K, V), CS)
 
@@ -71,6 +75,7 @@ def test_bad_input_raises_and_changes_nothing(bad):
         slot=SLOTS if bad == "slot" else 2)
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_public_api_dispatches_to_triton(monkeypatch):
     import hybridkv.kernels.gdn_prefill as gp
 
@@ -79,6 +84,7 @@ def test_public_api_dispatches_to_triton(monkeypatch):
                                           chunk_size=CS)
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_several_tiles_per_head():
     """K = V = 70: two column tiles in the WY prep and two V blocks in the recurrence."""
     gen = torch.Generator().manual_seed(6)

@@ -18,6 +18,7 @@ def loop_oracle(latent, cache, slots):
     return out
 
 
+@pytest.mark.slow  # interpreted Triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_loop_and_skips_padding(dtype):
     g = torch.Generator().manual_seed(3)
@@ -31,6 +32,7 @@ def test_kernel_matches_loop_and_skips_padding(dtype):
     assert torch.equal(cache, want)
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_dispatch_picks_the_kernel_on_the_triton_backend(monkeypatch):
     g = torch.Generator().manual_seed(4)
     cache = torch.randn(3, 1, BS, 1, DIM, generator=g)

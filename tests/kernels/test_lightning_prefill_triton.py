@@ -30,12 +30,14 @@ def _both(pool, args, lengths, slots, init, **kw):
     return got, want, ref_pool
 
 
+@pytest.mark.slow  # interpreted Triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_ragged_requests_match_reference(dtype):
     check_ragged_requests(_both, _case, (SLOTS, H, K, V), [1, CS - 1, CS, CS + 1, 2 * CS + 3, 0],
                           [True, False, True, True, False, False], dtype, TOL[dtype])
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_half_pool_matches_reference():
     gen = torch.Generator().manual_seed(1)
     lengths = [5, 13]
@@ -46,12 +48,14 @@ def test_half_pool_matches_reference():
     assert rel_err(got, want) < 1e-3 and rel_err(pool, ref_pool) < 1e-3
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_two_calls_equal_one_call():
     check_two_calls_equal_one_call(
         lambda pool, args, starts, slots, init: lightning_chunk_scan_triton(
             pool, *args, starts, slots, init, chunk_size=CS), _case, (SLOTS, H, K, V))
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_return_states_at_match_reference():
     check_return_states_at(_both, _case, (SLOTS, H, K, V), CS)
 
@@ -69,6 +73,7 @@ def test_bad_input_raises_and_changes_nothing(bad):
         return_states_at=[[5]] if bad == "position" else None)
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_public_api_dispatches_to_triton(monkeypatch):
     import hybridkv.kernels.lightning_prefill as lp
 
@@ -77,6 +82,7 @@ def test_public_api_dispatches_to_triton(monkeypatch):
                                           chunk_size=CS)
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_several_value_blocks():
     """V = 70: three V blocks of 32 per head (K = 20 pads to a 32-wide key tile)."""
     gen = torch.Generator().manual_seed(6)
@@ -94,6 +100,7 @@ def test_several_value_blocks():
     assert rel_err(got, want) < 2e-5 and rel_err(pool, ref_pool) < 2e-5
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_chunk_size_above_the_tile_cap():
     """K = 130 pads to a 256-wide key tile, where the kernel cuts chunks at 16 tokens (exact at any
     cut); the reference cuts at 24."""

@@ -140,6 +140,7 @@ def test_errors_name_the_bad_value(bad):
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3}
 
 
+@pytest.mark.slow  # interpreted Triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("gated", [True, False])
 def test_triton_step_matches_reference(dtype, gated):
@@ -160,6 +161,7 @@ def test_triton_step_matches_reference(dtype, gated):
     assert untouched(before, pool, slots)
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_public_api_runs_both_backends(monkeypatch):
     import hybridkv.kernels as hk
 

@@ -32,12 +32,14 @@ def _both(pool, args, lengths, slots, init, **kw):
     return got, want, ref_pool
 
 
+@pytest.mark.slow  # interpreted Triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_ragged_requests_match_reference(dtype):
     check_ragged_requests(_both, _case, (SLOTS, D_IN, N), [1, 7, 12, 0, 3],
                           [True, False, True, False, True], dtype, TOL[dtype])
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_without_gate_skip_or_bias_and_a_half_pool():
     gen = torch.Generator().manual_seed(1)
     lengths = [4, 9]
@@ -49,6 +51,7 @@ def test_without_gate_skip_or_bias_and_a_half_pool():
     assert rel_err(got, want) < 1e-3 and rel_err(pool, ref_pool) < 1e-3
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_two_calls_equal_one_call_and_checkpoints():
     gen = torch.Generator().manual_seed(2)
     lengths, cut = [13, 6], [8, 1]
@@ -78,6 +81,7 @@ def test_bad_input_raises_and_changes_nothing(bad):
         spoil=(lambda a: a[:2] + [a[2][:, :4]] + a[3:]) if bad == "shape" else None, **kw)
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_public_api_dispatches_to_triton(monkeypatch):
     import hybridkv.kernels.mamba1_prefill as mp
 

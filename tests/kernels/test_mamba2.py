@@ -153,6 +153,7 @@ def test_decode_steps_continue_a_prefill():
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3}
 
 
+@pytest.mark.slow  # interpreted Triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("variant", ["gated_limited", "plain"])
 def test_triton_step_matches_reference(dtype, variant):
@@ -175,6 +176,7 @@ def test_triton_step_matches_reference(dtype, variant):
     assert untouched(before, pool, slots)
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_public_api_passes_dt_limit_to_both_backends(monkeypatch):
     import hybridkv.kernels as hk
 

@@ -132,6 +132,7 @@ def check_triton(reqs, bs, hkv, group, d, dtype, seed=0, pad_rows=0, **kw):
     assert err < TOL[dtype], f"rel err {err:.2e} >= {TOL[dtype]:.0e}"
 
 
+@pytest.mark.slow  # interpreted Triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("window", [None, 7])
@@ -139,21 +140,25 @@ def test_triton_mixed_batch(dtype, group, window):
     check_triton(MIXED, 16, 2, group, 64, dtype, seed=group, pad_rows=2, sliding_window=window)
 
 
+@pytest.mark.slow  # interpreted Triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_head_dim_128_block_32(dtype):
     check_triton(MIXED, 32, 1, 4, 128, dtype, seed=11, sliding_window=20, soft_cap=2.0)
 
 
+@pytest.mark.slow  # interpreted Triton
 @pytest.mark.parametrize("d", [80, 96, 256])
 def test_triton_padded_head_dims(d):
     check_triton([(3, 18), (1, 33)], 16, 1, 2, d, torch.float32, seed=d)
 
 
+@pytest.mark.slow  # interpreted Triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_soft_cap(dtype):
     check_triton(MIXED, 16, 1, 4, 64, dtype, seed=7, soft_cap=1.5)
 
 
+@pytest.mark.slow  # interpreted Triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_window_skips_leading_tiles(dtype):
     # windows starting at key 127, one below a 64-key tile edge: skipping one tile too many fails
@@ -161,10 +166,12 @@ def test_triton_window_skips_leading_tiles(dtype):
     check_triton(reqs, 16, 1, 2, 64, dtype, seed=14, sliding_window=21)
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_triton_decode_only():
     check_triton(DECODE, 16, 2, 4, 64, torch.float16, seed=8, max_query_len=1)
 
 
+@pytest.mark.slow  # interpreted Triton
 @pytest.mark.parametrize("window", [None, 5])
 def test_triton_prefill_tile_of_64_rows(window):
     # max_query_len * group >= 64 selects the 64-row tile (16 tokens x 4 heads)
@@ -172,11 +179,13 @@ def test_triton_prefill_tile_of_64_rows(window):
                  sliding_window=window)
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_triton_group_not_dividing_tile():
     # group 3: 16-row tile holds 5 tokens x 3 heads; row 15 must be masked off
     check_triton(MIXED, 16, 2, 3, 64, torch.float32, seed=10)
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_triton_non_causal():
     check_triton([(3, 20), (1, 1), (16, 16)], 16, 1, 4, 64, torch.float32, seed=12, causal=False)
 
@@ -190,11 +199,13 @@ SPLIT_DECODE = [(1, 1), (1, 15), (1, 16), (1, 17), (1, 33), (1, 129), (1, 200)]
     (torch.float16, 8, 7, None, 3), (torch.float32, 4, 50, 1.5, 4),
     (torch.float16, 2, None, 2.0, 9),
 ])
+@pytest.mark.slow  # interpreted Triton
 def test_triton_split_kv_decode(dtype, group, window, cap, splits):
     check_triton(SPLIT_DECODE, 16, 2, group, 64, dtype, seed=30 + splits, max_query_len=1,
                  max_seq_len=200, num_kv_splits=splits, sliding_window=window, soft_cap=cap)
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_triton_split_kv_mixed_batch_block_32():
     # forced splits also hold for prefill rows (a share may see no key for some rows)
     check_triton(MIXED, 32, 1, 4, 128, torch.float32, seed=31, num_kv_splits=3, sliding_window=20)
@@ -210,6 +221,7 @@ def test_kv_splits_rule():
     assert kv_splits(1, 8, 1, None, 132) == 1  # unknown length: no host sync to find it
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_auto_split_kv_on_long_decode(monkeypatch):
     """The launcher applies the rule by itself: batch 1 x 1100 keys splits (here 2 shares)."""
     import hybridkv.kernels.paged_attention_kernel as pak
@@ -221,6 +233,7 @@ def test_auto_split_kv_on_long_decode(monkeypatch):
     assert chosen == [2]
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_public_api_dispatches(monkeypatch):
     reqs = [(2, 18), (1, 5)]
     q, kv, qsl, seq_lens, table, full = make_batch(reqs, 16, 1, 4, 64, torch.float32, seed=13)
@@ -257,7 +270,7 @@ def first_needed_block(qlen, seq_len, window, bs):
     return max(0, seq_len - qlen - window + 1) // bs
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", [i if i != "triton" else pytest.param(i, marks=pytest.mark.slow) for i in IMPLS])
 def test_window_matches_transformers_mask(impl):
     """The window is transformers' sliding_window_overlay: key j visible to query p iff p - j < w."""
     q, kv, qsl, seq_lens, table, full = make_batch(WINDOW_REQS, 16, 2, 2, 32, torch.float32, seed=21)
@@ -268,7 +281,7 @@ def test_window_matches_transformers_mask(impl):
     assert rel_err(full_attention, want) > 1e-2  # the window does change these outputs
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", [i if i != "triton" else pytest.param(i, marks=pytest.mark.slow) for i in IMPLS])
 @pytest.mark.parametrize("garbage", ["large_block", "minus_one", "nan_in_place"])
 def test_blocks_outside_the_window_are_never_read(impl, garbage):
     """Block-table entries of blocks wholly outside the window (which the memory manager lets go

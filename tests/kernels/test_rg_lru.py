@@ -106,6 +106,7 @@ def test_bad_widths_are_refused_and_change_nothing():
 
 # ---- Triton decode step against the reference (TRITON_INTERPRET=1 on CPU) ----
 
+@pytest.mark.slow  # interpreted Triton
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
 def test_triton_step_matches_reference(dtype, tol):
     from hybridkv.kernels.rg_lru_kernel import rg_lru_state_update_triton

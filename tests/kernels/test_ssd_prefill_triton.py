@@ -35,6 +35,7 @@ def _both(pool, args, lengths, slots, init, **kw):
     return got, want, ref_pool
 
 
+@pytest.mark.slow  # interpreted Triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_ragged_requests_match_reference(dtype):
     check_ragged_requests(_both, _case, (SLOTS, H, P, N), [1, CS - 1, CS, CS + 1, 2 * CS + 3, 0],
@@ -42,6 +43,7 @@ def test_ragged_requests_match_reference(dtype):
                           dt_limit=LIMIT)
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_without_gate_skip_or_bias():
     gen = torch.Generator().manual_seed(1)
     lengths = [5, 13]
@@ -53,12 +55,14 @@ def test_without_gate_skip_or_bias():
     assert rel_err(got, want) < TOL[torch.float32] and rel_err(pool, ref_pool) < 2e-5
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_two_calls_equal_one_call():
     check_two_calls_equal_one_call(
         lambda pool, args, starts, slots, init: mamba2_chunk_scan_triton(
             pool, *args, starts, slots, init, CS, True), _case, (SLOTS, H, P, N))
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_return_states_at_match_reference():
     check_return_states_at(_both, _case, (SLOTS, H, P, N), CS)
 
@@ -74,6 +78,7 @@ def test_bad_input_raises_and_changes_nothing(bad):
         _case, (SLOTS, H, P, N), match, slot=SLOTS if bad == "slot" else 2, **kw)
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_public_api_dispatches_to_triton(monkeypatch):
     import hybridkv.kernels.ssd_prefill as ssd
 
@@ -94,6 +99,7 @@ def test_plan_is_reused_for_the_same_tensors_and_rebuilt_when_they_change():
     assert again is not first and again.req_slot.tolist() == [1, 4]
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_several_tiles_per_chunk_and_head():
     """chunk_size 80 (two 64-row tiles, the second partial) and head_dim 70 (two P blocks)."""
     gen = torch.Generator().manual_seed(6)

@@ -39,6 +39,7 @@ def test_ref_matches_loop(bs):
     assert torch.equal(cache, want)
 
 
+@pytest.mark.slow  # interpreted Triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("bs,hkv,d", [(16, 2, 64), (32, 1, 128), (16, 3, 80)])
 def test_triton_matches_ref(dtype, bs, hkv, d):
@@ -50,6 +51,7 @@ def test_triton_matches_ref(dtype, bs, hkv, d):
     assert not torch.equal(cache, before)
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_public_api_dispatches(monkeypatch):
     k, v, cache, slots = make_inputs(9, 16, 2, 64, torch.float16, seed=4)
     want = loop_oracle(k, v, cache, slots)

@@ -36,7 +36,7 @@ def test_window_changes_the_outputs(family_models):
     assert (logits[WINDOW:] - ref[WINDOW:]).abs().max() > 0.1 * ref.abs().max()
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])  # Triton runs interpreted on CPU
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])  # Triton runs interpreted on CPU
 def test_blocks_let_go_outside_the_window_may_be_reused(family_models, backend, monkeypatch):
     """As the memory manager will do: after every step, the blocks wholly before the window of
     each request's next token leave its block table (-1), are filled with NaN and go to the front

@@ -101,6 +101,7 @@ def test_moe_block_matches_transformers(name, tokens):
     torch.testing.assert_close(ours(x.view(-1, H)), hf(x).view(-1, H), rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.slow  # interpreted Triton
 @torch.no_grad()
 @pytest.mark.parametrize("name", ["qwen3_next", "granitemoehybrid"])
 def test_moe_block_on_the_triton_path_matches_transformers(name, monkeypatch):
