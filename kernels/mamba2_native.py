@@ -165,15 +165,17 @@ def mamba2_mixer_decode(proj, slot_idx, *, conv_state, ssm_state, num_heads, hea
                         plan_cache=None):
     """ops.mamba2_mixer_decode on CPU: a Mamba2 layer's decode between in_proj and out_proj, one C
     call. proj [B, H P + conv_dim + H], slot_idx [B]; the rest as Mamba2MixerDecode (conv_weight
-    [conv_dim, k]) -> y [B, H P] fp32, or None when it cannot run here (the caller's torch path
-    runs). cache: a dict the layer owns, where the call built for its pools and weights is kept
-    (built again when one of them is another tensor); plan_cache: the step's (the op's backend)."""
-    if _mixer_decode() is None:
+    [conv_dim, k] or nn.Conv1d's [conv_dim, 1, k]) -> y [B, H P] fp32, or None when it cannot run
+    here (the caller's torch path runs). cache: a dict the layer owns, where the call built for its
+    pools and weights is kept (built again when one of them is another tensor); plan_cache: the
+    step's (the op's backend)."""
+    if not native_cpu.enabled():
         return None
     tensors = (conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_bias, D, norm_weight)
     key = Mamba2MixerDecode.key_of(*tensors)
     if cache.get("key") != key:
         cache["key"], cache["call"] = key, Mamba2MixerDecode(
-            conv_state, ssm_state, num_heads, head_dim, n_groups, conv_weight, conv_bias, A_log, dt_bias, D,
-            norm_weight, norm_group, eps, norm_mode)
+            conv_state, ssm_state, num_heads, head_dim, n_groups,
+            conv_weight.squeeze(1) if conv_weight.dim() == 3 else conv_weight,  # a view: its address is kept
+            conv_bias, A_log, dt_bias, D, norm_weight, norm_group, eps, norm_mode)
     return cache["call"](proj, slot_idx)

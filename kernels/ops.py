@@ -83,14 +83,16 @@ write_latent = Op("write_latent", "latent_attention_ref:write_latent_ref",
                   "latent_write_kernel:write_latent_triton", """
 (latent, kv_cache, slot_mapping): latent [T, D] into latent pages kv_cache [N, 1, bs, 1, D] at flat
 slots (-1 skipped).""")
-latent_paged_attention = Op("latent_paged_attention", "ops:_latent_attention_ref", "ops:_latent_attention_triton", """
+latent_paged_attention = Op("latent_paged_attention", "ops:_latent_attention_ref",
+                            "ops:_latent_attention_triton", """
 (q, kv_cache, kv_b_weight, query_start_loc, seq_lens, block_table, scale, nope_dim, v_dim,
 max_query_len=None): MLA over latent pages, q [T, H, nope + rope] -> o [T, H, v_dim]. On CUDA a
 decode step (max_query_len=1, a host fact) runs latent_attention_decode (no host sync); everything
 else runs the reference.""")
 
 # --- convolution and recurrent layers ----------------------------------------------------------
-causal_conv1d = Op("causal_conv1d", "causal_conv_cpu:causal_conv1d_cpu", "ops:_causal_conv1d_triton", """
+causal_conv1d = Op("causal_conv1d", "causal_conv_cpu:causal_conv1d_cpu", "ops:_causal_conv1d_triton",
+                   """
 (x, conv_state, weight, bias, query_start_loc, slot_idx, has_initial_state, activation="silu"):
 varlen prefill conv, x [T, dim], conv_state [S, dim, k-1], weight [dim, k] -> [T, dim].""")
 conv1d_update = Op("conv1d_update", "causal_conv_cpu:conv1d_update_cpu", "conv1d:conv1d_update_triton", """
@@ -108,7 +110,8 @@ mamba2_state_update = Op("mamba2_state_update", "mamba2_cpu:mamba2_state_update_
                          "mamba2:mamba2_state_update_triton", """
 (ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, dt_softplus=True, dt_limit=None): SSD step,
 ssm_state [S, H, P, N]; x [B, H, P]; dt [B, H]; B, C [B, G, N] -> y [B, H, P].""")
-mamba2_chunk_scan = Op("mamba2_chunk_scan", "mamba2_cpu:mamba2_chunk_scan_cpu", "ssd_prefill:mamba2_chunk_scan_triton", """
+mamba2_chunk_scan = Op("mamba2_chunk_scan", "mamba2_cpu:mamba2_chunk_scan_cpu",
+                       "ssd_prefill:mamba2_chunk_scan_triton", """
 (ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_loc, slot_idx, has_initial_state,
 chunk_size=256, dt_softplus=True, return_states_at=None, dt_limit=None): varlen chunked SSD from
 each slot's state; leaves the final state in the slot.""")

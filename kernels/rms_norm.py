@@ -72,8 +72,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool =
         return F.rms_norm(x, weight.shape, weight, eps)
     out = torch.empty_like(x)  # (contiguous: x's rows have contiguous elements)
     n, d = x2.shape
-    RMS_NORM.call(x=x2, x_stride=x2.stride(0), w=weight, plus_one=plus_one, out=out.view(n, d), out_stride=d,
-             n=n, d=d, eps=eps)
+    RMS_NORM.call(x=x2, x_stride=x2.stride(0), w=weight, plus_one=plus_one, out=out if x2 is x else out.view(n, d),
+                  out_stride=d, n=n, d=d, eps=eps)
     return out
 
 
@@ -88,7 +88,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     n, d = h.shape
     s, out = torch.empty_like(h), torch.empty_like(h)  # (contiguous, as in rms_norm)
     ADD_RMS_NORM.call(h=h, h_stride=h.stride(0), delta=delta, delta_stride=delta.stride(0), w=weight,
-                 plus_one=plus_one, sum=s, sum_stride=d, out=out, out_stride=d, n=n, d=d, eps=eps)
+                      plus_one=plus_one, sum=s, sum_stride=d, out=out, out_stride=d, n=n, d=d, eps=eps)
     return s, out
 
 
@@ -109,7 +109,7 @@ def gated_rms_norm(y: torch.Tensor, z: Optional[torch.Tensor], weight: torch.Ten
     n, d = y2.shape
     out = torch.empty_like(y)  # (contiguous, as in rms_norm)
     GATED_RMS_NORM.call(y=y2, y_stride=y2.stride(0), z=z2, z_stride=0 if z2 is None else z2.stride(0), w=weight,
-                   out=out.view(n, d), out_stride=d, n=n, d=d, group=group_size,
-                   norm_before_gate=norm_before_gate, eps=eps)
+                        out=out if y2 is y else out.view(n, d), out_stride=d, n=n, d=d, group=group_size,
+                        norm_before_gate=norm_before_gate, eps=eps)
     return out
 

@@ -141,7 +141,7 @@ class Mamba2Mixer(nn.Module):
         norm = self.norm
         return ops.mamba2_mixer_decode(
             proj, slots, conv_state=conv_state, ssm_state=ssm_state, num_heads=self.num_heads,
-            head_dim=self.head_dim, n_groups=self.n_groups, conv_weight=self.conv1d.weight.squeeze(1),
+            head_dim=self.head_dim, n_groups=self.n_groups, conv_weight=self.conv1d.weight,
             conv_bias=self.conv1d.bias, A_log=self.A_log, dt_bias=self.dt_bias, D=self.D,
             norm_weight=None if norm is None else norm.weight,
             norm_group=self.d_inner if norm is None else norm.group_size, eps=0.0 if norm is None else norm.eps,
