@@ -3,7 +3,10 @@ tiers: a registered `slow` marker."""
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow  # a subprocess
 def test_namespace_imports_from_another_directory(tmp_path):
     code = (
         "import hybridkv, hybridkv.kernels, hybridkv.models, hybridkv.scheduler, pathlib;"

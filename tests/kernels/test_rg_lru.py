@@ -130,6 +130,7 @@ def test_triton_step_matches_reference(dtype, tol):
     assert torch.equal(pool, after)  # refused: nothing written
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_dispatcher_runs_both_backends(monkeypatch):
     from hybridkv.kernels.ops import rg_lru_state_update
 

@@ -15,6 +15,7 @@ kind accepts (a brute-force search over positions, against prefix_match.py's ite
 """
 from collections import Counter
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -418,6 +419,7 @@ class ManagerMachine(RuleBasedStateMachine):
             self.finish_all()
 
 
+@pytest.mark.slow  # long: 240 examples of 60 steps
 def test_manager_state_machine():
     EVENTS.clear()
     run_state_machine_as_test(ManagerMachine, settings=settings(

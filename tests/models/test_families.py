@@ -8,9 +8,13 @@ from family_checks import (FAMILIES, check_engine_generate, check_engine_under_p
                            check_transformers_names_load_the_same, check_uneven_chunks_equal_one_pass)
 
 
+SLOW = {"lara_mini", "kimi_linear", "bailing_hybrid", "zamba"}  # long (about 4 s of checks each): slow tier
+
+
 def rows(has: str = ""):
     """The table's rows (those whose field `has` is set, when given), with the family as test id."""
-    return [pytest.param(f, id=f.name) for f in FAMILIES.values() if not has or getattr(f, has)]
+    return [pytest.param(f, id=f.name, marks=pytest.mark.slow if f.name in SLOW else ())
+            for f in FAMILIES.values() if not has or getattr(f, has)]
 
 
 @pytest.mark.parametrize("fam", rows())

@@ -150,6 +150,7 @@ def test_loading_refuses_a_config_it_would_run_wrongly(changes, message, family_
         load_model(tmp_path / "ckpt")
 
 
+@pytest.mark.slow  # interpreted Triton
 def test_triton_rg_lru_step_decodes_like_transformers(family_models, monkeypatch):
     """The RG-LRU decode step through its Triton kernel (interpreted on CPU; the other kernels
     stay torch, their Triton paths have their own tests): a ragged prefill then 8 greedy decodes,
