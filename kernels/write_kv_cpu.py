@@ -16,7 +16,6 @@ from typing import Optional
 
 import torch
 
-from . import native_cpu
 from .native_args import I64, CFunction, f32, i64
 from .attention_ref import check_write_kv_inputs
 
