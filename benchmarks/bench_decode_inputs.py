@@ -66,13 +66,13 @@ def main():
         path = str(make_tiny_checkpoint("llama", d, max_position_embeddings=4096))
         for batch in args.batches:
             engine, chunks = decode_chunks(path, batch, args.context)
-            graphs = DecodeGraphs(engine.model, engine.caches, batch, engine.max_model_len,
+            graphs = DecodeGraphs(engine.runner.model, engine.runner.caches, batch, engine.max_model_len,
                                   engine.mgr.block_size, mode="dry_run")
             bucket = graphs.bucket_for(batch)
             mgr = engine.mgr
 
             def eager():
-                engine.batch_builder.build(chunks, None)
+                engine.runner.batch_builder.build(chunks, None)
 
             def graph():
                 graphs._fill(DecodeInputs.from_chunks(chunks, mgr), bucket)

@@ -57,7 +57,7 @@ def check_family(name: str) -> tuple[bool, str]:
         return False, f"{'refused' if 'HostSyncError' in errors[0] else 'FAILED'}: {errors[0]}"
     same = all(g.outputs[0].token_ids == w.outputs[0].token_ids for g, w in zip(got, want))
     diff = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(first_logprobs(g), first_logprobs(w)))
-    replays = llm.engine.decode_graphs.replays
+    replays = llm.engine.runner.decode_graphs.replays
     ok = same and replays > 0 and diff < 1e-4
     return ok, (f"{'ok' if ok else 'FAILED'} replays={replays} same_tokens={same} "
                 f"max_logprob_diff={diff:.1e} graph_cpu_s={cpu:.1f}")

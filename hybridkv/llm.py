@@ -126,7 +126,7 @@ class LLM:
         scheduler = Scheduler(self.manager, policy, max_num_batched_tokens, max_num_seqs)
         self.engine = Engine(self.model, self.manager, scheduler, seed=seed)
         if graph_mode is not None:  # decode steps replay graphs (scheduler/decode_graphs.py)
-            self.engine.decode_graphs = DecodeGraphs.for_engine(self.engine, graph_mode)
+            self.engine.runner.decode_graphs = DecodeGraphs.for_engine(self.engine, graph_mode)
         self._ids_counter = itertools.count()
         self._parked: list[RequestOutput] = []  # add_request outputs that finished inside generate()
         s = self.engine.stats()

@@ -75,9 +75,9 @@ class BatchBuilder:
         its prompt) are made once and shared by its steps (nothing writes a batch's fields); the
         token ids are the tensor the step before sampled, when it did."""
         n = len(batch)
-        fixed = batch.fixed.get("cpu_batch")
+        fixed = batch.cpu_fields
         if fixed is None:
-            fixed = batch.fixed["cpu_batch"] = (
+            fixed = batch.cpu_fields = (
                 torch.from_numpy(np.arange(n + 1, dtype=np.int32)), torch.from_numpy(batch.rows.state_slots.copy()),
                 torch.from_numpy(np.ones(n, dtype=np.bool_)), [1] * n)  # (torch.arange: ~0.2 ms here)
         qsl, state_slots, has_initial_state, query_lens = fixed

@@ -187,7 +187,7 @@ class DecodeGraphs:
         """Graphs over a scheduler.Engine's model and pools (a table per attention group),
         captured."""
         groups = engine.mgr.attention_groups
-        graphs = cls(engine.model, engine.caches, engine.scheduler.max_seqs, engine.max_model_len,
+        graphs = cls(engine.runner.model, engine.runner.caches, engine.scheduler.max_seqs, engine.max_model_len,
                      engine.mgr.block_size, mode, windows=list(groups) if len(groups) > 1 else ())
         graphs.capture()
         return graphs

@@ -14,27 +14,28 @@ When every running sequence is a plain decode, they go out as one DecodeBatch (s
 kept and advanced a token a step while the running queue's version stays the same.
 A verb that raises for one sequence (admit, swap-in, swap-out, allocate) ends that sequence
 alone with "error" (`fail`, listed in `SchedulerOutput.failed`); the scan goes on for the rest.
+
+After the forward pass, `update_from_output` applies what the model runner computed: commits,
+state checkpoints, forks (n > 1), the sampled tokens and the stops. The scheduler is the only
+caller that changes the memory manager.
 """
 from __future__ import annotations
 
 import itertools
 import logging
-from operator import attrgetter
-from typing import Optional
+from typing import Hashable, Optional
 
 import numpy as np
 
 from hybridkv.cache_manager import HybridCacheManager
 
+from .model_runner import RunnerOutput
 from .preemption import PreemptionPolicy
-from .sequence import Sequence, SequenceStatus, run_order
+from .sequence import Sequence, SequenceGroup, SequenceStatus, run_order
 from .sequence_queue import SequenceQueue
 from .step_plan import DecodeBatch, ScheduledChunk, SchedulerOutput
-
-_request_id = attrgetter("request_id")
-_num_computed = attrgetter("num_computed_tokens")
-_num_prompt = attrgetter("num_prompt_tokens")
-_token_ids = attrgetter("token_ids")
+from .stopping import decoded_logprobs
+from .token_append import TokenAppender
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,9 @@ class Scheduler:
         self.batch_decodes = True
         self._advanced: Optional[DecodeBatch] = None  # the last batch the engine ran whole
         self.batches_cut = 0  # batches made by cutting the last one to the sequences left (internal)
+        self.groups: dict[Hashable, SequenceGroup] = {}  # the requests, by key (engine.py)
+        self.counters = {"generated_tokens": 0, "forks": 0, "failed": 0, "decode_batch_steps": 0}
+        self.appender: Optional[TokenAppender] = None  # the model's stop rules (set by the engine)
 
     # ---- queues ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -103,7 +107,10 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_tokens
         last, self._advanced = self._advanced, None  # a kept batch serves the very next step only
-        batch = self._steady_decodes(budget, last) if self.batch_decodes else None
+        batch = None
+        if self.batch_decodes and 0 < len(self.running) <= budget:
+            batch = DecodeBatch.of_running(self.running, last, self.mgr)
+            self.batches_cut += batch is not None and batch.cut
         if batch is not None:  # every running sequence is a plain decode: one array-based batch
             slots, due, done = self.mgr.allocate_decodes(batch.rows, batch.positions)
             if done.all():
@@ -121,8 +128,11 @@ class Scheduler:
             for seq in self.running:  # run order, kept within decodes and within prefills
                 start = reqs[seq.request_id].num_computed_tokens
                 (decodes if len(seq.token_ids) - start <= 1 else prefills).append((start, seq))
-            if decodes and len(decodes) <= budget:
-                decodes, budget = self._plain_decodes(decodes, budget, out)
+            if decodes and len(decodes) <= budget:  # in one manager call; the rest one by one below
+                slots, due, done = self.mgr.allocate_decodes([seq.request_id for _, seq in decodes],
+                                                             [start for start, _ in decodes])
+                decodes, budget = self._place_decodes(decodes, slots.tolist(), due.tolist(), done.tolist(),
+                                                      budget, out)
         for start, seq in itertools.chain(decodes, prefills):
             if budget == 0:
                 break
@@ -146,48 +156,6 @@ class Scheduler:
             if budget < 0:
                 break
         return out
-
-    def _steady_decodes(self, budget: int, last: Optional[DecodeBatch]) -> Optional[DecodeBatch]:
-        """The running sequences as one DecodeBatch (positions only) when every one of them is a
-        plain decode (one token left, past its prompt) and the budget takes them all, else None.
-        After `last`, a batch the engine ran whole in the step before (`decoded`), and while
-        nobody joined or left since, it is that batch one token later: no look at each sequence;
-        when some left and nobody joined, it is that batch cut to those left (`DecodeBatch.kept`)."""
-        running = self.running
-        n = len(running)
-        if not n or n > budget:
-            return None
-        if last is not None and last.version == running.version:
-            return last.advanced(running.version)
-        if last is not None and last.added == running.added:  # some left, nobody joined: cut the batch
-            running_ = SequenceStatus.RUNNING
-            keep = [i for i, seq in enumerate(last.seqs) if seq.status is running_]
-            if len(keep) == n:
-                self.batches_cut += 1
-                return last.kept(keep, running.version)
-        seqs = list(running)  # run order
-        states = list(map(self.mgr.requests.__getitem__, map(_request_id, seqs)))
-        positions = np.fromiter(map(_num_computed, states), np.int64, n)
-        known = np.fromiter(map(len, map(_token_ids, seqs)), np.int64, n)
-        prompt = np.fromiter(map(_num_prompt, seqs), np.int64, n)
-        if not ((known - positions == 1) & (positions >= prompt)).all():
-            return None
-        return DecodeBatch(seqs, self.mgr.decode_rows([s.request_id for s in seqs]), positions, running.version,
-                           added=running.added)
-
-    def decoded(self, batch: DecodeBatch) -> None:
-        """The engine computed, committed and appended one token for every sequence of `batch`
-        (those that failed or stopped left the running queue): the next step may advance it."""
-        self._advanced = batch
-
-    def _plain_decodes(self, decodes: list[tuple[int, Sequence]], budget: int, out: SchedulerOutput
-                       ) -> tuple[list[tuple[int, Sequence]], int]:
-        """Schedule the decodes in one manager call (`allocate_decodes`); returns those it could
-        not allocate without preempting, still in run order, and the budget left. A later
-        preemption takes a victim's chunk out again, as for any chunk."""
-        slots, due, done = self.mgr.allocate_decodes([seq.request_id for _, seq in decodes],
-                                                     [start for start, _ in decodes])
-        return self._place_decodes(decodes, slots.tolist(), due.tolist(), done.tolist(), budget, out)
 
     def _place_decodes(self, decodes: list[tuple[int, Sequence]], slots, due, done, budget: int,
                        out: SchedulerOutput) -> tuple[list[tuple[int, Sequence]], int]:
@@ -294,3 +262,185 @@ class Scheduler:
         slots = self.mgr.allocate(rid, n)
         assert slots is not None, "admit/resume promised room for this chunk"
         return ScheduledChunk(seq, start, n, slots, ckpt)
+
+    # ---- after the forward pass: the manager's commits, forks and the sampled tokens ----------
+    def update_from_output(self, out: SchedulerOutput, result: RunnerOutput, finished_only: bool = False
+                           ) -> dict[Hashable, SequenceGroup]:
+        """Apply a computed step: commit its tokens, take the state checkpoints due, fork n > 1,
+        append the sampled tokens and end the sequences that stop. A failure in any of these ends
+        its request alone. Returns {key: group} of the requests that advanced or ended (with
+        finished_only: that ended)."""
+        touched: dict[Hashable, SequenceGroup] = {}
+        for seq in out.failed:
+            self.fail_request(seq, seq.error or "failed while scheduling", touched)
+        e = result.error
+        if e is not None:
+            for seq in out.seqs():
+                self.fail_request(seq, f"the forward pass of its batch failed: {type(e).__name__}: {e}",
+                                  touched, discard=True)
+        elif result.batch_tokens is not None:
+            self._update_batch(out.decodes, result, touched, finished_only)
+        elif result.chunks:
+            self._update_chunks(result, touched, finished_only)
+        elif self.has_unfinished() and not out.preempted and not out.failed:
+            self._fail_stuck(touched)
+        return touched
+
+    def _update_batch(self, batch: DecodeBatch, result: RunnerOutput, touched: dict, finished_only: bool) -> None:
+        """A steady decode batch whose logits were all finite: its commits and checkpoints in one
+        manager call each, then its tokens (plain greedy rows: through the batch's stop rules)."""
+        seqs, mgr, failed = batch.seqs, self.mgr, False
+        self.counters["decode_batch_steps"] += 1
+        with mgr.batched_checkpoints():
+            errors = mgr.commit_decodes(batch.rows, batch.positions)
+            for j, e in errors.items():
+                self.fail_request(seqs[j], e, touched, discard=True)
+            for i in batch.checkpoints:
+                if (errors or failed) and seqs[i].finished:
+                    continue
+                try:
+                    mgr.checkpoint_decode(batch.rows, i)
+                except Exception as e:
+                    self.fail_request(seqs[i], e, touched)
+                    failed = True
+        tokens = result.batch_tokens
+        if errors or failed:  # those left append as in the general path; the batch ends here
+            keep = [j for j, s in enumerate(seqs) if not s.finished]
+            lps = result.batch_logprobs or [None] * len(seqs)
+            self._append([seqs[j] for j in keep], [tokens[j] for j in keep], [lps[j] for j in keep],
+                         touched, finished_only)
+            return
+        if result.sampled is None:  # not plain greedy (or its argmax failed): row by row
+            self._append(seqs, tokens, result.batch_logprobs, touched, finished_only)
+        else:
+            if batch.stops is None:
+                batch.stops = self.appender.batch_stops(seqs)
+            appended, stopped = self.appender.append_batch(
+                seqs, tokens, batch.stops, batch.positions + 2, lambda seq, e: self.fail_request(seq, e, touched),
+                result.sampled_np)
+            batch.sampled = result.sampled
+            self._advanced_by(appended, stopped if finished_only else seqs, touched)
+        self._advanced = batch  # the next step may continue it
+
+    def _update_chunks(self, result: RunnerOutput, touched: dict, finished_only: bool) -> None:
+        """Commit, checkpoint, fork and append for a step's chunks; a chunk with NaN or inf fails
+        alone. The decodes among them commit in one manager call."""
+        seqs, tokens, lps = [], [], []  # the other chunks' sampled rows, in batch order
+        decodes, decode_tokens, decode_lps, due = [], [], [], []
+        mgr, failed_before = self.mgr, self.counters["failed"]
+        with mgr.batched_checkpoints():  # this step's state checkpoints copy together
+            for i, c in enumerate(result.chunks):
+                seq = c.seq
+                if c.decode and result.finite[i]:
+                    decodes.append(seq)
+                    decode_tokens.append(result.tokens[i][0])
+                    decode_lps.append(result.logprobs[i][0])
+                    if c.checkpoint:
+                        due.append(seq)
+                    continue
+                if seq.finished:
+                    continue  # its group failed earlier in this loop
+                if not result.finite[i]:
+                    self.fail_request(seq, "the model gave non-finite logits (NaN or inf) for this request",
+                                      touched, discard=True)  # its new KV and state are suspect: cache none
+                    continue
+                try:
+                    mgr.commit(seq.request_id, c.num_tokens)
+                except Exception as e:
+                    self.fail_request(seq, e, touched, discard=True)
+                    continue
+                try:
+                    if c.checkpoint:
+                        mgr.checkpoint(seq.request_id)
+                    if i in result.prompt_logprobs:
+                        pos0, entries = result.prompt_logprobs[i]
+                        tok = self.appender.tokenizer
+                        self.groups[seq.group_id].record_prompt_logprobs(
+                            pos0, [decoded_logprobs(tok, e) for e in entries])
+                    if i not in result.tokens:
+                        continue  # a prefill chunk short of the end: nothing sampled yet
+                    children = self._fork(seq)
+                except Exception as e:
+                    self.fail_request(seq, e, touched)
+                    continue
+                row_tokens, row_lps = result.tokens[i], result.logprobs[i]
+                seqs.append(seq)
+                tokens.append(row_tokens[0])
+                lps.append(row_lps[0])
+                for child, j in children:  # a fork's draw is the j-th of its parent's row
+                    seqs.append(child)
+                    tokens.append(row_tokens[j])
+                    lps.append(row_lps[j])
+            if decodes:
+                if self.counters["failed"] != failed_before:  # a sibling's failure may have ended some
+                    keep = [j for j, s in enumerate(decodes) if not s.finished]
+                    decodes, decode_tokens, decode_lps = ([x[j] for j in keep] for x in
+                                                          (decodes, decode_tokens, decode_lps))
+                errors = mgr.commit_decodes([s.request_id for s in decodes])
+                for j, e in errors.items():
+                    self.fail_request(decodes[j], e, touched, discard=True)
+                for seq in due:
+                    if not seq.finished:
+                        try:
+                            mgr.checkpoint(seq.request_id)
+                        except Exception as e:
+                            self.fail_request(seq, e, touched)
+                seqs, tokens, lps = decodes + seqs, decode_tokens + tokens, decode_lps + lps
+        self._append(seqs, tokens, lps, touched, finished_only)
+
+    def _append(self, seqs: list[Sequence], tokens: list, lps: list, touched: dict, finished_only: bool) -> None:
+        appended, stopped = self.appender(seqs, tokens, lps, lambda seq, e: self.fail_request(seq, e, touched))
+        self._advanced_by(appended, stopped if finished_only else seqs, touched)
+
+    def _advanced_by(self, appended: int, seqs: list[Sequence], touched: dict) -> None:
+        self.counters["generated_tokens"] += appended
+        groups = self.groups
+        for seq in seqs:
+            touched[seq.group_id] = groups[seq.group_id]
+
+    # ---- n > 1 ------------------------------------------------------------------------------
+    def _fork(self, parent: Sequence) -> list[tuple[Sequence, int]]:
+        """Make the request's pending siblings once its first sequence finished its prompt. A fork
+        shares the parent's blocks and starts from a copy of its state (the manager's `fork`), so
+        it takes its draw from the parent's row this step; one that finds no state slot or no seat
+        waits in the queue and prefills on its own (a prefix hit on the parent's blocks).
+        Returns (fork, its draw's index in the parent's row) of the forks that run now."""
+        g = self.groups.get(parent.group_id)
+        if parent.seq_index != 0 or g is None:
+            return []
+        out, first = [], len(g.seqs)
+        while g.forks_pending:
+            j = len(g.seqs)
+            child = parent.fork((g.key, j), j)  # a tuple: never equal to a user's id
+            g.seqs.append(child)
+            if (len(self.running) < self.max_seqs
+                    and self.mgr.fork(parent.request_id, child.request_id, token_ids=child.token_ids)):
+                self.add_running(child)
+                self.counters["forks"] += 1
+                out.append((child, 1 + j - first))
+            else:
+                self.add(child)
+        return out
+
+    # ---- failures ---------------------------------------------------------------------------
+    def fail_request(self, seq: Sequence, error, touched: dict, discard: bool = False) -> None:
+        """End the request `seq` belongs to with "error": every unfinished sequence of it.
+        discard: this step ran past what the manager committed for it (see `fail`)."""
+        g = self.groups.get(seq.group_id)
+        message = seq.error or (f"{type(error).__name__}: {error}" if isinstance(error, BaseException)
+                                else str(error))
+        for s in (g.seqs if g is not None else [seq]):
+            self.fail(s, message if s is seq else f"another sequence of this request failed: {message}",
+                      discard=discard)
+        if g is not None:
+            g.failed = True
+            touched[g.key] = g
+        self.counters["failed"] += 1
+
+    def _fail_stuck(self, touched: dict) -> None:
+        """Nothing ran and nothing was preempted: the head of the queue cannot fit even an idle
+        engine (checked at the door, so this is a bug); it fails so the rest can go on."""
+        head = (self.swapped or self.waiting).peek()
+        if head is not None:
+            self.fail_request(head, f"the scheduler could not fit it in the pools; stats: {self.mgr.stats()}",
+                              touched)

@@ -14,6 +14,8 @@ from typing import Optional
 
 from hybridkv.sampling_params import SamplingParams
 
+from .sampler import SampleRow
+
 _serials = itertools.count()
 
 # Who runs first: lower priority value, then earlier arrival, then earlier creation.
@@ -133,6 +135,22 @@ class SequenceGroup:
     def forks_pending(self) -> int:
         """How many of the n sequences do not exist yet (made when the first one's prompt is done)."""
         return self.params.n - len(self.seqs)
+
+    def fork_rows(self, seq: Sequence) -> list:
+        """The sampler's rows of the forks made when `seq` finishes its prompt (none unless it is
+        the first sequence and forks are pending): each fork's draw comes from seq's logits row."""
+        if seq.seq_index != 0 or self.failed or not self.forks_pending:
+            return []
+        first = len(self.seqs)
+        return [SampleRow(seq.params, j, 0, seq.token_ids, seq.num_prompt_tokens)
+                for j in range(first, first + self.forks_pending)]
+
+    def collects_prompt_logprobs(self, seq: Sequence) -> bool:
+        return self.prompt_logprobs is not None and seq.seq_index == 0
+
+    def record_prompt_logprobs(self, pos0: int, entries: list) -> None:
+        """Keep the prompt logprobs of positions pos0 + 1, pos0 + 2, ... ({token id: Logprob} each)."""
+        self.prompt_logprobs[pos0 + 1:pos0 + 1 + len(entries)] = entries
 
     @property
     def finished(self) -> bool:

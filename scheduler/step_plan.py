@@ -11,6 +11,7 @@ mix it with other work.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Optional
 
 import numpy as np
@@ -18,7 +19,13 @@ import torch
 
 from hybridkv.decode_rows import DecodeRows
 
-from .sequence import Sequence
+from .sequence import Sequence, SequenceStatus
+
+_RUNNING = SequenceStatus.RUNNING
+_request_id = attrgetter("request_id")
+_num_computed = attrgetter("num_computed_tokens")
+_num_prompt = attrgetter("num_prompt_tokens")
+_token_ids = attrgetter("token_ids")
 
 
 @dataclass(slots=True)
@@ -41,11 +48,12 @@ class DecodeBatch:
     sequence's num_computed_tokens; its last token), written to KV slot `kv_slots[i]` of the lead
     attention group (-1 without attention); `checkpoints`: indices of those due a state
     checkpoint after it. `rows`: the manager's handle on their memory (hybridkv/decode_rows.py).
-    `version`: the running queue's version this batch was made for. `fixed`: what stays the
-    same while these sequences decode together (kept by the engine and the batch builder: the
-    sequences' stop rules, constant batch fields), shared by every step of the batch.
-    `input_ids`: the tokens at `positions` as an int64 tensor when the step before sampled them
-    (else read from the sequences)."""
+    `version`: the running queue's version this batch was made for. What stays the same while
+    these sequences decode together is made once and handed from step to step: `plain` (every
+    row greedy without logprobs; set by the runner), `stops` (the rows' stop rules as arrays,
+    token_append.BatchStops; set by the scheduler) and `cpu_fields` (the CPU forward batch's
+    constant fields; set by the batch builder). `input_ids`: the tokens at `positions` as an
+    int64 tensor when the step before sampled them (else read from the sequences)."""
 
     seqs: list[Sequence]
     rows: DecodeRows
@@ -53,10 +61,37 @@ class DecodeBatch:
     version: int
     kv_slots: Optional[np.ndarray] = None  # set once the manager allocated them
     checkpoints: list[int] = field(default_factory=list)
-    fixed: dict = field(default_factory=dict)
+    plain: Optional[bool] = None
+    stops: Optional[object] = None  # token_append.BatchStops
+    cpu_fields: Optional[tuple] = None
     input_ids: Optional[torch.Tensor] = None
     sampled: Optional[torch.Tensor] = None  # this step's sampled tokens, once the engine has them
     added: int = 0  # the running queue's count of adds this batch was made for
+    cut: bool = False  # made by cutting the last batch to the sequences left (`kept`)
+
+    @classmethod
+    def of_running(cls, running, last: Optional["DecodeBatch"], manager) -> Optional["DecodeBatch"]:
+        """The running queue (sequence_queue.py) as one DecodeBatch (positions only) when every
+        sequence in it is a plain decode (one token left, past its prompt), else None. After
+        `last`, the batch run whole in the step before, and while nobody joined or left since, it
+        is that batch one token later: no look at each sequence; when some left and nobody
+        joined, it is that batch cut to those left (`kept`)."""
+        n = len(running)
+        if last is not None and last.version == running.version:
+            return last.advanced(running.version)
+        if last is not None and last.added == running.added:  # some left, nobody joined: cut the batch
+            keep = [i for i, seq in enumerate(last.seqs) if seq.status is _RUNNING]
+            if len(keep) == n:
+                return last.kept(keep, running.version)
+        seqs = list(running)  # run order
+        states = list(map(manager.requests.__getitem__, map(_request_id, seqs)))
+        positions = np.fromiter(map(_num_computed, states), np.int64, n)
+        known = np.fromiter(map(len, map(_token_ids, seqs)), np.int64, n)
+        prompt = np.fromiter(map(_num_prompt, seqs), np.int64, n)
+        if not ((known - positions == 1) & (positions >= prompt)).all():
+            return None
+        return cls(seqs, manager.decode_rows([s.request_id for s in seqs]), positions, running.version,
+                   added=running.added)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -71,18 +106,19 @@ class DecodeBatch:
         step continues the last one), reading the tokens sampled last step."""
         after = self.rows.next
         return DecodeBatch(self.seqs, self.rows, self.positions + 1 if after is None else after, version,
-                           fixed=self.fixed, input_ids=self.sampled, added=self.added)
+                           plain=self.plain, stops=self.stops, cpu_fields=self.cpu_fields,
+                           input_ids=self.sampled, added=self.added)
 
     def kept(self, idx: list[int], version: int) -> "DecodeBatch":
         """advanced() for the sequences idx (ascending) alone, once the others left the running
-        queue: the handle cut to them (`DecodeRows.kept`), still continuing the last step.
-        `fixed` starts empty but for {"kept_from": (this batch's fixed, idx)}, from which the
-        engine and the builder may cut what they kept instead of making it again."""
+        queue: the handle cut to them (`DecodeRows.kept`), still continuing the last step. Rows
+        cut from plain rows are plain; the stop rules are cut; the CPU fields are made again."""
         rows = self.rows.kept(idx)
         sampled = self.sampled[torch.from_numpy(np.asarray(idx, dtype=np.int64))] if self.sampled is not None else None
         return DecodeBatch([self.seqs[i] for i in idx], rows, rows.next if rows.next is not None
-                           else self.positions[idx] + 1, version, fixed={"kept_from": (self.fixed, idx)},
-                           input_ids=sampled, added=self.added)
+                           else self.positions[idx] + 1, version, plain=True if self.plain else None,
+                           stops=self.stops.keep(idx) if self.stops is not None else None,
+                           input_ids=sampled, added=self.added, cut=True)
 
     def chunks(self) -> list[ScheduledChunk]:
         """The general path's chunks for these decodes (allocated: kv_slots set)."""
@@ -105,6 +141,14 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks) + (len(self.decodes) if self.decodes else 0)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.chunks) + (len(self.decodes) if self.decodes else 0)
+
+    def seqs(self) -> list[Sequence]:
+        """The step's sequences in batch order."""
+        return (list(self.decodes.seqs) if self.decodes else []) + [c.seq for c in self.chunks]
 
     def all_chunks(self) -> list[ScheduledChunk]:
         """Every scheduled chunk in batch order, the decode batch's as chunks."""

@@ -406,7 +406,7 @@ def test_a_fault_in_a_decode_batch_step_ends_what_it_hit(checkpoints, stage, mon
                 return real(batch, caches)
             monkeypatch.setattr(llm.model, "forward", forward)
     if stage == "sampler":  # the victim's 5th draw; the engine redoes the batch's rows one by one
-        real_draw, twin_of = Sampler._draw, {id(fast.engine.sampler): "fast", id(slow.engine.sampler): "slow"}
+        real_draw, twin_of = Sampler._draw, {id(fast.engine.runner.sampler): "fast", id(slow.engine.runner.sampler): "slow"}
 
         def draw(self, logits, rows):
             if id(self) in twin_of and any(r.params.seed == 4242 and r.num_generated == 4 for r in rows) \

@@ -231,7 +231,7 @@ def test_engine_generates_the_eager_tokens_through_graphs(tmp_path):
     want = LLM(path, **kw).generate(PROMPTS, params, use_tqdm=False)
     graphed = LLM(path, cuda_graphs="dry_run", **kw)
     got = graphed.generate(PROMPTS, params, use_tqdm=False)
-    assert graphed.engine.decode_graphs.replays == 3
+    assert graphed.engine.runner.decode_graphs.replays == 3
     assert_same_generation(got, want)
 
 
@@ -248,7 +248,7 @@ def test_engine_with_two_attention_groups_generates_the_eager_tokens(tmp_path):
     kw = dict(device="cpu", max_num_seqs=4, max_num_batched_tokens=64, memory_budget_bytes=8 << 20)
     want = LLM(path, **kw).generate(prompts, params, use_tqdm=False)
     graphed = LLM(path, cuda_graphs="dry_run", **kw)
-    assert sorted(graphed.engine.decode_graphs.windows, key=str) == sorted([None, 24], key=str)
+    assert sorted(graphed.engine.runner.decode_graphs.windows, key=str) == sorted([None, 24], key=str)
     got = graphed.generate(prompts, params, use_tqdm=False)
-    assert graphed.engine.decode_graphs.replays == 2
+    assert graphed.engine.runner.decode_graphs.replays == 2
     assert_same_generation(got, want)

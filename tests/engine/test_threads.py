@@ -27,7 +27,7 @@ def test_add_and_abort_from_another_thread_while_stepping(llm):
         try:
             added = []
             for rid, p in prompts.items():
-                during.append(llm.engine._stepping.locked())  # a step runs now: the add is queued
+                during.append(llm.engine.inbox.stepping)  # a step runs now: the add is queued
                 llm.add_request(p, greedy(lengths[rid]), request_id=rid)
                 added.append(rid)
                 started.set()

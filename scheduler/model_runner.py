@@ -1,0 +1,189 @@
+"""The model runner: one step's forward pass and sampling, for what the scheduler scheduled.
+
+It owns the model, the batch builder (batch_builder.py), the CUDA graphs (decode_graphs.py)
+and the sampler (sampler.py); it reads the manager's block tables and slots to build a batch
+and never changes the manager (the scheduler alone does, `Scheduler.update_from_output`).
+
+`execute(scheduler_output)` runs the forward pass, checks the logits for NaN / inf (per chunk;
+one sum for a steady decode batch) and samples every row that needs a token: the last row of
+each chunk that reaches its sequence's end, once more for each fork a request with n > 1 makes
+at that point (its rows' draws depend only on the seed, the index and the step: sampler.py), and
+for a steady decode batch of plain greedy rows one argmax over the batch. A row whose sampling
+raises gets the exception as its token, so that request alone fails.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from hybridkv.models.forward_batch import ModelCaches
+
+from .batch_builder import BatchBuilder
+from .decode_graphs import DecodeInputs
+from .logit_rows import LogitRows, plan_logit_rows, prompt_logprobs
+from .sampler import Sampler
+from .step_plan import DecodeBatch, ScheduledChunk, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunnerOutput:
+    """What the model computed for one SchedulerOutput.
+
+    error: the forward pass raised (its requests cannot be told apart: each fails).
+    chunks: the step's chunks in batch order, the decode batch's as chunks when the step is not
+        a steady batch (empty for a steady batch with all logits finite).
+    finite: per chunk, whether its rows are finite.
+    tokens / logprobs: per chunk, the tokens sampled from its last row (the sequence's, then one
+        per fork made there; an entry may be the exception its draw raised) and their logprobs.
+    prompt_logprobs: {chunk index: (first position, per prompt position from there {token id:
+        Logprob})} for the chunks that collect prompt logprobs.
+    batch_tokens: a steady decode batch's tokens, one per row (list of ints, or of ints and
+        exceptions when not greedy), with `batch_logprobs`; `sampled` / `sampled_np`: the greedy
+        argmax as a tensor [R] (the next step's input ids) and a numpy view on the CPU.
+    """
+
+    error: Optional[BaseException] = None
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    finite: list[bool] = field(default_factory=list)
+    tokens: dict[int, list] = field(default_factory=dict)
+    logprobs: dict[int, list] = field(default_factory=dict)
+    prompt_logprobs: dict[int, tuple] = field(default_factory=dict)
+    batch_tokens: Optional[list] = None
+    batch_logprobs: Optional[list] = None
+    sampled: Optional[torch.Tensor] = None
+    sampled_np: Optional[np.ndarray] = None
+
+
+class ModelRunner:
+    """Runs `model` over `manager`'s pools on the model's device; `seed` seeds the draws of
+    unseeded rows. `decode_graphs`: a DecodeGraphs that replays decode-only steps (set after
+    capture), or None."""
+
+    def __init__(self, model, manager, seed: int = 0):
+        self.model = model
+        self.device = model.device
+        self.mgr = manager  # read only: block tables and slots for the batch
+        self.sampler = Sampler(seed, eos_ids=model.eos_token_ids, device=self.device)
+        self.batch_builder = BatchBuilder(manager, self.device)
+        self.caches = ModelCaches(kv=manager.kv_caches, conv=manager.conv_states,
+                                  state=manager.ssm_states, block_size=manager.block_size)
+        self.decode_graphs = None
+        self.model_seconds = 0.0
+
+    def execute(self, out: SchedulerOutput, groups: dict) -> RunnerOutput:
+        """Forward and sample for `out`; groups: the requests by key (read only: which collect
+        prompt logprobs, which make forks when their prompt is done)."""
+        t0 = time.perf_counter()
+
+        def collects_prompt_logprobs(seq) -> bool:
+            return groups[seq.group_id].collects_prompt_logprobs(seq)
+
+        def fork_rows(seq) -> list:
+            return groups[seq.group_id].fork_rows(seq)
+
+        try:
+            if out.decodes is not None and not out.chunks:
+                result = self._decode_batch(out.decodes, collects_prompt_logprobs, fork_rows)
+            else:
+                result = self._chunks(out.all_chunks(), collects_prompt_logprobs, fork_rows)
+        except Exception as e:
+            log.exception("the forward pass failed; its %d requests end with an error", out.num_seqs)
+            result = RunnerOutput(error=e)
+        self.model_seconds += time.perf_counter() - t0
+        return result
+
+    # ---- forward ---------------------------------------------------------------------------
+    def _decode_batch(self, batch: DecodeBatch, collects, fork_rows) -> RunnerOutput:
+        graphs = self.decode_graphs
+        with torch.inference_mode():  # no autograd graph (it would also chain the pools across steps)
+            if graphs is not None and graphs.bucket_for(len(batch)) is not None:
+                logits = graphs.run(DecodeInputs.from_batch(batch, self.mgr))
+            else:
+                logits = self.model(self.batch_builder.build_decodes(batch), self.caches)
+        if not math.isfinite(float(logits.sum())):  # NaN or inf anywhere makes the sum one
+            chunks = batch.chunks()
+            rows = plan_logit_rows(chunks, collects)
+            return self._sampled(chunks, logits, rows, rows.finite(logits), fork_rows)
+        out = RunnerOutput()
+        if batch.plain is None:
+            batch.plain = self.sampler.plain(batch.seqs)
+        if batch.plain:
+            try:
+                sampled, tokens = self.sampler.greedy(logits)
+            except Exception:  # row by row, each failing alone
+                out.batch_tokens, out.batch_logprobs = self._sample_rows(logits, batch.seqs)
+                return out
+            out.batch_tokens, out.sampled = tokens, sampled
+            out.sampled_np = sampled.numpy() if sampled.device.type == "cpu" else None
+        else:
+            out.batch_tokens, out.batch_logprobs = self._sample_rows(logits, batch.seqs)
+        return out
+
+    def _chunks(self, chunks: list[ScheduledChunk], collects, fork_rows) -> RunnerOutput:
+        rows = plan_logit_rows(chunks, collects)
+        graphs = self.decode_graphs
+        with torch.inference_mode():
+            if graphs is not None and graphs.takes(chunks, rows.indices):
+                logits = graphs.run(DecodeInputs.from_chunks(chunks, self.mgr))
+            else:
+                logits = self.model(self.batch_builder.build(chunks, rows.indices), self.caches)
+        return self._sampled(chunks, logits, rows, rows.finite(logits), fork_rows)
+
+    # ---- sampling --------------------------------------------------------------------------
+    def _sampled(self, chunks: list[ScheduledChunk], logits: torch.Tensor, rows: LogitRows,
+                 finite: list[bool], fork_rows) -> RunnerOutput:
+        """Sample the last row of each finite chunk that reaches its sequence's end (and its forks'
+        rows); compute the prompt logprobs asked."""
+        out = RunnerOutput(chunks=chunks, finite=finite)
+        idx, sample_rows, owners = [], [], []
+        for i, c in enumerate(chunks):
+            if not finite[i]:
+                continue
+            seq = c.seq
+            if rows.spans and i in rows.spans:
+                span = rows.spans[i]
+                out.prompt_logprobs[i] = (span.pos0, prompt_logprobs(logits, seq.token_ids, span,
+                                                                     seq.params.prompt_logprobs))
+            if c.start + c.num_tokens < len(seq.token_ids):
+                continue  # a prefill chunk short of the end: nothing to sample yet
+            these = [seq] if c.decode else [seq, *fork_rows(seq)]
+            idx.extend([rows.last[i]] * len(these))
+            sample_rows.extend(these)
+            owners.extend([i] * len(these))
+        if not sample_rows:
+            return out
+        tokens, logprobs = self._sample_rows(logits if idx == list(range(len(logits))) else logits[idx],
+                                             sample_rows)
+        for i, tok, lp in zip(owners, tokens, logprobs):
+            out.tokens.setdefault(i, []).append(tok)
+            out.logprobs.setdefault(i, []).append(lp)
+        return out
+
+    def _sample_rows(self, logits: torch.Tensor, rows: list) -> tuple[list, list]:
+        """A token per row [R, V] (rows: SampleRows or Sequences); when the batched draw raises,
+        the rows are redone one by one so the others keep their draws and a failing row gets the
+        exception as its token."""
+        state = self.sampler.state()
+        try:
+            return self.sampler(logits, rows)
+        except Exception:
+            self.sampler.set_state(state)
+        tokens, logprobs = [], []
+        for i, row in enumerate(rows):
+            try:
+                tok, lp = self.sampler(logits[i:i + 1], [row])
+                tokens.append(tok[0])
+                logprobs.append(lp[0])
+            except Exception as e:
+                tokens.append(e)
+                logprobs.append(None)
+        return tokens, logprobs
+
