@@ -82,7 +82,7 @@ def one_run(num_reqs: int, steps: int, real: bool, stream: bool = False) -> dict
     runner = getattr(eng, "runner", eng)  # the model runner (older trees: the engine held the model)
     runner.model = _Timed(llm.model if real else _StubModel(llm.model), acc, "model")
     runner.sampler = _Timed(runner.sampler, acc, "sampler")
-    if hasattr(runner.sampler.inner, "greedy"):  # a decode batch's plain greedy rows (absent in older trees)
+    if hasattr(runner.sampler.inner, "greedy"):  # a decode batch's greedy rows (absent in older trees)
         runner.sampler.greedy = _Timed(runner.sampler.inner.greedy, acc, "sampler")
     eng.scheduler.schedule = _Timed(eng.scheduler.schedule, acc, "schedule")
     eng.mgr.commit = _Timed(eng.mgr.commit, acc, "commit")

@@ -3,14 +3,14 @@
     python benchmarks/bench_token_append.py                  # 256 rows, vocabulary 512, 200 steps
     python benchmarks/bench_token_append.py --rows 32 --repeats 9
 
-Rows are plain greedy (EOS not ignored: the EOS ids are looked up every step, but their logits are
+Rows are greedy without logprobs (EOS not ignored: the EOS ids are looked up every step, but their logits are
 kept low so no row stops and the batch stays the same), max_tokens large, random logits. Per step:
   before:  what `Sampler.__call__` did before 474668c (the plain check over the rows' params, then
            torch's `argmax(dim=-1).tolist()`) and `TokenAppender.__call__` (a loop over rows with a
            StopRule test each);
   per-row: `Sampler.__call__` now (the plain check, `greedy`: numpy's argmax on the CPU) and
            `TokenAppender.__call__`;
-  batch:   `Sampler.greedy` and `TokenAppender.append_batch` with `Sampler.plain` and the
+  batch:   `Sampler.greedy` and `TokenAppender.append_batch` with `Sampler.all_greedy` and the
            BatchStops made once per batch (that one-off cost printed apart, the rows' StopRules
            already made, as the engine's are by their first token), lengths kept as an array;
            `BatchStops.keep` (the batch less a row that stopped) printed apart too.
@@ -50,7 +50,7 @@ def unexpected(seq, error):
 def before(sampler, appender, seqs, logits_cycle, steps) -> float:
     t0 = time.process_time()
     for k in range(steps):
-        assert sampler.plain(seqs)
+        assert sampler.all_greedy(seqs)
         tokens = logits_cycle[k % len(logits_cycle)].float().argmax(dim=-1).tolist()
         appender(seqs, tokens, [None] * len(tokens), unexpected)
     return (time.process_time() - t0) / steps
@@ -67,7 +67,7 @@ def per_row(sampler, appender, seqs, logits_cycle, steps) -> float:
 def batched(sampler, appender, seqs, logits_cycle, steps) -> tuple[float, float, float]:
     appender.batch_stops(seqs)  # makes the rows' StopRules
     t0 = time.process_time()
-    assert sampler.plain(seqs)
+    assert sampler.all_greedy(seqs)
     stops = appender.batch_stops(seqs)
     lengths = np.array([len(s.token_ids) for s in seqs], dtype=np.int64)
     t1 = time.process_time()

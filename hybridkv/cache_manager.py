@@ -34,9 +34,11 @@ a request that can never fit raises RequestTooLargeError, a ValueError):
     mgr.allocate(req_id, n) -> list[int] | None            KV write slots for [num_computed, +n)
         (-1 each without attention); None = not enough blocks (no side effect): preempt, retry
     mgr.commit(req_id, n)                                   num_computed += n; full blocks hashed
-    mgr.allocate_decodes(req_ids, starts) -> (slots, due, allocated)   allocate(r, 1) and
+    mgr.decode_rows(req_ids) -> DecodeRows                 the batched one-token verbs' handle
+    mgr.allocate_decodes(rows | req_ids, starts) -> (slots, due, allocated)   allocate(r, 1) and
         checkpoint_due for one token of each, all at once (False: allocate those one by one)
-    mgr.commit_decodes(req_ids) -> {index: error}            commit(req_id, 1) for each, one loop
+    mgr.commit_decodes(rows | req_ids[, starts]) -> {index: error}   commit(req_id, 1) for each
+    mgr.checkpoint_decode(rows, i) -> bool                  checkpoint() of row i after commit_decodes
     with mgr.batched_checkpoints(): mgr.checkpoint(...) ...  the state copies at the exit, together
     mgr.checkpoint_due(req_id, start, end) -> int | None    where to cut the chunk for a checkpoint
     mgr.checkpoint(req_id) -> bool                          live state -> checkpoint at num_computed

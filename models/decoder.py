@@ -1,4 +1,5 @@
-"""The pre-norm decoder block Llama, Bamba, Jamba, GraniteMoeHybrid, Qwen3-Next and LFM2 share.
+"""The pre-norm decoder block most families share (Llama, Bamba, Jamba, GraniteMoeHybrid, Qwen3-Next,
+LFM2, and every family file that subclasses `HybridDecoderLayer` or calls `run_layers`).
 
 Per layer: norm -> `self_attn` (paged KV pool) or a recurrent mixer (state slot) -> residual ->
 norm -> feed-forward -> residual. Each family builds its modules under the checkpoint's own names

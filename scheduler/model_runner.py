@@ -8,7 +8,7 @@ and never changes the manager (the scheduler alone does, `Scheduler.update_from_
 one sum for a steady decode batch) and samples every row that needs a token: the last row of
 each chunk that reaches its sequence's end, once more for each fork a request with n > 1 makes
 at that point (its rows' draws depend only on the seed, the index and the step: sampler.py), and
-for a steady decode batch of plain greedy rows one argmax over the batch. A row whose sampling
+for a steady decode batch of greedy rows (no logprobs) one argmax over the batch. A row whose sampling
 raises gets the exception as its token, so that request alone fails.
 """
 from __future__ import annotations
@@ -113,9 +113,9 @@ class ModelRunner:
             rows = plan_logit_rows(chunks, collects)
             return self._sampled(chunks, logits, rows, rows.finite(logits), fork_rows)
         out = RunnerOutput()
-        if batch.plain is None:
-            batch.plain = self.sampler.plain(batch.seqs)
-        if batch.plain:
+        if batch.all_greedy is None:
+            batch.all_greedy = self.sampler.all_greedy(batch.seqs)
+        if batch.all_greedy:
             try:
                 sampled, tokens = self.sampler.greedy(logits)
             except Exception:  # row by row, each failing alone

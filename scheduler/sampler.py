@@ -76,7 +76,7 @@ class Sampler:
         """logits [R, V] -> (token ids [R], per row {token: Logprob} when `logprobs` asked: of the
         model's distribution, before the processors, as vLLM). rows: SampleRows, or anything
         with their fields (the engine passes its Sequences)."""
-        if self.plain(rows):
+        if self.all_greedy(rows):
             return self.greedy(logits)[1], [None] * len(rows)
         params = [r.params for r in rows]
         work = self.process(logits, rows) if any(_processed(p) for p in params) else logits.float()
@@ -94,8 +94,8 @@ class Sampler:
         return token_list, logprobs
 
     @staticmethod
-    def plain(rows: list[SampleRow]) -> bool:
-        """Whether every row is plain greedy with no logprobs (nothing changes its logits, nothing
+    def all_greedy(rows: list[SampleRow]) -> bool:
+        """Whether every row is greedy with no logprobs (nothing changes its logits, nothing
         but the argmax leaves the device): then `greedy` is the whole of `__call__`. It depends on
         the rows' params alone, so a batch that keeps its rows can ask once."""
         distinct = {id(r.params): r.params for r in rows}.values()  # most batches share one or a few

@@ -288,7 +288,7 @@ class Scheduler:
 
     def _update_batch(self, batch: DecodeBatch, result: RunnerOutput, touched: dict, finished_only: bool) -> None:
         """A steady decode batch whose logits were all finite: its commits and checkpoints in one
-        manager call each, then its tokens (plain greedy rows: through the batch's stop rules)."""
+        manager call each, then its tokens (all greedy: through the batch's stop rules)."""
         seqs, mgr, failed = batch.seqs, self.mgr, False
         self.counters["decode_batch_steps"] += 1
         with mgr.batched_checkpoints():
@@ -310,7 +310,7 @@ class Scheduler:
             self._append([seqs[j] for j in keep], [tokens[j] for j in keep], [lps[j] for j in keep],
                          touched, finished_only)
             return
-        if result.sampled is None:  # not plain greedy (or its argmax failed): row by row
+        if result.sampled is None:  # not all greedy (or its argmax failed): row by row
             self._append(seqs, tokens, result.batch_logprobs, touched, finished_only)
         else:
             if batch.stops is None:

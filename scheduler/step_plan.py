@@ -49,7 +49,7 @@ class DecodeBatch:
     attention group (-1 without attention); `checkpoints`: indices of those due a state
     checkpoint after it. `rows`: the manager's handle on their memory (hybridkv/decode_rows.py).
     `version`: the running queue's version this batch was made for. What stays the same while
-    these sequences decode together is made once and handed from step to step: `plain` (every
+    these sequences decode together is made once and handed from step to step: `all_greedy` (every
     row greedy without logprobs; set by the runner), `stops` (the rows' stop rules as arrays,
     token_append.BatchStops; set by the scheduler) and `cpu_fields` (the CPU forward batch's
     constant fields; set by the batch builder). `input_ids`: the tokens at `positions` as an
@@ -61,7 +61,7 @@ class DecodeBatch:
     version: int
     kv_slots: Optional[np.ndarray] = None  # set once the manager allocated them
     checkpoints: list[int] = field(default_factory=list)
-    plain: Optional[bool] = None
+    all_greedy: Optional[bool] = None
     stops: Optional[object] = None  # token_append.BatchStops
     cpu_fields: Optional[tuple] = None
     input_ids: Optional[torch.Tensor] = None
@@ -106,17 +106,17 @@ class DecodeBatch:
         step continues the last one), reading the tokens sampled last step."""
         after = self.rows.next
         return DecodeBatch(self.seqs, self.rows, self.positions + 1 if after is None else after, version,
-                           plain=self.plain, stops=self.stops, cpu_fields=self.cpu_fields,
+                           all_greedy=self.all_greedy, stops=self.stops, cpu_fields=self.cpu_fields,
                            input_ids=self.sampled, added=self.added)
 
     def kept(self, idx: list[int], version: int) -> "DecodeBatch":
         """advanced() for the sequences idx (ascending) alone, once the others left the running
         queue: the handle cut to them (`DecodeRows.kept`), still continuing the last step. Rows
-        cut from plain rows are plain; the stop rules are cut; the CPU fields are made again."""
+        cut from all-greedy rows are all greedy; the stop rules are cut; the CPU fields are made again."""
         rows = self.rows.kept(idx)
         sampled = self.sampled[torch.from_numpy(np.asarray(idx, dtype=np.int64))] if self.sampled is not None else None
         return DecodeBatch([self.seqs[i] for i in idx], rows, rows.next if rows.next is not None
-                           else self.positions[idx] + 1, version, plain=True if self.plain else None,
+                           else self.positions[idx] + 1, version, all_greedy=True if self.all_greedy else None,
                            stops=self.stops.keep(idx) if self.stops is not None else None,
                            input_ids=sampled, added=self.added, cut=True)
 

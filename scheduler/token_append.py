@@ -6,7 +6,7 @@ sequence's `StopRule` says it may stop (a length limit reached, a stop or EOS id
 look for): a token of a plain decode costs a list append, a length compare and a set lookup.
 
 `batch_stops` + `append_batch`, the engine's steady decode batch (the same running sequences for
-many steps, every row plain greedy without logprobs): the rules are turned into arrays once per
+many steps, every row greedy without logprobs): the rules are turned into arrays once per
 batch (`BatchStops`), so a step finds the rows that may stop with a few numpy calls over all rows
 and costs one list append per row; only those rows run through `check_stop`, in row order.
 """

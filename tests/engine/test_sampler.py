@@ -181,14 +181,14 @@ def test_plain_and_greedy_are_what_the_sampler_does_for_plain_rows(dtype):
     logits, ids, P = random_case(6, seed=9)
     logits = logits.to(dtype)
     rows = rows_for([PLAIN[i % 3] for i in range(6)], ids, P)
-    assert Sampler.plain(rows)
+    assert Sampler.all_greedy(rows)
     tensor, tokens = Sampler.greedy(logits)
     assert tensor.dtype == torch.int64 and tensor.shape == (6,) and tensor.tolist() == tokens
     assert Sampler(eos_ids=EOS)(logits, rows) == (tokens, [None] * 6)
     assert tokens == logits.float().argmax(dim=-1).tolist()  # torch's own argmax, the oracle
     for p in NOT_PLAIN:  # one row that is not plain makes the batch not plain
         mixed = rows_for(PLAIN + [p], ids[:4], P)
-        assert not Sampler.plain(mixed), p
+        assert not Sampler.all_greedy(mixed), p
         if p.greedy and p.logprobs is not None:
             assert Sampler(eos_ids=EOS)(logits[:4], mixed)[1][3] is not None
 
