@@ -32,7 +32,6 @@ from hybridkv.outputs import RequestOutput
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.snapshot import RequestSnapshot
 
-from . import migration
 from .door import Door
 from .engine_stats import engine_stats
 from .model_runner import ModelRunner, RunnerOutput
@@ -136,9 +135,7 @@ class Engine:
             g = self.groups.get(request_id) if isinstance(request_id, str) else None
             if g is None:
                 raise KeyError(f"unknown request id {request_id!r}")
-            snap = migration.freeze(g, self.mgr)
-            del self.groups[request_id]
-            self.scheduler.finish(g.seqs[0], "migrated")
+            snap = self.scheduler.export(g)
             self._counts["migrations_out"] += 1
             return snap
 
@@ -158,14 +155,7 @@ class Engine:
                 if holds and len(self.scheduler.running) >= self.scheduler.max_seqs:
                     raise RuntimeError(f"cannot import request {rid!r} now: {len(self.scheduler.running)} "
                                        f"sequences run, max_num_seqs={self.scheduler.max_seqs}; retry later")
-                g, holds_memory = migration.thaw(snap, self.mgr)
-                seq = g.seqs[0]
-                seq.max_tokens = self.max_new_tokens(seq.num_prompt_tokens, g.params)
-                if holds_memory:
-                    self.scheduler.add_running(seq)
-                else:  # moved as tokens: recomputed here
-                    self.scheduler.add(seq)
-                self.groups[rid] = g
+                self.scheduler.import_snapshot(snap, self.door.max_new_tokens)
             self._counts["migrations_in"] += 1
 
     def has_unfinished(self) -> bool:
