@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.resources
 import json
 import logging
 import os
@@ -116,9 +117,7 @@ BUILTIN_PREFIX = "hybridkv/"  # built-in names: hybridkv/<folder of hybridkv/bui
 def builtin_models() -> dict[str, Path]:
     """Built-in name ("hybridkv/tiny-code") -> its checkpoint folder, shipped inside the package
     (hybridkv/builtin_models/<name>/, each with a config.json), sorted by name."""
-    import hybridkv
-
-    root = Path(hybridkv.__file__).resolve().parent / "builtin_models"
+    root = Path(str(importlib.resources.files("hybridkv"))) / "builtin_models"  # no import edge back
     found = sorted(p.parent for p in root.glob("*/config.json")) if root.is_dir() else []
     return {BUILTIN_PREFIX + p.name: p for p in found}
 

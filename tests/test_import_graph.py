@@ -20,11 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # issue 23: being removed. Imports that close a cycle today, in files other engineers are
 # rewriting now: (importer, imported module) -> where. The graph without these edges must have no
 # cycle; a cycle through any other import fails the test. Delete an entry once its import is gone.
-KNOWN_CYCLES: dict[tuple[str, str], str] = {
-    # builtin_models() does `import hybridkv` for its __file__; hybridkv's lazy __getattr__ imports
-    # hybridkv.llm, which loads models and the loader: hybridkv -> llm -> models.loader -> hybridkv
-    ("hybridkv.models.loader", "hybridkv"): "models/loader.py builtin_models()",
-}
+KNOWN_CYCLES: dict[tuple[str, str], str] = {}
 
 # issue 23: being removed. Private names imported across modules, in files other engineers are
 # rewriting now: (importer, imported module, name). Any other private import fails the test.
