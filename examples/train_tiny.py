@@ -272,7 +272,8 @@ def main(argv=None) -> int:
         card = dict(base, parameters_m=n_params / 1e6, steps=steps, batch=RECIPES[kind]["batch"],
                     context=CONTEXT, tokens_seen=steps * RECIPES[kind]["batch"] * CONTEXT,
                     cpu_minutes=cpu / 60, held_out_bits_per_byte=bpb,
-                    quick_windows=QUICK_WINDOWS, quick_bits_per_byte=quick)
+                    quick_windows=QUICK_WINDOWS, quick_bits_per_byte=quick, quick_bytes=quick_bytes,
+                    quick_token_ids=quick_stream.tolist())
         trained[kind] = (model, card)
     if len(trained) == 2:
         agree = draft_agreement(trained["target"][0], trained["draft"][0], tokenizer, held_texts)

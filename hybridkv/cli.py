@@ -1,5 +1,7 @@
-"""The `hybridkv` command: `hybridkv demo` (a few seconds on a built-in tiny model) and
+"""The `hybridkv` command: `hybridkv demo` (a few seconds on the built-in code model) and
 `hybridkv serve [CHECKPOINT]` (an OpenAI-compatible HTTP server). Also `python -m hybridkv`.
+Both default to the built-in `hybridkv/tiny-code` (hybridkv/builtin_models/); `--random-tiny`
+runs the tiny random-weight Bamba instead.
 """
 from __future__ import annotations
 
@@ -14,6 +16,9 @@ from typing import Optional
 from hybridkv.checkpoint_policy import DEFAULT_POLICY, POLICIES
 from hybridkv.eviction import DEFAULT_EVICTION, EVICTION_RULES
 
+DEFAULT_MODEL = "hybridkv/tiny-code"  # a built-in name (models/loader.py: builtin_models)
+DEFAULT_NOTICE = ("hybridkv/tiny-code, a small Bamba (Mamba2 + attention) trained on the Python "
+                  "standard library: a completion model for Python code")
 TINY_FAMILY = "bamba"
 TINY_NOTICE = ("built-in tiny Bamba (Mamba2 + attention), RANDOM weights: the text is noise; "
                "this shows the engine, not a model")
@@ -68,10 +73,18 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
 
 
 # ---- hybridkv demo ---------------------------------------------------------------------------
-SYSTEM = "You are a helpful assistant of the hybridkv project. Answer briefly. "
+# Every prompt starts with this module header; the follow-up's prefix hit covers it and more.
+HEADER = '''"""Small helpers for numbers, sequences and text.
+
+Each function is short, tested and documented.
+"""
+import math
 
 
-def _run(llm, requests: list[tuple[str, object, object]]) -> dict:
+'''
+
+
+def _run(llm, requests: list[tuple[str, str, object]]) -> dict:
     """Add (request id, prompt, params) triples, step until all finish; returns id -> output."""
     for rid, prompt, params in requests:
         llm.add_request(prompt, params, request_id=rid)
@@ -83,37 +96,41 @@ def _run(llm, requests: list[tuple[str, object, object]]) -> dict:
     return done
 
 
-def demo(max_tokens: int = 16) -> int:
-    """Serve a few requests on the built-in tiny model and print outputs and stats; returns 0."""
+def _print_completion(tag: str, prompt: str, out, o) -> None:
+    """A header line, then the prompt past HEADER and the completed text, each line behind '  | '."""
+    print(f"[{tag}] prompt {len(out.prompt_token_ids)} tokens ({out.num_cached_tokens} from the prefix "
+          f"cache) -> {len(o.token_ids)} tokens ({o.finish_reason}):")
+    for line in (prompt[len(HEADER):] + o.text).rstrip().split("\n"):
+        print(f"  | {line.rstrip()}")
+
+
+def demo(max_tokens: int = 40, random_tiny: bool = False) -> int:
+    """Complete a few Python prompts on the built-in code model (or the tiny random Bamba) and print
+    the text and the engine's stats; returns 0."""
     from hybridkv import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    print(f"hybridkv demo: {TINY_NOTICE}")
+    print(f"hybridkv demo: {TINY_NOTICE if random_tiny else DEFAULT_NOTICE}")
     with tempfile.TemporaryDirectory() as d:
-        llm = LLM(build_tiny(d), device="cpu", dtype="float32", block_size=16,
-                  memory_budget_bytes=32 << 20)
+        llm = LLM(build_tiny(d) if random_tiny else DEFAULT_MODEL, device="cpu", dtype="float32",
+                  block_size=16, memory_budget_bytes=32 << 20)
         s = llm.stats()
         print(f"pools: {s['kv_blocks_total']} KV blocks of 16 tokens, {s['state_slots_total']} state slots")
         greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        first = SYSTEM + "Question one: what is a state slot?"
+        first = HEADER + "def fibonacci(n):"  # no newline: the tokenizer joins it with the indent
         waves = [
             [("first", first, greedy)],
-            # extends the first prompt: its KV blocks and its prompt-end state checkpoint are reused
-            [("follow-up", first + " And a KV block?", greedy),
-             ("n=2", SYSTEM + "Two samples, please.",
-              SamplingParams(n=2, max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=7)),
-             ("long", SYSTEM * 5 + "A long prompt, prefilled in chunks.",
-              SamplingParams(max_tokens=4 * max_tokens, temperature=0.0))],
+            # extends the first prompt (a docstring): its KV blocks and prompt-end state are reused
+            [("follow-up", first + '\n    """Return the n-th Fibonacci number, counting from 0."""', greedy),
+             ("n=2", HEADER + "class Stack:",
+              SamplingParams(n=2, max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=7))],
         ]
         for wave in waves:
             done = _run(llm, wave)
             for rid, prompt, _ in wave:
                 out = done[rid]
                 for o in out.outputs:
-                    tag = rid if len(out.outputs) == 1 else f"{rid}[{o.index}]"
-                    print(f"[{tag}] prompt {len(out.prompt_token_ids)} tokens "
-                          f"({out.num_cached_tokens} from the prefix cache) -> {len(o.token_ids)} tokens "
-                          f"({o.finish_reason}): {o.token_ids}")
+                    _print_completion(rid if len(out.outputs) == 1 else f"{rid}[{o.index}]", prompt, out, o)
         s = llm.stats()
     print("stats:")
     print(f"  KV blocks used {s['kv_blocks_used']}, cached {s['kv_blocks_cached']}, total {s['kv_blocks_total']}")
@@ -136,11 +153,18 @@ def serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("hybridkv.serve")
     with tempfile.TemporaryDirectory() as d:
-        path = args.checkpoint
-        if path is None:
-            log.warning("no checkpoint given: serving the %s", TINY_NOTICE)
-            path = build_tiny(d)
-        name = args.served_model_name or (args.checkpoint or f"tiny-{TINY_FAMILY}-random")
+        if args.random_tiny:
+            if args.checkpoint is not None:
+                log.error("--random-tiny serves the tiny random Bamba; drop it or the checkpoint %r", args.checkpoint)
+                return 2
+            log.warning("--random-tiny: serving the %s", TINY_NOTICE)
+            path, default_name = build_tiny(d), f"tiny-{TINY_FAMILY}-random"
+        elif args.checkpoint is None:
+            log.info("no checkpoint given: serving the built-in %s", DEFAULT_NOTICE)
+            path = default_name = DEFAULT_MODEL
+        else:
+            path = default_name = args.checkpoint
+        name = args.served_model_name or default_name
         if args.data_parallel_size != 1:  # N engine processes behind this server (server/replicas.py)
             from hybridkv.server.replicas import run_replicas_server
 
@@ -163,11 +187,15 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hybridkv", description="Serve hybrid language models.")
     ap.add_argument("--version", action="version", version=f"hybridkv {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="a few requests on a built-in tiny random model; prints outputs and stats")
-    d.add_argument("--max-tokens", type=int, default=16)
+    d = sub.add_parser("demo", help=f"a few Python prompts completed by the built-in {DEFAULT_MODEL}; "
+                                    "prints the text and the engine's stats")
+    d.add_argument("--max-tokens", type=int, default=40)
+    d.add_argument("--random-tiny", action="store_true", help="the tiny random-weight Bamba instead (noise)")
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     s.add_argument("checkpoint", nargs="?", default=None,
-                   help="a local checkpoint directory; none: the built-in tiny model (random weights)")
+                   help=f"a checkpoint directory, a cached model id or a built-in name (default {DEFAULT_MODEL})")
+    s.add_argument("--random-tiny", action="store_true",
+                   help="serve the tiny random-weight Bamba instead (for tests: its text is noise)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
@@ -183,7 +211,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
     args = parser().parse_args(argv)
     if args.command == "demo":
-        return demo(args.max_tokens)
+        return demo(args.max_tokens, random_tiny=args.random_tiny)
     return serve(args)
 
 

@@ -1,8 +1,9 @@
 """The checks every model family passes against transformers' model of the same tiny checkpoint,
 and the table of families they run over (tests/models/test_families.py: one test per check,
-parametrized over FAMILIES). A row names the tiny checkpoint and the few numbers where a family
-differs (chunk sizes, tolerances, prompt lengths, memory-pressure budgets); a family's own checks live in
-tests/models/test_<family>.py. Not collected by pytest: the module name does not start with `test_`.
+parametrized over FAMILIES), and the shipped built-in models as rows of their own (`builtin`). A
+row names the tiny checkpoint and the few numbers where a family differs (chunk sizes, tolerances,
+prompt lengths, memory-pressure budgets); a family's own checks live in tests/models/test_<family>.py.
+Not collected by pytest: the module name does not start with `test_`.
 """
 from __future__ import annotations
 
@@ -114,6 +115,14 @@ def tiny_nemotron_h_scans(family: str, path, seed: int = 0, **overrides) -> Path
     return mamba2_scans_that_matter(tiny_nemotron_h(family, path, seed=seed, **overrides), seed)
 
 
+def builtin_checkpoint(name: str, path, seed: int = 0) -> Path:
+    """The shipped folder of built-in model `name` (hybridkv/builtin_models/<name>, loaded as
+    "hybridkv/<name>"); `path` and `seed` are unused: its trained weights are the case."""
+    from hybridkv.models.loader import resolve_checkpoint
+
+    return resolve_checkpoint("hybridkv/" + name)
+
+
 @dataclass(frozen=True)
 class PressureCase:
     """The engine under memory pressure: exactly `blocks` KV blocks of BS tokens and 3 live state
@@ -144,6 +153,11 @@ class Family:
     pressure: Optional[PressureCase] = None  # check_engine_under_pressure, in both preemption modes
     prefix_migration: bool = False  # check_prefix_hit_and_migration
     prefix_hit: bool = False  # check_prefix_hit_resumes
+
+    @property
+    def builtin(self) -> bool:
+        """A shipped, trained checkpoint (hybridkv/builtin_models), not a registered family's tiny one."""
+        return self.make is builtin_checkpoint
 
 
 FAMILIES = {f.name: f for f in [
@@ -223,6 +237,10 @@ FAMILIES = {f.name: f for f in [
            chunks=(5, 16, 7, 1, WINDOW + 6, 3, 1, 16), engine=((1, BS - 1, WINDOW + 1, 3 * BS + 5, 3 * WINDOW + 5), 60),
            names=("model.layers.0.linear_attn.in_proj.weight", "linear_attn.in_proj_qkv.weight"), hf_attn="eager",
            pressure=PressureCase(), prefix_migration=True),
+    # the shipped built-in models (trained Bambas, bf16 weights computed in float32): their own
+    # weights, not random ones, through every check and the engine
+    Family("tiny-code", seed=0, make=builtin_checkpoint, engine=(ENGINE_LENGTHS, 40), prefix_hit=True),
+    Family("tiny-code-draft", seed=0, make=builtin_checkpoint, engine=(ENGINE_LENGTHS, 40)),
 ]}
 
 
