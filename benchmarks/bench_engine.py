@@ -133,7 +133,7 @@ class Ours:
                        max_num_batched_tokens=max_batched)
         eng = self.llm.engine
         self.forwards, self.steps = [], []
-        eng.model = _TimedModel(eng.model, self.forwards)
+        eng.runner.model = _TimedModel(eng.runner.model, self.forwards)
         step = eng.step
 
         def timed_step(*a, **k):
@@ -293,7 +293,7 @@ def part_overhead(args) -> dict:
         llm = LLM(str(path), memory_budget_bytes=256 << 20, max_num_seqs=num_reqs,
                   max_num_batched_tokens=8192)
     eng = llm.engine
-    eng.model = _StubModel(llm.model)
+    eng.runner.model = _StubModel(llm.model)
     params = SamplingParams(max_tokens=10_000 if not args.quick else 100, temperature=0.0, ignore_eos=True)
     rng = random.Random(1)
     for _ in range(num_reqs):
@@ -305,7 +305,7 @@ def part_overhead(args) -> dict:
     sched, batch, mgr, whole = [], [], [], []
     for _ in range(steps):
         acc_s, acc_b, acc_m = [0.0], [0.0], [0.0]
-        with _timed(eng.scheduler, "schedule", acc_s), _timed(eng.batch_builder, "build", acc_b), \
+        with _timed(eng.scheduler, "schedule", acc_s), _timed(eng.runner.batch_builder, "build", acc_b), \
                 _timed(eng.mgr, "commit", acc_m), _timed(eng.mgr, "checkpoint", acc_m), \
                 _timed(eng.mgr, "commit_decodes", acc_m):
             t0 = time.perf_counter()
