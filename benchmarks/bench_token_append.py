@@ -5,10 +5,10 @@
 
 Rows are greedy without logprobs (EOS not ignored: the EOS ids are looked up every step, but their logits are
 kept low so no row stops and the batch stays the same), max_tokens large, random logits. Per step:
-  before:  what `Sampler.__call__` did before 474668c (the plain check over the rows' params, then
+  before:  what `Sampler.__call__` did before 474668c (the all-greedy check over the rows' params, then
            torch's `argmax(dim=-1).tolist()`) and `TokenAppender.__call__` (a loop over rows with a
            StopRule test each);
-  per-row: `Sampler.__call__` now (the plain check, `greedy`: numpy's argmax on the CPU) and
+  per-row: `Sampler.__call__` now (the all-greedy check, `greedy`: numpy's argmax on the CPU) and
            `TokenAppender.__call__`;
   batch:   `Sampler.greedy` and `TokenAppender.append_batch` with `Sampler.all_greedy` and the
            BatchStops made once per batch (that one-off cost printed apart, the rows' StopRules
@@ -117,7 +117,7 @@ def main():
     for name, xs in (("per-row", row), ("batch", new)):
         print(f"{name} / before: {statistics.median(n / o for n, o in zip(xs, old)):.2f}x "
               f"(median of the repeats' ratios)")
-    print(f"once per batch (plain + batch_stops):  {show(once)}")
+    print(f"once per batch (all_greedy + batch_stops):{show(once)}")
     print(f"BatchStops.keep (one row dropped):     {show(kept)}")
 
 
