@@ -25,15 +25,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional
 
 import numpy as np
 
 from hybridkv.memory.full_attention import FullAttentionMemory
 from hybridkv.request_state import RequestState
 
-if TYPE_CHECKING:
-    from hybridkv.cache_manager import HybridCacheManager
+# The manager that made a handle (a HybridCacheManager); not imported, so the arrow between the two
+# modules points one way: cache_manager -> decode_rows.
+Manager = Any
 
 
 @dataclass
@@ -85,7 +86,7 @@ class DecodeRows:
     state_slots: int32 [R] (0 without recurrent layers); groups: {window: GroupRows} in the
     manager's attention-group order; lead: the lead group's (None without attention)."""
 
-    mgr: "HybridCacheManager"
+    mgr: Manager
     req_ids: list
     states: list[RequestState]
     num_prompt: np.ndarray
@@ -112,7 +113,7 @@ class DecodeRows:
         return len(self.req_ids)
 
     @classmethod
-    def of(cls, mgr: "HybridCacheManager", req_ids: list, states: list[RequestState],
+    def of(cls, mgr: Manager, req_ids: list, states: list[RequestState],
            state_slots: list[int]) -> "DecodeRows":
         groups = {w: GroupRows.of(kind, req_ids) for w, kind in mgr.attention_groups.items()}
         lead = next((g for g in groups.values() if g.kind is mgr.attention), None)

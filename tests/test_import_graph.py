@@ -4,8 +4,8 @@ imported across modules.
 Every source file of the packages in pyproject's `package-dir` is parsed with `ast`; each
 `import` / `from ... import` anywhere in it (module level or inside a function) is an edge to the
 module it names: `from pkg import sub` to the submodule `pkg.sub`, `from mod import name` to `mod`.
-Imports under `if TYPE_CHECKING:` run never and are not edges (better not to need them). The
-implicit import of a package's `__init__` by one of its submodules is not an edge.
+Imports under `if TYPE_CHECKING:` count too: a cycle that only type checkers see is still two
+modules that know each other. The implicit import of a package's `__init__` by one of its submodules is not an edge.
 """
 from __future__ import annotations
 
@@ -82,19 +82,11 @@ def _module_files() -> dict[str, Module]:
     return mods
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def _import_nodes(node: ast.AST):
-    """Every Import / ImportFrom under `node`, skipping the bodies of `if TYPE_CHECKING:`."""
+    """Every Import / ImportFrom under `node`, at any depth."""
     for child in ast.iter_child_nodes(node):
         if isinstance(child, (ast.Import, ast.ImportFrom)):
             yield child
-        elif isinstance(child, ast.If) and _is_type_checking(child.test):
-            for sub in child.orelse:
-                yield from _import_nodes(ast.Module(body=[sub], type_ignores=[]))
         else:
             yield from _import_nodes(child)
 
