@@ -25,7 +25,8 @@ or attention, per `layer_types`), kimi_linear (KDA: a conv window and a float32
 token, `AttentionSpec(latent=True)`; per `layer_types`), bailing_hybrid (Ling 3: Kimi-Linear's
 two kinds under the same names; `layer_types` by default MLA every `layer_group_size`-th layer),
 lara_mini (Qwen3.5's GDN, or attention with `sliding_window` on "sliding_attention" layers and
-none on "full_attention" ones, per `layer_types`).
+none on "full_attention" ones, per `layer_types`), granitemoe_swa (attention only: `sliding_window`
+on "sliding_attention" layers, none on "full_attention" ones).
 For the families from granitemoehybrid on and the attention-only ones, fields a config.json omits take
 transformers' config-class defaults
 (`hf_config`), as they do when transformers loads it. Shapes follow the models in hybridkv.models,
@@ -313,6 +314,7 @@ _BUILDERS = {"bamba": _bamba, "jamba": _jamba, "qwen3_next": _qwen3_next,
              "recurrent_gemma": _recurrent_gemma, "olmo_hybrid": _olmo_hybrid, "minimax": _minimax,
              "kimi_linear": _kimi_linear, "bailing_hybrid": _kimi_linear,
              "gpt_oss": _attention_only,  # layer_types: sliding and full attention layers
+             "granitemoe_swa": _attention_only,
              "lfm3": _lfm3, "lara_mini": _lara_mini}
 
 

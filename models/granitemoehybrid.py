@@ -119,7 +119,7 @@ class _GraniteBody(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
-class _GraniteExpertNames:
+class GraniteExpertNames:
     """The checkpoint with transformers' fused-expert names (`experts.gate_up_proj`,
     `experts.down_proj`, `router.weight`) answered from Granite's published ones
     (`input_linear.weight` [E, 2I, H], `output_linear.weight` [E, H, I], `router.layer.weight`)."""
@@ -163,7 +163,7 @@ class GraniteMoeHybridModel(HybridModel):
 
     def load_weights(self, ckpt) -> None:
         """Granite's stacked `input_linear` / `output_linear` expert tensors, or transformers' fused ones."""
-        super().load_weights(PerExpertView(_GraniteExpertNames(ckpt)))
+        super().load_weights(PerExpertView(GraniteExpertNames(ckpt)))
 
     def cache_specs(self) -> dict[int, LayerSpec]:
         return layer_cache_specs(self.model.layers, self.dtype)

@@ -33,6 +33,7 @@ _ARCHITECTURES: dict[str, str] = {
     "Lfm3ForCausalLM": "lfm3",
     "BailingHybridForCausalLM": "bailing_hybrid",
     "LaraMiniForCausalLM": "lara_mini",
+    "GraniteMoeSWAForCausalLM": "granitemoe_swa",
 }
 
 

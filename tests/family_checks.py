@@ -115,6 +115,13 @@ def tiny_nemotron_h_scans(family: str, path, seed: int = 0, **overrides) -> Path
     return mamba2_scans_that_matter(tiny_nemotron_h(family, path, seed=seed, **overrides), seed)
 
 
+def tiny_granitemoe_swa(family: str, path, seed: int = 0, **overrides) -> Path:
+    """A tiny GraniteMoeSWA checkpoint whose attention sinks are N(0, 0.3^2) (transformers' init:
+    zero, plus make_tiny_checkpoint's N(0, 0.1^2) noise)."""
+    path = make_tiny_checkpoint(family, path, seed=seed, **overrides)
+    return routing_biases_randomised(path, seed, "self_attn.sinks")
+
+
 def builtin_checkpoint(name: str, path, seed: int = 0) -> Path:
     """The shipped folder of built-in model `name` (hybridkv/builtin_models/<name>, loaded as
     "hybridkv/<name>"); `path` and `seed` are unused: its trained weights are the case."""
@@ -236,6 +243,12 @@ FAMILIES = {f.name: f for f in [
     Family("lara_mini", seed=16, make=tiny_lara_mini, logits_len=3 * WINDOW + 5, ragged=(*RAGGED_LENGTHS, 3 * WINDOW + 5),
            chunks=(5, 16, 7, 1, WINDOW + 6, 3, 1, 16), engine=((1, BS - 1, WINDOW + 1, 3 * BS + 5, 3 * WINDOW + 5), 60),
            names=("model.layers.0.linear_attn.in_proj.weight", "linear_attn.in_proj_qkv.weight"), hf_attn="eager",
+           pressure=PressureCase(), prefix_migration=True),
+    # sliding and full attention layers (two KV groups), sinks, a rope base per layer (one without),
+    # Granite's multipliers, MoE beside a shared MLP
+    Family("granitemoe_swa", seed=17, make=tiny_granitemoe_swa, logits_len=3 * WINDOW + 5,
+           ragged=(*RAGGED_LENGTHS, 3 * WINDOW + 5), chunks=(5, 16, 7, 1, WINDOW + 6, 3, 1, 16),
+           engine=((1, BS - 1, WINDOW + 1, 3 * BS + 5, 3 * WINDOW + 5), 60), hf_attn="eager",
            pressure=PressureCase(), prefix_migration=True),
     # the shipped built-in models (trained Bambas, bf16 weights computed in float32): their own
     # weights, not random ones, through every check and the engine
