@@ -148,6 +148,7 @@ def demo(max_tokens: int = 40, random_tiny: bool = False) -> int:
 def serve(args: argparse.Namespace) -> int:
     from hybridkv import LLM
     from hybridkv.server.app import run_server
+    from hybridkv.server.request_body import HTTPLimits
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -165,24 +166,28 @@ def serve(args: argparse.Namespace) -> int:
         else:
             path = default_name = args.checkpoint
         name = args.served_model_name or default_name
+        try:
+            limits = HTTPLimits(int(args.max_body_mb * (1 << 20)), args.max_prompts_per_request)
+        except ValueError as e:
+            log.error("--max-body-mb / --max-prompts-per-request: %s", e)
+            return 2
+        http = dict(host=args.host, port=args.port, api_key=args.api_key, limits=limits,
+                    log_stats_interval=args.log_stats_interval, shutdown_timeout=args.shutdown_timeout)
         if args.data_parallel_size != 1:  # N engine processes behind this server (server/replicas.py)
             from hybridkv.server.replicas import run_replicas_server
 
-            return run_replicas_server(path, name, args.data_parallel_size, llm_kwargs(args), host=args.host,
-                                       port=args.port, api_key=args.api_key,
-                                       log_stats_interval=args.log_stats_interval)
+            return run_replicas_server(path, name, args.data_parallel_size, llm_kwargs(args), **http)
         try:
             llm = LLM(path, **llm_kwargs(args))
         except (ValueError, OSError) as e:  # a bad option or checkpoint: say what, not a traceback
             log.error("cannot serve %s: %s", path, e)
             return 2
-        run_server(llm, name, host=args.host, port=args.port, api_key=args.api_key,
-                   log_stats_interval=args.log_stats_interval)
-    return 0
+        return run_server(llm, name, **http)
 
 
 def parser() -> argparse.ArgumentParser:
     from hybridkv import __version__
+    from hybridkv.server.request_body import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPTS
 
     ap = argparse.ArgumentParser(prog="hybridkv", description="Serve hybrid language models.")
     ap.add_argument("--version", action="version", version=f"hybridkv {__version__}")
@@ -202,6 +207,13 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None, help="the model name clients send (default: the path)")
     s.add_argument("--log-level", default="info")
     s.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between engine stats lines")
+    s.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / (1 << 20),
+                   help="largest request body in MiB; a bigger one gets a 413 (default %(default)g)")
+    s.add_argument("--max-prompts-per-request", type=int, default=DEFAULT_MAX_PROMPTS,
+                   help="most prompts in one /v1/completions request; more get a 400 (default %(default)d)")
+    s.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds running requests get to finish after SIGTERM / SIGINT before they end "
+                        "with finish_reason 'abort' (a second signal aborts at once; default %(default)g)")
     s.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine processes (replicas) behind this server, with prefix-aware routing (default 1)")
     add_llm_args(s)

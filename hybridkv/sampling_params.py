@@ -13,6 +13,12 @@ MAX_LOGPROBS = 20
 # OpenAI's ranges for presence / frequency penalties and logit_bias values.
 MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
+# top_k beyond any vocabulary (int32, as the top-k kernels index); -1 and 0 disable it.
+MAX_TOP_K = 2**31 - 1
+# A seed is 64 bits, signed or unsigned (what torch.Generator.manual_seed takes).
+SEED_RANGE = (-(2**63), 2**64 - 1)
+# A priority is a signed 64-bit int (lower runs first).
+PRIORITY_RANGE = (-(2**63), 2**63 - 1)
 
 
 def _int(name: str, value, lo: Optional[int] = None, hi: Optional[int] = None, optional: bool = False):
@@ -26,6 +32,11 @@ def _int(name: str, value, lo: Optional[int] = None, hi: Optional[int] = None, o
         bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]" if lo is not None else f"<= {hi}"
         raise ValueError(f"{name} must be an integer {bounds}, got {value}")
     return value
+
+
+def check_priority(value) -> int:
+    """A request's priority as an int within `PRIORITY_RANGE` (bools refused: TypeError)."""
+    return _int("priority (lower runs first)", value, *PRIORITY_RANGE)
 
 
 def _real(name: str, value) -> float:
@@ -66,9 +77,10 @@ def _logit_bias(value) -> dict[int, float]:
 class SamplingParams:
     """Per-request sampling settings, checked for type and range when made.
 
-    temperature 0 (or below 1e-5, `GREEDY_BELOW`) is greedy; NaN and inf are refused. top_k <= 0
-    and top_p == 1 disable those filters. `seed` (an int) gives the request its own generator
-    (reproducible whatever else is batched with it, and carried across migration). `n` samples
+    temperature 0 (or below 1e-5, `GREEDY_BELOW`) is greedy; NaN and inf are refused. top_k -1 or
+    0 and top_p == 1 disable those filters (top_k at most `MAX_TOP_K`). `seed` (an int of 64 bits,
+    signed or unsigned: `SEED_RANGE`) gives the request its own generator (reproducible whatever
+    else is batched with it, and carried across migration). `n` samples
     share the prompt's KV blocks and start from copies of its state. `stop` strings end a
     sequence when they appear in its decoded text (not included); `stop_token_ids` (a list of
     ints) end it when sampled (included), as does EOS unless `ignore_eos`; `stop_reason` on the
@@ -115,9 +127,9 @@ class SamplingParams:
         self.top_p = _real("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        self.top_k = _int("top_k (<= 0 disables it)", self.top_k)
+        self.top_k = _int("top_k (-1 or 0 disables it)", self.top_k, lo=-1, hi=MAX_TOP_K)
         self.max_tokens = _int("max_tokens", self.max_tokens, lo=1)
-        self.seed = _int("seed", self.seed, optional=True)
+        self.seed = _int("seed (64 bits)", self.seed, *SEED_RANGE, optional=True)
         self.logprobs = _int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS, optional=True)
         self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS,
                                     optional=True)

@@ -3,8 +3,11 @@
     /v1/completions  /v1/chat/completions  (JSON, or SSE with "stream": true)
     /v1/models  /health  /metrics (Prometheus text)
 
-Bad input is a 400 that names the field, the value and the limit (never a 500); a missing or
-wrong API key a 401 (an unknown model is bad input too: a 400); a dead engine a 503.
+Every error is OpenAI's shape, {"error": {"message", "type", "param", "code"}}: bad input is a 400
+that names the field, the value and the limit (request_body.py parses, protocol.py checks; an
+unknown model is bad input too); a body over `HTTPLimits.max_body_bytes` a 413; a missing or wrong
+API key a 401; an unknown path a 404; a dead or stopping engine a 503; a bug of ours a 500 that
+says so. SIGTERM / SIGINT stop the server cleanly (http_server.py).
 """
 from __future__ import annotations
 
@@ -15,35 +18,21 @@ import time
 from typing import Optional
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
 
 from .async_llm import AsyncLLM
+from .http_server import serve_http
 from .metrics import ServerMetrics
 from .news import EngineDeadError
 from .openai_format import APIError
 from .protocol import ChatRequest, CompletionRequest
+from .request_body import BodyGone, HTTPLimits, read_body
 from .serving import Flow, OpenAIServing
 
 log = logging.getLogger("hybridkv.server")
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
-    """Pydantic's errors as one sentence per field: where, what was wrong, the value sent."""
-    parts, param = [], None
-    for err in exc.errors():
-        if err.get("type") == "json_invalid":
-            parts.append(f"the body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}")
-            continue
-        where = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in err.get("loc", ())
-                        if x != "body").lstrip(".") or "body"
-        param = param or where
-        value = err.get("input")
-        shown = "" if err.get("type") == "missing" else f" (got {value!r:.80})"
-        parts.append(f"{where}: {err.get('msg')}{shown}")
-    return "; ".join(parts[:5]) or "invalid request body", param
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -68,41 +57,60 @@ async def _cancel_on_disconnect(request: Request, work):
     return task.result()
 
 
-def create_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None) -> FastAPI:
-    """The app over a running `AsyncLLM` serving `model_name`; `api_key` guards /v1/*."""
-    app = FastAPI(title="hybridkv", docs_url=None, redoc_url=None)
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def create_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
+               limits: HTTPLimits = HTTPLimits()) -> FastAPI:
+    """The app over a running `AsyncLLM` (or DataParallelLLM) serving `model_name`; `api_key`
+    guards /v1/*; `limits` bound each request's body and prompts."""
+    app = FastAPI(title="hybridkv", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(model_name)
-    serving = OpenAIServing(engine, model_name, metrics)
+    serving = OpenAIServing(engine, model_name, metrics, limits.max_prompts)
     started = int(time.time())
-    app.state.engine, app.state.metrics = engine, metrics
+    app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
 
     if api_key is not None:
         app.add_middleware(_APIKeyCheck, api_key=api_key)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return _error(exc)
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, exc: EngineDeadError):
-        return JSONResponse(APIError(str(exc), status=503).body(), status_code=503)
+        return _error(APIError(str(exc), status=503))
 
-    @app.exception_handler(RequestValidationError)
-    async def bad_body(_: Request, exc: RequestValidationError):
-        message, param = _validation_message(exc)
-        return JSONResponse(APIError(message, param=param).body(), status_code=400)
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):  # no such path, method not allowed
+        what = {404: f"no such endpoint: {request.url.path} (see /v1/models, /v1/completions, "
+                     f"/v1/chat/completions)",
+                405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
+        return JSONResponse(APIError(what, status=exc.status_code).body(), status_code=exc.status_code,
+                            headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def bug(_: Request, exc: Exception):  # a bug of ours: still OpenAI's shape, and logged
+        log.exception("internal error while serving a request")
+        return _error(APIError(f"internal server error: {type(exc).__name__}: {exc}", status=500))
+
+    async def answer(request: Request, model, endpoint):
+        try:
+            body = await read_body(request, model, limits)
+        except BodyGone:
+            return Response(status_code=499)
+        if body.stream:
+            return _sse(await endpoint(body))
+        return await _cancel_on_disconnect(request, _json(endpoint(body)))
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        if body.stream:
-            return _sse(await serving.completions(body))
-        return await _cancel_on_disconnect(request, _json(serving.completions(body)))
+    async def completions(request: Request):
+        return await answer(request, CompletionRequest, serving.completions)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request):
-        if body.stream:
-            return _sse(await serving.chat(body))
-        return await _cancel_on_disconnect(request, _json(serving.chat(body)))
+    async def chat(request: Request):
+        return await answer(request, ChatRequest, serving.chat)
 
     @app.get("/v1/models")
     async def models():
@@ -150,21 +158,23 @@ async def _json(work) -> JSONResponse:
     try:
         return JSONResponse(await work)
     except APIError as e:
-        return JSONResponse(e.body(), status_code=e.status)
+        return _error(e)
     except EngineDeadError as e:
-        return JSONResponse(APIError(str(e), status=503).body(), status_code=503)
+        return _error(APIError(str(e), status=503))
 
 
 def run_server(llm, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-               api_key: Optional[str] = None, log_stats_interval: float = 10.0) -> None:
-    """Serve `llm` over HTTP until interrupted (Ctrl-C)."""
-    import uvicorn
-
+               api_key: Optional[str] = None, log_stats_interval: float = 10.0,
+               limits: HTTPLimits = HTTPLimits(), shutdown_timeout: float = 10.0) -> int:
+    """Serve `llm` over HTTP until SIGTERM / SIGINT (http_server.py: running requests get
+    `shutdown_timeout` s to finish, then end with finish_reason "abort"); then stop the engine
+    and the LLM's tensor-parallel ranks. 0 after a clean stop, 1 when the server could not start."""
     s = llm.stats()  # before the engine thread owns the LLM
     engine = AsyncLLM(llm, log_stats_interval=log_stats_interval)
     log.info("serving %r on http://%s:%d: %d KV blocks, %d state slots%s", model_name, host, port,
              s["kv_blocks_total"], s["state_slots_total"], ", API key required" if api_key else "")
     try:
-        uvicorn.run(create_app(engine, model_name, api_key), host=host, port=port, log_level="warning")
+        return serve_http(create_app(engine, model_name, api_key, limits), host, port, shutdown_timeout)
     finally:
         engine.close()
+        llm.close()

@@ -24,13 +24,16 @@ answers `("reply", call_id, ok, value)`. Messages in (parent -> replica):
     ("close",)
 and out: ("ready", ReplicaFacts) | ("failed", message) once, then ("news", request_id, StepNews
 | EngineDeadError) and replies. The process exits when its engine dies or the parent goes away,
-so the parent's reader sees the pipe close in every failure.
+so the parent's reader sees the pipe close in every failure; on "close" it stops its LLM's
+tensor-parallel ranks first. It ignores SIGINT: a Ctrl-C reaches the whole process group, and the
+parent server decides how its replicas stop (http_server.py).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import os
+import signal
 import threading
 import traceback
 from typing import Any, Optional
@@ -114,6 +117,7 @@ def replica_main(index: int, conn, model: str, llm_kwargs: dict, log_stats_inter
     receive timeout) of the replicas' gloo group to join as rank `index`, or None."""
     from hybridkv.llm import LLM
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us (its "close")
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s replica {index} %(name)s: %(message)s")
 
     lock = threading.Lock()  # the engine thread and this one both send
@@ -144,6 +148,7 @@ def replica_main(index: int, conn, model: str, llm_kwargs: dict, log_stats_inter
         _serve(engine, conn, send)
     finally:
         engine.close()
+        llm.close()
 
 
 def _serve(engine: ReplicaEngine, conn, send) -> None:

@@ -5,7 +5,11 @@ Fields beyond OpenAI's (as vLLM names them): `top_k`, `min_p`, `repetition_penal
 `return_token_ids` (each choice then carries its `token_ids`). `logit_bias` is OpenAI's
 {"token id": bias}. A sampling field the request leaves out takes the checkpoint's
 generation_config.json value when it has one (per field, as vLLM), else SamplingParams' default.
-A field OpenAI has that the engine cannot honour yet is refused with a 400, never ignored.
+Types are strict, as in the Python API (request_body.py parses in pydantic's strict mode): a bool
+is not a number, a float is not an int, a string is not a number; the values then go through
+SamplingParams, whose checks are the Python API's. A field OpenAI has that the engine cannot
+honour yet is refused with a 400 (`tools`, `response_format` other than text, ...), never
+ignored; a field nobody knows is ignored with a logged warning (request_body.py).
 """
 from __future__ import annotations
 
@@ -14,17 +18,25 @@ from typing import Any, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from hybridkv.models.generation_defaults import GenerationDefaults
-from hybridkv.sampling_params import SamplingParams
+from hybridkv.sampling_params import SamplingParams, check_priority
 
 from .openai_format import APIError
 
+# OpenAI fields that would change what the answer is, with the values that ask for nothing more.
+_NOT_HONOURED = {"tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
+                 "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+                 "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+                 "web_search_options": (None,)}
+
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
     n: int = 1
@@ -51,6 +63,15 @@ class _Common(BaseModel):
     return_token_ids: bool = False
 
     def refuse_unsupported(self) -> None:
+        for name, fine in _NOT_HONOURED.items():
+            value = (self.model_extra or {}).get(name)
+            if value not in fine:
+                raise APIError(f"{name}={value!r:.80} is not supported by this server (it serves plain text "
+                               f"completions): leave {name} out", param=name)
+        try:
+            check_priority(self.priority)
+        except (TypeError, ValueError) as e:
+            raise APIError(str(e), param="priority") from None
         if self.prompt_logprobs is not None and self.stream:
             raise APIError("prompt_logprobs is not supported with stream=true; ask without streaming",
                            param="prompt_logprobs")
@@ -82,24 +103,47 @@ class _Common(BaseModel):
             raise APIError(str(e), param=name if name in type(self).model_fields else None) from None
 
 
+def _is_token(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _prompt_error(where: str, value) -> APIError:
+    return APIError(f"{where} is {value!r:.60} ({type(value).__name__}): a prompt is a string or a list of "
+                    f"token ids (ints); give one, or a list of them", param="prompt")
+
+
 class CompletionRequest(_Common):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Any  # str | list[str] | list[int] | list[list[int]], checked by prompts()
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = None
     echo: bool = False
     best_of: Optional[int] = None
     suffix: Optional[str] = None
 
-    def prompts(self) -> list[Union[str, list[int]]]:
-        """The prompt field as a list of prompts (a string or a token-id list each)."""
+    def prompts(self, max_prompts: Optional[int] = None) -> list[Union[str, list[int]]]:
+        """The prompt field as a list of prompts (a string or a token-id list each); a 400 naming
+        the first element of another type, or when there are more than `max_prompts`."""
         p = self.prompt
         if isinstance(p, str):
             return [p]
+        if not isinstance(p, list):
+            raise _prompt_error("prompt", p)
         if not p:
             raise APIError("prompt is empty: give a string, a list of token ids, or a list of those",
                            param="prompt")
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]
+        if all(_is_token(x) for x in p):
+            return [p]
+        if max_prompts is not None and len(p) > max_prompts:
+            raise APIError(f"prompt has {len(p)} prompts; this server takes at most {max_prompts} per request "
+                           f"(hybridkv serve --max-prompts-per-request): split them over several requests",
+                           param="prompt")
+        for i, x in enumerate(p):
+            if isinstance(x, list):
+                bad = next((j for j, t in enumerate(x) if not _is_token(t)), None)
+                if bad is not None:
+                    raise _prompt_error(f"prompt[{i}][{bad}]", x[bad])
+            elif not isinstance(x, str):
+                raise _prompt_error(f"prompt[{i}]", x)
         return list(p)
 
     def refuse_unsupported(self) -> None:
@@ -115,6 +159,8 @@ class CompletionRequest(_Common):
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
     type: str
     text: Optional[str] = None
 

@@ -3,7 +3,9 @@ HTTP app (app.py), until interrupted.
 
     run_replicas_server(path, "my-model", 2, llm_kwargs, port=8000)   # 0, or 2 if it cannot start
 
-The single-engine twin is `app.run_server`. `DataParallelLLM` is importable from here too.
+The single-engine twin is `app.run_server`; both stop cleanly on SIGTERM / SIGINT
+(http_server.py), then close every replica (and its tensor-parallel ranks). `DataParallelLLM` is
+importable from here too.
 """
 from __future__ import annotations
 
@@ -12,17 +14,19 @@ from typing import Optional
 
 from .app import create_app
 from .data_parallel import DataParallelLLM
+from .http_server import serve_http
+from .request_body import HTTPLimits
 
 log = logging.getLogger("hybridkv.replicas")
 
 
 def run_replicas_server(model: str, model_name: str, data_parallel_size: int, llm_kwargs: dict,
                         host: str = "127.0.0.1", port: int = 8000, api_key: Optional[str] = None,
-                        log_stats_interval: float = 10.0) -> int:
-    """`hybridkv serve --data-parallel-size N`: serve N replicas of `model` over HTTP until
-    interrupted; 2 (after logging why) when the replicas cannot start."""
-    import uvicorn
-
+                        log_stats_interval: float = 10.0, limits: HTTPLimits = HTTPLimits(),
+                        shutdown_timeout: float = 10.0) -> int:
+    """`hybridkv serve --data-parallel-size N`: serve N replicas of `model` over HTTP until SIGTERM
+    / SIGINT, then stop them all; 0 after a clean stop, 1 when the HTTP server could not start, 2
+    (after logging why) when the replicas cannot start."""
     try:
         engine = DataParallelLLM(model, data_parallel_size, log_stats_interval, **llm_kwargs)
     except (ValueError, TypeError, RuntimeError) as e:
@@ -33,7 +37,6 @@ def run_replicas_server(model: str, model_name: str, data_parallel_size: int, ll
              "slots each%s", model_name, host, port, data_parallel_size, ", ".join(str(x.pid) for x in engine.facts),
              f.kv_blocks_total, f.state_slots_total, ", API key required" if api_key else "")
     try:
-        uvicorn.run(create_app(engine, model_name, api_key), host=host, port=port, log_level="warning")
+        return serve_http(create_app(engine, model_name, api_key, limits), host, port, shutdown_timeout)
     finally:
         engine.close()
-    return 0

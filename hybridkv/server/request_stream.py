@@ -13,7 +13,7 @@ from typing import AsyncIterator
 from hybridkv.sampling_params import SamplingParams
 
 from .detokenizer import IncrementalDetokenizer, StopHoldback
-from .news import DeltaOutput
+from .news import DeltaOutput, StepNews, TokenDelta
 from .sink import QueueSink
 
 
@@ -23,12 +23,24 @@ class RequestStream:
     def __init__(self, engine, request_id: str, params: SamplingParams, sink: QueueSink):
         self.engine, self.request_id, self.params, self._sink = engine, request_id, params, sink
         self.finished = False
+        self._done: set[int] = set()  # sequence indices whose finish was read
+        self._prompt = (0, 0)  # the last news' prompt and cached tokens
 
     def abort(self) -> None:
         """Stop the request if it is still running (idempotent, does not wait)."""
         if not self.finished:
             self.finished = True
             self.engine.abort(self.request_id)
+
+    def end(self, reason: str) -> None:
+        """Finish each unfinished sequence with `reason` (a server stopping: "abort") and stop the
+        request; the reader gets those finishes as its last deltas. Call on the sink's event loop."""
+        if self.finished:
+            return
+        self.engine.abort(self.request_id)
+        n = self.params.n
+        self._sink.queue.put_nowait(StepNews([TokenDelta(i, [], None, reason, None) for i in range(n)
+                                              if i not in self._done], *self._prompt, True))
 
     async def __aiter__(self) -> AsyncIterator[DeltaOutput]:
         detok: dict[int, IncrementalDetokenizer] = {}
@@ -39,7 +51,13 @@ class RequestStream:
                 if isinstance(news, BaseException):
                     self.finished = True
                     raise news
+                if news.deltas:
+                    self._prompt = (news.num_prompt_tokens, news.num_cached_tokens)
                 for j, d in enumerate(news.deltas):
+                    if d.index in self._done:  # finished already (an end() raced the engine's finish)
+                        continue
+                    if d.finish_reason is not None:
+                        self._done.add(d.index)
                     if d.index not in detok:
                         detok[d.index] = IncrementalDetokenizer(self.engine.tokenizer)
                         hold[d.index] = StopHoldback(self.params.stop)

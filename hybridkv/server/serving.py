@@ -2,7 +2,8 @@
 SSE stream of OpenAI chunks ending in `data: [DONE]`.
 
 Every request added is aborted if the flow ends before it finished (client gone, an error on a
-sibling prompt), so a vanished client frees its blocks and slot at once.
+sibling prompt), so a vanished client frees its blocks and slot at once. `drain` is the server's
+stop (http_server.py): no new flow starts, running ones finish or end with finish_reason "abort".
 """
 from __future__ import annotations
 
@@ -39,15 +40,38 @@ class _Choice:
 class OpenAIServing:
     """Turns endpoint bodies into engine requests and engine deltas into OpenAI's shapes."""
 
-    def __init__(self, engine: AsyncLLM, model_name: str, metrics: ServerMetrics):
+    def __init__(self, engine: AsyncLLM, model_name: str, metrics: ServerMetrics,
+                 max_prompts: Optional[int] = None):
         self.engine, self.model_name, self.metrics = engine, model_name, metrics
+        self.max_prompts = max_prompts  # prompts one /v1/completions request may carry
+        self.flows: set[Flow] = set()  # running: what a stop drains
+        self.stopping = False
         self.tokenizer = engine.tokenizer
         model = getattr(engine.llm, "model", None)
         self.max_model_len: Optional[int] = getattr(model, "max_model_len", None)
         self.generation_defaults = getattr(model, "generation_defaults", None)  # per field, as vLLM
         self.max_num_seqs: Optional[int] = getattr(getattr(engine.llm, "config", None), "max_num_seqs", None)
 
+    async def drain(self, timeout: float, hurry: Optional[asyncio.Event] = None) -> None:
+        """Refuse new flows (503); wait up to `timeout` s (or until `hurry` is set) for the running
+        ones to finish, then end the rest with finish_reason "abort"."""
+        self.stopping = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        if self.flows:
+            log.info("draining %d running HTTP requests for up to %.0f s", len(self.flows), timeout)
+        while self.flows and loop.time() < deadline and not (hurry is not None and hurry.is_set()):
+            await asyncio.sleep(0.05)
+        if self.flows:
+            log.warning("aborting %d HTTP requests still running at shutdown (finish_reason 'abort')",
+                        len(self.flows))
+        for flow in list(self.flows):
+            flow.end("abort")
+
     def check_model(self, name: str) -> None:
+        if self.stopping:
+            raise APIError("the server is shutting down: send the request to another server or retry later",
+                           status=503)
         if name != self.model_name:
             raise APIError(f"model {name!r} is not served here; this server serves {self.model_name!r} "
                            f"(see /v1/models)", param="model")
@@ -96,7 +120,7 @@ class OpenAIServing:
         self.check_model(body.model)
         body.refuse_unsupported()
         self._check_n(body)
-        prompts = [self._prompt_ids(p) for p in body.prompts()]
+        prompts = [self._prompt_ids(p) for p in body.prompts(self.max_prompts)]
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._start(rid, prompts, body.max_tokens, body, body.logprobs)
         flow = Flow(self, rid, "text_completion", body, streams, body.logprobs)
@@ -128,9 +152,18 @@ class Flow:
         self.prompt_tokens = [0] * len(streams)
         self.cached_tokens = [0] * len(streams)
         self.prompt_logprobs: list[Optional[list]] = [None] * len(streams)
+        serving.flows.add(self)
+        if serving.stopping:  # it started while the server was stopping
+            self.end("abort")
+
+    def end(self, reason: str) -> None:
+        """Finish every unfinished sequence now with `reason` (its engine requests are aborted)."""
+        for st in self.streams:
+            st.end(reason)
 
     def abort(self) -> None:
         """Abort every request of this flow that has not finished (idempotent)."""
+        self.s.flows.discard(self)
         for st in self.streams:
             st.abort()
 

@@ -2,7 +2,8 @@
 
 `chat_server`: a tiny Bamba whose tokenizer adds a BOS on encode and has a chat template (so a
 doubled BOS would show), API key "sk-test". `plain_server`: the stock tiny tokenizer, no chat
-template. `bare_server`: no tokenizer at all. `oracle`: an offline LLM on the chat checkpoint.
+template. `bare_server`: no tokenizer at all. `small_limits_server`: the chat checkpoint behind
+4 KiB bodies and 4 prompts per request. `oracle`: an offline LLM on the chat checkpoint.
 """
 from __future__ import annotations
 
@@ -51,15 +52,16 @@ def checkpoints(tmp_path_factory):
 class ServerThread:
     """uvicorn serving `create_app(AsyncLLM(llm))` on 127.0.0.1:<free port>, stopped by `stop()`."""
 
-    def __init__(self, llm, name: str, api_key=None):
+    def __init__(self, llm, name: str, api_key=None, limits=None):
         import uvicorn
 
         from hybridkv.server.app import create_app
         from hybridkv.server.async_llm import AsyncLLM
+        from hybridkv.server.request_body import HTTPLimits
 
         self.llm, self.name = llm, name
         self.engine = AsyncLLM(llm, log_stats_interval=0)
-        self.app = create_app(self.engine, name, api_key)
+        self.app = create_app(self.engine, name, api_key, limits or HTTPLimits())
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
                                                     lifespan="off"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -81,10 +83,10 @@ class ServerThread:
         self.engine.close()
 
 
-def _serve(path: Path, name: str, api_key=None):
+def _serve(path: Path, name: str, api_key=None, limits=None):
     from hybridkv import LLM
 
-    return ServerThread(LLM(str(path), **LLM_KW), name, api_key)
+    return ServerThread(LLM(str(path), **LLM_KW), name, api_key, limits)
 
 
 @pytest.fixture(scope="session")
@@ -104,6 +106,16 @@ def plain_server(checkpoints):
 @pytest.fixture(scope="session")
 def bare_server(checkpoints):
     s = _serve(checkpoints["bare"], "tiny-bare")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def small_limits_server(checkpoints):
+    """The chat checkpoint behind tight HTTP limits: 4 KiB bodies, 4 prompts per request; no key."""
+    from hybridkv.server.request_body import HTTPLimits
+
+    s = _serve(checkpoints["chat"], "tiny-chat", limits=HTTPLimits(max_body_bytes=4096, max_prompts=4))
     yield s
     s.stop()
 
