@@ -26,7 +26,9 @@ token, `AttentionSpec(latent=True)`; per `layer_types`), bailing_hybrid (Ling 3:
 two kinds under the same names; `layer_types` by default MLA every `layer_group_size`-th layer),
 lara_mini (Qwen3.5's GDN, or attention with `sliding_window` on "sliding_attention" layers and
 none on "full_attention" ones, per `layer_types`), granitemoe_swa (attention only: `sliding_window`
-on "sliding_attention" layers, none on "full_attention" ones).
+on "sliding_attention" layers, none on "full_attention" ones), rwkv (RWKV-4, every layer a state:
+the two token shifts `[2, hidden]` as the window part, the WKV num / den / max `[3,
+attention_hidden_size]` in float32; no attention).
 For the families from granitemoehybrid on and the attention-only ones, fields a config.json omits take
 transformers' config-class defaults
 (`hf_config`), as they do when transformers loads it. Shapes follow the models in hybridkv.models,
@@ -306,6 +308,13 @@ def _lara_mini(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
             for i, k in enumerate(kinds)}
 
 
+def _rwkv(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
+    c = hf_config(cfg)
+    spec = RecurrentSpec((2, c.hidden_size), (3, c.attention_hidden_size), dtype,
+                         None if dtype == torch.float32 else torch.float32)
+    return {i: spec for i in range(c.num_hidden_layers)}
+
+
 _BUILDERS = {"bamba": _bamba, "jamba": _jamba, "qwen3_next": _qwen3_next,
              "granitemoehybrid": _granitemoehybrid, "nemotron_h": _nemotron_h, "lfm2": _lfm2, "lfm2_moe": _lfm2,
              "falcon_h1": _falcon_h1, "zamba2": _zamba2, "zamba": _zamba,
@@ -314,7 +323,7 @@ _BUILDERS = {"bamba": _bamba, "jamba": _jamba, "qwen3_next": _qwen3_next,
              "recurrent_gemma": _recurrent_gemma, "olmo_hybrid": _olmo_hybrid, "minimax": _minimax,
              "kimi_linear": _kimi_linear, "bailing_hybrid": _kimi_linear,
              "gpt_oss": _attention_only,  # layer_types: sliding and full attention layers
-             "granitemoe_swa": _attention_only,
+             "granitemoe_swa": _attention_only, "rwkv": _rwkv,
              "lfm3": _lfm3, "lara_mini": _lara_mini}
 
 

@@ -146,6 +146,14 @@ request; state [S, W] updated in place at slot_idx [B] -> y [B, W].""")
 rg_lru_scan = Op("rg_lru_scan", "rg_lru_ref:rg_lru_scan_ref", "rg_lru_ref:rg_lru_scan_ref", """
 (state, x, input_gate, recurrent_gate, recurrent_param, query_start_loc, slot_idx,
 has_initial_state, return_states_at=None): varlen RG-LRU scan (torch on every device).""")
+rwkv4_state_update = Op("rwkv4_state_update", "rwkv4_ref:rwkv4_state_update_ref",
+                        "rwkv4_ref:rwkv4_state_update_ref", """
+(state, key, value, time_decay, time_first, slot_idx): one RWKV-4 WKV decode token per request;
+state [S, 3, C] float32 (num, den, max) updated in place at slot_idx [B]; key, value [B, C] ->
+wkv [B, C] (torch on every device).""")
+rwkv4_scan = Op("rwkv4_scan", "rwkv4_ref:rwkv4_scan_ref", "rwkv4_ref:rwkv4_scan_ref", """
+(state, key, value, time_decay, time_first, query_start_loc, slot_idx, has_initial_state): varlen
+RWKV-4 WKV recurrence, key, value [T, C] -> wkv [T, C] (torch on every device).""")
 
 # --- dense ------------------------------------------------------------------------------------
 fused_moe = Op("fused_moe", "fused_moe_cpu:fused_moe_torch", "ops:_fused_moe_triton", """

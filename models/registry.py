@@ -34,6 +34,7 @@ _ARCHITECTURES: dict[str, str] = {
     "BailingHybridForCausalLM": "bailing_hybrid",
     "LaraMiniForCausalLM": "lara_mini",
     "GraniteMoeSWAForCausalLM": "granitemoe_swa",
+    "RwkvForCausalLM": "rwkv",
 }
 
 

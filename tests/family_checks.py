@@ -122,6 +122,17 @@ def tiny_granitemoe_swa(family: str, path, seed: int = 0, **overrides) -> Path:
     return routing_biases_randomised(path, seed, "self_attn.sinks")
 
 
+def tiny_rwkv(family: str, path, seed: int = 0, **overrides) -> Path:
+    """A tiny RWKV checkpoint whose tokens matter: the embeddings times 1e4 (std ~1). transformers'
+    init (std 1e-4) puts them below the LayerNorm's eps, so pre_ln's bias made every position's
+    logits nearly the same and greedy runs one repeated token."""
+    path = make_tiny_checkpoint(family, path, seed=seed, **overrides)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["rwkv.embeddings.weight"] = tensors["rwkv.embeddings.weight"] * 1e4
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
 def builtin_checkpoint(name: str, path, seed: int = 0) -> Path:
     """The shipped folder of built-in model `name` (hybridkv/builtin_models/<name>, loaded as
     "hybridkv/<name>"); `path` and `seed` are unused: its trained weights are the case."""
@@ -250,6 +261,8 @@ FAMILIES = {f.name: f for f in [
            ragged=(*RAGGED_LENGTHS, 3 * WINDOW + 5), chunks=(5, 16, 7, 1, WINDOW + 6, 3, 1, 16),
            engine=((1, BS - 1, WINDOW + 1, 3 * BS + 5, 3 * WINDOW + 5), 60), hf_attn="eager",
            pressure=PressureCase(), prefix_migration=True),
+    # RWKV-4: no attention; per layer two token shifts and the WKV num / den / max in one slot
+    Family("rwkv", seed=18, make=tiny_rwkv, engine=(ENGINE_LENGTHS, 40), prefix_migration=True),
     # the shipped built-in models (trained Bambas, bf16 weights computed in float32): their own
     # weights, not random ones, through every check and the engine
     Family("tiny-code", seed=0, make=builtin_checkpoint, engine=(ENGINE_LENGTHS, 40), prefix_hit=True),

@@ -1,4 +1,4 @@
-"""Models without a single attention layer (Mamba, Mamba2, FalconMamba) through the whole engine:
+"""Models without a single attention layer (Mamba, Mamba2, FalconMamba, RWKV-4) through the whole engine:
 the KV pool takes no memory, prefix hits come from state checkpoints alone, preemption and
 migration move only states, and every token is transformers' greedy choice."""
 import numpy as np
@@ -13,7 +13,7 @@ from engine_fixtures import assert_no_leaks, greedy
 from family_checks import BS, prompt
 from model_harness import assert_greedy_matches_hf
 
-PURE = ["mamba", "mamba2", "falcon_mamba"]
+PURE = ["mamba", "mamba2", "falcon_mamba", "rwkv"]
 LENGTHS = (1, BS - 1, BS + 1, 3 * BS + 5)
 BUDGET = 4 << 20
 
