@@ -16,7 +16,12 @@ from hybridkv.specs import AttentionSpec
 
 class BlockPool:
     """KV tensors `kv[layer] : [num_blocks, parts, block_size, kv_heads, head_dim]` plus block
-    bookkeeping; parts = `AttentionSpec.kv_parts` (2: key and value, 1: a latent)."""
+    bookkeeping; parts = `AttentionSpec.kv_parts` (2: key and value, 1: a latent).
+
+    `mirror` (None unless tensor-parallel: hybridkv/parallel/pool_mirror.py) is told of every data
+    move: `copied(src, dst)`; `gathered(blocks, mine, device, pin)` turns this pool's copy into
+    every rank's heads; `scattered(blocks, data)` takes every rank's and returns this pool's.
+    """
 
     def __init__(self, specs: Mapping[int, AttentionSpec], num_blocks: int, block_size: int,
                  device: torch.device | str = "cpu"):
@@ -35,6 +40,7 @@ class BlockPool:
         self.children: dict[bytes, set[bytes]] = {}
         # Free blocks, least recently useful first; popping the front evicts its hash.
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(self.num_blocks))
+        self.mirror = None
 
     @property
     def num_free(self) -> int:
@@ -124,9 +130,16 @@ class BlockPool:
         """Copy block `src` into `dst` in every layer (copy-on-write of a shared partial block)."""
         for t in self.kv.values():
             t[dst].copy_(t[src])
+        if self.mirror is not None:
+            self.mirror.copied(src, dst)
 
     def gather(self, blocks: list[int], device: torch.device | str = "cpu", pin: bool = False) -> dict[int, torch.Tensor]:
         """Copy blocks out: `{layer: [len(blocks), 2, block_size, kv_heads, head_dim]}` on `device`."""
+        if self.mirror is not None:  # every rank's heads
+            return self.mirror.gathered(blocks, self._copy_out(blocks, "cpu", False), device, pin)
+        return self._copy_out(blocks, device, pin)
+
+    def _copy_out(self, blocks: list[int], device: torch.device | str, pin: bool) -> dict[int, torch.Tensor]:
         idx = torch.tensor(blocks, dtype=torch.long, device=self._device)
         out = {}
         for i, t in self.kv.items():
@@ -137,6 +150,8 @@ class BlockPool:
 
     def scatter(self, blocks: list[int], data: Mapping[int, torch.Tensor]) -> None:
         """Write `data[layer] : [len(blocks), 2, block_size, kv_heads, head_dim]` into `blocks`."""
+        if self.mirror is not None:  # data holds every rank's heads: this pool keeps its own
+            data = self.mirror.scattered(blocks, data)
         idx = torch.tensor(blocks, dtype=torch.long, device=self._device)
         for i, t in self.kv.items():
             t.index_copy_(0, idx, data[i].to(t.device, t.dtype, non_blocking=True))

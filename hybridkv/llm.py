@@ -120,11 +120,10 @@ class LLM:
             checkpoint_policy=c.checkpoint_policy, checkpoint_every_n=c.checkpoint_every_n,
             checkpoint_eviction=c.checkpoint_eviction, fingerprint=self.model.fingerprint,
             flops_per_token=2.0 * params, max_num_batched_tokens=max_num_batched_tokens)
-        if self.tensor_parallel is not None:
-            self.tensor_parallel.attach(self.manager)
         policy = PreemptionPolicy(preemption_mode, specs, block_size, self.profile, enable_prefix_caching)
         scheduler = Scheduler(self.manager, policy, max_num_batched_tokens, max_num_seqs)
-        self.engine = Engine(self.model, self.manager, scheduler, seed=seed)
+        tp = self.tensor_parallel  # its executor sends each step to ranks 1..N-1, then runs rank 0's
+        self.engine = Engine(self.model, self.manager, scheduler, seed=seed, executor=tp.executor if tp else None)
         if graph_mode is not None:  # decode steps replay graphs (scheduler/decode_graphs.py)
             self.engine.runner.decode_graphs = DecodeGraphs.for_engine(self.engine, graph_mode)
         self._ids_counter = itertools.count()

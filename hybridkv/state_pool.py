@@ -30,6 +30,10 @@ class StatePool:
     """conv[layer]: [num_slots, *conv_shape]; ssm[layer]: [num_slots, *state_shape].
 
     A layer whose conv_shape (or state_shape) is () has no conv (or ssm) tensor.
+
+    `mirror` (None unless tensor-parallel: hybridkv/parallel/pool_mirror.py) is told of every data
+    move: `copied(src, dst)`; `gathered(slot, mine, device, pin)` turns this pool's copy into every
+    rank's channels; `scattered(slot, conv, ssm, layers)` takes every rank's and returns this pool's.
     """
 
     def __init__(self, specs: Mapping[int, RecurrentSpec], num_slots: int, device: torch.device | str = "cpu"):
@@ -45,6 +49,7 @@ class StatePool:
         self.kind: list[str] = [NULL] + [FREE] * max(0, self.num_slots - 1)
         self._free: list[int] = list(range(self.num_slots - 1, 0, -1))  # pop() hands out low ids first
         self._pending: Optional[dict[int, int]] = None  # dst -> src while copies are deferred
+        self.mirror = None
         # On the CPU every tensor also as numpy views of its bytes (no copy): rows [num_slots, bytes
         # a slot], and [num_slots] of one void element a slot (a gather moves whole slots); a slot
         # copy there costs ~1 us against ~9 us for torch's index + copy_ dispatch
@@ -84,6 +89,8 @@ class StatePool:
     def copy(self, src: int, dst: int) -> None:
         """Copy slot `src` into slot `dst` in every recurrent layer (copy-on-hit, fork, checkpoint).
         Inside `deferred_copies()` it is only recorded."""
+        if self.mirror is not None:
+            self.mirror.copied(src, dst)
         if self._pending is not None:
             self._pending.pop(dst, None)  # a later copy into the same slot wins, as it would in order
             self._pending[dst] = src
@@ -140,12 +147,19 @@ class StatePool:
 
     def to_host(self, slot: int, device: torch.device | str = "cpu", pin: bool = False) -> tuple[dict, dict]:
         """Copy one slot out: `({layer: conv[conv_shape]}, {layer: ssm[state_shape]})` on `device`."""
+        if self.mirror is not None:  # every rank's channels
+            return self.mirror.gathered(slot, self._slot_out(slot, "cpu", False), device, pin)
+        return self._slot_out(slot, device, pin)
+
+    def _slot_out(self, slot: int, device: torch.device | str, pin: bool) -> tuple[dict, dict]:
         def out(t: torch.Tensor) -> torch.Tensor:
             return torch.empty(t.shape[1:], dtype=t.dtype, device=device, pin_memory=pin).copy_(t[slot])
         return {i: out(t) for i, t in self.conv.items()}, {i: out(t) for i, t in self.ssm.items()}
 
     def from_host(self, slot: int, conv: Mapping[int, torch.Tensor], ssm: Mapping[int, torch.Tensor]) -> None:
         """Write one slot's conv and ssm tensors (shapes as `to_host` returns them) into `slot`."""
+        if self.mirror is not None:  # every rank's channels: this pool keeps its own
+            conv, ssm = self.mirror.scattered(slot, conv, ssm, (tuple(self.conv), tuple(self.ssm)))
         for i, t in self.conv.items():
             t[slot].copy_(conv[i], non_blocking=True)
         for i, t in self.ssm.items():

@@ -1,4 +1,4 @@
-"""The engine step: `scheduler.schedule()` -> `runner.execute()` -> `scheduler.update_from_output()`,
+"""The engine step: `scheduler.schedule()` -> `executor.execute()` -> `scheduler.update_from_output()`,
 then the outputs asked for (request_outputs.py).
 
 The scheduler (scheduler.py) makes every memory-manager call: admission, allocation, preemption,
@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import uuid
-from typing import Hashable, Optional
+from typing import Callable, Hashable, Optional
 
 from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.outputs import RequestOutput
@@ -45,10 +45,14 @@ log = logging.getLogger(__name__)
 
 
 class Engine:
-    def __init__(self, model, manager: HybridCacheManager, scheduler: Scheduler, seed: int = 0):
+    def __init__(self, model, manager: HybridCacheManager, scheduler: Scheduler, seed: int = 0,
+                 executor: Optional[Callable[[ModelRunner], object]] = None):
+        """executor: given the model runner, what executes each step (`execute(output, groups)`;
+        tensor parallelism: hybridkv/parallel/executor.py); None: the runner itself."""
         self.mgr = manager
         self.scheduler = scheduler
         self.runner = ModelRunner(model, manager, seed)
+        self.executor = executor(self.runner) if executor is not None else self.runner
         self.tokenizer = getattr(model, "tokenizer", None)
         self.max_model_len = model.max_model_len
         scheduler.appender = TokenAppender(set(model.eos_token_ids), self.max_model_len, self.tokenizer,
@@ -175,7 +179,7 @@ class Engine:
             out = sched.schedule()
             self._counts["swaps_out"] += sum(1 for _, m in out.preempted if m == "swap")
             if out.decodes is not None or out.chunks:
-                result = self.runner.execute(out, sched.groups)
+                result = self.executor.execute(out, sched.groups)
                 if result.error is None:
                     self._counts["steps"] += 1
                     self._counts["processed_tokens"] += out.num_tokens

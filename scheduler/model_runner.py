@@ -4,7 +4,9 @@ It owns the model, the batch builder (batch_builder.py), the CUDA graphs (decode
 and the sampler (sampler.py); it reads the manager's block tables and slots to build a batch
 and never changes the manager (the scheduler alone does, `Scheduler.update_from_output`).
 
-`execute(scheduler_output)` runs the forward pass, checks the logits for NaN / inf (per chunk;
+`execute(scheduler_output)` is `run(prepare(scheduler_output))`: `prepare` builds the model's
+inputs (a `StepInputs`: what a tensor-parallel executor sends the other ranks, hybridkv/parallel/
+executor.py), `run` runs the forward pass, checks the logits for NaN / inf (per chunk;
 one sum for a steady decode batch) and samples every row that needs a token: the last row of
 each chunk that reaches its sequence's end, once more for each fork a request with n > 1 makes
 at that point (its rows' draws depend only on the seed, the index and the step: sampler.py), and
@@ -17,12 +19,12 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
-from hybridkv.models.forward_batch import ModelCaches
+from hybridkv.models.forward_batch import ForwardBatch, ModelCaches
 
 from .batch_builder import BatchBuilder
 from .decode_graphs import DecodeInputs
@@ -62,6 +64,24 @@ class RunnerOutput:
     sampled_np: Optional[np.ndarray] = None
 
 
+@dataclass
+class StepInputs:
+    """One SchedulerOutput's model inputs (`ModelRunner.prepare`): a ForwardBatch, or a CUDA
+    graph's inputs when a graph replays the step; error: building them raised (the step's
+    requests fail). chunks / rows: the step's chunks and their logit rows (None for a steady
+    decode batch)."""
+
+    out: SchedulerOutput
+    collects: Callable
+    fork_rows: Callable
+    started: float
+    batch: Optional[ForwardBatch] = None
+    graph_inputs: Optional[DecodeInputs] = None
+    chunks: Optional[list[ScheduledChunk]] = None
+    rows: Optional[LogitRows] = None
+    error: Optional[BaseException] = None
+
+
 class ModelRunner:
     """Runs `model` over `manager`'s pools on the model's device; `seed` seeds the draws of
     unseeded rows. `decode_graphs`: a DecodeGraphs that replays decode-only steps (set after
@@ -81,33 +101,58 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, groups: dict) -> RunnerOutput:
         """Forward and sample for `out`; groups: the requests by key (read only: which collect
         prompt logprobs, which make forks when their prompt is done)."""
-        t0 = time.perf_counter()
+        return self.run(self.prepare(out, groups))
 
+    def prepare(self, out: SchedulerOutput, groups: dict) -> StepInputs:
+        """The model's inputs for `out` (built from the manager's tables; nothing runs yet)."""
         def collects_prompt_logprobs(seq) -> bool:
             return groups[seq.group_id].collects_prompt_logprobs(seq)
 
         def fork_rows(seq) -> list:
             return groups[seq.group_id].fork_rows(seq)
 
+        step = StepInputs(out, collects_prompt_logprobs, fork_rows, time.perf_counter())
+        graphs = self.decode_graphs
         try:
-            if out.decodes is not None and not out.chunks:
-                result = self._decode_batch(out.decodes, collects_prompt_logprobs, fork_rows)
-            else:
-                result = self._chunks(out.all_chunks(), collects_prompt_logprobs, fork_rows)
+            with torch.inference_mode():  # the batch's buffers are inference tensors, as the forward's
+                if out.decodes is not None and not out.chunks:
+                    if graphs is not None and graphs.bucket_for(len(out.decodes)) is not None:
+                        step.graph_inputs = DecodeInputs.from_batch(out.decodes, self.mgr)
+                    else:
+                        step.batch = self.batch_builder.build_decodes(out.decodes)
+                    return step
+                step.chunks = out.all_chunks()
+                step.rows = plan_logit_rows(step.chunks, collects_prompt_logprobs)
+                if graphs is not None and graphs.takes(step.chunks, step.rows.indices):
+                    step.graph_inputs = DecodeInputs.from_chunks(step.chunks, self.mgr)
+                else:
+                    step.batch = self.batch_builder.build(step.chunks, step.rows.indices)
         except Exception as e:
-            log.exception("the forward pass failed; its %d requests end with an error", out.num_seqs)
+            step.error = e
+        return step
+
+    def run(self, step: StepInputs) -> RunnerOutput:
+        """The forward pass over `step`, the logits checked and sampled."""
+        try:
+            if step.error is not None:
+                raise step.error
+            with torch.inference_mode():  # no autograd graph (it would also chain the pools across steps)
+                if step.graph_inputs is not None:
+                    logits = self.decode_graphs.run(step.graph_inputs)
+                else:
+                    logits = self.model(step.batch, self.caches)
+            if step.rows is None:
+                result = self._decode_batch(step.out.decodes, logits, step.collects, step.fork_rows)
+            else:
+                result = self._sampled(step.chunks, logits, step.rows, step.rows.finite(logits), step.fork_rows)
+        except Exception as e:
+            log.exception("the forward pass failed; its %d requests end with an error", step.out.num_seqs)
             result = RunnerOutput(error=e)
-        self.model_seconds += time.perf_counter() - t0
+        self.model_seconds += time.perf_counter() - step.started
         return result
 
-    # ---- forward ---------------------------------------------------------------------------
-    def _decode_batch(self, batch: DecodeBatch, collects, fork_rows) -> RunnerOutput:
-        graphs = self.decode_graphs
-        with torch.inference_mode():  # no autograd graph (it would also chain the pools across steps)
-            if graphs is not None and graphs.bucket_for(len(batch)) is not None:
-                logits = graphs.run(DecodeInputs.from_batch(batch, self.mgr))
-            else:
-                logits = self.model(self.batch_builder.build_decodes(batch), self.caches)
+    # ---- after the forward -----------------------------------------------------------------
+    def _decode_batch(self, batch: DecodeBatch, logits: torch.Tensor, collects, fork_rows) -> RunnerOutput:
         if not math.isfinite(float(logits.sum())):  # NaN or inf anywhere makes the sum one
             chunks = batch.chunks()
             rows = plan_logit_rows(chunks, collects)
@@ -126,16 +171,6 @@ class ModelRunner:
         else:
             out.batch_tokens, out.batch_logprobs = self._sample_rows(logits, batch.seqs)
         return out
-
-    def _chunks(self, chunks: list[ScheduledChunk], collects, fork_rows) -> RunnerOutput:
-        rows = plan_logit_rows(chunks, collects)
-        graphs = self.decode_graphs
-        with torch.inference_mode():
-            if graphs is not None and graphs.takes(chunks, rows.indices):
-                logits = graphs.run(DecodeInputs.from_chunks(chunks, self.mgr))
-            else:
-                logits = self.model(self.batch_builder.build(chunks, rows.indices), self.caches)
-        return self._sampled(chunks, logits, rows, rows.finite(logits), fork_rows)
 
     # ---- sampling --------------------------------------------------------------------------
     def _sampled(self, chunks: list[ScheduledChunk], logits: torch.Tensor, rows: LogitRows,

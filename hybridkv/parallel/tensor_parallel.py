@@ -1,14 +1,15 @@
-"""Rank 0 of a tensor-parallel engine: start the other ranks, shard this model, send each step.
+"""Rank 0 of a tensor-parallel engine: start the other ranks, shard this model, send them messages.
 
     tp = TensorParallel(model, path, size, ...)   # after load_model, before profile_model
     ... profile_model(model, ...); manager = HybridCacheManager(...)
-    tp.attach(manager)                             # mirror the pools, hook the forward
+    Engine(model, manager, scheduler, executor=tp.executor)  # TensorParallelExecutor(runner, tp)
     tp.check()                                     # raises RankFailedError once a rank is lost
     tp.close()
 
 The LLM the user holds is rank 0: its scheduler and its memory manager decide; ranks 1..N-1
 (spawned processes, `worker.py`) hold their shards of the weights and of every pool and apply
-those decisions. Each forward on rank 0 first sends the journaled pool moves and the batch.
+those decisions. The executor (executor.py) sends each step's pool moves and model inputs with
+`send`; a pool read asks with `ask`.
 """
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ import torch
 import torch.multiprocessing as mp
 
 from .group import RankFailedError, TensorParallelGroup, free_port
-from .mirrored_pools import Journal, mirror_pools, pool_plan
+from .executor import TensorParallelExecutor
+from .messages import Stop
 from .shard_loading import ShardLoad
 from .sharding import check_supported, shard_model
-from .worker import MESSAGE_KEY, READY_KEY, WorkerArgs, batch_fields, run_worker
+from .worker import MESSAGE_KEY, READY_KEY, WorkerArgs, run_worker
 
 
 def check_size(size, device: torch.device) -> None:
@@ -110,19 +112,13 @@ class TensorParallel:
                 raise RankFailedError(f"tensor-parallel rank {r} could not load its shard: {answer}")
 
     # ---- after the manager exists ----------------------------------------------------------
-    def attach(self, manager) -> None:
-        """Size the other ranks' pools as rank 0's, mirror the pools, send each forward first."""
-        self.journal = Journal(self.group, self._send)
-        self._send([("plan", pool_plan(manager))])
-        mirror_pools(manager, self.journal, self.layouts, self.full_specs)
-        self.model.register_forward_pre_hook(self._before_forward)
+    def executor(self, runner) -> TensorParallelExecutor:
+        """The executor of an engine whose rank 0 runs `runner` (mirrors its manager's pools)."""
+        return TensorParallelExecutor(runner, self)
 
-    def _before_forward(self, _module, args) -> None:
-        batch = args[0]
-        self._send(self.journal.take() + [("forward", batch_fields(batch))])
-
-    def _send(self, ops: list) -> None:
-        """Announce message n in the store, then broadcast it; a lost rank raises RankFailedError."""
+    def send(self, items: list) -> None:
+        """Announce message n in the store, then broadcast `items` (applied in order by every
+        rank: messages.py, pool_moves.py); a lost rank raises RankFailedError."""
         self.check()
         try:
             for r, p in enumerate(self.procs, start=1):
@@ -133,10 +129,15 @@ class TensorParallel:
             if self._sent >= 2:  # every rank is past it: message n-1 was a forward or a read
                 self.group.store.delete_key(MESSAGE_KEY.format(n=self._sent - 2))
             self._sent += 1
-            self.group.broadcast_object(ops)
+            self.group.broadcast_object(items)
         except RankFailedError as e:
             self.failure = e
             raise
+
+    def ask(self, items: list) -> list:
+        """`send(items)` whose last item is a read (pool_moves.py); returns ranks 1..N-1's answers."""
+        self.send(items)
+        return self.group.gather_objects(None)[1:]
 
     def check(self) -> None:
         """Raise the RankFailedError that ended this engine, if any (also one an all-reduce hit)."""
@@ -153,7 +154,7 @@ class TensorParallel:
         """Stop the other ranks (a 'stop' message, then terminate after a bounded join)."""
         if self.group is not None and self.failure is None and all(p.is_alive() for p in self.procs):
             try:
-                self._send([("stop",)])
+                self.send([Stop()])
             except Exception:
                 pass
         for p in self.procs:

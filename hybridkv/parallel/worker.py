@@ -1,20 +1,24 @@
 """Ranks 1..N-1 of a tensor-parallel engine: load the shard (only its rows of the checkpoint:
-shard_loading.py), then apply rank 0's messages forever.
+shard_loading.py), then apply rank 0's messages until told to stop.
 
-A worker owns no scheduler and no bookkeeping. Each message from rank 0 is a list of operations,
-applied in order: journaled pool moves (mirrored_pools.py), reads answered to rank 0, and
-`("forward", batch fields)`, which runs this rank's shard of the model on its own pools (the
-all-reduces inside meet rank 0's). `("stop",)` ends the loop. A worker waits for the next
-message in short store waits and exits when rank 0's process is gone.
+A worker owns no scheduler and no bookkeeping: its `RankRunner` holds this rank's shard of the
+model and of every pool. Each message from rank 0 is a list applied in order: the pools' plan
+(messages.py: once), pool moves and reads (pool_moves.py: reads are answered to rank 0 after the
+list), and `Forward`, which runs this rank's shard of the model on its own pools (the
+all-reduces inside meet rank 0's). `Stop` ends the loop. A worker waits for the next message in
+short store waits and exits when rank 0's process is gone.
 """
 from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass, fields, is_dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from .messages import Forward, Stop, moved
+from .pool_moves import READS, PoolPlan, ShardedPools
 
 READY_KEY = "ready/{rank}"
 MESSAGE_KEY = "message/{n}"
@@ -35,28 +39,35 @@ class WorkerArgs:
     profile_tokens: tuple  # (num_tokens, peak_tokens) as rank 0's profile_model call
 
 
-def moved(value, device):
-    """`value` with every tensor in it (inside dicts, lists and dataclasses too) on `device`."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {k: moved(v, device) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(moved(v, device) for v in value)
-    if is_dataclass(value) and not isinstance(value, type):
-        return replace(value, **{f.name: moved(getattr(value, f.name), device) for f in fields(value) if f.init})
-    return value
+class RankRunner:
+    """This rank's model shard and, once rank 0's plan came, its pool shards.
 
+    layouts: {cache layer: CacheShard} from loading the shard."""
 
-def batch_fields(batch) -> dict:
-    """A ForwardBatch's fields on the CPU, picklable (kernel plans are rebuilt by each rank)."""
-    return {f.name: moved(getattr(batch, f.name), "cpu") for f in fields(batch) if f.name != "kernel_plans"}
+    def __init__(self, model, layouts: dict, rank: int, size: int, device: torch.device):
+        self.model, self.layouts, self.rank, self.size, self.device = model, layouts, rank, size, device
+        self.pools: Optional[ShardedPools] = None
 
+    def apply(self, item):
+        """Apply one item of a message; returns this rank's answer to a read (else None)."""
+        if isinstance(item, PoolPlan):
+            self.pools = ShardedPools(self.model.cache_specs(), self.layouts, self.rank, self.size, item,
+                                      self.device)
+            return None
+        with torch.inference_mode():
+            if isinstance(item, Forward):
+                self.forward(item.batch)
+                return None
+            answer = item.apply(self.pools)
+        return answer if isinstance(item, READS) else None
 
-def _batch(values: dict, device: torch.device):
-    from hybridkv.models.forward_batch import ForwardBatch
+    def forward(self, fields: dict) -> None:
+        from hybridkv.models.forward_batch import ForwardBatch, ModelCaches
 
-    return ForwardBatch(**moved(values, device))
+        pools = self.pools
+        caches = ModelCaches(kv=pools.kv, conv=pools.states.conv, state=pools.states.ssm,
+                             block_size=pools.block_size)
+        self.model(ForwardBatch(**moved(fields, self.device)), caches)
 
 
 def _wait_message(group, n: int, parent: int) -> None:
@@ -77,7 +88,6 @@ def run_worker(args: WorkerArgs) -> None:
     from hybridkv.scheduler.profiler import profile_model
 
     from .group import TensorParallelGroup
-    from .mirrored_pools import ShardedPools
     from .shard_loading import ShardLoad
 
     torch.set_num_threads(args.num_threads)
@@ -91,38 +101,24 @@ def run_worker(args: WorkerArgs) -> None:
         shard = ShardLoad(args.rank, args.size, group.all_reduce)  # reads only this rank's rows
         model = load_model(args.path, device=device, dtype=args.dtype, max_model_len=args.max_model_len,
                            shard=shard)
-        layouts = shard.layouts
     except BaseException as e:
         group.store.set(ready, f"error: {type(e).__name__}: {e}")
         raise
     group.store.set(ready, "ok")
     num_tokens, peak_tokens = args.profile_tokens
     profile_model(model, args.block_size, num_tokens=num_tokens, peak_tokens=peak_tokens)  # as rank 0
-    pools, n = None, 0
+    runner, n = RankRunner(model, shard.layouts, args.rank, args.size, device), 0
     try:
         while True:
             _wait_message(group, n, parent)
             n += 1
-            ops = group.broadcast_object()
             answers = []
-            for op in ops:
-                kind = op[0]
-                if kind == "stop":
+            for item in group.broadcast_object():
+                if isinstance(item, Stop):
                     return
-                if kind == "plan":
-                    pools = ShardedPools(model.cache_specs(), layouts, args.rank, args.size, op[1], device)
-                elif kind == "forward":
-                    from hybridkv.models.forward_batch import ModelCaches
-
-                    caches = ModelCaches(kv=pools.kv, conv=pools.states.conv, state=pools.states.ssm,
-                                         block_size=pools.block_size)
-                    with torch.inference_mode():
-                        model(_batch(op[1], device), caches)
-                else:
-                    with torch.inference_mode():
-                        answer = pools.apply(op)
-                    if answer is not None:
-                        answers.append(answer)
+                answer = runner.apply(item)
+                if answer is not None:
+                    answers.append(answer)
             for answer in answers:
                 group.gather_objects(answer)
     finally:
