@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 from dataclasses import dataclass
 from typing import Optional
 
@@ -84,6 +85,7 @@ def _wait_message(group, n: int, parent: int) -> None:
 
 def run_worker(args: WorkerArgs) -> None:
     """The process entry of rank args.rank (torch.multiprocessing spawn)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 stops us; a Ctrl-C to the group must not
     from hybridkv.models import load_model
     from hybridkv.scheduler.profiler import profile_model
 
