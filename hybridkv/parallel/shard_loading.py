@@ -18,7 +18,8 @@ from typing import Callable, Optional
 import torch
 from safetensors import safe_open
 
-from .sharding import Cut, shard_model
+from .param_cuts import Cut
+from .sharding import shard_model
 
 
 class ShardLoad:

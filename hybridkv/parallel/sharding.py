@@ -23,17 +23,15 @@
 - Embeddings and lm_head are replicated (every rank computes the full logits; rank 0 samples).
 Row-parallel biases stay on rank 0 only (they are added once by the sum).
 Returns each cache layer's CacheShard, so pools can gather and scatter KV and state shards.
+One parameter's cut and the all-reduce of a module's output are param_cuts.py's.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
-import torch
 from torch import nn
 
 from hybridkv.models.attention import PagedAttention
-from hybridkv.models.fused_linear import FusedLinear
 from hybridkv.models.gdn_mixer import GatedDeltaNetMixer
 from hybridkv.models.granitemoehybrid import SharedMLP
 from hybridkv.models.mamba1_mixer import Mamba1Mixer
@@ -46,6 +44,7 @@ from hybridkv.models.short_conv import ShortConv
 from hybridkv.models.zamba2_shared import Zamba2SharedAttention, Zamba2SharedMLP
 from hybridkv.specs import AttentionSpec
 
+from .param_cuts import column, keep, reduce_output, rebuild_fused, row, zero_unless_rank0
 from .shard_layout import CacheShard, ShardLayout, split_count
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "BambaForCausalLM", "Qwen3NextForCausalLM",
@@ -62,79 +61,18 @@ def check_supported(architecture: str, size: int) -> None:
                          f"tensor_parallel_size=1 for this family)")
 
 
-@dataclass(frozen=True)
-class Cut:
-    """How a parameter was cut from the full one: rows `layout` gives the rank along `dim`, or,
-    with `zeroed`, a row-parallel bias that only rank 0 adds (zeros elsewhere). Kept on the new
-    parameter as `tp_cut`, so a loader can read just the shard (shard_loading.py)."""
-
-    layout: Optional[ShardLayout] = None
-    dim: int = 0
-    zeroed: bool = False
-
-
-def _set(module: nn.Module, name: str, value: torch.Tensor, cut: Cut) -> None:
-    param = nn.Parameter(value.contiguous(), requires_grad=False)
-    param.tp_cut = cut
-    setattr(module, name, param)
-
-
-def _keep(module: nn.Module, name: str, layout: ShardLayout, rank: int, size: int, dim: int) -> None:
-    """Replace parameter `name` of `module` by the rows `layout` gives `rank` along `dim`."""
-    t = getattr(module, name).data
-    if t.shape[dim] != layout.full:
-        raise ValueError(f"tensor of shape {tuple(t.shape)} does not match the shard layout "
-                         f"({layout.full} at dim {dim})")
-    _set(module, name, layout.take(t, rank, size, dim), Cut(layout, dim))
-
-
-def _zero_unless_rank0(module: nn.Module, name: str, rank: int) -> None:
-    """A bias added after a sum over ranks: rank 0 keeps it, the others hold zeros."""
-    if rank != 0:
-        _set(module, name, torch.zeros_like(getattr(module, name).data), Cut(zeroed=True))
-
-
-def _column(lin: nn.Linear, layout: ShardLayout, rank: int, size: int) -> None:
-    """Keep the output rows `layout` gives this rank."""
-    _keep(lin, "weight", layout, rank, size, 0)
-    if lin.bias is not None:
-        _keep(lin, "bias", layout, rank, size, 0)
-    lin.out_features = lin.weight.shape[0]
-
-
-def _row(lin: nn.Linear, layout: ShardLayout, rank: int, size: int) -> None:
-    """Keep the input columns `layout` gives this rank; the bias is added on rank 0 only."""
-    _keep(lin, "weight", layout, rank, size, 1)
-    if lin.bias is not None:
-        _zero_unless_rank0(lin, "bias", rank)
-    lin.in_features = lin.weight.shape[1]
-
-
-def _rebuild_fused(module: nn.Module) -> None:
-    for name, v in vars(module).items():  # fused views of the old weights: rebuild from the shards
-        if isinstance(v, FusedLinear):
-            setattr(module, name, FusedLinear(v.linears))
-
-
-def _reduce_output(module: nn.Module, all_reduce: Callable) -> None:
-    """Sum `module`'s output over ranks. Hooked on the attention / MLP / mixer module whose last op
-    is its row-parallel projection, not on that projection: a module may call its projection's
-    weight with F.linear (no module call, no hook)."""
-    module.register_forward_hook(lambda _m, _args, out: all_reduce(out))
-
-
 def shard_attention(m: PagedAttention, rank: int, size: int, all_reduce: Callable) -> CacheShard:
     H, Hkv, D = m.num_heads, m.num_kv_heads, m.head_dim
     heads = split_count("num_attention_heads", H, size)
     kv = split_count("num_key_value_heads", Hkv, size, replicate=True)
-    _column(m.q_proj, ShardLayout.of((H, heads, m.q_proj.out_features // H)), rank, size)
+    column(m.q_proj, ShardLayout.of((H, heads, m.q_proj.out_features // H)), rank, size)
     kv_rows = ShardLayout.of((Hkv, kv, D))
-    _column(m.k_proj, kv_rows, rank, size)
-    _column(m.v_proj, kv_rows, rank, size)
-    _row(m.o_proj, ShardLayout.of((H, heads, D)), rank, size)
+    column(m.k_proj, kv_rows, rank, size)
+    column(m.v_proj, kv_rows, rank, size)
+    row(m.o_proj, ShardLayout.of((H, heads, D)), rank, size)
     m.num_heads, m.num_kv_heads = H // size, Hkv // kv
-    _rebuild_fused(m)
-    _reduce_output(m, all_reduce)
+    rebuild_fused(m)
+    reduce_output(m, all_reduce)
     return CacheShard(kv=ShardLayout.of((Hkv, kv)))
 
 
@@ -142,41 +80,41 @@ def shard_mlp(m: GatedMLP, rank: int, size: int, all_reduce: Callable | None) ->
     inter = m.gate_proj.out_features
     split_count("intermediate_size", inter, size)
     cols = ShardLayout.of((inter, size))
-    _column(m.gate_proj, cols, rank, size)
-    _column(m.up_proj, cols, rank, size)
-    _row(m.down_proj, cols, rank, size)
-    _rebuild_fused(m)
+    column(m.gate_proj, cols, rank, size)
+    column(m.up_proj, cols, rank, size)
+    row(m.down_proj, cols, rank, size)
+    rebuild_fused(m)
     if all_reduce is not None:
-        _reduce_output(m, all_reduce)
+        reduce_output(m, all_reduce)
 
 
 def shard_moe(m: SparseMoE, rank: int, size: int, all_reduce: Callable) -> None:
     e = m.experts
     inter = e.down_proj.shape[2]
     split_count("moe_intermediate_size", inter, size)
-    _keep(e, "gate_up_proj", ShardLayout.of((inter, size), (inter, size)), rank, size, 1)
-    _keep(e, "down_proj", ShardLayout.of((inter, size)), rank, size, 2)
+    keep(e, "gate_up_proj", ShardLayout.of((inter, size), (inter, size)), rank, size, 1)
+    keep(e, "down_proj", ShardLayout.of((inter, size)), rank, size, 2)
     if m.shared_expert is not None:
         shard_mlp(m.shared_expert, rank, size, None)  # summed with the routed experts below
-    _reduce_output(m, all_reduce)
+    reduce_output(m, all_reduce)
 
 
 def shard_up_down_mlp(m: NemotronHMLP, rank: int, size: int, all_reduce: Callable | None) -> None:
     inter = m.up_proj.out_features
     split_count("intermediate_size", inter, size)
     cols = ShardLayout.of((inter, size))
-    _column(m.up_proj, cols, rank, size)
-    _row(m.down_proj, cols, rank, size)
+    column(m.up_proj, cols, rank, size)
+    row(m.down_proj, cols, rank, size)
     if all_reduce is not None:
-        _reduce_output(m, all_reduce)
+        reduce_output(m, all_reduce)
 
 
 def shard_shared_mlp(m: SharedMLP, rank: int, size: int, all_reduce: Callable) -> None:
     inter = m.output_linear.in_features
     split_count("shared_intermediate_size", inter, size)
-    _column(m.input_linear, ShardLayout.of((inter, size), (inter, size)), rank, size)  # a | b
-    _row(m.output_linear, ShardLayout.of((inter, size)), rank, size)
-    _reduce_output(m, all_reduce)
+    column(m.input_linear, ShardLayout.of((inter, size), (inter, size)), rank, size)  # a | b
+    row(m.output_linear, ShardLayout.of((inter, size)), rank, size)
+    reduce_output(m, all_reduce)
 
 
 def shard_nemotron_moe(m: NemotronHMoE, rank: int, size: int, all_reduce: Callable) -> None:
@@ -184,12 +122,12 @@ def shard_nemotron_moe(m: NemotronHMoE, rank: int, size: int, all_reduce: Callab
     inter = e.up_proj.shape[1]
     split_count("moe_intermediate_size", inter, size)
     cols = ShardLayout.of((inter, size))
-    _keep(e, "up_proj", cols, rank, size, 1)
-    _keep(e, "down_proj", cols, rank, size, 2)
+    keep(e, "up_proj", cols, rank, size, 1)
+    keep(e, "down_proj", cols, rank, size, 2)
     if m.fc2_latent_proj is not None and m.fc2_latent_proj.bias is not None:
-        _zero_unless_rank0(m.fc2_latent_proj, "bias", rank)
+        zero_unless_rank0(m.fc2_latent_proj, "bias", rank)
     shard_up_down_mlp(m.shared_experts, rank, size, None)  # summed with the routed experts below
-    _reduce_output(m, all_reduce)
+    reduce_output(m, all_reduce)
 
 
 def shard_mamba2(m: Mamba2Mixer, rank: int, size: int, all_reduce: Callable) -> CacheShard:
@@ -198,22 +136,22 @@ def shard_mamba2(m: Mamba2Mixer, rank: int, size: int, all_reduce: Callable) -> 
     groups = split_count("mamba n_groups", G, size, replicate=m.norm is None)
     xbc = ShardLayout.of((H, heads, P), (G, groups, N), (G, groups, N))
     zxbcdt = ShardLayout.of((H, heads, P), (H, heads, P), (G, groups, N), (G, groups, N), (H, heads))
-    _column(m.in_proj, zxbcdt, rank, size)
-    _keep(m.conv1d, "weight", xbc, rank, size, 0)
+    column(m.in_proj, zxbcdt, rank, size)
+    keep(m.conv1d, "weight", xbc, rank, size, 0)
     if m.conv1d.bias is not None:
-        _keep(m.conv1d, "bias", xbc, rank, size, 0)
+        keep(m.conv1d, "bias", xbc, rank, size, 0)
     per_head = ShardLayout.of((H, heads))
     for name in ("dt_bias", "A_log", "D"):
-        _keep(m, name, per_head, rank, size, 0)
+        keep(m, name, per_head, rank, size, 0)
     if m.norm is not None:
-        _keep(m.norm, "weight", ShardLayout.of((H, heads, P)), rank, size, 0)
-    _row(m.out_proj, ShardLayout.of((H, heads, P)), rank, size)
+        keep(m.norm, "weight", ShardLayout.of((H, heads, P)), rank, size, 0)
+    row(m.out_proj, ShardLayout.of((H, heads, P)), rank, size)
     m.num_heads, m.n_groups = H // size, G // groups
     m.d_inner = m.num_heads * P
     m.conv_dim = m.d_inner + 2 * m.n_groups * N
     m.conv1d.in_channels = m.conv1d.out_channels = m.conv1d.groups = m.conv_dim
     m._mup = None
-    _reduce_output(m, all_reduce)
+    reduce_output(m, all_reduce)
     return CacheShard(conv=xbc, state=per_head)
 
 
@@ -223,23 +161,23 @@ def shard_gdn(m: GatedDeltaNetMixer, rank: int, size: int, all_reduce: Callable)
     r = HV // HK
     conv = ShardLayout.of((HK, k, dk), (HK, k, dk), (HV, k, dv))
     if isinstance(m, SplitProjectionGDN):  # Qwen3.5: q | k | v (the conv's order), z, b, a apart
-        _column(m.in_proj_qkv, conv, rank, size)
-        _column(m.in_proj_z, ShardLayout.of((HV, k, dv)), rank, size)
-        _column(m.in_proj_b, ShardLayout.of((HV, k)), rank, size)
-        _column(m.in_proj_a, ShardLayout.of((HV, k)), rank, size)
+        column(m.in_proj_qkv, conv, rank, size)
+        column(m.in_proj_z, ShardLayout.of((HV, k, dv)), rank, size)
+        column(m.in_proj_b, ShardLayout.of((HV, k)), rank, size)
+        column(m.in_proj_a, ShardLayout.of((HV, k)), rank, size)
     else:  # Qwen3-Next: [q k v z] and [b a] interleaved per key head
-        _column(m.in_proj_qkvz, ShardLayout.of((HK, k, 2 * dk + 2 * r * dv)), rank, size)
-        _column(m.in_proj_ba, ShardLayout.of((HK, k, 2 * r)), rank, size)
-    _keep(m.conv1d, "weight", conv, rank, size, 0)
+        column(m.in_proj_qkvz, ShardLayout.of((HK, k, 2 * dk + 2 * r * dv)), rank, size)
+        column(m.in_proj_ba, ShardLayout.of((HK, k, 2 * r)), rank, size)
+    keep(m.conv1d, "weight", conv, rank, size, 0)
     v_heads = ShardLayout.of((HV, k))
     for name in ("dt_bias", "A_log"):
-        _keep(m, name, v_heads, rank, size, 0)
-    _row(m.out_proj, ShardLayout.of((HV, k, dv)), rank, size)
+        keep(m, name, v_heads, rank, size, 0)
+    row(m.out_proj, ShardLayout.of((HV, k, dv)), rank, size)
     m.num_k_heads, m.num_v_heads = HK // size, HV // size
     m.key_dim, m.value_dim = m.num_k_heads * dk, m.num_v_heads * dv
     m.conv_dim = 2 * m.key_dim + m.value_dim
     m.conv1d.in_channels = m.conv1d.out_channels = m.conv1d.groups = m.conv_dim
-    _reduce_output(m, all_reduce)
+    reduce_output(m, all_reduce)
     return CacheShard(conv=conv, state=v_heads)
 
 
@@ -255,7 +193,7 @@ def shard_zamba2_attention(m: Zamba2SharedAttention, rank: int, size: int, all_r
                                (m.linear_v_adapter_list, kv_rows)):
             for adapter in adapters:
                 if isinstance(adapter, nn.Sequential):
-                    _column(adapter[1], rows, rank, size)
+                    column(adapter[1], rows, rank, size)
     return shard_attention(m, rank, size, all_reduce)
 
 
@@ -263,31 +201,31 @@ def shard_zamba2_mlp(m: Zamba2SharedMLP, rank: int, size: int, all_reduce: Calla
     inter = m.down_proj.in_features
     split_count("intermediate_size", inter, size)
     gate_up = ShardLayout.of((inter, size), (inter, size))
-    _column(m.gate_up_proj, gate_up, rank, size)
+    column(m.gate_up_proj, gate_up, rank, size)
     for adapter in m.gate_up_proj_adapter_list:
         if isinstance(adapter, nn.Sequential):
-            _column(adapter[1], gate_up, rank, size)
-    _row(m.down_proj, ShardLayout.of((inter, size)), rank, size)
-    _reduce_output(m, all_reduce)
+            column(adapter[1], gate_up, rank, size)
+    row(m.down_proj, ShardLayout.of((inter, size)), rank, size)
+    reduce_output(m, all_reduce)
 
 
 def shard_mamba1(m: Mamba1Mixer, rank: int, size: int, all_reduce: Callable) -> CacheShard:
     inner = m.d_inner
     split_count("mamba intermediate_size (d_inner)", inner, size)
     channels = ShardLayout.of((inner, size))
-    _column(m.in_proj, ShardLayout.of((inner, size), (inner, size)), rank, size)  # x | z
-    _keep(m.conv1d, "weight", channels, rank, size, 0)
+    column(m.in_proj, ShardLayout.of((inner, size), (inner, size)), rank, size)  # x | z
+    keep(m.conv1d, "weight", channels, rank, size, 0)
     if m.conv1d.bias is not None:
-        _keep(m.conv1d, "bias", channels, rank, size, 0)
-    _row(m.x_proj, channels, rank, size)
-    _reduce_output(m.x_proj, all_reduce)  # full dt | B | C before their norms
-    _column(m.dt_proj, channels, rank, size)
+        keep(m.conv1d, "bias", channels, rank, size, 0)
+    row(m.x_proj, channels, rank, size)
+    reduce_output(m.x_proj, all_reduce)  # full dt | B | C before their norms
+    column(m.dt_proj, channels, rank, size)
     for name in ("A_log", "D"):
-        _keep(m, name, channels, rank, size, 0)
-    _row(m.out_proj, channels, rank, size)
+        keep(m, name, channels, rank, size, 0)
+    row(m.out_proj, channels, rank, size)
     m.d_inner = inner // size
     m.conv1d.in_channels = m.conv1d.out_channels = m.conv1d.groups = m.d_inner
-    _reduce_output(m, all_reduce)
+    reduce_output(m, all_reduce)
     return CacheShard(conv=channels, state=channels)
 
 
@@ -295,14 +233,14 @@ def shard_short_conv(m: ShortConv, rank: int, size: int, all_reduce: Callable) -
     width = m.hidden_size
     split_count("short-conv hidden_size", width, size)
     channels = ShardLayout.of((width, size))
-    _column(m.in_proj, ShardLayout.of((width, size), (width, size), (width, size)), rank, size)  # B | C | x
-    _keep(m.conv, "weight", channels, rank, size, 0)
+    column(m.in_proj, ShardLayout.of((width, size), (width, size), (width, size)), rank, size)  # B | C | x
+    keep(m.conv, "weight", channels, rank, size, 0)
     if m.conv.bias is not None:
-        _keep(m.conv, "bias", channels, rank, size, 0)
-    _row(m.out_proj, channels, rank, size)
+        keep(m.conv, "bias", channels, rank, size, 0)
+    row(m.out_proj, channels, rank, size)
     m.hidden_size = width // size  # the conv width (and its window's), not the model's
     m.conv.in_channels = m.conv.out_channels = m.conv.groups = m.hidden_size
-    _reduce_output(m, all_reduce)
+    reduce_output(m, all_reduce)
     return CacheShard(conv=channels)
 
 

@@ -1,0 +1,78 @@
+"""How one parameter of a module is cut to a tensor-parallel rank's shard, in place (sharding.py
+says which parameters, per family): column-parallel (output rows), row-parallel (input columns;
+the bias on rank 0 only), any dimension by a ShardLayout; and the all-reduce of a module's
+output. Each cut parameter keeps its `Cut` as `tp_cut`, so a loader can read just its shard
+(shard_loading.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from hybridkv.models.fused_linear import FusedLinear
+
+from .shard_layout import ShardLayout
+
+
+@dataclass(frozen=True)
+class Cut:
+    """How a parameter was cut from the full one: rows `layout` gives the rank along `dim`, or,
+    with `zeroed`, a row-parallel bias that only rank 0 adds (zeros elsewhere). Kept on the new
+    parameter as `tp_cut`, so a loader can read just the shard (shard_loading.py)."""
+
+    layout: Optional[ShardLayout] = None
+    dim: int = 0
+    zeroed: bool = False
+
+
+def set_param(module: nn.Module, name: str, value: torch.Tensor, cut: Cut) -> None:
+    param = nn.Parameter(value.contiguous(), requires_grad=False)
+    param.tp_cut = cut
+    setattr(module, name, param)
+
+
+def keep(module: nn.Module, name: str, layout: ShardLayout, rank: int, size: int, dim: int) -> None:
+    """Replace parameter `name` of `module` by the rows `layout` gives `rank` along `dim`."""
+    t = getattr(module, name).data
+    if t.shape[dim] != layout.full:
+        raise ValueError(f"tensor of shape {tuple(t.shape)} does not match the shard layout "
+                         f"({layout.full} at dim {dim})")
+    set_param(module, name, layout.take(t, rank, size, dim), Cut(layout, dim))
+
+
+def zero_unless_rank0(module: nn.Module, name: str, rank: int) -> None:
+    """A bias added after a sum over ranks: rank 0 keeps it, the others hold zeros."""
+    if rank != 0:
+        set_param(module, name, torch.zeros_like(getattr(module, name).data), Cut(zeroed=True))
+
+
+def column(lin: nn.Linear, layout: ShardLayout, rank: int, size: int) -> None:
+    """Keep the output rows `layout` gives this rank."""
+    keep(lin, "weight", layout, rank, size, 0)
+    if lin.bias is not None:
+        keep(lin, "bias", layout, rank, size, 0)
+    lin.out_features = lin.weight.shape[0]
+
+
+def row(lin: nn.Linear, layout: ShardLayout, rank: int, size: int) -> None:
+    """Keep the input columns `layout` gives this rank; the bias is added on rank 0 only."""
+    keep(lin, "weight", layout, rank, size, 1)
+    if lin.bias is not None:
+        zero_unless_rank0(lin, "bias", rank)
+    lin.in_features = lin.weight.shape[1]
+
+
+def rebuild_fused(module: nn.Module) -> None:
+    for name, v in vars(module).items():  # fused views of the old weights: rebuild from the shards
+        if isinstance(v, FusedLinear):
+            setattr(module, name, FusedLinear(v.linears))
+
+
+def reduce_output(module: nn.Module, all_reduce: Callable) -> None:
+    """Sum `module`'s output over ranks. Hooked on the attention / MLP / mixer module whose last op
+    is its row-parallel projection, not on that projection: a module may call its projection's
+    weight with F.linear (no module call, no hook)."""
+    module.register_forward_hook(lambda _m, _args, out: all_reduce(out))
