@@ -9,6 +9,9 @@ Modules in dependency order (each imports only modules above it):
                      data-parallel replicas: a process runs the engine loop with pipe sinks
   data_parallel.py   `DataParallelLLM`: N replica processes with AsyncLLM's interface
   async_llm.py       `AsyncLLM`: the engine loop with asyncio sinks (`create` picks either)
-  protocol.py, openai_format.py, chat.py, metrics.py -> serving.py -> app.py (routes, `run_server`)
+  protocol.py, openai_format.py, chat.py, metrics.py -> serving.py
+  request_body.py    bytes -> a typed request (strict JSON, size limit) or an OpenAI-shaped error
+  http_server.py     `serve_http`: uvicorn until SIGTERM / SIGINT, then drain and stop
+  app.py             the routes and error handlers, `run_server`
   replicas.py        `run_replicas_server`: DataParallelLLM behind the app
 """

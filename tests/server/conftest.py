@@ -138,3 +138,16 @@ def client(chat_server):
 def alone(llm, prompt, params):
     """`prompt` run by itself through LLM.generate: its RequestOutput."""
     return llm.generate([prompt], params, use_tqdm=False)[0]
+
+
+def assert_openai_error(r, status: int, *words: str) -> dict:
+    """`r` has `status` and OpenAI's error body, whose message contains `words`."""
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and isinstance(err["type"], str), err
+    assert err["param"] is None or isinstance(err["param"], str), err
+    assert all(w in err["message"] for w in words), err
+    return err

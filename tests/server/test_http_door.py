@@ -9,23 +9,12 @@ import httpx
 import openai
 import pytest
 
+from .conftest import assert_openai_error
+
 API_KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
 GOOD = {"model": "tiny-chat", "prompt": [5, 6, 7], "max_tokens": 2, "ignore_eos": True}
 CHAT = {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-
-
-def assert_openai_error(r: httpx.Response, status: int, *words: str) -> dict:
-    """`r` has `status` and OpenAI's error body, whose message contains `words`."""
-    assert r.status_code == status, (r.status_code, r.text)
-    body = r.json()
-    assert set(body) == {"error"}, body
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}, err
-    assert isinstance(err["message"], str) and isinstance(err["type"], str), err
-    assert err["param"] is None or isinstance(err["param"], str), err
-    assert all(w in err["message"] for w in words), err
-    return err
 
 
 def answers_good(url: str, headers=AUTH) -> None:
