@@ -21,8 +21,8 @@ from typing import Optional
 import torch
 import torch.multiprocessing as mp
 
-from .group import RankFailedError, TensorParallelGroup, free_port
 from .executor import TensorParallelExecutor
+from .group import RankFailedError, TensorParallelGroup, free_port
 from .messages import Stop
 from .shard_loading import ShardLoad
 from .sharding import check_supported, shard_model
