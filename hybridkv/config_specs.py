@@ -28,7 +28,10 @@ lara_mini (Qwen3.5's GDN, or attention with `sliding_window` on "sliding_attenti
 none on "full_attention" ones, per `layer_types`), granitemoe_swa (attention only: `sliding_window`
 on "sliding_attention" layers, none on "full_attention" ones), rwkv (RWKV-4, every layer a state:
 the two token shifts `[2, hidden]` as the window part, the WKV num / den / max `[3,
-attention_hidden_size]` in float32; no attention).
+attention_hidden_size]` in float32; no attention), zaya (every layer CCA attention: its KV at key
+`i`, sliding on "hybrid_sliding" layers; at key `num_hidden_layers + i` its q|k conv window
+`[(heads + kv heads) x head_dim, cca_time0 + cca_time1 - 2]` and delayed value `[kv heads x
+head_dim / 2]`).
 For the families from granitemoehybrid on and the attention-only ones, fields a config.json omits take
 transformers' config-class defaults
 (`hf_config`), as they do when transformers loads it. Shapes follow the models in hybridkv.models,
@@ -315,6 +318,19 @@ def _rwkv(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
     return {i: spec for i in range(c.num_hidden_layers)}
 
 
+def _zaya(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
+    c = hf_config(cfg)
+    n = c.num_hidden_layers
+    kinds = _layer_kinds(c.layer_types, {"hybrid": "a", "hybrid_sliding": "s"}, "zaya")
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    cca = RecurrentSpec((q + kv, c.cca_time0 + c.cca_time1 - 2), (kv // 2,), dtype)
+    specs: dict[int, LayerSpec] = {i: AttentionSpec(c.num_key_value_heads, c.head_dim, dtype,
+                                                    c.sliding_window if k == "s" else None)
+                                   for i, k in enumerate(kinds)}
+    specs.update({n + i: cca for i in range(n)})
+    return specs
+
+
 _BUILDERS = {"bamba": _bamba, "jamba": _jamba, "qwen3_next": _qwen3_next,
              "granitemoehybrid": _granitemoehybrid, "nemotron_h": _nemotron_h, "lfm2": _lfm2, "lfm2_moe": _lfm2,
              "falcon_h1": _falcon_h1, "zamba2": _zamba2, "zamba": _zamba,
@@ -323,15 +339,16 @@ _BUILDERS = {"bamba": _bamba, "jamba": _jamba, "qwen3_next": _qwen3_next,
              "recurrent_gemma": _recurrent_gemma, "olmo_hybrid": _olmo_hybrid, "minimax": _minimax,
              "kimi_linear": _kimi_linear, "bailing_hybrid": _kimi_linear,
              "gpt_oss": _attention_only,  # layer_types: sliding and full attention layers
-             "granitemoe_swa": _attention_only, "rwkv": _rwkv,
+             "granitemoe_swa": _attention_only, "rwkv": _rwkv, "zaya": _zaya,
              "lfm3": _lfm3, "lara_mini": _lara_mini}
 
 
 def specs_from_config(cfg: Mapping, dtype: Optional[torch.dtype] = None) -> dict[int, LayerSpec]:
     """`{cache_key: AttentionSpec | RecurrentSpec}` from a config dict; caches in `dtype` (default:
     the config's torch_dtype). Keys equal the model's `cache_specs()` keys: the layer index, plus
-    `num_hidden_layers + i` for falcon_h1's Mamba halves and zamba2's attention sites (see the
-    module docstring). Raises ValueError for a model_type it does not know or an invalid config."""
+    `num_hidden_layers + i` for falcon_h1's Mamba halves, zamba2's attention sites and zaya's CCA
+    states (see the module docstring). Raises ValueError for a model_type it does not know or an
+    invalid config."""
     dtype = dtype or config_dtype(cfg)
     kind = cfg["model_type"]
     if kind in ATTENTION_ONLY:

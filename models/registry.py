@@ -35,6 +35,7 @@ _ARCHITECTURES: dict[str, str] = {
     "LaraMiniForCausalLM": "lara_mini",
     "GraniteMoeSWAForCausalLM": "granitemoe_swa",
     "RwkvForCausalLM": "rwkv",
+    "ZayaForCausalLM": "zaya",
 }
 
 

@@ -29,6 +29,7 @@ from hybridkv.specs import LayerSpec, RecurrentSpec
 from .base import HybridModel
 from .forward_batch import ForwardBatch, ModelCaches
 from .slot_split import SlotSplit, split_decode_prefill
+from .token_shift import previous_token
 
 ARCHITECTURE = "RwkvForCausalLM"
 # No position embedding bounds the length (transformers runs RWKV as an RNN past context_length,
@@ -48,25 +49,6 @@ def tiny_config(**overrides):
               tie_word_embeddings=False, architectures=[ARCHITECTURE])
     kw.update(overrides)
     return RwkvConfig(**kw)
-
-
-def token_shift(x: torch.Tensor, shifts: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-    """x [T, C] packed -> each token's previous token within its request [T, C]; a request's first
-    token gets `shifts[slot]` ([S, C], the pool's saved last input) when it resumes a state and
-    zeros when it starts at position 0. Then `shifts[slot]` becomes the request's last input."""
-    qsl, slots, init = batch.query_start_loc.long(), batch.state_slots.long(), batch.has_initial_state
-    if batch.query_lens_cpu and min(batch.query_lens_cpu) == 0:  # requests without tokens this step
-        keep = torch.tensor([q > 0 for q in batch.query_lens_cpu], device=x.device)
-        qsl = torch.cat([qsl[:1], qsl[1:][keep]])
-        slots, init = slots[keep], init[keep]
-    first, last = qsl[:-1], qsl[1:] - 1
-    saved = shifts[slots]
-    prev = torch.where(init[:, None], saved, torch.zeros_like(saved)).to(x.dtype)
-    shifted = torch.empty_like(x)
-    shifted[1:] = x[:-1]
-    shifted[first] = prev
-    shifts[slots] = x[last].to(shifts.dtype)
-    return shifted
 
 
 class RwkvTimeMix(nn.Module):
@@ -143,9 +125,9 @@ class RwkvBlock(nn.Module):
         if "pre_ln" in self._modules:
             h = self.pre_ln(h)
         x = self.ln1(h)
-        h = h + self.attention(x, token_shift(x, shifts[:, 0], batch), wkv_state, split)
+        h = h + self.attention(x, previous_token(x, shifts[:, 0], batch), wkv_state, split)
         x = self.ln2(h)
-        return h + self.feed_forward(x, token_shift(x, shifts[:, 1], batch))
+        return h + self.feed_forward(x, previous_token(x, shifts[:, 1], batch))
 
 
 class _RwkvBody(nn.Module):

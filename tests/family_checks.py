@@ -133,6 +133,30 @@ def tiny_rwkv(family: str, path, seed: int = 0, **overrides) -> Path:
     return path
 
 
+def tiny_zaya(family: str, path, seed: int = 0, **overrides) -> Path:
+    """A tiny Zaya checkpoint whose attention, tokens and states matter: every key scale
+    `qk_norm.temp` from U(1, 3) (transformers' init 0 plus make_tiny_checkpoint's N(0, 0.1^2) noise
+    leaves softmax nearly uniform), the routers' `balancing_biases` N(0, 0.1^2) (init 0; the skip
+    class's -1 is forced after loading by transformers and the engine alike), the embeddings times 3
+    and the residual affines' and input's biases times 0.2 (with transformers' init their constant
+    outweighed the tokens and greedy repeated one token). Zeroing the CCA windows after 32 of 53
+    tokens then moves the next logits ~6%, the delayed values ~70%."""
+    path = make_tiny_checkpoint(family, path, seed=seed, **overrides)
+    tensors = load_file(str(path / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    for name, t in tensors.items():
+        if name.endswith("qk_norm.temp"):
+            tensors[name] = torch.rand(t.shape, generator=g) * 2 + 1
+        elif name.endswith("balancing_biases"):
+            tensors[name] = torch.randn(t.shape, generator=g) * 0.1
+        elif name == "model.embed_tokens.weight":
+            tensors[name] = t * 3
+        elif name.endswith("input_hidden_states_bias") or ("residual_scale." in name and name.endswith("_bias")):
+            tensors[name] = t * 0.2
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
 def builtin_checkpoint(name: str, path, seed: int = 0) -> Path:
     """The shipped folder of built-in model `name` (hybridkv/builtin_models/<name>, loaded as
     "hybridkv/<name>"); `path` and `seed` are unused: its trained weights are the case."""
@@ -263,6 +287,11 @@ FAMILIES = {f.name: f for f in [
            pressure=PressureCase(), prefix_migration=True),
     # RWKV-4: no attention; per layer two token shifts and the WKV num / den / max in one slot
     Family("rwkv", seed=18, make=tiny_rwkv, engine=(ENGINE_LENGTHS, 40), prefix_migration=True),
+    # Zaya: CCA attention (a q/k conv window and a delayed value per slot, KV pages in a sliding or
+    # full group), a float32 residual stream with affine joins, a top-1 router with a state across layers
+    Family("zaya", seed=19, make=tiny_zaya, logits_len=3 * WINDOW + 5, ragged=(*RAGGED_LENGTHS, 3 * WINDOW + 5),
+           chunks=(5, 16, 7, 1, WINDOW + 6, 3, 1, 16), engine=((1, BS - 1, WINDOW + 1, 3 * BS + 5, 3 * WINDOW + 5), 60),
+           hf_attn="eager", pressure=PressureCase(), prefix_migration=True, prefix_hit=True),
     # the shipped built-in models (trained Bambas, bf16 weights computed in float32): their own
     # weights, not random ones, through every check and the engine
     Family("tiny-code", seed=0, make=builtin_checkpoint, engine=(ENGINE_LENGTHS, 40), prefix_hit=True),

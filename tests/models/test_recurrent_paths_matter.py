@@ -1,7 +1,7 @@
 """The tiny checkpoints' recurrent paths move their logits by more than 1%, so a wrong state cannot
 hide inside the family checks' tolerances (1e-4 relative). Mamba1 / Mamba2 families: the scans
 dropped by hand (y = D x, gated as the mixer gates it); the others (GDN, KDA, lightning, RG-LRU,
-RWKV's WKV num / den / max):
+RWKV's WKV num / den / max, Zaya's delayed values):
 the slot's state zeroed after 32 of 53 prompt tokens. Models come from the shared session cache."""
 import pytest
 import torch
@@ -14,7 +14,7 @@ from model_harness import Harness
 MAMBA = ("zamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1", "mamba2", "mamba",
          "falcon_mamba", "jamba", "zamba")
 STATE = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "recurrent_gemma", "olmo_hybrid", "minimax",
-         "kimi_linear", "bailing_hybrid", "lara_mini", "rwkv")
+         "kimi_linear", "bailing_hybrid", "lara_mini", "rwkv", "zaya")
 
 
 def _moved(got: torch.Tensor, ref: torch.Tensor) -> float:
