@@ -31,7 +31,9 @@ the two token shifts `[2, hidden]` as the window part, the WKV num / den / max `
 attention_hidden_size]` in float32; no attention), zaya (every layer CCA attention: its KV at key
 `i`, sliding on "hybrid_sliding" layers; at key `num_hidden_layers + i` its q|k conv window
 `[(heads + kv heads) x head_dim, cca_time0 + cca_time1 - 2]` and delayed value `[kv heads x
-head_dim / 2]`).
+head_dim / 2]`), inkling_text (relative-bias attention at key `i`, sliding layers with the `swa_*` head
+shapes; at key `num_hidden_layers + i` the four short-conv windows `[2 x kv width + 2 x hidden,
+conv_kernel_size - 1]` in float32, no SSM state).
 For the families from granitemoehybrid on and the attention-only ones, fields a config.json omits take
 transformers' config-class defaults
 (`hf_config`), as they do when transformers loads it. Shapes follow the models in hybridkv.models,
@@ -331,6 +333,21 @@ def _zaya(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
     return specs
 
 
+def _inkling(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
+    c = hf_config(cfg)
+    n = c.num_hidden_layers
+    kinds = _layer_kinds(c.layer_types, {"hybrid": "a", "hybrid_sliding": "s"}, "inkling")
+    specs: dict[int, LayerSpec] = {}
+    for i, k in enumerate(kinds):
+        p = "swa_" if k == "s" else ""
+        kv_heads, head_dim = getattr(c, f"{p}num_key_value_heads"), getattr(c, f"{p}head_dim")
+        specs[i] = AttentionSpec(kv_heads, head_dim, dtype, c.sliding_window_size if k == "s" else None)
+        # the convs stay float32 whatever the compute dtype, as in transformers
+        specs[n + i] = RecurrentSpec((2 * kv_heads * head_dim + 2 * c.hidden_size, c.conv_kernel_size - 1), (),
+                                     torch.float32)
+    return specs
+
+
 _BUILDERS = {"bamba": _bamba, "jamba": _jamba, "qwen3_next": _qwen3_next,
              "granitemoehybrid": _granitemoehybrid, "nemotron_h": _nemotron_h, "lfm2": _lfm2, "lfm2_moe": _lfm2,
              "falcon_h1": _falcon_h1, "zamba2": _zamba2, "zamba": _zamba,
@@ -339,15 +356,15 @@ _BUILDERS = {"bamba": _bamba, "jamba": _jamba, "qwen3_next": _qwen3_next,
              "recurrent_gemma": _recurrent_gemma, "olmo_hybrid": _olmo_hybrid, "minimax": _minimax,
              "kimi_linear": _kimi_linear, "bailing_hybrid": _kimi_linear,
              "gpt_oss": _attention_only,  # layer_types: sliding and full attention layers
-             "granitemoe_swa": _attention_only, "rwkv": _rwkv, "zaya": _zaya,
+             "granitemoe_swa": _attention_only, "rwkv": _rwkv, "zaya": _zaya, "inkling_text": _inkling,
              "lfm3": _lfm3, "lara_mini": _lara_mini}
 
 
 def specs_from_config(cfg: Mapping, dtype: Optional[torch.dtype] = None) -> dict[int, LayerSpec]:
     """`{cache_key: AttentionSpec | RecurrentSpec}` from a config dict; caches in `dtype` (default:
     the config's torch_dtype). Keys equal the model's `cache_specs()` keys: the layer index, plus
-    `num_hidden_layers + i` for falcon_h1's Mamba halves, zamba2's attention sites and zaya's CCA
-    states (see the module docstring). Raises ValueError for a model_type it does not know or an
+    `num_hidden_layers + i` for falcon_h1's Mamba halves, zamba2's attention sites, zaya's CCA
+    states and inkling's conv windows (see the module docstring). Raises ValueError for a model_type it does not know or an
     invalid config."""
     dtype = dtype or config_dtype(cfg)
     kind = cfg["model_type"]

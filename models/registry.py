@@ -36,6 +36,7 @@ _ARCHITECTURES: dict[str, str] = {
     "GraniteMoeSWAForCausalLM": "granitemoe_swa",
     "RwkvForCausalLM": "rwkv",
     "ZayaForCausalLM": "zaya",
+    "InklingForCausalLM": "inkling",
 }
 
 

@@ -292,6 +292,11 @@ FAMILIES = {f.name: f for f in [
     Family("zaya", seed=19, make=tiny_zaya, logits_len=3 * WINDOW + 5, ragged=(*RAGGED_LENGTHS, 3 * WINDOW + 5),
            chunks=(5, 16, 7, 1, WINDOW + 6, 3, 1, 16), engine=((1, BS - 1, WINDOW + 1, 3 * BS + 5, 3 * WINDOW + 5), 60),
            hf_attn="eager", pressure=PressureCase(), prefix_migration=True, prefix_hit=True),
+    # Inkling: relative-bias attention (sliding with its own head shapes, and full with log scaling),
+    # four short-conv windows per layer in a state slot, MoE with a shared expert in the routing
+    Family("inkling", seed=20, logits_len=3 * WINDOW + 5, ragged=(*RAGGED_LENGTHS, 3 * WINDOW + 5),
+           chunks=(5, 16, 7, 1, WINDOW + 6, 3, 1, 16), engine=((1, BS - 1, WINDOW + 1, 3 * BS + 5, 3 * WINDOW + 5), 60),
+           hf_attn="eager", pressure=PressureCase(), prefix_migration=True, prefix_hit=True),
     # the shipped built-in models (trained Bambas, bf16 weights computed in float32): their own
     # weights, not random ones, through every check and the engine
     Family("tiny-code", seed=0, make=builtin_checkpoint, engine=(ENGINE_LENGTHS, 40), prefix_hit=True),
