@@ -33,7 +33,7 @@ attention_hidden_size]` in float32; no attention), zaya (every layer CCA attenti
 `[(heads + kv heads) x head_dim, cca_time0 + cca_time1 - 2]` and delayed value `[kv heads x
 head_dim / 2]`), inkling_text (relative-bias attention at key `i`, sliding layers with the `swa_*` head
 shapes; at key `num_hidden_layers + i` the four short-conv windows `[2 x kv width + 2 x hidden,
-conv_kernel_size - 1]` in float32, no SSM state).
+conv_kernel_size - 1]` in float32, no SSM state), inkling2_text (the same two kinds and keys).
 For the families from granitemoehybrid on and the attention-only ones, fields a config.json omits take
 transformers' config-class defaults
 (`hf_config`), as they do when transformers loads it. Shapes follow the models in hybridkv.models,
@@ -356,7 +356,8 @@ _BUILDERS = {"bamba": _bamba, "jamba": _jamba, "qwen3_next": _qwen3_next,
              "recurrent_gemma": _recurrent_gemma, "olmo_hybrid": _olmo_hybrid, "minimax": _minimax,
              "kimi_linear": _kimi_linear, "bailing_hybrid": _kimi_linear,
              "gpt_oss": _attention_only,  # layer_types: sliding and full attention layers
-             "granitemoe_swa": _attention_only, "rwkv": _rwkv, "zaya": _zaya, "inkling_text": _inkling,
+             "granitemoe_swa": _attention_only, "rwkv": _rwkv, "zaya": _zaya,
+             "inkling_text": _inkling, "inkling2_text": _inkling,
              "lfm3": _lfm3, "lara_mini": _lara_mini}
 
 

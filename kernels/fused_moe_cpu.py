@@ -29,10 +29,11 @@ def _grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> tor
 
 
 def fused_moe_torch(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation: str = "silu",
-                    gated: bool = True, gate_up_bias=None, down_bias=None, swiglu=None):
+                    gated: bool = True, gate_up_bias=None, down_bias=None, swiglu=None, glu=None):
     """Same contract as `fused_moe_ref`: hidden [T, H], w_gate_up [E, 2I, H] ([E, I, H] when not
     gated), w_down [E, H, I], topk_weights / topk_ids [T, k] -> [T, H] in hidden's dtype;
-    optional gate_up_bias [E, 2I], down_bias [E, H], swiglu=(alpha, limit) (GPT-OSS)."""
+    optional gate_up_bias [E, 2I], down_bias [E, H], swiglu=(alpha, limit) (GPT-OSS), glu: a
+    callable (gate, up) -> inner [M, I] replacing act(gate) * up (Inkling 2's softcapped SwiGLU)."""
     check_fused_moe_inputs(hidden, w_gate_up, w_down, topk_weights, topk_ids, gated)
     check_moe_extras(w_gate_up, w_down, gate_up_bias, down_bias, swiglu, gated)
     # free on the CPU; a host sync on a GPU and in a decode graph's dry run (Triton backend forced)
@@ -53,7 +54,10 @@ def fused_moe_torch(hidden, w_gate_up, w_down, topk_weights, topk_ids, activatio
         inner = inner + gate_up_bias[experts].to(inner.dtype)
     if gated:
         gate, up = inner.chunk(2, dim=-1)
-        inner = clamped_swiglu(gate, up, *swiglu) if swiglu is not None else act(gate) * up
+        if glu is not None:
+            inner = glu(gate, up)
+        else:
+            inner = clamped_swiglu(gate, up, *swiglu) if swiglu is not None else act(gate) * up
     else:
         inner = act(inner)
     y = _grouped_linear(inner, w_down, ends)

@@ -158,9 +158,9 @@ RWKV-4 WKV recurrence, key, value [T, C] -> wkv [T, C] (torch on every device)."
 # --- dense ------------------------------------------------------------------------------------
 fused_moe = Op("fused_moe", "fused_moe_cpu:fused_moe_torch", "ops:_fused_moe_triton", """
 (hidden, w_gate_up, w_down, topk_weights, topk_ids, activation="silu", gated=True,
-gate_up_bias=None, down_bias=None, swiglu=None): hidden [T, H], w_gate_up [E, 2I, H] (gated) or
-[E, I, H], w_down [E, H, I], topk [T, k] -> [T, H]. Biases and swiglu (GPT-OSS) run the torch path
-on every device: the Triton kernel has neither yet.""")
+gate_up_bias=None, down_bias=None, swiglu=None, glu=None): hidden [T, H], w_gate_up [E, 2I, H] (gated)
+or [E, I, H], w_down [E, H, I], topk [T, k] -> [T, H]. Biases and swiglu (GPT-OSS) and glu (a callable
+(gate, up) -> inner, Inkling 2) run the torch path on every device: the Triton kernel has none yet.""")
 rms_norm = Op("rms_norm", "rms_norm:rms_norm", "rms_norm:rms_norm", """
 (x, weight, eps, plus_one=False): x [..., d], weight [d], float32 -> x / rms(x) * w (w = 1 + weight
 when plus_one); a C row loop on CPU, torch elsewhere.""")
@@ -220,12 +220,12 @@ def _latent_attention_triton(q, kv_cache, kv_b_weight, query_start_loc, seq_lens
 
 
 def _fused_moe_triton(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation="silu", gated=True,
-                      gate_up_bias=None, down_bias=None, swiglu=None):
-    if gate_up_bias is not None or down_bias is not None or swiglu is not None:
+                      gate_up_bias=None, down_bias=None, swiglu=None, glu=None):
+    if gate_up_bias is not None or down_bias is not None or swiglu is not None or glu is not None:
         from .fused_moe_cpu import fused_moe_torch
 
         return fused_moe_torch(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation, gated,
-                               gate_up_bias, down_bias, swiglu)
+                               gate_up_bias, down_bias, swiglu, glu)
     from .fused_moe_kernel import fused_moe_triton
 
     return fused_moe_triton(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation, gated)

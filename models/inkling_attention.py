@@ -28,19 +28,20 @@ from .token_shift import lagged_inputs
 
 
 class InklingShortConv(nn.Module):
-    """x [T, C] -> x + causal depthwise conv of x (kernel K, no bias), computed in float32, cast back.
-    Its window (the last K - 1 inputs, float32) is `window [S, C, K - 1]`, a view of the layer's pool."""
+    """x [T, C] -> (x + causal depthwise conv of x) / divisor (kernel K, no bias), in float32, cast
+    back (Inkling 2 divides by sqrt(K + 1)). Its window (the last K - 1 inputs, float32) is
+    `window [S, C, K - 1]`, a view of the layer's pool."""
 
-    def __init__(self, channels: int, kernel_size: int):
+    def __init__(self, channels: int, kernel_size: int, divisor: float = 1.0):
         super().__init__()
-        self.channels, self.kernel_size = channels, kernel_size
+        self.channels, self.kernel_size, self.divisor = channels, kernel_size, divisor
         self.conv1d = nn.Conv1d(channels, channels, kernel_size, groups=channels, padding=kernel_size - 1, bias=False)
 
     def forward(self, x: torch.Tensor, window: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         xf = x.float()
         taps = lagged_inputs(xf, window, batch)  # [T, C, K]
-        y = F.conv1d(taps, self.conv1d.weight.float(), groups=self.channels)[:, :, 0]
-        return (y + xf).to(x.dtype)
+        y = F.conv1d(taps, self.conv1d.weight.float(), groups=self.channels)[:, :, 0] + xf
+        return (y if self.divisor == 1.0 else y / self.divisor).to(x.dtype)
 
 
 class RelativeLogits(nn.Module):
@@ -52,18 +53,19 @@ class RelativeLogits(nn.Module):
         self.proj = nn.Parameter(torch.empty(d_rel, rel_extent))
 
 
-def relative_attention(q, rel, kv_cache, batch: ForwardBatch, block_table, window, scale, tau):
+def relative_attention(q, rel, kv_cache, batch: ForwardBatch, block_table, window, scale, tau, sinks=None):
     """q [T, Hq, D]; rel [T, Hq, E] (each query's bias per backward distance 0..E-1); kv_cache
     [blocks, 2, bs, Hkv, D] (this step's K/V already written); tau [T] float32 or None (log
-    scaling of the bias). Returns [T, Hq, D]: softmax(q.k * scale + bias) v over each request's
-    keys (causal; within `window` when set)."""
+    scaling of the bias); sinks [T, Hq] or None (a logit per query and head that joins the
+    softmax with no value, Inkling 2). Returns [T, Hq, D]: softmax(q.k * scale + bias) v over
+    each request's keys (causal; within `window` when set)."""
     bs = kv_cache.shape[2]
     qlens = batch.query_lens_cpu or (batch.query_start_loc[1:] - batch.query_start_loc[:-1]).tolist()
     if qlens and max(qlens) == 1 and min(qlens) == 1:  # every request decodes one token: all at once
         L = window or block_table.shape[1] * bs
         q_pos = batch.seq_lens.long() - 1
         key_pos = q_pos[:, None] - (L - 1) + torch.arange(L, device=q.device)
-        return _attend(q, rel, q_pos, key_pos, block_table, kv_cache, bs, window, scale, tau)
+        return _attend(q, rel, q_pos, key_pos, block_table, kv_cache, bs, window, scale, tau, sinks)
     out = torch.zeros_like(q)
     qsl = batch.query_start_loc.tolist()
     for r, n in enumerate(qlens):
@@ -75,13 +77,13 @@ def relative_attention(q, rel, kv_cache, batch: ForwardBatch, block_table, windo
         lo = max(0, first - window + 1) if window else 0
         key_pos = torch.arange(lo, last + 1, device=q.device)[None].expand(n, -1)
         out[rows] = _attend(q[rows], rel[rows], q_pos, key_pos, block_table[r:r + 1].expand(n, -1), kv_cache, bs,
-                            window, scale, None if tau is None else tau[rows])
+                            window, scale, None if tau is None else tau[rows], None if sinks is None else sinks[rows])
     return out
 
 
-def _attend(q, rel, q_pos, key_pos, tables, kv_cache, bs, window, scale, tau):
+def _attend(q, rel, q_pos, key_pos, tables, kv_cache, bs, window, scale, tau, sinks=None):
     """N query rows: q [N, Hq, D], rel [N, Hq, E], q_pos [N], key_pos [N, L] (may be < 0: masked),
-    tables [N, W] each row's block table -> [N, Hq, D]."""
+    tables [N, W] each row's block table, sinks [N, Hq] or None -> [N, Hq, D]."""
     N, Hq, _ = q.shape
     E = rel.shape[-1]
     dist = q_pos[:, None] - key_pos
@@ -100,7 +102,10 @@ def _attend(q, rel, q_pos, key_pos, tables, kv_cache, bs, window, scale, tau):
     if tau is not None:
         bias = (bias.float() * tau[:, None, None]).to(bias.dtype)
     scores = (scores + bias).masked_fill(~valid[:, None, :], float("-inf"))
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:  # one more logit per row, with no value: it only takes probability mass
+        weights = torch.softmax(torch.cat([scores, sinks[:, :, None]], dim=-1).float(), dim=-1)[..., :-1].to(q.dtype)
     return torch.einsum("nhl,nlhd->nhd", weights, v)
 
 

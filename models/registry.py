@@ -37,6 +37,7 @@ _ARCHITECTURES: dict[str, str] = {
     "RwkvForCausalLM": "rwkv",
     "ZayaForCausalLM": "zaya",
     "InklingForCausalLM": "inkling",
+    "Inkling2ForCausalLM": "inkling2",
 }
 
 

@@ -157,6 +157,27 @@ def tiny_zaya(family: str, path, seed: int = 0, **overrides) -> Path:
     return path
 
 
+def tiny_inkling2(family: str, path, seed: int = 0, **overrides) -> Path:
+    """A tiny Inkling 2 checkpoint (saved under the published names) whose 2-D parameters that
+    transformers initialises to constants are random: the block-residual queries (`attn_res.*`,
+    zero: uniform mixes) N(0, 1), the full layers' static conv taps (`static_w`, zero) N(0, 0.3^2),
+    the clip scales (one) U(0.5, 1.5), and the routing biases (`mlp.gate.bias`, zero) N(0, 0.1^2)."""
+    path = make_tiny_checkpoint(family, path, seed=seed, **overrides)
+    tensors = load_file(str(path / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    for name, t in tensors.items():
+        if ".attn_res." in name:
+            tensors[name] = torch.randn(t.shape, generator=g)
+        elif name.endswith("static_w"):
+            tensors[name] = torch.randn(t.shape, generator=g) * 0.3
+        elif name.endswith("_l2_clip.scale"):
+            tensors[name] = torch.rand(t.shape, generator=g) + 0.5
+        elif name.endswith("mlp.gate.bias"):
+            tensors[name] = torch.randn(t.shape, generator=g) * 0.1
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
 def builtin_checkpoint(name: str, path, seed: int = 0) -> Path:
     """The shipped folder of built-in model `name` (hybridkv/builtin_models/<name>, loaded as
     "hybridkv/<name>"); `path` and `seed` are unused: its trained weights are the case."""
@@ -296,6 +317,12 @@ FAMILIES = {f.name: f for f in [
     # four short-conv windows per layer in a state slot, MoE with a shared expert in the routing
     Family("inkling", seed=20, logits_len=3 * WINDOW + 5, ragged=(*RAGGED_LENGTHS, 3 * WINDOW + 5),
            chunks=(5, 16, 7, 1, WINDOW + 6, 3, 1, 16), engine=((1, BS - 1, WINDOW + 1, 3 * BS + 5, 3 * WINDOW + 5), 60),
+           hf_attn="eager", pressure=PressureCase(), prefix_migration=True, prefix_hit=True),
+    # Inkling 2: Inkling's memory (KV + four conv windows per layer) with clipped projections, per-query
+    # sinks, dynamic k/v convs on full layers, block attention residuals, softcapped experts and logits
+    Family("inkling2", seed=21, make=tiny_inkling2, logits_len=3 * WINDOW + 5, ragged=(*RAGGED_LENGTHS, 3 * WINDOW + 5),
+           chunks=(5, 16, 7, 1, WINDOW + 6, 3, 1, 16), engine=((1, BS - 1, WINDOW + 1, 3 * BS + 5, 3 * WINDOW + 5), 60),
+           names=("model.llm.layers.1.mlp.experts.w13_weight", "mlp.experts.gate_up_proj"),
            hf_attn="eager", pressure=PressureCase(), prefix_migration=True, prefix_hit=True),
     # the shipped built-in models (trained Bambas, bf16 weights computed in float32): their own
     # weights, not random ones, through every check and the engine
