@@ -54,7 +54,7 @@ def one_run(num_reqs: int, steps: int, real: bool) -> dict:
     clock = time.process_time
     for rid in range(num_reqs):
         prompt = [rng.randrange(4, 512) for _ in range(rng.randint(16, 200))]
-        mgr.admit(rid, prompt)
+        mgr.admit(Request(rid, prompt))
         mgr.allocate(rid, len(prompt))
         mgr.commit(rid, len(prompt))
         mgr.append_tokens(rid, [rng.randrange(4, 512)])
@@ -131,3 +131,4 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+from hybridkv.request import Request

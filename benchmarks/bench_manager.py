@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from hybridkv.request import Request
 from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.specs import AttentionSpec, RecurrentSpec
 
@@ -33,7 +34,7 @@ def bench_decode_step(num_reqs: int, ctx: int, steps: int, block_size: int, cach
                            fingerprint="bench")
     for r in range(num_reqs):
         n = ctx if aligned else ctx + r % block_size
-        m.admit(r, [r * 7 + 1] + list(range(n - 1)))
+        m.admit(Request(r, [r * 7 + 1] + list(range(n - 1))))
         m.allocate(r, n)
         m.commit(r, n)
     ids = list(range(num_reqs))
@@ -62,7 +63,7 @@ def bench_cycles(prompt_len: int, shared: int, cycles: int, block_size: int, cac
     t0 = time.perf_counter()
     for c in range(cycles):
         prompt = system + [(c * 31 + j) % 50_000 for j in range(prompt_len - shared)]
-        hit = m.admit(c, prompt)
+        hit = m.admit(Request(c, prompt))
         end = len(prompt)
         due = m.checkpoint_due(c, hit, end)
         for stop in ([due] if due else []) + [end]:

@@ -28,7 +28,7 @@ from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.scheduler.preemption import PreemptionPolicy
 from hybridkv.scheduler.scheduler import Scheduler
-from hybridkv.scheduler.sequence import Sequence
+from hybridkv.request import Request
 from hybridkv.specs import AttentionSpec, RecurrentSpec
 
 GOAL_MS = 2.0
@@ -43,11 +43,11 @@ class Arrivals:
     def __init__(self, seed: int = 0):
         self.rng, self.count = random.Random(seed), 0
 
-    def next(self) -> Sequence:
+    def next(self) -> Request:
         rng, i = self.rng, self.count
         self.count += 1
         prompt = [rng.randrange(4, 32000) for _ in range(rng.randint(16, 128))]
-        return Sequence(f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(4, 32)), arrival=float(i))
+        return Request(f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(4, 32)), arrival=float(i))
 
 
 def build(num_waiting: int, max_num_seqs: int, max_batched_tokens: int,

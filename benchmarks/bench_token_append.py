@@ -29,17 +29,17 @@ import torch
 
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.scheduler.sampler import Sampler
-from hybridkv.scheduler.sequence import Sequence, SequenceStatus
+from hybridkv.request import Request, RequestStatus
 from hybridkv.scheduler.token_append import TokenAppender
 
 EOS = (2, 3)
 
 
-def batch(rows: int, vocab: int, rng: np.random.Generator) -> list[Sequence]:
+def batch(rows: int, vocab: int, rng: np.random.Generator) -> list[Request]:
     params = SamplingParams(max_tokens=100_000, temperature=0.0)
-    seqs = [Sequence(f"r{i}", rng.integers(4, vocab, rng.integers(16, 200)).tolist(), params) for i in range(rows)]
+    seqs = [Request(f"r{i}", rng.integers(4, vocab, rng.integers(16, 200)).tolist(), params) for i in range(rows)]
     for s in seqs:
-        s.status = SequenceStatus.RUNNING
+        s.status = RequestStatus.RUNNING
     return seqs
 
 

@@ -19,7 +19,7 @@ from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.contiguous import pool_utilization
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.scheduler.preemption import PreemptionPolicy
-from hybridkv.scheduler.sequence import Sequence as Seq
+from hybridkv.request import Request as Seq
 from hybridkv.scheduler.scheduler import Scheduler
 
 from traces import TraceRequest

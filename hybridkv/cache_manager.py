@@ -11,7 +11,8 @@ verb over the model's kinds and is the one place that says how their answers com
 Attention layers form one group per window (full attention, each sliding window): a group is
 one memory object with its own pool share and block tables (`attention_groups`, keyed by the
 window, None for full attention); the model gets one block table and slot mapping per group.
-It also keeps, per request, the tokens (the owner's list), progress and block hashes.
+Its verbs take the scheduler's own `Request` objects (hybridkv/request.py) and change their
+memory fields (num_computed_tokens, block hashes, status); it keeps them by id, never a copy.
 The kinds are made from the specs in memory/kinds.py; snapshots are checked and gathered in
 snapshot_transfer.py.
 Invariant at every step boundary: every kind holds the request's memory of exactly
@@ -24,10 +25,10 @@ a request that can never fit raises RequestTooLargeError, a ValueError):
     mgr = HybridCacheManager.from_budget(specs, budget_bytes, block_size, max_num_seqs, checkpoint_share, ...)
     mgr.kv_caches / mgr.conv_states / mgr.ssm_states      {layer_idx: tensor} for ModelCaches
     mgr.check_fits(num_prompt_tokens, max_tokens)          raises RequestTooLargeError
-    mgr.can_admit(token_ids, max_tokens=, cache_salt=, ..., num_new_tokens=None) -> bool
-    mgr.admit(req_id, token_ids, max_tokens=, cache_salt=, ..., num_new_tokens=None)
-        -> hit tokens (block-aligned, < len(token_ids)) or None (does not fit now; no side effect).
-        The manager keeps `token_ids` (the owner's list) and reads appended tokens from it.
+    mgr.can_admit(request, num_new_tokens=None) -> bool
+    mgr.admit(request, num_new_tokens=None)     request: a Request the manager does not know
+        -> hit tokens (block-aligned, < its tokens) or None (does not fit now; no side effect).
+        The manager keeps the request by id and reads appended tokens from its list.
     mgr.plan_bursts([(req_id, token_ids, cache_salt), ...])  the next waiting requests, before admitting
     mgr.waits_for_shared_prefix(req_id, token_ids, cache_salt=) -> bool   the burst rule
     mgr.append_tokens(req_id, token_ids)                   extends the owner's list
@@ -42,14 +43,14 @@ a request that can never fit raises RequestTooLargeError, a ValueError):
     with mgr.batched_checkpoints(): mgr.checkpoint(...) ...  the state copies at the exit, together
     mgr.checkpoint_due(req_id, start, end) -> int | None    where to cut the chunk for a checkpoint
     mgr.checkpoint(req_id) -> bool                          live state -> checkpoint at num_computed
-    mgr.fork(parent_id, child_id, token_ids=None) -> bool   share blocks, copy the state
+    mgr.fork(parent_id, child) -> bool                     child = parent.fork(...): share blocks, copy the state
     mgr.preempt(req_id, mode="recompute" | "swap");  mgr.resume(req_id, num_new_tokens=None)
     mgr.finish(req_id);  mgr.discard(req_id)               (a failed step: keep nothing of it)
-    mgr.export_snapshot(req_id) / mgr.import_snapshot(snapshot, ...)
+    mgr.export_snapshot(req_id) / mgr.import_snapshot(snapshot, request_of(snapshot))
     mgr.block_table(req_ids, width=None) -> int32 [R, width]   (the lead attention group's)
     mgr.block_tables(req_ids) -> {window: int32 [R, width]}   one per attention group
     mgr.live_slot(req_id) -> int;  mgr.live_slots(req_ids) -> list[int]
-    mgr.request(req_id) -> RequestState;  mgr.stats() -> ManagerStats
+    mgr.request(req_id) -> Request;  mgr.stats() -> ManagerStats
 The semantics of each verb over each kind: docs/design.md.
 """
 from __future__ import annotations
@@ -66,7 +67,7 @@ from hybridkv.block_hash import extend_hashes, extra_key
 from hybridkv.checkpoint_policy import DEFAULT_POLICY, CheckpointPolicy
 from hybridkv.decode_rows import DecodeRows
 from hybridkv.eviction import DEFAULT_EVICTION
-from hybridkv.errors import MemoryBudgetError, RequestStateError, RequestTooLargeError
+from hybridkv.errors import MemoryBudgetError, RequestStateError, RequestTooLargeError, SnapshotMismatchError
 from hybridkv.manager_stats import ManagerStats
 from hybridkv.memory.burst import BurstRule
 from hybridkv.memory.full_attention import FullAttentionMemory
@@ -75,9 +76,11 @@ from hybridkv.memory.layer_memory import LayerMemory
 from hybridkv.memory.recurrent import RecurrentMemory
 from hybridkv.plan import plan
 from hybridkv.prefix_match import NO_MATCH, PrefixHitCounter, PrefixMatch, match_prefix
-from hybridkv.request_state import PREEMPTED, RUNNING, SWAPPED, RequestState
+from hybridkv.request import Request, RequestStatus
 from hybridkv.snapshot import RequestSnapshot
 from hybridkv.specs import LayerSpec
+
+RUNNING, WAITING, SWAPPED = RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.SWAPPED
 
 
 class HybridCacheManager:
@@ -107,7 +110,7 @@ class HybridCacheManager:
         self.allocating_kinds = [k for k in self.kinds if type(k).allocate is not LayerMemory.allocate]
         self.committing_kinds = [k for k in self.kinds if type(k).commit is not LayerMemory.commit]
         self.bursts = BurstRule(block_size, self._prompt_hashes, lambda hashes, n: self._match(hashes, n).blocks)
-        self._reqs: dict[Hashable, RequestState] = {}
+        self._reqs: dict[Hashable, Request] = {}
         self.hits = PrefixHitCounter()
         self._preemptions = {"recompute": 0, "swap": 0}
 
@@ -156,10 +159,10 @@ class HybridCacheManager:
         return self.recurrent.num_slots if self.recurrent else 0
 
     @property
-    def requests(self) -> Mapping[Hashable, RequestState]:
+    def requests(self) -> Mapping[Hashable, Request]:
         return types.MappingProxyType(self._reqs)
 
-    def request(self, req_id: Hashable) -> RequestState:
+    def request(self, req_id: Hashable) -> Request:
         try:
             return self._reqs[req_id]
         except KeyError:
@@ -177,14 +180,14 @@ class HybridCacheManager:
         """The request's KV block per table position (-1 where a block left the window)."""
         return self.attention.block_ids(req_id) if self.attention else []
 
-    def _running(self, req_id: Hashable) -> RequestState:
+    def _running(self, req_id: Hashable) -> Request:
         r = self.request(req_id)
         if r.status is not RUNNING:
             raise RequestStateError(f"request {req_id!r} is {r.status}, not running")
         return r
 
     # ---- prefix match ----------------------------------------------------------------------
-    def _hashes(self, r: RequestState) -> list[bytes]:
+    def _hashes(self, r: Request) -> list[bytes]:
         extend_hashes(r.block_hashes, r.token_ids, len(r.token_ids) // self.block_size, r.extra_key,
                       self.block_size)
         return r.block_hashes
@@ -205,33 +208,35 @@ class HybridCacheManager:
                     f"request of {num_tokens} prompt + {max_tokens} max_tokens {why}: shorten the prompt "
                     f"or max_tokens, or raise the memory budget")
 
-    def _new_state(self, req_id, token_ids, max_tokens, cache_salt, adapter_id, mm_hashes) -> RequestState:
-        self.check_fits(len(token_ids), max_tokens)
-        key = extra_key(self.fingerprint, adapter_id, tuple(mm_hashes), cache_salt)
-        tokens = token_ids if isinstance(token_ids, list) else list(token_ids)  # the owner's list, not a copy
-        return RequestState(req_id, tokens, len(tokens), max_tokens, key, cache_salt, adapter_id, tuple(mm_hashes))
+    def _keyed(self, r: Request) -> Request:
+        """`r` with its blocks' hash key (hashes made under another key are dropped)."""
+        key = extra_key(self.fingerprint, r.adapter_id, r.mm_hashes, r.cache_salt)
+        if key != r.extra_key:
+            r.extra_key = key
+            r.block_hashes.clear()
+        return r
 
-    def can_admit(self, token_ids: Sequence[int], *, max_tokens: int = 0, cache_salt: Optional[str] = None,
-                  adapter_id=None, mm_hashes: Sequence[str] = (), num_new_tokens: Optional[int] = None) -> bool:
-        """Whether admit() would succeed now. Raises RequestTooLargeError if it never could."""
-        r = self._new_state(None, list(token_ids), max_tokens, cache_salt, adapter_id, mm_hashes)
-        return self._start(r, num_new_tokens, dry_run=True) is not None
+    def can_admit(self, request: Request, num_new_tokens: Optional[int] = None) -> bool:
+        """Whether admit() would succeed now (it may extend request.block_hashes). Raises
+        RequestTooLargeError if it never could."""
+        self.check_fits(len(request.token_ids), request.max_tokens)
+        return self._start(self._keyed(request), num_new_tokens, dry_run=True) is not None
 
-    def admit(self, req_id: Hashable, token_ids: Sequence[int], *, max_tokens: int = 0,
-              cache_salt: Optional[str] = None, adapter_id=None, mm_hashes: Sequence[str] = (),
-              num_new_tokens: Optional[int] = None) -> Optional[int]:
-        """Register and start a request: prefix match over every kind, then each kind takes its
-        share (references on hit blocks, a live slot filled from the hit's checkpoint). Returns
-        the hit length in tokens, or None when the pools cannot take it now (nothing changed)."""
-        if req_id in self._reqs:
-            raise RequestStateError(f"request id {req_id!r} is already known to the manager")
-        r = self._new_state(req_id, token_ids, max_tokens, cache_salt, adapter_id, mm_hashes)
-        hit = self._start(r, num_new_tokens)
+    def admit(self, request: Request, num_new_tokens: Optional[int] = None) -> Optional[int]:
+        """Register and start a request the manager does not know: prefix match over every kind,
+        then each kind takes its share (references on hit blocks, a live slot filled from the
+        hit's checkpoint); the request becomes RUNNING at the hit. Returns the hit length in
+        tokens, or None when the pools cannot take it now (nothing changed)."""
+        rid = request.request_id
+        if rid in self._reqs:
+            raise RequestStateError(f"request id {rid!r} is already known to the manager")
+        self.check_fits(len(request.token_ids), request.max_tokens)
+        hit = self._start(self._keyed(request), num_new_tokens)
         if hit is not None:
-            self._reqs[req_id] = r
+            self._reqs[rid] = request
         return hit
 
-    def _start(self, r: RequestState, num_new_tokens: Optional[int], dry_run: bool = False) -> Optional[int]:
+    def _start(self, r: Request, num_new_tokens: Optional[int], dry_run: bool = False) -> Optional[int]:
         bs, n_tok = self.block_size, len(r.token_ids)
         match = self._match(self._hashes(r), n_tok) if self.enable_prefix_caching else NO_MATCH
         m, hit = match.blocks, match.blocks * bs
@@ -241,14 +246,15 @@ class HybridCacheManager:
         if dry_run:
             return hit
         for kind in self.kinds:
-            kind.admit(r.req_id, r.block_hashes, m)
+            kind.admit(r.request_id, r.block_hashes, m)
         r.num_computed_tokens, r.num_hashed_blocks, r.resumed_from = hit, m, hit
+        r.shared.clear()
         # Only a real junction (another cached continuation), not the end of a cached sequence.
         r.branch_point = match.kv_blocks * bs if match.kv_blocks > m and match.branches else None
         r.status = RUNNING
         self.hits.record(n_tok, hit, match.miss)
         if self.enable_prefix_caching:  # this request now computes its prompt's uncached blocks
-            planned = self.bursts.admitted(r.req_id, r.block_hashes[m:(r.num_prompt_tokens - 1) // bs], hit)
+            planned = self.bursts.admitted(r.request_id, r.block_hashes[m:(r.num_prompt_tokens - 1) // bs], hit)
             if self.recurrent is not None:
                 r.shared.extend(planned)
         return hit
@@ -373,14 +379,14 @@ class HybridCacheManager:
         if new >= r.num_prompt_tokens:  # its prompt is computed: no follower can wait for it now
             self.bursts.drop(req_id)
 
-    def advance(self, req_id: Hashable, r: RequestState, new: int) -> None:
+    def advance(self, req_id: Hashable, r: Request, new: int) -> None:
         """commit() past its checks (the caller made them): num_computed_tokens becomes `new`,
         full blocks get hashed."""
         failed = self.advance_each([req_id], [r], [0], [new])
         if failed:
             raise failed[0]
 
-    def advance_each(self, req_ids: list, states: list[RequestState], rows: list[int], new: list[int]
+    def advance_each(self, req_ids: list, states: list[Request], rows: list[int], new: list[int]
                      ) -> dict[int, Exception]:
         """advance() of requests `rows` (indices into req_ids and states, in this order) to new[i]
         tokens, in one loop (a decode step's tokens that fill blocks); {row: error} of those
@@ -455,14 +461,14 @@ class HybridCacheManager:
             return contextlib.nullcontext()
         return self.recurrent.states.deferred_copies()
 
-    def _boundary(self, r: RequestState) -> bytes:
+    def _boundary(self, r: Request) -> bytes:
         """Hash of the block ending at num_computed_tokens, made findable in every kind."""
         i = r.num_computed_tokens // self.block_size - 1
         for kind in self.kinds:
-            kind.mark_boundary(r.req_id, i, r.block_hashes[i])
+            kind.mark_boundary(r.request_id, i, r.block_hashes[i])
         return r.block_hashes[i]
 
-    def _donation(self, r: RequestState) -> Optional[tuple[bytes, int]]:
+    def _donation(self, r: Request) -> Optional[tuple[bytes, int]]:
         """Where a released live state can stay as a checkpoint: (hash, position), or None."""
         nc = r.num_computed_tokens
         if self.recurrent is None or not self.enable_prefix_caching or not nc or nc % self.block_size:
@@ -470,23 +476,24 @@ class HybridCacheManager:
         return self._boundary(r), nc
 
     # ---- a request's life ------------------------------------------------------------------
-    def fork(self, parent_id: Hashable, child_id: Hashable, token_ids: Optional[list[int]] = None) -> bool:
-        """Start `child_id` as a copy of a running parent: blocks shared (a partial one copied on
-        first write), state copied. token_ids: the child's own list, equal to the parent's now
-        (None: the manager keeps a copy). False if a kind cannot take it now."""
+    def fork(self, parent_id: Hashable, child: Request) -> bool:
+        """Start `child` (a request the manager does not know, its tokens equal to the parent's
+        now: `parent.fork(...)`) as a copy of a running parent: blocks shared (a partial one
+        copied on first write), state copied. False if a kind cannot take it now."""
         p = self._running(parent_id)
+        child_id = child.request_id
         if child_id in self._reqs:
             raise RequestStateError(f"request id {child_id!r} is already known to the manager")
-        if token_ids is not None and list(token_ids) != p.token_ids:
+        if child.token_ids != p.token_ids:
             raise RequestStateError(f"fork {child_id!r}: its token_ids differ from parent {parent_id!r}'s")
         if not all(k.can_fork() for k in self.kinds):
             return False
         for kind in self.kinds:
             kind.fork(parent_id, child_id, p.num_computed_tokens)
-        self._reqs[child_id] = RequestState(
-            child_id, list(p.token_ids) if token_ids is None else token_ids, p.num_prompt_tokens, p.max_tokens,
-            p.extra_key, p.cache_salt, p.adapter_id, p.mm_hashes, RUNNING, p.num_computed_tokens,
-            list(p.block_hashes), p.num_hashed_blocks)
+        child.extra_key, child.block_hashes = p.extra_key, list(p.block_hashes)
+        child.num_computed_tokens, child.num_hashed_blocks = p.num_computed_tokens, p.num_hashed_blocks
+        child.status = RUNNING
+        self._reqs[child_id] = child
         return True
 
     def finish(self, req_id: Hashable) -> None:
@@ -501,6 +508,7 @@ class HybridCacheManager:
             kind.forget(req_id)
         self.bursts.drop(req_id)
         r.swapped = None
+        r.shared.clear()
         del self._reqs[req_id]
 
     def discard(self, req_id: Hashable) -> None:
@@ -514,6 +522,7 @@ class HybridCacheManager:
             kind.forget(req_id)
         self.bursts.drop(req_id)
         r.swapped = None
+        r.shared.clear()
         del self._reqs[req_id]
 
     def preempt(self, req_id: Hashable, mode: str = "recompute") -> None:
@@ -526,7 +535,7 @@ class HybridCacheManager:
                 kind.release(req_id, donate)
             r.num_computed_tokens = r.num_hashed_blocks = 0
             r.shared.clear()
-            r.status = PREEMPTED
+            r.status = WAITING
         elif mode == "swap":
             r.swapped = {kind.name: kind.swap_out(req_id, r.num_computed_tokens) for kind in self.kinds}
             r.status = SWAPPED
@@ -538,7 +547,7 @@ class HybridCacheManager:
     def resume(self, req_id: Hashable, num_new_tokens: Optional[int] = None) -> Optional[int]:
         """Restart a preempted request; returns its num_computed_tokens, or None if it cannot run now."""
         r = self.request(req_id)
-        if r.status is PREEMPTED:
+        if r.status is WAITING:
             return self._start(r, num_new_tokens)
         if r.status is not SWAPPED:
             raise RequestStateError(f"request {req_id!r} is {r.status}, not preempted")
@@ -561,27 +570,32 @@ class HybridCacheManager:
         return snapshot_transfer.export_snapshot(self._running(req_id), self.kinds, self.fingerprint,
                                                  self.block_size, device, sampling_state)
 
-    def import_snapshot(self, snap: RequestSnapshot, req_id: Optional[Hashable] = None,
-                        num_new_tokens: Optional[int] = None, token_ids: Optional[list[int]] = None) -> bool:
-        """Continue an exported request here (any block size). token_ids: the owner's list equal to
-        snap.token_ids (None: the manager keeps a copy). False if the pools cannot take it now;
-        SnapshotMismatchError if it was taken on another model or is malformed (nothing changes)."""
+    def import_snapshot(self, snap: RequestSnapshot, request: Request,
+                        num_new_tokens: Optional[int] = None) -> bool:
+        """Continue an exported request here (any block size) as `request` (made from the snapshot:
+        `snapshot_transfer.request_of`; its tokens equal snap.token_ids), which becomes RUNNING at
+        snap.num_computed_tokens. False if the pools cannot take it now; SnapshotMismatchError if
+        it was taken on another model or is malformed (nothing changes)."""
         snapshot_transfer.check_snapshot(snap, self.kinds, self.fingerprint, self.check_fits)
-        rid = snap.req_id if req_id is None else req_id
+        rid = request.request_id
+        if request.token_ids != list(snap.token_ids):
+            raise SnapshotMismatchError(f"request {rid!r} to import has other tokens than its snapshot")
         if rid in self._reqs:
             raise RequestStateError(f"request id {rid!r} is already known to the manager")
         nc, part = snap.num_computed_tokens, snapshot_transfer.snapshot_parts(snap)
         end = len(snap.token_ids) if num_new_tokens is None else nc + num_new_tokens
         if not all(k.can_import(part, nc, end) for k in self.kinds):
             return False
-        key = extra_key(self.fingerprint, snap.adapter_id, tuple(snap.mm_hashes), snap.cache_salt)
-        r = snapshot_transfer.imported_state(snap, rid, token_ids, key, RUNNING)
+        r = self._keyed(request)
+        r.num_computed_tokens = r.resumed_from = nc
+        r.num_hashed_blocks = 0
         hashes: list[bytes] = []
         if self.enable_prefix_caching:
             hashes = self._hashes(r)
             r.num_hashed_blocks = nc // self.block_size
         for kind in self.kinds:
             kind.import_(rid, part, hashes, nc)
+        r.status = RUNNING
         self._reqs[rid] = r
         return True
 
@@ -594,7 +608,7 @@ class HybridCacheManager:
         s = kinds.get(RecurrentMemory.name, {})
         running = [r for r in self._reqs.values() if r.status is RUNNING]
         used = a.get("blocks_used", 0)
-        waste = sum(len(g.block_ids(r.req_id)) * self.block_size - r.num_computed_tokens  # past the last token
+        waste = sum(len(g.block_ids(r.request_id)) * self.block_size - r.num_computed_tokens  # past the last token
                     for g in self.attention_groups.values() for r in running)
         return ManagerStats(
             kv_blocks_used=used, kv_blocks_cached=a.get("blocks_cached", 0), kv_blocks_free=a.get("blocks_free", 0),

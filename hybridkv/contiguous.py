@@ -50,7 +50,7 @@ def pool_utilization(manager: HybridCacheManager) -> tuple[int, int]:
     fragmentation; 1.0 for paging would mean no block is partly empty."""
     held = reserved = 0
     for r in manager.requests.values():
-        ids = manager.block_ids(r.req_id)
+        ids = manager.block_ids(r.request_id)
         first = next((i for i, b in enumerate(ids) if b >= 0), len(ids))  # blocks that left a window
         if len(ids) > first:
             held += r.num_computed_tokens - first * manager.block_size

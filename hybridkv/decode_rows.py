@@ -4,7 +4,7 @@ as arrays, and the manager's batched one-token verbs over them (`allocate_decode
 
 A decode step touches every running request, so it should cost numpy calls over arrays, not a
 lookup per request in each kind's dicts. `HybridCacheManager.decode_rows(req_ids)` looks each
-request up once (its `RequestState`, its block-table row and block count in every attention
+request up once (its `Request`, its block-table row and block count in every attention
 group, its live state slot); the scheduler keeps the handle while the same requests go on
 decoding, and the verbs keep its block counts up to date as they hand out blocks.
 
@@ -30,7 +30,7 @@ from typing import Any, Optional
 import numpy as np
 
 from hybridkv.memory.full_attention import FullAttentionMemory
-from hybridkv.request_state import RequestState
+from hybridkv.request import Request
 
 # The manager that made a handle (a HybridCacheManager); not imported, so the arrow between the two
 # modules points one way: cache_manager -> decode_rows.
@@ -82,13 +82,13 @@ class GroupRows:
 
 @dataclass
 class DecodeRows:
-    """req_ids in a fixed order; states: their RequestStates; num_prompt: int64 [R];
+    """req_ids in a fixed order; states: their Requests; num_prompt: int64 [R];
     state_slots: int32 [R] (0 without recurrent layers); groups: {window: GroupRows} in the
     manager's attention-group order; lead: the lead group's (None without attention)."""
 
     mgr: Manager
     req_ids: list
-    states: list[RequestState]
+    states: list[Request]
     num_prompt: np.ndarray
     state_slots: np.ndarray
     groups: dict[Optional[int], GroupRows]
@@ -113,7 +113,7 @@ class DecodeRows:
         return len(self.req_ids)
 
     @classmethod
-    def of(cls, mgr: Manager, req_ids: list, states: list[RequestState],
+    def of(cls, mgr: Manager, req_ids: list, states: list[Request],
            state_slots: list[int]) -> "DecodeRows":
         groups = {w: GroupRows.of(kind, req_ids) for w, kind in mgr.attention_groups.items()}
         lead = next((g for g in groups.values() if g.kind is mgr.attention), None)

@@ -7,12 +7,12 @@ inconsistent, it could never fit, or a kind finds its part malformed (`check_imp
 """
 from __future__ import annotations
 
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Hashable, Optional, Sequence
 
 import torch
 
 from hybridkv.errors import SnapshotMismatchError
-from hybridkv.request_state import RequestState
+from hybridkv.request import Request
 from hybridkv.snapshot import RequestSnapshot
 
 
@@ -24,14 +24,14 @@ def layer_shapes(kinds: Sequence) -> dict[int, tuple]:
     return dict(sorted(out.items()))
 
 
-def export_snapshot(r: RequestState, kinds: Sequence, fingerprint: str, block_size: int,
+def export_snapshot(r: Request, kinds: Sequence, fingerprint: str, block_size: int,
                     device: torch.device | str, sampling_state=None) -> RequestSnapshot:
     """Copy running request `r`'s memory of [0, num_computed_tokens) from every kind to `device`."""
     parts: dict = {"kv": {}, "kv_start": {}, "conv": {}, "ssm": {}}
     for kind in kinds:
-        for field_name, value in kind.export(r.req_id, r.num_computed_tokens, device).items():
+        for field_name, value in kind.export(r.request_id, r.num_computed_tokens, device).items():
             parts[field_name].update(value)
-    return RequestSnapshot(r.req_id, list(r.token_ids), r.num_prompt_tokens, r.num_computed_tokens,
+    return RequestSnapshot(r.request_id, list(r.token_ids), r.num_prompt_tokens, r.num_computed_tokens,
                            r.max_tokens, parts["kv"], parts["conv"], parts["ssm"], fingerprint,
                            block_size, r.cache_salt, r.adapter_id, r.mm_hashes, sampling_state,
                            layer_shapes(kinds), kv_start=parts["kv_start"])
@@ -66,11 +66,9 @@ def check_snapshot(snap: RequestSnapshot, kinds: Sequence, fingerprint: str,
         kind.check_import(part, nc)
 
 
-def imported_state(snap: RequestSnapshot, rid: Hashable, token_ids, extra_key: bytes,
-                   status: str) -> RequestState:
-    """The manager's record of an imported request: its tokens (the owner's list, or a copy of
-    the snapshot's), resumed at num_computed_tokens."""
-    nc = snap.num_computed_tokens
-    return RequestState(rid, list(snap.token_ids) if token_ids is None else token_ids, snap.num_prompt_tokens,
-                        snap.max_tokens, extra_key, snap.cache_salt, snap.adapter_id, tuple(snap.mm_hashes),
-                        status, nc, resumed_from=nc)
+def request_of(snap: RequestSnapshot, request_id: Optional[Hashable] = None, params=None) -> Request:
+    """A new request of the snapshot's tokens, prompt length, max_tokens and cache keys, named
+    request_id (None: the snapshot's), to import the snapshot as (`import_snapshot`)."""
+    return Request(snap.req_id if request_id is None else request_id, snap.token_ids, params,
+                   max_tokens=snap.max_tokens, cache_salt=snap.cache_salt, adapter_id=snap.adapter_id,
+                   mm_hashes=tuple(snap.mm_hashes), num_prompt_tokens=snap.num_prompt_tokens)

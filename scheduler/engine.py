@@ -6,7 +6,7 @@ and after the forward pass the commits, state checkpoints and forks; the model r
 (model_runner.py) builds the batch, runs the model, checks the logits and samples, and never
 changes the manager. The engine only sequences them and keeps the request-level API for a
 server: `add_request`, `step`, `abort`, `export_request` / `import_request` (migration), `stats`.
-A request id names a `SequenceGroup`: a prompt and its n sequences. Each `Sequence` owns its
+A request id names a `RequestGroup`: a prompt and its n sequences. Each `Request` owns its
 token list; the manager reads sampled tokens from it.
 
 A step is a transaction per request: when committing, checkpointing, forking, sampling or
@@ -38,7 +38,8 @@ from .model_runner import ModelRunner, RunnerOutput
 from .request_inbox import RequestInbox
 from .request_outputs import request_output
 from .scheduler import Scheduler
-from .sequence import Sequence, SequenceGroup
+from hybridkv.request import Request
+from .request_group import RequestGroup
 from .token_append import TokenAppender
 
 log = logging.getLogger(__name__)
@@ -101,9 +102,9 @@ class Engine:
             key = ("owned", next(self._serials)) if owned else request_id
             if key in self.groups:
                 raise ValueError(f"request id {request_id!r} is already in use; give another id")
-            seq = Sequence(key, token_ids, params, priority=int(priority), cache_salt=cache_salt,
+            seq = Request(key, token_ids, params, priority=int(priority), cache_salt=cache_salt,
                            max_tokens=self.max_new_tokens(len(token_ids), params))
-            g = SequenceGroup(str(request_id), prompt, params, [seq], key=key)
+            g = RequestGroup(str(request_id), prompt, params, [seq], key=key)
             g.owned = owned
             if params.prompt_logprobs is not None:
                 g.prompt_logprobs = [None] * len(token_ids)

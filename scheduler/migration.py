@@ -15,14 +15,15 @@ import dataclasses
 from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.errors import SnapshotMismatchError
 from hybridkv.outputs import Logprob
-from hybridkv.request_state import RUNNING
+from hybridkv.request import RequestStatus
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.snapshot import RequestSnapshot
+from hybridkv.snapshot_transfer import request_of
 
-from .sequence import Sequence, SequenceGroup
+from .request_group import RequestGroup
 
 
-def freeze(group: SequenceGroup, mgr: HybridCacheManager) -> RequestSnapshot:
+def freeze(group: RequestGroup, mgr: HybridCacheManager) -> RequestSnapshot:
     """The snapshot of an unfinished n == 1 request; ValueError otherwise. Changes nothing."""
     if group.params.n != 1:
         raise ValueError(f"request {group.request_id!r} has n={group.params.n} sequences; only n == 1 "
@@ -34,8 +35,7 @@ def freeze(group: SequenceGroup, mgr: HybridCacheManager) -> RequestSnapshot:
              "params": dataclasses.asdict(group.params), "priority": seq.priority,
              "output_logprobs": [{str(k): v for k, v in d.items()} for d in seq.output_logprobs],
              "num_cached_tokens": seq.num_cached_tokens}
-    held = mgr.requests.get(seq.request_id)
-    if held is not None and held.status == RUNNING:
+    if seq.status is RequestStatus.RUNNING:
         return mgr.export_snapshot(seq.request_id, sampling_state=state)
     # holds no memory here: the tokens are all it needs
     return RequestSnapshot(seq.request_id, list(seq.token_ids), seq.num_prompt_tokens, 0,
@@ -43,7 +43,7 @@ def freeze(group: SequenceGroup, mgr: HybridCacheManager) -> RequestSnapshot:
                            seq.cache_salt, sampling_state=state)
 
 
-def thaw(snap: RequestSnapshot, mgr: HybridCacheManager) -> tuple[SequenceGroup, bool]:
+def thaw(snap: RequestSnapshot, mgr: HybridCacheManager) -> tuple[RequestGroup, bool]:
     """Rebuild a migrated request: (its group, whether `mgr` now holds its memory as running).
     Raises SnapshotMismatchError for another model, RuntimeError when the pools cannot take its
     KV and state now (then nothing changed)."""
@@ -54,13 +54,13 @@ def thaw(snap: RequestSnapshot, mgr: HybridCacheManager) -> tuple[SequenceGroup,
     st = snap.sampling_state
     rid = str(snap.req_id)
     params = SamplingParams(**st["params"])
-    seq = Sequence(rid, snap.token_ids, params, priority=st["priority"], cache_salt=snap.cache_salt,
-                   num_prompt_tokens=st["num_prompt_tokens"])
+    seq = request_of(snap, rid, params)
+    seq.num_prompt_tokens, seq.max_tokens, seq.priority = st["num_prompt_tokens"], params.max_tokens, st["priority"]
     seq.output_logprobs = [{int(k): Logprob(*v) if isinstance(v, (list, tuple)) else Logprob(v)
                             for k, v in d.items()} for d in st["output_logprobs"]]  # JSON made them lists
     seq.num_cached_tokens = st["num_cached_tokens"]
     holds = snap.num_computed_tokens > 0
-    if holds and not mgr.import_snapshot(snap, req_id=rid, num_new_tokens=1, token_ids=seq.token_ids):
+    if holds and not mgr.import_snapshot(snap, seq, num_new_tokens=1):
         raise RuntimeError(f"cannot import request {rid!r} now: its {snap.num_computed_tokens} tokens "
                            f"of KV and its state do not fit the free pools ({mgr.stats()})")
-    return SequenceGroup(rid, st["prompt"], params, [seq]), holds
+    return RequestGroup(rid, st["prompt"], params, [seq]), holds

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from hybridkv.outputs import CompletionOutput, RequestOutput
 
-from .sequence import SequenceGroup
+from .request_group import RequestGroup
 
 
-def request_output(g: SequenceGroup, done: bool, tokenizer) -> RequestOutput:
+def request_output(g: RequestGroup, done: bool, tokenizer) -> RequestOutput:
     """g's output now; `done`: every sequence of it has finished. Token and logprob lists are
     copies (the sequences go on growing)."""
     outs = [CompletionOutput(s.seq_index, s.output_token_ids, s.finish_reason,

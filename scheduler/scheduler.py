@@ -33,7 +33,8 @@ from hybridkv.snapshot import RequestSnapshot
 from . import migration
 from .model_runner import RunnerOutput
 from .preemption import PreemptionPolicy
-from .sequence import Sequence, SequenceGroup, SequenceStatus, run_order
+from hybridkv.request import Request, RequestStatus, run_order
+from .request_group import RequestGroup
 from .sequence_queue import SequenceQueue
 from .step_plan import DecodeBatch, ScheduledChunk, SchedulerOutput
 from .stopping import decoded_logprobs
@@ -57,22 +58,22 @@ class Scheduler:
         self.batch_decodes = True
         self._advanced: Optional[DecodeBatch] = None  # the last batch the engine ran whole
         self.batches_cut = 0  # batches made by cutting the last one to the sequences left (internal)
-        self.groups: dict[Hashable, SequenceGroup] = {}  # the requests, by key (engine.py)
+        self.groups: dict[Hashable, RequestGroup] = {}  # the requests, by key (engine.py)
         self.counters = {"generated_tokens": 0, "forks": 0, "failed": 0, "decode_batch_steps": 0}
         self.appender: Optional[TokenAppender] = None  # the model's stop rules (set by the engine)
 
     # ---- queues ----------------------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Request) -> None:
         """Queue a sequence the manager does not hold (new, or a fork that found no slot)."""
-        seq.status = SequenceStatus.WAITING
+        seq.status = RequestStatus.WAITING
         self.waiting.add(seq)
 
-    def add_running(self, seq: Sequence) -> None:
+    def add_running(self, seq: Request) -> None:
         """A sequence the manager already holds as running (a fork, or an imported snapshot)."""
-        seq.status = SequenceStatus.RUNNING
+        seq.status = RequestStatus.RUNNING
         self.running.add(seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Request, reason: str) -> None:
         """End `seq` now (stopped, aborted, migrated away): out of its queue, memory freed."""
         if seq.finished:
             return
@@ -81,9 +82,9 @@ class Scheduler:
                 break
         if seq.request_id in self.mgr.requests:
             self.mgr.finish(seq.request_id)
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        seq.status, seq.finish_reason = RequestStatus.FINISHED, reason
 
-    def fail(self, seq: Sequence, error: BaseException | str, discard: bool = False) -> None:
+    def fail(self, seq: Request, error: BaseException | str, discard: bool = False) -> None:
         """End `seq` with finish_reason "error" and free its memory. discard: its live memory ran
         past num_computed_tokens (a forward or commit failed), so none of it may be cached."""
         if seq.finished:
@@ -98,10 +99,10 @@ class Scheduler:
             log.error("request %r: freeing its memory failed too: %r", rid, e)
             for queue in (self.running, self.waiting, self.swapped):
                 queue.remove(seq)
-            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
+            seq.status, seq.finish_reason = RequestStatus.FINISHED, "error"
         seq.error = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else error
 
-    def export(self, g: SequenceGroup) -> RequestSnapshot:
+    def export(self, g: RequestGroup) -> RequestSnapshot:
         """Freeze request `g` (n == 1) into a snapshot (migration.py) and release it here."""
         snap = migration.freeze(g, self.mgr)
         del self.groups[g.key]
@@ -144,10 +145,9 @@ class Scheduler:
                                                       budget, out)
         else:
             # Decodes (one token left to compute) before prefills; within each, by priority/arrival.
-            reqs = self.mgr.requests
             decodes, prefills = [], []
             for seq in self.running:  # run order, kept within decodes and within prefills
-                start = reqs[seq.request_id].num_computed_tokens
+                start = seq.num_computed_tokens
                 (decodes if len(seq.token_ids) - start <= 1 else prefills).append((start, seq))
             if decodes and len(decodes) <= budget:  # in one manager call; the rest one by one below
                 slots, due, done = self.mgr.allocate_decodes([seq.request_id for _, seq in decodes],
@@ -157,7 +157,7 @@ class Scheduler:
         for start, seq in itertools.chain(decodes, prefills):
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             chunk = self._fit_running(seq, start, min(seq.num_tokens - start, budget), out)
             if chunk is not None:
@@ -178,8 +178,8 @@ class Scheduler:
                 break
         return out
 
-    def _place_decodes(self, decodes: list[tuple[int, Sequence]], slots, due, done, budget: int,
-                       out: SchedulerOutput) -> tuple[list[tuple[int, Sequence]], int]:
+    def _place_decodes(self, decodes: list[tuple[int, Request]], slots, due, done, budget: int,
+                       out: SchedulerOutput) -> tuple[list[tuple[int, Request]], int]:
         """Chunks for the decodes `allocate_decodes` answered (slots, due, done per decode);
         returns the others, in run order, and the budget left."""
         rest, chunks = [], out.chunks
@@ -197,7 +197,7 @@ class Scheduler:
     def _admit_from(self, queue: SequenceQueue, budget: int, out: SchedulerOutput) -> int:
         """Start sequences from the head of `queue` while they fit; the budget left, or -1 when
         the scan must stop here (budget or seat cap reached, or the head does not fit now)."""
-        held: list[Sequence] = []  # waiting one step for a shared prefix: back in place afterwards
+        held: list[Request] = []  # waiting one step for a shared prefix: back in place afterwards
         try:
             while (seq := queue.peek()) is not None:
                 if budget == 0 or len(self.running) >= self.max_seqs:
@@ -219,7 +219,7 @@ class Scheduler:
                     return -1  # keep FCFS: nobody overtakes the head of the queue
                 queue.remove(seq)
                 self.running.add(seq)
-                seq.status = SequenceStatus.RUNNING
+                seq.status = RequestStatus.RUNNING
                 out.chunks.append(chunk)
                 budget -= chunk.num_tokens
             return budget
@@ -227,11 +227,11 @@ class Scheduler:
             for seq in held:
                 queue.add(seq)
 
-    def _cut(self, seq: Sequence, start: int, n: int) -> tuple[int, bool]:
+    def _cut(self, seq: Request, start: int, n: int) -> tuple[int, bool]:
         due = self.mgr.checkpoint_due(seq.request_id, start, start + n)
         return (due - start, True) if due is not None else (n, False)
 
-    def _fit_running(self, seq: Sequence, start: int, n: int, out: SchedulerOutput) -> Optional[ScheduledChunk]:
+    def _fit_running(self, seq: Request, start: int, n: int, out: SchedulerOutput) -> Optional[ScheduledChunk]:
         try:
             n, ckpt = self._cut(seq, start, n)
             while True:
@@ -247,11 +247,10 @@ class Scheduler:
             out.failed.append(seq)
             return None
 
-    def _preempt(self, victim: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         out.chunks = [c for c in out.chunks if c.seq is not victim]
         try:
-            nc = self.mgr.request(victim.request_id).num_computed_tokens
-            mode = self.policy.choose(nc)
+            mode = self.policy.choose(victim.num_computed_tokens)
             self.mgr.preempt(victim.request_id, mode)
         except Exception as e:  # the victim alone fails; its memory is freed all the same
             self.fail(victim, e)
@@ -259,22 +258,21 @@ class Scheduler:
             return
         self.running.remove(victim)
         if mode == "swap":
-            victim.status = SequenceStatus.SWAPPED
+            victim.status = RequestStatus.SWAPPED
             self.swapped.add(victim)
         else:
-            victim.status = SequenceStatus.WAITING
+            victim.status = RequestStatus.WAITING
             self.waiting.add(victim)
         out.preempted.append((victim, mode))
 
-    def _start(self, seq: Sequence, budget: int, resume: bool) -> Optional[ScheduledChunk]:
+    def _start(self, seq: Request, budget: int, resume: bool) -> Optional[ScheduledChunk]:
         """Admit (or resume) a sequence with its first chunk, or None if memory is short now."""
         rid = seq.request_id
         want = min(seq.num_tokens, budget)
         if resume:
             start = self.mgr.resume(rid, num_new_tokens=want)
         else:
-            start = self.mgr.admit(rid, seq.token_ids, max_tokens=seq.max_tokens,
-                                   cache_salt=seq.cache_salt, num_new_tokens=want)
+            start = self.mgr.admit(seq, num_new_tokens=want)
             if start is not None:
                 seq.num_cached_tokens = start
         if start is None:
@@ -286,12 +284,12 @@ class Scheduler:
 
     # ---- after the forward pass: the manager's commits, forks and the sampled tokens ----------
     def update_from_output(self, out: SchedulerOutput, result: RunnerOutput, finished_only: bool = False
-                           ) -> dict[Hashable, SequenceGroup]:
+                           ) -> dict[Hashable, RequestGroup]:
         """Apply a computed step: commit its tokens, take the state checkpoints due, fork n > 1,
         append the sampled tokens and end the sequences that stop. A failure in any of these ends
         its request alone. Returns {key: group} of the requests that advanced or ended (with
         finished_only: that ended)."""
-        touched: dict[Hashable, SequenceGroup] = {}
+        touched: dict[Hashable, RequestGroup] = {}
         for seq in out.failed:
             self.fail_request(seq, seq.error or "failed while scheduling", touched)
         e = result.error
@@ -409,18 +407,18 @@ class Scheduler:
                 seqs, tokens, lps = decodes + seqs, decode_tokens + tokens, decode_lps + lps
         self._append(seqs, tokens, lps, touched, finished_only)
 
-    def _append(self, seqs: list[Sequence], tokens: list, lps: list, touched: dict, finished_only: bool) -> None:
+    def _append(self, seqs: list[Request], tokens: list, lps: list, touched: dict, finished_only: bool) -> None:
         appended, stopped = self.appender(seqs, tokens, lps, lambda seq, e: self.fail_request(seq, e, touched))
         self._advanced_by(appended, stopped if finished_only else seqs, touched)
 
-    def _advanced_by(self, appended: int, seqs: list[Sequence], touched: dict) -> None:
+    def _advanced_by(self, appended: int, seqs: list[Request], touched: dict) -> None:
         self.counters["generated_tokens"] += appended
         groups = self.groups
         for seq in seqs:
             touched[seq.group_id] = groups[seq.group_id]
 
     # ---- n > 1 ------------------------------------------------------------------------------
-    def _fork(self, parent: Sequence) -> list[tuple[Sequence, int]]:
+    def _fork(self, parent: Request) -> list[tuple[Request, int]]:
         """Make the request's pending siblings once its first sequence finished its prompt. A fork
         shares the parent's blocks and starts from a copy of its state (the manager's `fork`), so
         it takes its draw from the parent's row this step; one that finds no state slot or no seat
@@ -434,8 +432,7 @@ class Scheduler:
             j = len(g.seqs)
             child = parent.fork((g.key, j), j)  # a tuple: never equal to a user's id
             g.seqs.append(child)
-            if (len(self.running) < self.max_seqs
-                    and self.mgr.fork(parent.request_id, child.request_id, token_ids=child.token_ids)):
+            if len(self.running) < self.max_seqs and self.mgr.fork(parent.request_id, child):
                 self.add_running(child)
                 self.counters["forks"] += 1
                 out.append((child, 1 + j - first))
@@ -444,7 +441,7 @@ class Scheduler:
         return out
 
     # ---- failures ---------------------------------------------------------------------------
-    def fail_request(self, seq: Sequence, error, touched: dict, discard: bool = False) -> None:
+    def fail_request(self, seq: Request, error, touched: dict, discard: bool = False) -> None:
         """End the request `seq` belongs to with "error": every unfinished sequence of it.
         discard: this step ran past what the manager committed for it (see `fail`)."""
         g = self.groups.get(seq.group_id)

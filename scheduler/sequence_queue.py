@@ -12,19 +12,19 @@ import heapq
 import itertools
 from typing import Iterator, Optional
 
-from .sequence import Sequence, run_order
+from hybridkv.request import Request, run_order
 
 
 class SequenceQueue:
     def __init__(self) -> None:
         self._heap: list[tuple[int, float, int, int, str]] = []  # sort key, ticket, id
-        self._live: dict[str, tuple[int, Sequence]] = {}
+        self._live: dict[str, tuple[int, Request]] = {}
         self._tickets = itertools.count()
-        self._order: Optional[list[Sequence]] = None  # run order of the live ones, until one changes
+        self._order: Optional[list[Request]] = None  # run order of the live ones, until one changes
         self.version = 0  # counts adds and removes: the same version, the same sequences
         self.added = 0  # counts adds: the same count, nobody joined (those left may have)
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Request) -> None:
         """Queue `seq` at its place by (priority, arrival, serial); its id must not be queued."""
         if seq.request_id in self._live:
             raise ValueError(f"sequence {seq.request_id!r} is already in this queue")
@@ -35,7 +35,7 @@ class SequenceQueue:
         self.added += 1
         heapq.heappush(self._heap, (*run_order(seq), ticket, seq.request_id))
 
-    def remove(self, seq: Sequence) -> bool:
+    def remove(self, seq: Request) -> bool:
         """Take `seq` out; False if it was not queued here."""
         entry = self._live.get(seq.request_id)
         if entry is None or entry[1] is not seq:
@@ -48,7 +48,7 @@ class SequenceQueue:
             heapq.heapify(self._heap)
         return True
 
-    def peek(self) -> Optional[Sequence]:
+    def peek(self) -> Optional[Request]:
         """The sequence that runs first, or None when empty."""
         heap, live = self._heap, self._live
         while heap:
@@ -58,7 +58,7 @@ class SequenceQueue:
             heapq.heappop(heap)  # stale: removed (and maybe queued again under a new ticket)
         return None
 
-    def head(self, k: int) -> list[Sequence]:
+    def head(self, k: int) -> list[Request]:
         """The first k sequences in run order, left in the queue (O(k log n), not a scan)."""
         entries = []
         while len(entries) < k and self.peek() is not None:  # peek drops stale entries on top
@@ -67,7 +67,7 @@ class SequenceQueue:
             heapq.heappush(self._heap, entry)
         return [self._live[entry[4]][1] for entry in entries]
 
-    def pop(self) -> Sequence:
+    def pop(self) -> Request:
         seq = self.peek()
         if seq is None:
             raise IndexError("pop from an empty SequenceQueue")
@@ -77,11 +77,11 @@ class SequenceQueue:
     def __len__(self) -> int:
         return len(self._live)
 
-    def __contains__(self, seq: Sequence) -> bool:
+    def __contains__(self, seq: Request) -> bool:
         entry = self._live.get(seq.request_id)
         return entry is not None and entry[1] is seq
 
-    def __iter__(self) -> Iterator[Sequence]:
+    def __iter__(self) -> Iterator[Request]:
         """All queued sequences in run order (sorted once, then kept until the queue changes: the
         running queue is walked every step and changes only when a sequence joins or leaves)."""
         if self._order is None:

@@ -19,9 +19,9 @@ import torch
 
 from hybridkv.decode_rows import DecodeRows
 
-from .sequence import Sequence, SequenceStatus
+from hybridkv.request import Request, RequestStatus
 
-_RUNNING = SequenceStatus.RUNNING
+_RUNNING = RequestStatus.RUNNING
 _request_id = attrgetter("request_id")
 _num_computed = attrgetter("num_computed_tokens")
 _num_prompt = attrgetter("num_prompt_tokens")
@@ -34,7 +34,7 @@ class ScheduledChunk:
     due once they are computed. `decode`: one token past the prompt (no prompt logprobs, no forks
     to make): the engine commits those together."""
 
-    seq: Sequence
+    seq: Request
     start: int
     num_tokens: int
     slot_mapping: list[int]
@@ -55,7 +55,7 @@ class DecodeBatch:
     constant fields; set by the batch builder). `input_ids`: the tokens at `positions` as an
     int64 tensor when the step before sampled them (else read from the sequences)."""
 
-    seqs: list[Sequence]
+    seqs: list[Request]
     rows: DecodeRows
     positions: np.ndarray
     version: int
@@ -84,8 +84,7 @@ class DecodeBatch:
             if len(keep) == n:
                 return last.kept(keep, running.version)
         seqs = list(running)  # run order
-        states = list(map(manager.requests.__getitem__, map(_request_id, seqs)))
-        positions = np.fromiter(map(_num_computed, states), np.int64, n)
+        positions = np.fromiter(map(_num_computed, seqs), np.int64, n)
         known = np.fromiter(map(len, map(_token_ids, seqs)), np.int64, n)
         prompt = np.fromiter(map(_num_prompt, seqs), np.int64, n)
         if not ((known - positions == 1) & (positions >= prompt)).all():
@@ -134,8 +133,8 @@ class SchedulerOutput:
     scheduling."""
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[tuple[Sequence, str]] = field(default_factory=list)
-    failed: list[Sequence] = field(default_factory=list)
+    preempted: list[tuple[Request, str]] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)
     decodes: Optional[DecodeBatch] = None
 
     @property
@@ -146,7 +145,7 @@ class SchedulerOutput:
     def num_seqs(self) -> int:
         return len(self.chunks) + (len(self.decodes) if self.decodes else 0)
 
-    def seqs(self) -> list[Sequence]:
+    def seqs(self) -> list[Request]:
         """The step's sequences in batch order."""
         return (list(self.decodes.seqs) if self.decodes else []) + [c.seq for c in self.chunks]
 

@@ -11,7 +11,7 @@ from typing import Optional, Union
 
 from hybridkv.outputs import PositionLogprobs
 
-from .sequence import Sequence
+from hybridkv.request import Request
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class StopRule:
     strings: bool
 
     @classmethod
-    def of(cls, seq: Sequence, eos_ids: set[int], max_model_len: int, tokenizer) -> "StopRule":
+    def of(cls, seq: Request, eos_ids: set[int], max_model_len: int, tokenizer) -> "StopRule":
         p = seq.params
         ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(eos_ids))
         return cls(min(seq.num_prompt_tokens + p.max_tokens, max_model_len), ids,
@@ -69,7 +69,7 @@ class StopRule:
         return num_tokens >= self.limit or last in self.ids or self.strings
 
 
-def check_stop(seq: Sequence, eos_ids: set[int], max_model_len: int, tokenizer) -> Optional[Stop]:
+def check_stop(seq: Request, eos_ids: set[int], max_model_len: int, tokenizer) -> Optional[Stop]:
     """Why the sequence ends after its last appended token, or None to go on."""
     p, last = seq.params, seq.token_ids[-1]
     num_output = len(seq.token_ids) - seq.num_prompt_tokens

@@ -20,10 +20,10 @@ import numpy as np
 
 from hybridkv.outputs import PositionLogprobs
 
-from .sequence import Sequence, SequenceStatus
+from hybridkv.request import Request, RequestStatus
 from .stopping import StopRule, check_stop, decoded_logprobs
 
-_FINISHED = SequenceStatus.FINISHED
+_FINISHED = RequestStatus.FINISHED
 
 
 @dataclass(frozen=True)
@@ -55,14 +55,14 @@ class TokenAppender:
     """Appends sampled tokens for a model (its EOS ids, max_model_len and tokenizer); `finish(seq,
     reason)` ends a sequence that stopped (the scheduler's)."""
 
-    def __init__(self, eos_ids: set[int], max_model_len: int, tokenizer, finish: Callable[[Sequence, str], None]):
+    def __init__(self, eos_ids: set[int], max_model_len: int, tokenizer, finish: Callable[[Request, str], None]):
         self.eos_ids = set(eos_ids)
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self.finish = finish
 
-    def __call__(self, seqs: list[Sequence], tokens: list, logprobs: list[Optional[PositionLogprobs]],
-                 fail: Callable[[Sequence, BaseException], None]) -> tuple[int, list[Sequence]]:
+    def __call__(self, seqs: list[Request], tokens: list, logprobs: list[Optional[PositionLogprobs]],
+                 fail: Callable[[Request, BaseException], None]) -> tuple[int, list[Request]]:
         """Append tokens[i] to seqs[i] (with logprobs[i] when not None); tokens[i] may be the
         exception its sampling raised. A row whose sequence finished meanwhile (a sibling failed)
         is skipped; one that raises goes to `fail` (which ends its request) and the loop goes on.
@@ -89,7 +89,7 @@ class TokenAppender:
                 fail(seq, e)
         return appended, stopped
 
-    def _end_if_stopped(self, seq: Sequence, stopped: list[Sequence]) -> None:
+    def _end_if_stopped(self, seq: Request, stopped: list[Request]) -> None:
         """Ask check_stop after seq's last token; a sequence that stops is finished and listed."""
         stop = check_stop(seq, self.eos_ids, self.max_model_len, self.tokenizer)
         if stop is not None:
@@ -97,7 +97,7 @@ class TokenAppender:
             self.finish(seq, stop.finish_reason)
             stopped.append(seq)
 
-    def batch_stops(self, seqs: list[Sequence]) -> BatchStops:
+    def batch_stops(self, seqs: list[Request]) -> BatchStops:
         """The rows' stop rules as arrays, built once for a batch that keeps the same seqs (row
         order) for many steps; a row's `stop_rule` is made here when it has none yet."""
         eos, max_len, tok_ = self.eos_ids, self.max_model_len, self.tokenizer
@@ -115,9 +115,9 @@ class TokenAppender:
             table[list(union)] = True
         return BatchStops([seq.token_ids for seq in seqs], ask_from, table)
 
-    def append_batch(self, seqs: list[Sequence], tokens: list[int], stops: BatchStops, lengths: np.ndarray,
-                     fail: Callable[[Sequence, BaseException], None],
-                     token_array: Optional[np.ndarray] = None) -> tuple[int, list[Sequence]]:
+    def append_batch(self, seqs: list[Request], tokens: list[int], stops: BatchStops, lengths: np.ndarray,
+                     fail: Callable[[Request, BaseException], None],
+                     token_array: Optional[np.ndarray] = None) -> tuple[int, list[Request]]:
         """Append tokens[i] to seqs[i] for a steady decode batch; answers exactly what
         `self(seqs, tokens, [None] * R, fail)` would (tokens appended, sequences stopped and
         finished, in row order, with the same reasons and stop_reason; a row whose check raises

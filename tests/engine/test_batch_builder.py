@@ -10,7 +10,7 @@ from hybridkv.sampling_params import SamplingParams
 from hybridkv.scheduler.batch_builder import BatchBuilder
 from hybridkv.scheduler.preemption import PreemptionPolicy
 from hybridkv.scheduler.scheduler import Scheduler
-from hybridkv.scheduler.sequence import Sequence
+from hybridkv.request import Request
 from hybridkv.specs import AttentionSpec, RecurrentSpec
 
 BS = 4
@@ -68,7 +68,7 @@ def test_batch_matches_per_chunk_reference(model):
     shared = [rng.randrange(4, 500) for _ in range(9)]
     for i in range(10):  # some share a prefix (cached blocks), lengths cross block and chunk edges
         prompt = (shared if i % 2 else []) + [rng.randrange(4, 500) for _ in range(rng.randint(1, 30))]
-        sched.add(Sequence(f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(1, 12)), arrival=float(i)))
+        sched.add(Request(f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(1, 12)), arrival=float(i)))
     steps = mixed = decodes = 0
     while sched.has_unfinished():
         out = sched.schedule()
@@ -115,7 +115,7 @@ def test_a_batch_does_not_alias_the_next_steps_buffer():
     specs = {0: ATTN}
     mgr = HybridCacheManager(specs, BS, 50, 8, fingerprint="t")
     sched = Scheduler(mgr, PreemptionPolicy("recompute", specs, BS, None, True), 64, 4)
-    sched.add(Sequence("a", [5, 6, 7, 8, 9], SamplingParams(max_tokens=4)))
+    sched.add(Request("a", [5, 6, 7, 8, 9], SamplingParams(max_tokens=4)))
     builder = BatchBuilder(mgr, "cpu")
     out = sched.schedule()
     first = builder.build(out.chunks)

@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "examples"))
 
+from hybridkv.request import Request
 from hybridkv.cache_manager import HybridCacheManager  # noqa: E402
 from hybridkv.config_specs import load_specs, specs_from_config  # noqa: E402
 from hybridkv.contiguous import bytes_per_request, contiguous_manager, max_concurrent_requests  # noqa: E402
@@ -64,7 +65,7 @@ def test_max_concurrent_is_what_a_manager_admits():
         mgr = HybridCacheManager.from_budget(specs, budget, 16, seqs, 0.0)
         admitted = 0
         for r in range(seqs):
-            if mgr.admit(r, [r + 1] * ctx) is None or mgr.allocate(r, ctx) is None:
+            if mgr.admit(Request(r, [r + 1] * ctx)) is None or mgr.allocate(r, ctx) is None:
                 break
             admitted += 1
         assert admitted == fits

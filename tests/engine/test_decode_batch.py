@@ -21,7 +21,7 @@ from hybridkv import LLM, SamplingParams
 from hybridkv.models.tiny import make_tiny_checkpoint
 from hybridkv.plan import kv_bytes_per_block, state_bytes_per_slot
 from hybridkv.scheduler.sampler import Sampler
-from hybridkv.scheduler.sequence import Sequence
+from hybridkv.request import Request
 from hybridkv.scheduler.sequence_queue import SequenceQueue
 
 from engine_fixtures import assert_no_leaks
@@ -515,7 +515,7 @@ def test_running_queue_version_changes_exactly_when_its_sequences_do():
         before, members, added = q.version, [(s.request_id, id(s)) for s in q], q.added
         op = rng.random()
         if op < 0.3 or not made:
-            made.append(Sequence(f"s{i % 40}", [5, 6], params, priority=rng.randint(0, 2), arrival=float(i)))
+            made.append(Request(f"s{i % 40}", [5, 6], params, priority=rng.randint(0, 2), arrival=float(i)))
             try:
                 q.add(made[-1])
             except ValueError:  # an id already queued: refused, nothing changed

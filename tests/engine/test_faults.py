@@ -8,7 +8,7 @@ import torch
 from hybridkv import LLM, SamplingParams
 from hybridkv.models.tiny import make_tiny_checkpoint
 from hybridkv.plan import kv_bytes_per_block, state_bytes_per_slot
-from hybridkv.request_state import SWAPPED
+from hybridkv.request import RequestStatus
 from hybridkv.scheduler.sampler import Sampler
 
 from engine_fixtures import assert_no_leaks
@@ -127,14 +127,14 @@ def install(stage, llm, monkeypatch, hits):
             mgr, "preempt", lambda r, mode="recompute": victim(mgr, r) and not hits, hits))
     elif stage == "swap_in":
         monkeypatch.setattr(mgr, "resume", fail_on(
-            mgr, "resume", lambda r, **k: victim(mgr, r) and mgr.request(r).status is SWAPPED, hits))
+            mgr, "resume", lambda r, **k: victim(mgr, r) and mgr.request(r).status is RequestStatus.SWAPPED, hits))
     elif stage == "nonfinite":  # the victim's logits row turns NaN after a few tokens
         real = llm.model.forward
 
         def forward(batch, caches):
             logits = real(batch, caches)
             vs = [mgr.live_slot(r) for r in mgr.requests if victim(mgr, r)
-                  and mgr.request(r).status == "running" and len(mgr.request(r).token_ids) > 40]
+                  and mgr.request(r).status is RequestStatus.RUNNING and len(mgr.request(r).token_ids) > 40]
             rows = [i for i, s in enumerate(batch.state_slots.tolist()) if s in vs]
             if rows:
                 hits.append(rows)

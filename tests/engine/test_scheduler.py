@@ -12,7 +12,7 @@ from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.scheduler.preemption import PreemptionPolicy
 from hybridkv.scheduler.scheduler import Scheduler
-from hybridkv.scheduler.sequence import Sequence, SequenceStatus
+from hybridkv.request import Request, RequestStatus
 from hybridkv.scheduler.sequence_queue import SequenceQueue
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -25,9 +25,9 @@ def make(num_blocks: int, num_slots: int = 8, max_num_seqs: int = 8) -> Schedule
     return Scheduler(mgr, PreemptionPolicy("recompute", SPECS, BLOCK_SIZE, None, True), 2048, max_num_seqs)
 
 
-def seq(rid: str, n: int, arrival: float, priority: int = 0, max_tokens: int = 8) -> Sequence:
+def seq(rid: str, n: int, arrival: float, priority: int = 0, max_tokens: int = 8) -> Request:
     rng = random.Random(rid)  # its own tokens: no prefix shared with another test sequence
-    return Sequence(rid, [rng.randrange(4, 30000) for _ in range(n)], SamplingParams(max_tokens=max_tokens),
+    return Request(rid, [rng.randrange(4, 30000) for _ in range(n)], SamplingParams(max_tokens=max_tokens),
                     priority=priority, arrival=arrival)
 
 
@@ -45,7 +45,7 @@ def advance(sched: Scheduler, out) -> None:
             c.seq.append_token(7)
 
 
-def run_until_decoding(sched: Scheduler, *seqs: Sequence) -> None:
+def run_until_decoding(sched: Scheduler, *seqs: Request) -> None:
     while any(s.num_output_tokens == 0 for s in seqs):
         advance(sched, sched.schedule())
 
@@ -113,7 +113,7 @@ def test_a_request_held_for_a_shared_prefix_is_skipped_not_a_stop(monkeypatch):
     sched.add(later)
     out = sched.schedule()
     assert scheduled(out) == ["later"]
-    assert held in sched.waiting and held.status is SequenceStatus.WAITING and "held" not in sched.mgr.requests
+    assert held in sched.waiting and held.status is RequestStatus.WAITING and "held" not in sched.mgr.requests
     assert sched.waiting.peek() is held  # still first in line
     advance(sched, out)
     monkeypatch.setattr(sched.mgr, "waits_for_shared_prefix", lambda *a, **k: False)
@@ -145,7 +145,7 @@ def test_a_preempted_request_returns_to_the_head_of_its_queue_and_is_not_held(mo
     sched.add(c)
     out = sched.schedule()  # a's decode needs a 4th block: b (latest arrival) is preempted
     assert scheduled(out) == ["a"] and [(s.request_id, m) for s, m in out.preempted] == [("b", "recompute")]
-    assert sched.waiting.peek() is b and b.status is SequenceStatus.WAITING and len(sched.running) == 1
+    assert sched.waiting.peek() is b and b.status is RequestStatus.WAITING and len(sched.running) == 1
     advance(sched, out)
     sched.finish(a, "length")
     asked.clear()
@@ -153,19 +153,19 @@ def test_a_preempted_request_returns_to_the_head_of_its_queue_and_is_not_held(mo
     assert asked == ["c"]  # the manager already knows b: a resume, never held for a burst
 
 
-def test_the_sequence_list_is_the_managers_list():
+def test_the_scheduler_and_the_manager_hold_one_request_object():
     sched = make(num_blocks=20)
     a = seq("a", 20, 1.0)
     sched.add(a)
     run_until_decoding(sched, a)
-    assert sched.mgr.request("a").token_ids is a.token_ids
+    assert sched.mgr.request("a") is a and a.num_computed_tokens == 20
     a.append_token(42)
     assert sched.mgr.request("a").token_ids[-2:] == [7, 42] and a.num_tokens == 22
     assert a.output_token_ids == [7, 42] and a.prompt_token_ids == a.token_ids[:20]
     child = a.fork("a#1", 1)
     assert child.token_ids == a.token_ids and child.token_ids is not a.token_ids
-    assert sched.mgr.fork("a", "a#1", token_ids=child.token_ids)
-    assert sched.mgr.request("a#1").token_ids is child.token_ids
+    assert sched.mgr.fork("a", child)
+    assert sched.mgr.request("a#1") is child and child.num_computed_tokens == a.num_computed_tokens
 
 
 @pytest.mark.slow  # a subprocess

@@ -4,7 +4,7 @@ gives the same answers), and the rule lets most tokens of a plain decode through
 import random
 
 from hybridkv.sampling_params import SamplingParams
-from hybridkv.scheduler.sequence import Sequence
+from hybridkv.request import Request
 from hybridkv.scheduler.stopping import StopRule, check_stop
 
 
@@ -27,7 +27,7 @@ def test_stop_rule_never_misses_a_stop():
         prompt = [rng.randrange(8) for _ in range(rng.randint(1, 12))]
         if len(prompt) >= max_model_len:
             continue
-        seq = Sequence("r", prompt, params)
+        seq = Request("r", prompt, params)
         rule = StopRule.of(seq, eos, max_model_len, tokenizer)
         while True:
             tok = rng.randrange(8)
@@ -45,8 +45,8 @@ def test_stop_rule_never_misses_a_stop():
 
 def test_a_plain_decode_is_never_asked_before_its_limit():
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
-    seq = Sequence("r", [1, 2, 3], params)
+    seq = Request("r", [1, 2, 3], params)
     rule = StopRule.of(seq, {2}, 1000, None)
     assert not any(rule.may_stop(n, 2) for n in range(4, 53))
-    done = Sequence("r", [1, 2, 3] + [2] * 50, params, num_prompt_tokens=3)
+    done = Request("r", [1, 2, 3] + [2] * 50, params, num_prompt_tokens=3)
     assert rule.may_stop(53, 2) and check_stop(done, {2}, 1000, None).finish_reason == "length"

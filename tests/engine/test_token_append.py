@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hybridkv.sampling_params import SamplingParams
-from hybridkv.scheduler.sequence import Sequence, SequenceStatus
+from hybridkv.request import Request, RequestStatus
 from hybridkv.scheduler.token_append import TokenAppender
 
 EOS = {200}
@@ -33,9 +33,9 @@ class Twin:
 
     def __init__(self, specs, max_model_len, tokenizer, doomed):
         self.log, self.doomed = [], doomed
-        self.seqs = [Sequence(rid, prompt, params, group_id=gid) for rid, gid, prompt, params in specs]
+        self.seqs = [Request(rid, prompt, params, group_id=gid) for rid, gid, prompt, params in specs]
         for s in self.seqs:
-            s.status = SequenceStatus.RUNNING
+            s.status = RequestStatus.RUNNING
         self.groups = {}
         for s in self.seqs:
             self.groups.setdefault(s.group_id, []).append(s)
@@ -46,13 +46,13 @@ class Twin:
         if seq.request_id in self.doomed:
             raise RuntimeError(f"cannot free {seq.request_id}")
         self.log.append(("finish", seq.request_id, reason))
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        seq.status, seq.finish_reason = RequestStatus.FINISHED, reason
 
     def fail(self, seq, error):
         self.log.append(("fail", seq.request_id, str(error)))
         for s in self.groups[seq.group_id]:
             if not s.finished:
-                s.status, s.finish_reason = SequenceStatus.FINISHED, "error"
+                s.status, s.finish_reason = RequestStatus.FINISHED, "error"
 
     def state(self):
         return [(s.request_id, s.token_ids, s.status, s.finish_reason, s.stop_reason) for s in self.seqs]

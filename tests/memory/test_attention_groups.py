@@ -4,6 +4,8 @@ changes nothing; the hit is what every group and the recurrent kind accept."""
 import pytest
 import torch
 
+from hybridkv.snapshot_transfer import request_of
+from hybridkv.request import Request, RequestStatus
 from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.memory.full_attention import NO_BLOCK
 from hybridkv.plan import plan, sliding_blocks_to_hold
@@ -55,7 +57,7 @@ def assert_conserved(m):
     for w, group in m.attention_groups.items():
         refs = {}
         for rid, r in m.requests.items():
-            if r.status == "running":
+            if r.status is RequestStatus.RUNNING:
                 for b in held(m, w, rid):
                     refs[b] = refs.get(b, 0) + 1
         pool = group.pool
@@ -69,7 +71,7 @@ def test_groups_are_separate_pools_and_tables():
     assert list(m.attention_groups) == [None, W1, W2] and m.attention is m.attention_groups[None]
     assert {i: t.shape[0] for i, t in m.kv_caches.items()} == {0: 40, 1: 12, 3: 16, 4: 40}
     assert sorted(m.attention_groups[W1].layers) == [1] and sorted(m.attention_groups[None].layers) == [0, 4]
-    assert m.admit("a", list(range(9))) == 0
+    assert m.admit(Request("a", list(range(9)))) == 0
     step(m, "a", 9, torch.Generator().manual_seed(0))
     tables = m.block_tables(["a"])
     assert set(tables) == {None, W1, W2} and all(t.shape == (1, 3) for t in tables.values())
@@ -78,7 +80,7 @@ def test_groups_are_separate_pools_and_tables():
 
 def test_long_request_holds_only_windows_while_full_attention_grows():
     m, rng = mgr(), torch.Generator().manual_seed(1)
-    m.admit("a", list(range(7)), max_tokens=60)
+    m.admit(Request("a", list(range(7)), max_tokens=60))
     step(m, "a", 7, rng)
     for t in range(50):
         m.append_tokens("a", [t % 97])
@@ -96,7 +98,7 @@ def test_refused_allocate_and_admit_change_nothing():
     rng = torch.Generator().manual_seed(2)
     m = mgr({None: 40, W1: 6, W2: 16})  # the small window's pool runs out first
     for rid, first in (("a", 30), ("b", 50)):
-        m.admit(rid, list(range(first, first + 8)))
+        m.admit(Request(rid, list(range(first, first + 8))))
         step(m, rid, 8, rng)  # each then holds two W1 blocks (the window of the 9th token: 3..8)
     assert m.attention_groups[W1].pool.num_free == 2 and m.attention_groups[None].pool.num_free == 36
     m.append_tokens("b", list(range(12)))
@@ -106,7 +108,7 @@ def test_refused_allocate_and_admit_change_nothing():
     after = ({w: (list(g.block_ids("b")), g.pool.num_free) for w, g in m.attention_groups.items()},
              m.live_slot("b"), m.stats())
     assert before == after
-    assert m.admit("c", list(range(70, 82))) is None and "c" not in m.requests
+    assert m.admit(Request("c", list(range(70, 82)))) is None and "c" not in m.requests
     assert m.stats() == after[2]
     assert_conserved(m)
 
@@ -115,16 +117,16 @@ def test_hit_is_the_largest_position_every_group_accepts():
     rng = torch.Generator().manual_seed(3)
     m = mgr({None: 40, W1: 6, W2: 16}, checkpoint_policy="every_n_blocks", checkpoint_every_n=1)
     prompt = list(range(100, 125))  # 25 tokens: boundaries 4, 8, ..., 24
-    m.admit("a", prompt, num_new_tokens=4)  # chunks of 4: the small pool holds windows, not prompts
+    m.admit(Request("a", prompt), num_new_tokens=4)  # chunks of 4: the small pool holds windows, not prompts
     for _ in range(6):
         step(m, "a", 4, rng)
         assert m.checkpoint("a")
     step(m, "a", 1, rng)
     m.finish("a")
-    assert m.admit("b", prompt + [1], num_new_tokens=2) == 24  # every group cached and a checkpoint at 24
+    assert m.admit(Request("b", prompt + [1]), num_new_tokens=2) == 24  # every group cached and a checkpoint at 24
     m.finish("b")
     # another request's blocks push a's old window blocks out of W1's small pool only
-    m.admit("x", list(range(200, 221)), num_new_tokens=4)
+    m.admit(Request("x", list(range(200, 221))), num_new_tokens=4)
     for n in (4, 4, 4, 4, 4, 1):
         step(m, "x", n, rng)
     m.finish("x")
@@ -133,7 +135,7 @@ def test_hit_is_the_largest_position_every_group_accepts():
     assert full.usable_prefix(hashes, 6) == 6 and small.usable_prefix(hashes, 6) < 6
     hit = m.usable_prefix_tokens(prompt + [1])
     assert hit == small.usable_prefix(hashes, 6) * BS  # checkpoints exist at every boundary
-    assert m.admit("c", prompt + [1], num_new_tokens=4) == hit
+    assert m.admit(Request("c", prompt + [1]), num_new_tokens=4) == hit
     assert_conserved(m)
 
 
@@ -141,7 +143,7 @@ def test_hit_is_the_largest_position_every_group_accepts():
 def test_preemption_goes_through_every_group(mode):
     rng = torch.Generator().manual_seed(4)
     m = mgr(checkpoint_policy="every_n_blocks", checkpoint_every_n=1)
-    m.admit("a", list(range(40)))
+    m.admit(Request("a", list(range(40))))
     for _ in range(5):
         step(m, "a", 4, rng)
         m.checkpoint("a")
@@ -157,15 +159,15 @@ def test_preemption_goes_through_every_group(mode):
 def test_fork_export_import_and_discard_go_through_every_group():
     rng = torch.Generator().manual_seed(5)
     m = mgr()
-    m.admit("p", list(range(23)))
+    m.admit(Request("p", list(range(23))))
     step(m, "p", 23, rng)
-    assert m.fork("p", "c")
+    assert m.fork("p", m.request("p").fork("c"))
     assert all(held(m, w, "c") == held(m, w, "p") for w in m.attention_groups)
     assert_conserved(m)
     snap = m.export_snapshot("p")
     assert snap.kv_start == {1: 23 - W1 + 1 - (23 - W1 + 1) % BS, 3: 23 - W2 + 1 - (23 - W2 + 1) % BS}
     other = HybridCacheManager(MIXED, 8, {None: 20, W1: 6, W2: 8}, 4, fingerprint="mixed")
-    assert other.import_snapshot(snap, "q")
+    assert other.import_snapshot(snap, request_of(snap, "q"))
     for w, g in other.attention_groups.items():  # the window's (or every) token, now in blocks of 8
         ids, n = g.block_ids("q"), 23
         for i, t in g.pool.kv.items():

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from hybridkv.request import Request
 from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.specs import AttentionSpec, RecurrentSpec
 from hybridkv.state_pool import StatePool
@@ -122,7 +123,7 @@ def test_batched_decodes_leave_the_same_state_as_one_by_one(model, seed):
         if op < 0.2 or not a.requests:  # admit and prefill a new prompt (shared starts: prefix hits)
             prompt = [rng.randrange(3) for _ in range(rng.randint(1, 3))] * rng.randint(1, 4)
             for m in (a, b, c):
-                if m.admit(next_id, list(prompt), max_tokens=30) is not None:
+                if m.admit(Request(next_id, list(prompt), max_tokens=30)) is not None:
                     n = len(prompt) - m.request(next_id).num_computed_tokens
                     slots = m.allocate(next_id, n)
                     if slots is None:
@@ -135,7 +136,7 @@ def test_batched_decodes_leave_the_same_state_as_one_by_one(model, seed):
         elif op < 0.3:  # fork: the child shares the parent's partial block (copied on first write)
             parent = rng.choice(sorted(a.requests))
             for m in (a, b, c):
-                m.fork(parent, next_id)
+                m.fork(parent, m.request(parent).fork(next_id))
             next_id += 1
         elif op < 0.35:
             rid = rng.choice(sorted(a.requests))

@@ -1,6 +1,7 @@
 """The burst rule through the coordinator: a shared prefix nobody has computed is computed once."""
 import torch
 
+from hybridkv.request import Request
 from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.specs import AttentionSpec, RecurrentSpec
 
@@ -30,29 +31,29 @@ def test_followers_wait_for_the_leaders_checkpoint_then_hit():
     m = mgr()
     a, b, c = SHARED + [1, 2, 3], SHARED + [4, 5, 6, 7, 8], SHARED + [9]
     m.plan_bursts([("a", a, None), ("b", b, None), ("c", c, None)])
-    assert m.admit("a", a) == 0
+    assert m.admit(Request("a", a)) == 0
     assert m.waits_for_shared_prefix("b", b) and m.waits_for_shared_prefix("c", c)
     assert m.request("a").shared == [20]  # the deepest boundary they share
     assert step(m, "a", len(a)) == 20  # the leader's chunk is cut at the shared boundary
     assert not m.waits_for_shared_prefix("b", b)
-    assert m.admit("b", b) == 20 and m.admit("c", c) == 20
+    assert m.admit(Request("b", b)) == 20 and m.admit(Request("c", c)) == 20
     assert m.stats().burst_waits == 2 and m.stats().prefix_hit_tokens == 40
 
 
 def test_without_a_plan_the_leader_is_told_before_it_passes_the_boundary():
     m = mgr()
     a, b = SHARED + [1, 2], SHARED + [3, 4, 5]
-    assert m.admit("a", a, num_new_tokens=8) == 0
+    assert m.admit(Request("a", a), num_new_tokens=8) == 0
     step(m, "a", 8)
     assert m.waits_for_shared_prefix("b", b) and 20 in m.request("a").shared
-    assert step(m, "a", 100) == 20 and m.admit("b", b) == 20
+    assert step(m, "a", 100) == 20 and m.admit(Request("b", b)) == 20
 
 
 def test_the_wait_ends_when_the_leader_is_preempted_or_finishes():
     for end in ("preempt", "finish"):
         m = mgr()
         a, b = SHARED + [1], SHARED + [2, 3]
-        m.admit("a", a, num_new_tokens=4)
+        m.admit(Request("a", a), num_new_tokens=4)
         step(m, "a", 4)
         assert m.waits_for_shared_prefix("b", b)
         m.preempt("a") if end == "preempt" else m.finish("a")
@@ -62,7 +63,7 @@ def test_the_wait_ends_when_the_leader_is_preempted_or_finishes():
 def test_no_wait_once_the_leader_passed_the_boundary_without_a_checkpoint():
     m = mgr(checkpoint_policy="none")
     a, b = SHARED + [1], SHARED + [2, 3]
-    m.admit("a", a)
+    m.admit(Request("a", a))
     step(m, "a", len(a))
     assert not m.waits_for_shared_prefix("b", b)
 
@@ -71,15 +72,15 @@ def test_pure_attention_followers_wait_for_the_blocks():
     m = mgr(specs={1: AttentionSpec(2, 4, torch.float32)})
     a, b = SHARED + [1], SHARED + [2, 3]
     m.plan_bursts([("a", a, None), ("b", b, None)])
-    m.admit("a", a)
+    m.admit(Request("a", a))
     assert m.waits_for_shared_prefix("b", b)
     assert m.request("a").shared == []  # no state to checkpoint: the blocks are enough
     step(m, "a", len(a))
-    assert m.admit("b", b) == 20
+    assert m.admit(Request("b", b)) == 20
 
 
 def test_other_tenants_never_wait_for_each_other():
     m = mgr()
     a, b = SHARED + [1], SHARED + [2, 3]
-    m.admit("a", a, cache_salt="t1")
+    m.admit(Request("a", a, cache_salt="t1"))
     assert not m.waits_for_shared_prefix("b", b, cache_salt="t2")

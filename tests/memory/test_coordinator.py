@@ -2,6 +2,8 @@
 import pytest
 import torch
 
+from hybridkv.snapshot_transfer import request_of
+from hybridkv.request import Request
 from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.errors import MemoryBudgetError, RequestStateError, RequestTooLargeError, SnapshotMismatchError
 from hybridkv.specs import AttentionSpec, RecurrentSpec
@@ -50,7 +52,7 @@ def same(a, b):
 def test_hybrid_hit_needs_checkpoint_and_copies_it():
     m = mgr()
     prompt = list(range(18))
-    assert m.admit("a", prompt) == 0
+    assert m.admit(Request("a", prompt)) == 0
     due = m.checkpoint_due("a", 0, 18)
     assert due == 16  # prompt_end: (18 - 1) // 4 * 4
     run(m, "a", due)
@@ -58,12 +60,12 @@ def test_hybrid_hit_needs_checkpoint_and_copies_it():
     at16 = state(m, "a")
     run(m, "a", 2)
     m.finish("a")
-    assert m.admit("b", prompt + [7]) == 16  # KV blocks and the checkpoint at exactly 16
+    assert m.admit(Request("b", prompt + [7])) == 16  # KV blocks and the checkpoint at exactly 16
     assert same(state(m, "b"), at16)  # copy-on-hit
     run(m, "b", 3)
     ckpt = next(iter(m.recurrent.checkpoints.values()))
     assert same([t[ckpt.slot] for t in list(m.conv_states.values()) + list(m.ssm_states.values())], at16)
-    assert m.admit("c", list(range(12)) + [50, 51, 52]) == 0  # KV matches 12 tokens, no checkpoint at 12
+    assert m.admit(Request("c", list(range(12)) + [50, 51, 52])) == 0  # KV matches 12 tokens, no checkpoint at 12
     s = m.stats()
     assert s.prefix_misses["kv_match_no_checkpoint"] == 1 and s.prefix_misses["no_kv_match"] == 1
     assert s.prefix_hit_tokens == 16 and s.prefix_queries == 3
@@ -73,39 +75,39 @@ def test_hybrid_hit_needs_checkpoint_and_copies_it():
 def test_branch_point_policy_cuts_where_kv_match_runs_past_checkpoints():
     m = mgr(checkpoint_policy="branch_points")
     run_all = list(range(30))
-    m.admit("a", run_all)
+    m.admit(Request("a", run_all))
     run(m, "a", 29)
     m.finish("a")
-    assert m.admit("b", list(range(10)) + [99] * 10) == 0
+    assert m.admit(Request("b", list(range(10)) + [99] * 10)) == 0
     assert m.request("b").branch_point == 8 and m.checkpoint_due("b", 0, 20) == 8
 
 
 def test_pure_attention_hit_never_covers_whole_prompt_and_salt_isolates():
     m = mgr({1: AttentionSpec(2, 4, torch.float32)}, slots=0)
-    assert m.admit("a", list(range(8))) == 0 and m.live_slot("a") == 0
+    assert m.admit(Request("a", list(range(8)))) == 0 and m.live_slot("a") == 0
     run(m, "a", 8)
     m.finish("a")
-    assert m.admit("b", list(range(8))) == 4  # two blocks cached, one token must stay to compute
-    assert m.admit("c", list(range(8)), cache_salt="other-tenant") == 0
+    assert m.admit(Request("b", list(range(8)))) == 4  # two blocks cached, one token must stay to compute
+    assert m.admit(Request("c", list(range(8)), cache_salt="other-tenant")) == 0
     assert m.block_table(["b", "c"]).shape == (2, 1)
 
 
 def test_pure_recurrent_manager():
     m = mgr({0: RecurrentSpec((3, 2), (2, 4), torch.float32)}, blocks=0)
-    assert m.admit("a", list(range(10))) == 0
+    assert m.admit(Request("a", list(range(10)))) == 0
     assert m.allocate("a", 8) == [-1] * 8
     m.commit("a", 8)
     assert m.checkpoint("a")
     m.finish("a")
-    assert m.admit("b", list(range(10))) == 8
+    assert m.admit(Request("b", list(range(10)))) == 8
 
 
 def test_allocate_shortage_has_no_side_effects_and_evicts_cached_blocks_first():
     m = mgr(blocks=4)
-    m.admit("a", list(range(8)))
+    m.admit(Request("a", list(range(8))))
     run(m, "a", 8)
     m.finish("a")  # two cached free blocks
-    m.admit("b", [9] * 14, num_new_tokens=4)
+    m.admit(Request("b", [9] * 14), num_new_tokens=4)
     run(m, "b", 8)  # takes the 2 never-used blocks
     assert m.stats().kv_blocks_cached == 2
     run(m, "b", 4)  # evicts a cached block (LRU) rather than failing
@@ -117,9 +119,9 @@ def test_allocate_shortage_has_no_side_effects_and_evicts_cached_blocks_first():
 
 def test_fork_shares_blocks_and_copies_partial_block_on_first_write():
     m = mgr()
-    m.admit("p", list(range(10)))
+    m.admit(Request("p", list(range(10))))
     run(m, "p", 10)
-    assert m.fork("p", "c")
+    assert m.fork("p", m.request("p").fork("c"))
     p, c = m.block_ids("p"), m.block_ids("c")
     assert c == p and all(m.attention.pool.refcount[b] == 2 for b in p)
     assert m.live_slot("c") != m.live_slot("p") and same(state(m, "c"), state(m, "p"))
@@ -137,12 +139,12 @@ def test_fork_shares_blocks_and_copies_partial_block_on_first_write():
 def test_swap_roundtrip_restores_data_into_new_blocks():
     m = mgr(blocks=6)
     rng = torch.Generator().manual_seed(0)
-    m.admit("a", list(range(9)))
+    m.admit(Request("a", list(range(9))))
     run(m, "a", 9, rng)
     kv, st = kv_tokens(m, "a"), state(m, "a")
     m.preempt("a", "swap")
     assert m.stats().kv_blocks_used == 0 and m.stats().slots_live == 0
-    m.admit("x", [5] * 20, num_new_tokens=20)
+    m.admit(Request("x", [5] * 20), num_new_tokens=20)
     run(m, "x", 20)  # overwrites the old blocks
     assert m.resume("a") is None  # not now: 1 block free, 3 needed
     m.finish("x")
@@ -153,7 +155,7 @@ def test_swap_roundtrip_restores_data_into_new_blocks():
 
 def test_recompute_preemption_donates_state_at_block_boundary():
     m = mgr(checkpoint_policy="none")
-    m.admit("a", list(range(14)))
+    m.admit(Request("a", list(range(14))))
     run(m, "a", 12)
     st = state(m, "a")
     m.preempt("a", "recompute")
@@ -164,11 +166,11 @@ def test_recompute_preemption_donates_state_at_block_boundary():
 def test_export_import_into_manager_with_other_block_size():
     rng = torch.Generator().manual_seed(1)
     m = mgr()
-    m.admit("a", list(range(11)), max_tokens=5, cache_salt="t")
+    m.admit(Request("a", list(range(11)), max_tokens=5, cache_salt="t"))
     run(m, "a", 11, rng)
     snap = m.export_snapshot("a", sampling_state={"seed": 3})
     other = HybridCacheManager(HYBRID, 3, 20, 3, fingerprint="m1")
-    assert other.import_snapshot(snap)
+    assert other.import_snapshot(snap, request_of(snap))
     r = other.request("a")
     assert r.num_computed_tokens == 11 and len(other.block_ids("a")) == 4 and r.cache_salt == "t"
     for i, t in other.kv_caches.items():
@@ -176,23 +178,23 @@ def test_export_import_into_manager_with_other_block_size():
         assert torch.equal(got, kv_tokens(m, "a")[i])
     assert same(state(other, "a"), state(m, "a")) and snap.sampling_state == {"seed": 3}
     with pytest.raises(SnapshotMismatchError, match="'m1' != this model's 'm2'"):
-        HybridCacheManager(HYBRID, 4, 8, 3, fingerprint="m2").import_snapshot(snap)
+        HybridCacheManager(HYBRID, 4, 8, 3, fingerprint="m2").import_snapshot(snap, request_of(snap))
     with pytest.raises(SnapshotMismatchError, match="layer"):
-        HybridCacheManager({1: AttentionSpec(2, 4, torch.float32)}, 4, 8, 0, fingerprint="m1").import_snapshot(snap)
+        HybridCacheManager({1: AttentionSpec(2, 4, torch.float32)}, 4, 8, 0, fingerprint="m1").import_snapshot(snap, request_of(snap))
 
 
 def test_admission_errors_and_not_now():
     m = mgr(blocks=4, slots=2)
     with pytest.raises(RequestTooLargeError, match=r"15 prompt \+ 5 max_tokens needs 5 KV blocks.*pool has 4"):
-        m.can_admit(list(range(15)), max_tokens=5)
+        m.can_admit(Request(None, list(range(15)), max_tokens=5))
     with pytest.raises(RequestTooLargeError):
-        m.admit("big", list(range(17)))
+        m.admit(Request("big", list(range(17))))
     assert "big" not in m.requests
-    m.admit("a", list(range(4)))
-    assert not m.can_admit(list(range(4)))  # the one live slot is taken: not now
-    assert m.admit("b", list(range(4))) is None and "b" not in m.requests
+    m.admit(Request("a", list(range(4))))
+    assert not m.can_admit(Request(None, list(range(4))))  # the one live slot is taken: not now
+    assert m.admit(Request("b", list(range(4)))) is None and "b" not in m.requests
     with pytest.raises(RequestStateError, match="already known"):
-        m.admit("a", [1])
+        m.admit(Request("a", [1]))
     with pytest.raises(RequestStateError, match="not a block boundary"):
         run(m, "a", 3)
         m.checkpoint("a")
@@ -204,27 +206,27 @@ def test_admission_errors_and_not_now():
 
 def test_checkpoints_give_way_to_live_slots():
     m = mgr(slots=3)  # 2 usable slots
-    m.admit("a", list(range(9)))
+    m.admit(Request("a", list(range(9))))
     run(m, "a", 8)
     assert m.checkpoint("a") and m.stats().slots_free == 0
-    m.admit("b", [7] * 9)  # no free slot: the checkpoint is evicted for a live request
+    m.admit(Request("b", [7] * 9))  # no free slot: the checkpoint is evicted for a live request
     assert m.stats().slots_checkpoint == 0 and m.stats().slots_live == 2
     m.finish("b")
     m.finish("a")  # ends at 8, a block boundary: its live slot becomes the checkpoint (prompt_end)
     assert m.stats().slots_checkpoint == 1 and m.stats().slots_free == 1
-    assert m.admit("c", list(range(9))) == 8 and m.stats().slots_checkpoint == 1
-    assert m.admit("d", [5] * 9) == 0 and m.stats().slots_checkpoint == 0
-    assert m.admit("e", [4] * 9) is None
+    assert m.admit(Request("c", list(range(9)))) == 8 and m.stats().slots_checkpoint == 1
+    assert m.admit(Request("d", [5] * 9)) == 0 and m.stats().slots_checkpoint == 0
+    assert m.admit(Request("e", [4] * 9)) is None
 
 
 def test_last_slot_checkpoint_becomes_the_live_slot():
     m = mgr(slots=2)  # a single usable slot
-    m.admit("a", list(range(9)))
+    m.admit(Request("a", list(range(9))))
     run(m, "a", 8)
     st = state(m, "a")
     m.finish("a")
     assert m.stats().slots_checkpoint == 1
-    assert m.admit("b", list(range(9))) == 8  # no slot to copy into: the checkpoint is handed over
+    assert m.admit(Request("b", list(range(9)))) == 8  # no slot to copy into: the checkpoint is handed over
     assert same(state(m, "b"), st) and m.stats().slots_checkpoint == 0 and m.stats().slots_live == 1
 
 
@@ -233,9 +235,9 @@ def test_stats_and_block_table_and_from_budget():
     p = m.memory_plan
     assert m.num_blocks == p.num_blocks > 0 and m.num_slots == p.num_slots
     assert p.total_bytes <= 40_000
-    m.admit("a", list(range(6)))
+    m.admit(Request("a", list(range(6))))
     run(m, "a", 6)
-    m.admit("b", list(range(100, 103)))
+    m.admit(Request("b", list(range(100, 103))))
     run(m, "b", 3)
     s = m.stats()
     assert s.kv_blocks_used == 3 and s.slots_live == 2 and s.running_requests == 2
@@ -248,7 +250,7 @@ def test_stats_and_block_table_and_from_budget():
 def test_corrupt_snapshots_are_refused_before_anything_is_allocated():
     import dataclasses
     m = mgr()
-    m.admit("a", list(range(11)), max_tokens=5)
+    m.admit(Request("a", list(range(11)), max_tokens=5))
     run(m, "a", 11, torch.Generator().manual_seed(4))
     snap = m.export_snapshot("a")
     m.finish("a")
@@ -262,14 +264,14 @@ def test_corrupt_snapshots_are_refused_before_anything_is_allocated():
            (dict(num_prompt_tokens=50), "inconsistent"), (dict(kv={}), "no KV for attention layer")]
     for change, msg in bad:
         with pytest.raises(SnapshotMismatchError, match=msg):
-            m.import_snapshot(dataclasses.replace(snap, **change))
+            m.import_snapshot(dataclasses.replace(snap, **change), request_of(dataclasses.replace(snap, **change)))
         assert m.stats() == before and "a" not in m.requests
-    assert m.import_snapshot(snap)
+    assert m.import_snapshot(snap, request_of(snap))
 
 
 def test_discard_keeps_nothing_of_a_failed_step():
     m = mgr()
-    m.admit("a", list(range(18)))
+    m.admit(Request("a", list(range(18))))
     run(m, "a", 16)
     slots = m.allocate("a", 2)  # the step that fails: KV written past num_computed, never committed
     assert slots is not None
@@ -279,4 +281,4 @@ def test_discard_keeps_nothing_of_a_failed_step():
     assert "a" not in m.requests and s.kv_blocks_used == 0 and s.slots_live == 0
     assert s.slots_checkpoint == before.slots_checkpoint  # the advanced live state is not kept
     assert s.preemptions == {"recompute": 0, "swap": 0}
-    assert m.admit("b", list(range(18))) == 0  # blocks 0-3 hashed before stay findable, no state at 16
+    assert m.admit(Request("b", list(range(18)))) == 0  # blocks 0-3 hashed before stay findable, no state at 16

@@ -2,6 +2,8 @@
 import pytest
 import torch
 
+from hybridkv.snapshot_transfer import request_of
+from hybridkv.request import Request
 from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.errors import MemoryBudgetError
 from hybridkv.memory.full_attention import NO_BLOCK
@@ -31,7 +33,7 @@ def held(m, rid):
 
 def test_long_generation_holds_at_most_the_window():
     m, rng = mgr(), torch.Generator().manual_seed(0)
-    m.admit("a", list(range(7)))
+    m.admit(Request("a", list(range(7))))
     run(m, "a", 7, rng)
     for t in range(100):  # decode: one token at a time
         m.append_tokens("a", [t % 50])
@@ -46,7 +48,7 @@ def test_long_generation_holds_at_most_the_window():
 def test_a_hit_needs_only_the_blocks_inside_the_window():
     m, rng = mgr(blocks=12), torch.Generator().manual_seed(1)
     prompt = list(range(40))
-    m.admit("a", prompt)
+    m.admit(Request("a", prompt))
     run(m, "a", 40, rng)
     hashes = list(m.request("a").block_hashes)
     m.finish("a")  # all 10 blocks cached, 2 never used
@@ -54,18 +56,18 @@ def test_a_hit_needs_only_the_blocks_inside_the_window():
     pool.release(pool.allocate(2 + 7))  # the 2 unused, then the 7 blocks that left the window first
     assert not any(h in pool.cached for h in hashes[:7]) and all(h in pool.cached for h in hashes[7:])
     again = prompt + [7]
-    assert m.admit("b", again) == 40  # blocks 0-6 are gone; position 40 needs only [31, 40)
+    assert m.admit(Request("b", again)) == 40  # blocks 0-6 are gone; position 40 needs only [31, 40)
     assert m.block_ids("b")[:7] == [NO_BLOCK] * 7 and len(held(m, "b")) == 3
 
 
 def test_export_import_moves_only_the_window_across_block_sizes():
     m, rng = mgr(), torch.Generator().manual_seed(2)
-    m.admit("a", list(range(30)))
+    m.admit(Request("a", list(range(30))))
     run(m, "a", 30, rng)
     snap = m.export_snapshot("a")
     assert snap.kv_start[1] == 20 and snap.kv[1].shape[1] == 10  # blocks 5.. of 4 tokens
     other = HybridCacheManager(SW, 3, 32, 0, fingerprint="sw")
-    assert other.import_snapshot(snap)
+    assert other.import_snapshot(snap, request_of(snap))
     got = other.export_snapshot("a")
     lo = 30 - W + 1  # the keys the next token attends to are identical
     assert torch.equal(got.kv[1][:, lo - got.kv_start[1]:], snap.kv[1][:, lo - snap.kv_start[1]:])

@@ -21,14 +21,15 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
+from hybridkv.snapshot_transfer import request_of
 from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.errors import RequestTooLargeError
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.memory.full_attention import NO_BLOCK
-from hybridkv.request_state import PREEMPTED, RUNNING, SWAPPED
+from hybridkv.request import RequestStatus
 from hybridkv.scheduler.batch_builder import BatchBuilder
 from hybridkv.scheduler.scheduler import ScheduledChunk
-from hybridkv.scheduler.sequence import Sequence
+from hybridkv.request import Request
 from hybridkv.specs import AttentionSpec, RecurrentSpec
 from hybridkv.state_pool import CHECKPOINT, FREE, LIVE, NULL
 
@@ -63,12 +64,12 @@ def kv_of(mgr, group, r):
     the request's held blocks in one attention group."""
     out = {}
     n = r.num_computed_tokens
-    first = held_from(group, r.req_id)
+    first = held_from(group, r.request_id)
     for i, t in group.pool.kv.items():
         nb = -(-n // mgr.block_size)
         if nb == first:  # nothing computed, or a window of one token: no block to read
             continue
-        g = t[group.block_ids(r.req_id)[first:nb]]  # [nb - first, 2, bs, h, d]
+        g = t[group.block_ids(r.request_id)[first:nb]]  # [nb - first, 2, bs, h, d]
         out[i] = g.permute(0, 2, 1, 3, 4).reshape((nb - first) * mgr.block_size, -1)[: n - first * mgr.block_size]
     return first * mgr.block_size, out
 
@@ -107,31 +108,31 @@ def check_request_data(mgr, r):
             assert first <= group.first_needed_block(n) * mgr.block_size, "a block inside the window is gone"
         for i, got in kv.items():
             got = got[seen - first:]
-            assert torch.equal(got, want[seen:, None].expand_as(got)), f"KV of request {r.req_id} layer {i} differs"
-    slot = mgr.live_slot(r.req_id)
+            assert torch.equal(got, want[seen:, None].expand_as(got)), f"KV of request {r.request_id} layer {i} differs"
+    slot = mgr.live_slot(r.request_id)
     if slot and n:
         sv = state_value(r.token_ids, n)
         for t in list(mgr.conv_states.values()) + list(mgr.ssm_states.values()):
-            assert bool((t[slot] == sv).all()), f"state of request {r.req_id} differs"
+            assert bool((t[slot] == sv).all()), f"state of request {r.request_id} differs"
 
 
 def check_conservation(mgr):
-    running = [r for r in mgr.requests.values() if r.status == RUNNING]
+    running = [r for r in mgr.requests.values() if r.status == RequestStatus.RUNNING]
     for r in mgr.requests.values():
-        if r.status != RUNNING:
-            assert all(g.block_ids(r.req_id) == [] for g in mgr.attention_groups.values())
-            assert mgr.live_slot(r.req_id) == 0 and (r.swapped is not None) == (r.status == SWAPPED)
+        if r.status != RequestStatus.RUNNING:
+            assert all(g.block_ids(r.request_id) == [] for g in mgr.attention_groups.values())
+            assert mgr.live_slot(r.request_id) == 0 and (r.swapped is not None) == (r.status == RequestStatus.SWAPPED)
     for w, group in mgr.attention_groups.items():
         pool, window = group.pool, w
         want = [0] * pool.num_blocks
         for r in running:
-            ids = group.block_ids(r.req_id)
+            ids = group.block_ids(r.request_id)
             assert len(ids) * mgr.block_size >= r.num_computed_tokens
             for b in ids:
                 if b != NO_BLOCK:
                     want[b] += 1
             if ids:
-                assert mgr.block_tables([r.req_id])[w][0, : len(ids)].tolist() == [max(b, 0) for b in ids]
+                assert mgr.block_tables([r.request_id])[w][0, : len(ids)].tolist() == [max(b, 0) for b in ids]
             if window is not None:  # blocks that left the window were let go
                 held = sum(b != NO_BLOCK for b in ids)
                 assert held <= -(-window // mgr.block_size) + 1, (held, window, r.num_computed_tokens)
@@ -141,7 +142,7 @@ def check_conservation(mgr):
     if mgr.recurrent is None:
         return
     states = mgr.recurrent.states
-    live = [mgr.live_slot(r.req_id) for r in running]
+    live = [mgr.live_slot(r.request_id) for r in running]
     ckpt = [c.slot for c in mgr.recurrent.checkpoints.values()]
     assert len(set(live)) == len(live) and 0 not in live and len(set(ckpt)) == len(ckpt)
     assert not set(live) & set(ckpt)
@@ -216,8 +217,7 @@ class ManagerMachine(RuleBasedStateMachine):
         """The packed batch of this one chunk: positions, lengths, and every group's slots derived
         from its block table equal the slots the manager's memories hand out."""
         mgr, r = self.mgr, self.mgr.request(rid)
-        seq = Sequence(rid, r.token_ids, SamplingParams())
-        batch = self.batches.build([ScheduledChunk(seq, start, end - start, slots)])
+        batch = self.batches.build([ScheduledChunk(r, start, end - start, slots)])
         assert batch.input_ids.tolist() == r.token_ids[start:end]
         assert batch.positions.tolist() == list(range(start, end)) and batch.seq_lens.tolist() == [end]
         assert batch.slot_mapping.tolist() == slots
@@ -255,12 +255,12 @@ class ManagerMachine(RuleBasedStateMachine):
         num_new = first if limit_new else None
         probed = self.probe_prefix(prompt, salt)
         try:
-            can = mgr.can_admit(prompt, max_tokens=max_tokens, cache_salt=salt, num_new_tokens=num_new)
+            can = mgr.can_admit(Request(None, prompt, max_tokens=max_tokens, cache_salt=salt), num_new_tokens=num_new)
         except RequestTooLargeError:
             assert any(g._blocks_to_hold(len(prompt) + max_tokens) > g.num_blocks
                        for g in mgr.attention_groups.values())
             return
-        hit = mgr.admit(rid, prompt, max_tokens=max_tokens, cache_salt=salt, num_new_tokens=num_new)
+        hit = mgr.admit(Request(rid, prompt, max_tokens=max_tokens, cache_salt=salt), num_new_tokens=num_new)
         assert (hit is not None) == can
         if hit is None:
             return
@@ -271,10 +271,10 @@ class ManagerMachine(RuleBasedStateMachine):
         assert self.run_chunk(rid, min(first if limit_new else len(prompt), len(prompt) - hit)), \
             "allocate right after admit must succeed"
 
-    @precondition(lambda self: self.ids(RUNNING))
+    @precondition(lambda self: self.ids(RequestStatus.RUNNING))
     @rule(data=st.data(), n=st.integers(1, 8), tok=st.integers(0, 3))
     def step(self, data, n, tok):
-        rid = data.draw(st.sampled_from(self.ids(RUNNING)))
+        rid = data.draw(st.sampled_from(self.ids(RequestStatus.RUNNING)))
         r = self.mgr.request(rid)
         if r.num_computed_tokens == len(r.token_ids):  # decode: the sampled token comes first
             if len(r.token_ids) >= r.num_prompt_tokens + r.max_tokens:
@@ -283,7 +283,7 @@ class ManagerMachine(RuleBasedStateMachine):
             self.mgr.append_tokens(rid, [tok])
         self.run_chunk(rid, n)
 
-    @precondition(lambda self: self.ids(RUNNING))
+    @precondition(lambda self: self.ids(RequestStatus.RUNNING))
     @rule(tok=st.integers(0, 3))
     def decode_all(self, tok):
         """The engine's decode step: every running request one token short samples `tok` and
@@ -292,7 +292,7 @@ class ManagerMachine(RuleBasedStateMachine):
         leaves go one by one. Its answers equal the per-request verbs' (checkpoint_due, allocate)."""
         mgr = self.mgr
         rids = []
-        for rid in self.ids(RUNNING):
+        for rid in self.ids(RequestStatus.RUNNING):
             r = mgr.request(rid)
             if r.num_computed_tokens == len(r.token_ids) < r.num_prompt_tokens + r.max_tokens:
                 mgr.append_tokens(rid, [tok])
@@ -329,23 +329,23 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert before[rids[i]] == [list(g.block_ids(rids[i])) for g in mgr.attention_groups.values()]
                 self.run_chunk(rids[i], 1)
 
-    @precondition(lambda self: self.ids(RUNNING))
+    @precondition(lambda self: self.ids(RequestStatus.RUNNING))
     @rule(data=st.data())
     def fork(self, data):
-        parent = data.draw(st.sampled_from(self.ids(RUNNING)))
+        parent = data.draw(st.sampled_from(self.ids(RequestStatus.RUNNING)))
         child = self.next_id
         self.next_id += 1
-        if self.mgr.fork(parent, child):
+        if self.mgr.fork(parent, self.mgr.request(parent).fork(child)):
             p, c = self.mgr.request(parent), self.mgr.request(child)
             cb, pb = self.mgr.block_ids(child), self.mgr.block_ids(parent)
             assert cb == pb[: len(cb)] and c.num_computed_tokens == p.num_computed_tokens
             EVENTS["fork"] += 1
             check_request_data(self.mgr, c)
 
-    @precondition(lambda self: self.ids(RUNNING))
+    @precondition(lambda self: self.ids(RequestStatus.RUNNING))
     @rule(data=st.data())
     def explicit_checkpoint(self, data):
-        rid = data.draw(st.sampled_from(self.ids(RUNNING)))
+        rid = data.draw(st.sampled_from(self.ids(RequestStatus.RUNNING)))
         nc = self.mgr.request(rid).num_computed_tokens
         if nc and nc % self.mgr.block_size == 0:
             self.mgr.checkpoint(rid)
@@ -355,18 +355,18 @@ class ManagerMachine(RuleBasedStateMachine):
     def finish(self, data):
         self.mgr.finish(data.draw(st.sampled_from(sorted(self.mgr.requests))))
 
-    @precondition(lambda self: self.ids(RUNNING))
+    @precondition(lambda self: self.ids(RequestStatus.RUNNING))
     @rule(data=st.data(), mode=st.sampled_from(["recompute", "swap"]))
     def preempt(self, data, mode):
-        rid = data.draw(st.sampled_from(self.ids(RUNNING)))
+        rid = data.draw(st.sampled_from(self.ids(RequestStatus.RUNNING)))
         self.mgr.preempt(rid, mode)
-        assert self.mgr.request(rid).status == (PREEMPTED if mode == "recompute" else SWAPPED)
+        assert self.mgr.request(rid).status == (RequestStatus.WAITING if mode == "recompute" else RequestStatus.SWAPPED)
 
-    @precondition(lambda self: self.ids(PREEMPTED) or self.ids(SWAPPED))
+    @precondition(lambda self: self.ids(RequestStatus.WAITING) or self.ids(RequestStatus.SWAPPED))
     @rule(data=st.data())
     def resume(self, data):
-        rid = data.draw(st.sampled_from(self.ids(PREEMPTED) + self.ids(SWAPPED)))
-        was_swapped = self.mgr.request(rid).status == SWAPPED
+        rid = data.draw(st.sampled_from(self.ids(RequestStatus.WAITING) + self.ids(RequestStatus.SWAPPED)))
+        was_swapped = self.mgr.request(rid).status == RequestStatus.SWAPPED
         nc = self.mgr.request(rid).num_computed_tokens
         got = self.mgr.resume(rid)
         if got is not None:
@@ -374,19 +374,19 @@ class ManagerMachine(RuleBasedStateMachine):
             assert got == nc if was_swapped else got % self.mgr.block_size == 0
             check_request_data(self.mgr, self.mgr.request(rid))
 
-    @precondition(lambda self: self.ids(RUNNING))
+    @precondition(lambda self: self.ids(RequestStatus.RUNNING))
     @rule(data=st.data())
     def migrate(self, data):
         """Export, import into a second manager (another block size), check, and move back home."""
-        rid = data.draw(st.sampled_from(self.ids(RUNNING)))
+        rid = data.draw(st.sampled_from(self.ids(RequestStatus.RUNNING)))
         snap = self.mgr.export_snapshot(rid)
-        if self.other.import_snapshot(snap, req_id="away"):
+        if self.other.import_snapshot(snap, request_of(snap, "away")):
             EVENTS["imported elsewhere"] += 1
             check_request_data(self.other, self.other.request("away"))
             self.other.finish("away")
         assert self.other.stats().kv_blocks_used == 0 and self.other.stats().slots_live == 0
         self.mgr.finish(rid)
-        if self.mgr.import_snapshot(snap):
+        if self.mgr.import_snapshot(snap, request_of(snap)):
             check_request_data(self.mgr, self.mgr.request(rid))
         else:  # only when a fork still holds the blocks it released
             part = {"kv": snap.kv, "kv_start": snap.kv_start, "conv": snap.conv, "ssm": snap.ssm}
@@ -408,7 +408,7 @@ class ManagerMachine(RuleBasedStateMachine):
         EVENTS["checked with two attention groups"] += len(self.mgr.attention_groups) > 1
         check_conservation(self.mgr)
         for r in self.mgr.requests.values():
-            if r.status == RUNNING:
+            if r.status == RequestStatus.RUNNING:
                 check_request_data(self.mgr, r)
         for h, c in (self.mgr.recurrent.checkpoints.items() if self.mgr.recurrent else ()):  # never change
             for t in list(self.mgr.conv_states.values()) + list(self.mgr.ssm_states.values()):
