@@ -35,10 +35,10 @@ a request that can never fit raises RequestTooLargeError, a ValueError):
     mgr.allocate(req_id, n) -> list[int] | None            KV write slots for [num_computed, +n)
         (-1 each without attention); None = not enough blocks (no side effect): preempt, retry
     mgr.commit(req_id, n)                                   num_computed += n; full blocks hashed
-    mgr.decode_rows(req_ids) -> DecodeRows                 the batched one-token verbs' handle
-    mgr.allocate_decodes(rows | req_ids, starts) -> (slots, due, allocated)   allocate(r, 1) and
-        checkpoint_due for one token of each, all at once (False: allocate those one by one)
-    mgr.commit_decodes(rows | req_ids[, starts]) -> {index: error}   commit(req_id, 1) for each
+    mgr.decode_rows(requests) -> DecodeRows                the batched one-token verbs' handle
+    mgr.allocate_decodes(rows, starts) -> (slots, due, allocated)   allocate(r, 1) and
+        checkpoint_due for one token of each, all at once (False: none of the short ones got one)
+    mgr.commit_decodes(rows[, starts]) -> {index: error}   commit(req_id, 1) for each
     mgr.checkpoint_decode(rows, i) -> bool                  checkpoint() of row i after commit_decodes
     with mgr.batched_checkpoints(): mgr.checkpoint(...) ...  the state copies at the exit, together
     mgr.checkpoint_due(req_id, start, end) -> int | None    where to cut the chunk for a checkpoint
@@ -323,46 +323,34 @@ class HybridCacheManager:
             return [-1] * num_new_tokens
         return self.attention.slot_mapping(req_id, start, end)
 
-    def decode_rows(self, req_ids: Sequence[Hashable]) -> DecodeRows:
+    def decode_rows(self, requests: Sequence[Request]) -> DecodeRows:
         """The handle of the batched one-token verbs for these running requests, in this order
         (decode_rows.py: valid while they run and get blocks only through allocate_decodes)."""
-        req_ids = list(req_ids)
-        return DecodeRows.of(self, req_ids, list(map(self._running, req_ids)), self.live_slots(req_ids))
+        req_ids = [r.request_id for r in requests]
+        for rid in req_ids:
+            self._running(rid)
+        return DecodeRows.of(self, req_ids, list(requests), self.live_slots(req_ids))
 
-    def allocate_decodes(self, rows: DecodeRows | Sequence[Hashable], starts: Sequence[int] | np.ndarray
+    def allocate_decodes(self, rows: DecodeRows, starts: Sequence[int] | np.ndarray
                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """allocate(req_id, 1) and checkpoint_due for one token of each running request (a
-        DecodeRows, or their ids) at its num_computed_tokens starts[i], all at once: arrays of
+        """allocate(req_id, 1) and checkpoint_due for one token of each running request of `rows`
+        at its num_computed_tokens starts[i], all at once: arrays of
         (KV write slot, int64, -1 without attention; whether a checkpoint is due after the token;
         whether it was allocated). Most tokens land in a block the request holds alone and need
         nothing; those that start a block get one, and a copy of a shared partial block is made,
         only when every pool can give all of them theirs, else none of them does (False:
         allocate() those one by one, in run order, preempting as needed). A step that continues
         the handle's last one costs no look at each request (decode_rows.py)."""
-        if not isinstance(rows, DecodeRows):
-            rows = self.decode_rows(rows)
         return rows.allocate(starts)
 
-    def commit_decodes(self, rows: DecodeRows | Sequence[Hashable], starts: Optional[np.ndarray] = None
-                       ) -> dict[int, Exception]:
-        """commit(req_id, 1) for each request (a DecodeRows, or their ids): the model computed one
-        more token of each. starts: their num_computed_tokens as given to allocate_decodes (None:
-        read here; given, each request's next token must be known). Those whose token fills no
-        block and changes nothing else in any kind (past the prompt: no burst to drop) advance
-        together, the others through commit(), in order. Each must hold its token's slot
-        (allocate_decodes or allocate). Returns {index: the error} of those whose commit raised
-        (each of them left as it was); the others are committed whatever happened to those."""
-        if not isinstance(rows, DecodeRows):
-            try:
-                rows = self.decode_rows(rows)
-            except (RequestStateError, KeyError):  # an unknown or idle id: each one on its own
-                failed: dict[int, Exception] = {}
-                for i, rid in enumerate(rows):
-                    try:
-                        self.commit(rid, 1)
-                    except Exception as e:
-                        failed[i] = e
-                return failed
+    def commit_decodes(self, rows: DecodeRows, starts: Optional[np.ndarray] = None) -> dict[int, Exception]:
+        """commit(req_id, 1) for each request of `rows`: the model computed one more token of
+        each. starts: their num_computed_tokens as given to allocate_decodes (None: read here;
+        given, each request's next token must be known). Those whose token fills no block and
+        changes nothing else in any kind (past the prompt: no burst to drop) advance together, the
+        others through commit(), in order. Each must hold its token's slot (allocate_decodes or
+        allocate). Returns {index: the error} of those whose commit raised (each of them left as
+        it was); the others are committed whatever happened to those."""
         return rows.commit(starts)
 
     def commit(self, req_id: Hashable, num_new_tokens: int) -> None:

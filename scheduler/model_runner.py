@@ -5,13 +5,14 @@ and the sampler (sampler.py); it reads the manager's block tables and slots to b
 and never changes the manager (the scheduler alone does, `Scheduler.update_from_output`).
 
 `execute(scheduler_output)` is `run(prepare(scheduler_output))`: `prepare` builds the model's
-inputs (a `StepInputs`: what a tensor-parallel executor sends the other ranks, hybridkv/parallel/
-executor.py), `run` runs the forward pass, checks the logits for NaN / inf (per chunk;
-one sum for a steady decode batch) and samples every row that needs a token: the last row of
-each chunk that reaches its sequence's end, once more for each fork a request with n > 1 makes
-at that point (its rows' draws depend only on the seed, the index and the step: sampler.py), and
-for a steady decode batch of greedy rows (no logprobs) one argmax over the batch. A row whose sampling
-raises gets the exception as its token, so that request alone fails.
+inputs over the decode batch's rows then the chunks (a `StepInputs`: what a tensor-parallel
+executor sends the other ranks, hybridkv/parallel/executor.py), `run` runs the forward pass,
+checks the logits for NaN / inf (one sum for a decode batch alone; per row or chunk otherwise)
+and samples every row that needs a token: each decode row, the last row of each chunk that
+reaches its sequence's end, once more for each fork a request with n > 1 makes at that point
+(its rows' draws depend only on the seed, the index and the step: sampler.py); a decode batch
+alone of greedy rows (no logprobs) in one argmax. A row whose sampling raises gets the
+exception as its token, so that request alone fails.
 """
 from __future__ import annotations
 
@@ -40,16 +41,17 @@ class RunnerOutput:
     """What the model computed for one SchedulerOutput.
 
     error: the forward pass raised (its requests cannot be told apart: each fails).
-    chunks: the step's chunks in batch order, the decode batch's as chunks when the step is not
-        a steady batch (empty for a steady batch with all logits finite).
+    chunks: the step's chunks (SchedulerOutput.chunks), in batch order after the decode rows.
     finite: per chunk, whether its rows are finite.
     tokens / logprobs: per chunk, the tokens sampled from its last row (the sequence's, then one
         per fork made there; an entry may be the exception its draw raised) and their logprobs.
     prompt_logprobs: {chunk index: (first position, per prompt position from there {token id:
         Logprob})} for the chunks that collect prompt logprobs.
-    batch_tokens: a steady decode batch's tokens, one per row (list of ints, or of ints and
-        exceptions when not greedy), with `batch_logprobs`; `sampled` / `sampled_np`: the greedy
-        argmax as a tensor [R] (the next step's input ids) and a numpy view on the CPU.
+    batch_tokens: the decode batch's tokens, one per row (list of ints, or of ints and
+        exceptions when not greedy; None for a row whose logits are not finite), with
+        `batch_logprobs`; `batch_finite`: per row whether its logits are finite (None: all);
+        `sampled` / `sampled_np`: a decode batch alone all greedy: the argmax as a tensor [R]
+        (the next step's input ids) and a numpy view on the CPU.
     """
 
     error: Optional[BaseException] = None
@@ -60,6 +62,7 @@ class RunnerOutput:
     prompt_logprobs: dict[int, tuple] = field(default_factory=dict)
     batch_tokens: Optional[list] = None
     batch_logprobs: Optional[list] = None
+    batch_finite: Optional[list[bool]] = None
     sampled: Optional[torch.Tensor] = None
     sampled_np: Optional[np.ndarray] = None
 
@@ -68,11 +71,10 @@ class RunnerOutput:
 class StepInputs:
     """One SchedulerOutput's model inputs (`ModelRunner.prepare`): a ForwardBatch, or a CUDA
     graph's inputs when a graph replays the step; error: building them raised (the step's
-    requests fail). chunks / rows: the step's chunks and their logit rows (None for a steady
-    decode batch)."""
+    requests fail). chunks / rows: the step's chunks (the decode batch's rows first, in chunk form)
+    and their logit rows (None for a decode batch alone)."""
 
     out: SchedulerOutput
-    collects: Callable
     fork_rows: Callable
     started: float
     batch: Optional[ForwardBatch] = None
@@ -111,7 +113,7 @@ class ModelRunner:
         def fork_rows(seq) -> list:
             return groups[seq.group_id].fork_rows(seq)
 
-        step = StepInputs(out, collects_prompt_logprobs, fork_rows, time.perf_counter())
+        step = StepInputs(out, fork_rows, time.perf_counter())
         graphs = self.decode_graphs
         try:
             with torch.inference_mode():  # the batch's buffers are inference tensors, as the forward's
@@ -142,9 +144,11 @@ class ModelRunner:
                 else:
                     logits = self.model(step.batch, self.caches)
             if step.rows is None:
-                result = self._decode_batch(step.out.decodes, logits, step.collects, step.fork_rows)
+                result = self._decode_batch(step.out.decodes, logits)
             else:
                 result = self._sampled(step.chunks, logits, step.rows, step.rows.finite(logits), step.fork_rows)
+                if step.out.decodes is not None:
+                    result = self._split(result, step.out)
         except Exception as e:
             log.exception("the forward pass failed; its %d requests end with an error", step.out.num_seqs)
             result = RunnerOutput(error=e)
@@ -152,11 +156,19 @@ class ModelRunner:
         return result
 
     # ---- after the forward -----------------------------------------------------------------
-    def _decode_batch(self, batch: DecodeBatch, logits: torch.Tensor, collects, fork_rows) -> RunnerOutput:
+    def _decode_batch(self, batch: DecodeBatch, logits: torch.Tensor) -> RunnerOutput:
+        """A decode batch alone: its rows' tokens (one argmax when all greedy); with NaN or inf
+        anywhere, which rows are finite and only theirs drawn."""
         if not math.isfinite(float(logits.sum())):  # NaN or inf anywhere makes the sum one
-            chunks = batch.chunks()
-            rows = plan_logit_rows(chunks, collects)
-            return self._sampled(chunks, logits, rows, rows.finite(logits), fork_rows)
+            finite = torch.isfinite(logits).all(dim=-1).tolist()
+            out = RunnerOutput(batch_finite=finite)
+            idx = [i for i, ok in enumerate(finite) if ok]
+            out.batch_tokens, out.batch_logprobs = [None] * len(batch), [None] * len(batch)
+            if idx:
+                tokens, lps = self._sample_rows(logits[idx], [batch.seqs[i] for i in idx])
+                for i, tok, lp in zip(idx, tokens, lps):
+                    out.batch_tokens[i], out.batch_logprobs[i] = tok, lp
+            return out
         out = RunnerOutput()
         if batch.all_greedy is None:
             batch.all_greedy = self.sampler.all_greedy(batch.seqs)
@@ -171,6 +183,21 @@ class ModelRunner:
         else:
             out.batch_tokens, out.batch_logprobs = self._sample_rows(logits, batch.seqs)
         return out
+
+    @staticmethod
+    def _split(both: RunnerOutput, out: SchedulerOutput) -> RunnerOutput:
+        """The result over the decode batch's rows (in chunk form, first) and the chunks, as the
+        batch's per-row fields and the chunks' per-chunk ones."""
+        r = len(out.decodes)
+        split = RunnerOutput(chunks=out.chunks, finite=both.finite[r:],
+                             tokens={i - r: t for i, t in both.tokens.items() if i >= r},
+                             logprobs={i - r: t for i, t in both.logprobs.items() if i >= r},
+                             prompt_logprobs={i - r: t for i, t in both.prompt_logprobs.items() if i >= r})
+        split.batch_tokens = [both.tokens[i][0] if i in both.tokens else None for i in range(r)]
+        split.batch_logprobs = [both.logprobs[i][0] if i in both.logprobs else None for i in range(r)]
+        if not all(both.finite[:r]):
+            split.batch_finite = both.finite[:r]
+        return split
 
     # ---- sampling --------------------------------------------------------------------------
     def _sampled(self, chunks: list[ScheduledChunk], logits: torch.Tensor, rows: LogitRows,

@@ -10,8 +10,11 @@ state at that boundary exists at the end of the step. When blocks or slots run o
 evicts cached blocks and checkpoints first; if that is not enough, the lowest-priority,
 latest-arriving running sequence is preempted (recompute or swap, per PreemptionPolicy) and goes
 back to its queue. Queues are keyed by id (sequence_queue.py): a step costs what it schedules.
-When every running sequence is a plain decode, they go out as one DecodeBatch (step_plan.py),
-kept and advanced a token a step while the running queue's version stays the same.
+The running plain decodes (one token left, past the prompt) go out as one DecodeBatch
+(step_plan.py), allocated in one manager call; when a pool is short, the latest-arriving
+lowest-priority running requests are preempted until every decode left fits. A batch that held
+every running request is carried over to the next step (one token later) while the running
+queue's version stays the same.
 A verb that raises for one sequence (admit, swap-in, swap-out, allocate) ends that sequence
 alone with "error" (`fail`, listed in `SchedulerOutput.failed`); the scan goes on for the rest.
 
@@ -42,6 +45,8 @@ from .token_append import TokenAppender
 
 log = logging.getLogger(__name__)
 
+NONFINITE = "the model gave non-finite logits (NaN or inf) for this request"
+
 
 class Scheduler:
     def __init__(self, manager: HybridCacheManager, policy: PreemptionPolicy,
@@ -53,13 +58,13 @@ class Scheduler:
         self.waiting = SequenceQueue()   # new, and preempted by recompute
         self.swapped = SequenceQueue()
         self.running = SequenceQueue()
-        # Steps in which every running sequence is a plain decode come as one DecodeBatch
-        # (step_plan.py); False: every step as ScheduledChunks (the general path, for tests).
-        self.batch_decodes = True
-        self._advanced: Optional[DecodeBatch] = None  # the last batch the engine ran whole
+        # False: the decode batch is made afresh each step, never carried over (for twin tests)
+        self.carry_decode_batch = True
+        self._advanced: Optional[DecodeBatch] = None  # the last batch, run and committed whole
         self.batches_cut = 0  # batches made by cutting the last one to the sequences left (internal)
         self.groups: dict[Hashable, RequestGroup] = {}  # the requests, by key (engine.py)
-        self.counters = {"generated_tokens": 0, "forks": 0, "failed": 0, "decode_batch_steps": 0}
+        self.counters = {"generated_tokens": 0, "forks": 0, "failed": 0,
+                         "decode_batch_steps": 0, "carried_decode_batches": 0}
         self.appender: Optional[TokenAppender] = None  # the model's stop rules (set by the engine)
 
     # ---- queues ----------------------------------------------------------------------------
@@ -129,36 +134,20 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_tokens
         last, self._advanced = self._advanced, None  # a kept batch serves the very next step only
-        batch = None
-        if self.batch_decodes and 0 < len(self.running) <= budget:
-            batch = DecodeBatch.of_running(self.running, last, self.mgr)
-            self.batches_cut += batch is not None and batch.cut
-        if batch is not None:  # every running sequence is a plain decode: one array-based batch
-            slots, due, done = self.mgr.allocate_decodes(batch.rows, batch.positions)
-            if done.all():
-                batch.kv_slots, batch.checkpoints = slots, np.flatnonzero(due).tolist()
-                out.decodes, decodes, prefills = batch, [], []
-                budget -= len(batch)
-            else:  # a pool is short: those go one by one below, preempting as needed
-                decodes, prefills = list(zip(batch.positions.tolist(), batch.seqs)), []
-                decodes, budget = self._place_decodes(decodes, slots.tolist(), due.tolist(), done.tolist(),
-                                                      budget, out)
-        else:
-            # Decodes (one token left to compute) before prefills; within each, by priority/arrival.
-            decodes, prefills = [], []
-            for seq in self.running:  # run order, kept within decodes and within prefills
-                start = seq.num_computed_tokens
-                (decodes if len(seq.token_ids) - start <= 1 else prefills).append((start, seq))
-            if decodes and len(decodes) <= budget:  # in one manager call; the rest one by one below
-                slots, due, done = self.mgr.allocate_decodes([seq.request_id for _, seq in decodes],
-                                                             [start for start, _ in decodes])
-                decodes, budget = self._place_decodes(decodes, slots.tolist(), due.tolist(), done.tolist(),
-                                                      budget, out)
-        for start, seq in itertools.chain(decodes, prefills):
+        batch, rest = None, []
+        if self.running and budget > 0:
+            batch, rest = DecodeBatch.of_running(self.running, last if self.carry_decode_batch else None,
+                                                 self.mgr, budget)
+        if batch is not None:
+            self.counters["carried_decode_batches"] += batch.carried
+            self.batches_cut += batch.cut
+            out.decodes = self._allocate_batch(batch, out)
+            budget -= len(out.decodes) if out.decodes is not None else 0
+        for start, seq in rest:  # the last prompt token of some, then prefills; in run order
             if budget == 0:
                 break
             if seq.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+                continue  # preempted earlier in this step
             chunk = self._fit_running(seq, start, min(seq.num_tokens - start, budget), out)
             if chunk is not None:
                 out.chunks.append(chunk)
@@ -178,21 +167,22 @@ class Scheduler:
                 break
         return out
 
-    def _place_decodes(self, decodes: list[tuple[int, Request]], slots, due, done, budget: int,
-                       out: SchedulerOutput) -> tuple[list[tuple[int, Request]], int]:
-        """Chunks for the decodes `allocate_decodes` answered (slots, due, done per decode);
-        returns the others, in run order, and the budget left."""
-        rest, chunks = [], out.chunks
-        if all(done):  # the usual step: one comprehension, no per-decode branch
-            chunks.extend([ScheduledChunk(seq, start, 1, [slot], ckpt, start >= seq.num_prompt_tokens)
-                           for (start, seq), slot, ckpt in zip(decodes, slots, due)])
-            return rest, budget - len(decodes)
-        for (start, seq), slot, ckpt, ok in zip(decodes, slots, due, done):
-            if ok:  # past the prompt: a plain decode (the last prompt token samples the first output)
-                chunks.append(ScheduledChunk(seq, start, 1, [slot], ckpt, start >= seq.num_prompt_tokens))
-            else:
-                rest.append((start, seq))
-        return rest, budget - (len(decodes) - len(rest))
+    def _allocate_batch(self, batch: DecodeBatch, out: SchedulerOutput) -> Optional[DecodeBatch]:
+        """KV slots and due checkpoints for the decode batch in one manager call. When a pool is
+        short, the last running request in run order is preempted (a decode of the batch or a
+        prefill) and the rest asked again, until every decode left has its slot; None when none
+        is left."""
+        while True:
+            slots, due, done = self.mgr.allocate_decodes(batch.rows, batch.positions)
+            if done.all():
+                batch.kv_slots, batch.checkpoints = slots, np.flatnonzero(due).tolist()
+                return batch
+            self._preempt(max(self.running, key=run_order), out)
+            keep = [i for i, seq in enumerate(batch.seqs) if seq.status is RequestStatus.RUNNING]
+            if len(keep) < len(batch):
+                batch = batch.without(keep)
+                if batch is None:
+                    return None
 
     def _admit_from(self, queue: SequenceQueue, budget: int, out: SchedulerOutput) -> int:
         """Start sequences from the head of `queue` while they fit; the budget left, or -1 when
@@ -249,6 +239,8 @@ class Scheduler:
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         out.chunks = [c for c in out.chunks if c.seq is not victim]
+        if out.decodes is not None and any(seq is victim for seq in out.decodes.seqs):
+            out.decodes = out.decodes.without([i for i, seq in enumerate(out.decodes.seqs) if seq is not victim])
         try:
             mode = self.policy.choose(victim.num_computed_tokens)
             self.mgr.preempt(victim.request_id, mode)
@@ -297,34 +289,51 @@ class Scheduler:
             for seq in out.seqs():
                 self.fail_request(seq, f"the forward pass of its batch failed: {type(e).__name__}: {e}",
                                   touched, discard=True)
-        elif result.batch_tokens is not None:
-            self._update_batch(out.decodes, result, touched, finished_only)
-        elif result.chunks:
-            self._update_chunks(result, touched, finished_only)
-        elif self.has_unfinished() and not out.preempted and not out.failed:
+            return touched
+        with self.mgr.batched_checkpoints():  # this step's state checkpoints copy together
+            if out.decodes is not None:
+                self._update_batch(out.decodes, result, touched, finished_only, bool(out.failed))
+            if out.chunks:
+                self._update_chunks(out.chunks, result, touched, finished_only)
+        if out.decodes is None and not out.chunks and self.has_unfinished() and not out.preempted \
+                and not out.failed:
             self._fail_stuck(touched)
         return touched
 
-    def _update_batch(self, batch: DecodeBatch, result: RunnerOutput, touched: dict, finished_only: bool) -> None:
-        """A steady decode batch whose logits were all finite: its commits and checkpoints in one
-        manager call each, then its tokens (all greedy: through the batch's stop rules)."""
-        seqs, mgr, failed = batch.seqs, self.mgr, False
-        self.counters["decode_batch_steps"] += 1
-        with mgr.batched_checkpoints():
+    def _update_batch(self, batch: DecodeBatch, result: RunnerOutput, touched: dict, finished_only: bool,
+                      some_failed: bool) -> None:
+        """The decode batch: a row with non-finite logits fails alone; the others commit in one
+        manager call, take their checkpoints, and append their tokens (all greedy: through the
+        batch's stop rules). A batch run and committed whole may be carried to the next step.
+        some_failed: a request failed while scheduling (its siblings in the batch ended with it)."""
+        seqs, mgr = batch.seqs, self.mgr
+        self.counters["decode_batch_steps"] += batch.whole  # a steady step: every running request decoded
+        finite = result.batch_finite
+        if finite is not None:
+            for j in np.flatnonzero(~np.asarray(finite)).tolist():
+                if not seqs[j].finished:  # (a sibling's failure may have ended it)
+                    self.fail_request(seqs[j], NONFINITE, touched, discard=True)  # its new KV and state are suspect
+        ended = finite is not None or some_failed
+        if ended:  # those left commit through a handle of their own
+            keep = [j for j, seq in enumerate(seqs) if not seq.finished]
+            errors = {keep[k]: e for k, e in
+                      mgr.commit_decodes(batch.rows.kept(keep), batch.positions[keep]).items()} if keep else {}
+        else:
             errors = mgr.commit_decodes(batch.rows, batch.positions)
-            for j, e in errors.items():
-                self.fail_request(seqs[j], e, touched, discard=True)
-            for i in batch.checkpoints:
-                if (errors or failed) and seqs[i].finished:
-                    continue
-                try:
-                    mgr.checkpoint_decode(batch.rows, i)
-                except Exception as e:
-                    self.fail_request(seqs[i], e, touched)
-                    failed = True
+        for j, e in errors.items():
+            self.fail_request(seqs[j], e, touched, discard=True)
+        failed = False
+        for i in batch.checkpoints:
+            if (ended or errors or failed) and seqs[i].finished:
+                continue
+            try:
+                mgr.checkpoint_decode(batch.rows, i)
+            except Exception as e:
+                self.fail_request(seqs[i], e, touched)
+                failed = True
         tokens = result.batch_tokens
-        if errors or failed:  # those left append as in the general path; the batch ends here
-            keep = [j for j, s in enumerate(seqs) if not s.finished]
+        if ended or errors or failed:  # those left append one by one; the batch ends here
+            keep = [j for j, seq in enumerate(seqs) if not seq.finished]
             lps = result.batch_logprobs or [None] * len(seqs)
             self._append([seqs[j] for j in keep], [tokens[j] for j in keep], [lps[j] for j in keep],
                          touched, finished_only)
@@ -339,72 +348,49 @@ class Scheduler:
                 result.sampled_np)
             batch.sampled = result.sampled
             self._advanced_by(appended, stopped if finished_only else seqs, touched)
-        self._advanced = batch  # the next step may continue it
+        if batch.whole:
+            self._advanced = batch  # the next step may carry it over
 
-    def _update_chunks(self, result: RunnerOutput, touched: dict, finished_only: bool) -> None:
-        """Commit, checkpoint, fork and append for a step's chunks; a chunk with NaN or inf fails
-        alone. The decodes among them commit in one manager call."""
-        seqs, tokens, lps = [], [], []  # the other chunks' sampled rows, in batch order
-        decodes, decode_tokens, decode_lps, due = [], [], [], []
-        mgr, failed_before = self.mgr, self.counters["failed"]
-        with mgr.batched_checkpoints():  # this step's state checkpoints copy together
-            for i, c in enumerate(result.chunks):
-                seq = c.seq
-                if c.decode and result.finite[i]:
-                    decodes.append(seq)
-                    decode_tokens.append(result.tokens[i][0])
-                    decode_lps.append(result.logprobs[i][0])
-                    if c.checkpoint:
-                        due.append(seq)
-                    continue
-                if seq.finished:
-                    continue  # its group failed earlier in this loop
-                if not result.finite[i]:
-                    self.fail_request(seq, "the model gave non-finite logits (NaN or inf) for this request",
-                                      touched, discard=True)  # its new KV and state are suspect: cache none
-                    continue
-                try:
-                    mgr.commit(seq.request_id, c.num_tokens)
-                except Exception as e:
-                    self.fail_request(seq, e, touched, discard=True)
-                    continue
-                try:
-                    if c.checkpoint:
-                        mgr.checkpoint(seq.request_id)
-                    if i in result.prompt_logprobs:
-                        pos0, entries = result.prompt_logprobs[i]
-                        tok = self.appender.tokenizer
-                        self.groups[seq.group_id].record_prompt_logprobs(
-                            pos0, [decoded_logprobs(tok, e) for e in entries])
-                    if i not in result.tokens:
-                        continue  # a prefill chunk short of the end: nothing sampled yet
-                    children = self._fork(seq)
-                except Exception as e:
-                    self.fail_request(seq, e, touched)
-                    continue
-                row_tokens, row_lps = result.tokens[i], result.logprobs[i]
-                seqs.append(seq)
-                tokens.append(row_tokens[0])
-                lps.append(row_lps[0])
-                for child, j in children:  # a fork's draw is the j-th of its parent's row
-                    seqs.append(child)
-                    tokens.append(row_tokens[j])
-                    lps.append(row_lps[j])
-            if decodes:
-                if self.counters["failed"] != failed_before:  # a sibling's failure may have ended some
-                    keep = [j for j, s in enumerate(decodes) if not s.finished]
-                    decodes, decode_tokens, decode_lps = ([x[j] for j in keep] for x in
-                                                          (decodes, decode_tokens, decode_lps))
-                errors = mgr.commit_decodes([s.request_id for s in decodes])
-                for j, e in errors.items():
-                    self.fail_request(decodes[j], e, touched, discard=True)
-                for seq in due:
-                    if not seq.finished:
-                        try:
-                            mgr.checkpoint(seq.request_id)
-                        except Exception as e:
-                            self.fail_request(seq, e, touched)
-                seqs, tokens, lps = decodes + seqs, decode_tokens + tokens, decode_lps + lps
+    def _update_chunks(self, chunks: list[ScheduledChunk], result: RunnerOutput, touched: dict,
+                       finished_only: bool) -> None:
+        """Commit, checkpoint, fork and append for a step's chunks (result's chunk rows are in
+        this order); a chunk with NaN or inf fails alone."""
+        seqs, tokens, lps = [], [], []  # the sampled rows, in batch order
+        mgr = self.mgr
+        for i, c in enumerate(chunks):
+            seq = c.seq
+            if seq.finished:
+                continue  # its group failed earlier in this step
+            if not result.finite[i]:
+                self.fail_request(seq, NONFINITE, touched, discard=True)  # its new KV and state are suspect
+                continue
+            try:
+                mgr.commit(seq.request_id, c.num_tokens)
+            except Exception as e:
+                self.fail_request(seq, e, touched, discard=True)
+                continue
+            try:
+                if c.checkpoint:
+                    mgr.checkpoint(seq.request_id)
+                if i in result.prompt_logprobs:
+                    pos0, entries = result.prompt_logprobs[i]
+                    tok = self.appender.tokenizer
+                    self.groups[seq.group_id].record_prompt_logprobs(
+                        pos0, [decoded_logprobs(tok, e) for e in entries])
+                if i not in result.tokens:
+                    continue  # a prefill chunk short of the end: nothing sampled yet
+                children = self._fork(seq)
+            except Exception as e:
+                self.fail_request(seq, e, touched)
+                continue
+            row_tokens, row_lps = result.tokens[i], result.logprobs[i]
+            seqs.append(seq)
+            tokens.append(row_tokens[0])
+            lps.append(row_lps[0])
+            for child, j in children:  # a fork's draw is the j-th of its parent's row
+                seqs.append(child)
+                tokens.append(row_tokens[j])
+                lps.append(row_lps[j])
         self._append(seqs, tokens, lps, touched, finished_only)
 
     def _append(self, seqs: list[Request], tokens: list, lps: list, touched: dict, finished_only: bool) -> None:

@@ -1,12 +1,14 @@
-"""What the scheduler hands the engine for one step: chunks of tokens to compute, and the steady
-decodes as one array-based `DecodeBatch`.
+"""What the scheduler hands the model runner for one step: the running decodes as one
+array-based `DecodeBatch`, and chunks of tokens to compute for everything else.
 
-A `ScheduledChunk` is one sequence's tokens from a position. When every running sequence is a
-plain decode (one token left, past its prompt), the step is a `DecodeBatch` instead: the same
-information for all of them as arrays and lists, made without an object per sequence, and kept
-from one step to the next while nobody joins or leaves the running queue (its positions advance
-by one). `DecodeBatch.chunks()` gives the chunks the general path would have had, for steps that
-mix it with other work.
+Every running request past its prompt with one token left to compute (a plain decode) is a row
+of the step's `DecodeBatch`: positions, KV write slots and the rows due a state checkpoint as
+arrays, the manager's handle on their memory (`DecodeRows`). It is the only way a decode is
+scheduled and committed. When it held every running request, the next step carries it over
+(one token later, or cut to those left when some left and nobody joined) without a look at each
+request. A `ScheduledChunk` is one request's tokens from a position: a prefill chunk, or the
+last prompt token (it may collect prompt logprobs and make forks). `DecodeBatch.chunks()` is the
+batch in the batch builder's form when a step mixes the two.
 """
 from __future__ import annotations
 
@@ -22,7 +24,6 @@ from hybridkv.decode_rows import DecodeRows
 from hybridkv.request import Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
-_request_id = attrgetter("request_id")
 _num_computed = attrgetter("num_computed_tokens")
 _num_prompt = attrgetter("num_prompt_tokens")
 _token_ids = attrgetter("token_ids")
@@ -31,8 +32,8 @@ _token_ids = attrgetter("token_ids")
 @dataclass(slots=True)
 class ScheduledChunk:
     """`num_tokens` tokens of `seq` from position `start`; `checkpoint` if a state checkpoint is
-    due once they are computed. `decode`: one token past the prompt (no prompt logprobs, no forks
-    to make): the engine commits those together."""
+    due once they are computed. `decode`: a row of the decode batch in chunk form (one token past
+    the prompt: no prompt logprobs, no forks to make)."""
 
     seq: Request
     start: int
@@ -68,29 +69,43 @@ class DecodeBatch:
     sampled: Optional[torch.Tensor] = None  # this step's sampled tokens, once the engine has them
     added: int = 0  # the running queue's count of adds this batch was made for
     cut: bool = False  # made by cutting the last batch to the sequences left (`kept`)
+    whole: bool = True  # holds every running request: the next step may carry it over
+    carried: bool = False  # carried over from the step before (`advanced` or `kept`)
 
     @classmethod
-    def of_running(cls, running, last: Optional["DecodeBatch"], manager) -> Optional["DecodeBatch"]:
-        """The running queue (sequence_queue.py) as one DecodeBatch (positions only) when every
-        sequence in it is a plain decode (one token left, past its prompt), else None. After
-        `last`, the batch run whole in the step before, and while nobody joined or left since, it
-        is that batch one token later: no look at each sequence; when some left and nobody
-        joined, it is that batch cut to those left (`kept`)."""
+    def of_running(cls, running, last: Optional["DecodeBatch"], manager, budget: int
+                   ) -> tuple[Optional["DecodeBatch"], list[tuple[int, Request]]]:
+        """(the step's decode batch, positions only, or None; the other running requests as
+        (num_computed_tokens, request), those with one prompt token left first, then the
+        prefills, each in run order). At most `budget` decodes, the first in run order; the
+        others wait. `last`: the batch the step before ran and committed whole (holding every
+        running request), or None: while nobody joined or left the running queue since, this
+        step's is that batch one token later, without a look at each request; when some left and
+        nobody joined, it is that batch cut to those left (`kept`)."""
         n = len(running)
-        if last is not None and last.version == running.version:
-            return last.advanced(running.version)
-        if last is not None and last.added == running.added:  # some left, nobody joined: cut the batch
+        if last is not None and last.version == running.version and n <= budget:
+            return last.advanced(running.version), []
+        if last is not None and last.added == running.added and n <= budget:  # some left, nobody joined
             keep = [i for i, seq in enumerate(last.seqs) if seq.status is _RUNNING]
             if len(keep) == n:
-                return last.kept(keep, running.version)
+                return last.kept(keep, running.version), []
         seqs = list(running)  # run order
         positions = np.fromiter(map(_num_computed, seqs), np.int64, n)
-        known = np.fromiter(map(len, map(_token_ids, seqs)), np.int64, n)
-        prompt = np.fromiter(map(_num_prompt, seqs), np.int64, n)
-        if not ((known - positions == 1) & (positions >= prompt)).all():
-            return None
-        return cls(seqs, manager.decode_rows([s.request_id for s in seqs]), positions, running.version,
-                   added=running.added)
+        left = np.fromiter(map(len, map(_token_ids, seqs)), np.int64, n) - positions
+        decode = (left == 1) & (positions >= np.fromiter(map(_num_prompt, seqs), np.int64, n))
+        rest: list[tuple[int, Request]] = []
+        if not decode.all():
+            idx = np.flatnonzero(decode)
+            starts = positions.tolist()
+            rest = ([(starts[i], seqs[i]) for i in np.flatnonzero(~decode & (left <= 1)).tolist()]
+                    + [(starts[i], seqs[i]) for i in np.flatnonzero(left > 1).tolist()])
+            seqs, positions = [seqs[i] for i in idx.tolist()], positions[idx]
+        whole = not rest and len(seqs) <= budget
+        seqs, positions = seqs[:budget], positions[:budget]
+        if not seqs:
+            return None, rest
+        return cls(seqs, manager.decode_rows(seqs), positions, running.version, added=running.added,
+                   whole=whole), rest
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -106,7 +121,25 @@ class DecodeBatch:
         after = self.rows.next
         return DecodeBatch(self.seqs, self.rows, self.positions + 1 if after is None else after, version,
                            all_greedy=self.all_greedy, stops=self.stops, cpu_fields=self.cpu_fields,
-                           input_ids=self.sampled, added=self.added)
+                           input_ids=self.sampled, added=self.added, carried=True)
+
+    def without(self, keep: list[int]) -> Optional["DecodeBatch"]:
+        """This step's batch of rows `keep` (ascending) alone, once the others were preempted or
+        failed while scheduling (None when none is left); it is not carried to the next step."""
+        if not keep:
+            return None
+        sel = np.asarray(keep, dtype=np.int64)
+        rows = self.rows.kept(keep)
+        batch = DecodeBatch([self.seqs[i] for i in keep], rows, self.positions[sel], self.version,
+                            all_greedy=True if self.all_greedy else None,
+                            stops=self.stops.keep(keep) if self.stops is not None else None,
+                            input_ids=self.input_ids[torch.from_numpy(sel)] if self.input_ids is not None else None,
+                            added=self.added, whole=False)
+        if self.kv_slots is not None:
+            new = {old: j for j, old in enumerate(keep)}
+            batch.kv_slots = self.kv_slots[sel]
+            batch.checkpoints = [new[i] for i in self.checkpoints if i in new]
+        return batch
 
     def kept(self, idx: list[int], version: int) -> "DecodeBatch":
         """advanced() for the sequences idx (ascending) alone, once the others left the running
@@ -117,7 +150,7 @@ class DecodeBatch:
         return DecodeBatch([self.seqs[i] for i in idx], rows, rows.next if rows.next is not None
                            else self.positions[idx] + 1, version, all_greedy=True if self.all_greedy else None,
                            stops=self.stops.keep(idx) if self.stops is not None else None,
-                           input_ids=sampled, added=self.added, cut=True)
+                           input_ids=sampled, added=self.added, cut=True, carried=True)
 
     def chunks(self) -> list[ScheduledChunk]:
         """The general path's chunks for these decodes (allocated: kv_slots set)."""

@@ -1,14 +1,16 @@
-"""The persistent decode batch (issue 12's fast path for steps in which every running sequence is a
-plain decode) against the general per-chunk path: twin engines of one checkpoint, the fast path on
-in one (`scheduler.batch_decodes = True`) and off in the other, driven by the same seeded
-operations (adds with shared prefixes, n > 1, stop ids, min_tokens, seeded top-p sampling,
-logprobs, penalties; aborts; migrations out and back in; steps, every third reporting only what
-finished) on pools small enough to preempt (recompute and swap) and evict. After
-every step both twins gave the same outputs and hold the same memory: each request's progress,
-blocks and slot, the pool counts, the recurrent checkpoints, and the bytes of the live states and
-the KV that was written. The fast twin must have taken the fast path (its `decode_batch_steps`
-counter), the slow twin never. Also on their own: faults in a fast step (NaN logits, checkpoint,
-sampler, forward), a stop id mid-batch, the switch flipped mid-batch, the running queue's version."""
+"""The persistent decode batch (issue 12's fast path, now the only way a decode is scheduled and
+committed) carried from step to step against the same batch made afresh each step: twin engines
+of one checkpoint, the batch carried over in one (`scheduler.carry_decode_batch = True`: one token
+later, or cut to those left, with the manager's phase-bucketed block bookkeeping) and made anew
+in the other, driven by the same seeded operations (adds with shared prefixes, n > 1, stop ids,
+min_tokens, seeded top-p sampling, logprobs, penalties; aborts; migrations out and back in;
+steps, every third reporting only what finished) on pools small enough to preempt (recompute and
+swap) and evict. After every step both twins gave the same outputs and hold the same memory:
+each request's progress, blocks and slot, the pool counts, the recurrent checkpoints, and the
+bytes of the live states and the KV that was written. The fast twin must have carried batches
+over (its `carried_decode_batches` counter), the slow twin never. Also on their own: faults in a
+decode step (NaN logits, checkpoint, sampler, forward), a stop id mid-batch, the switch flipped
+mid-batch, the running queue's version."""
 from __future__ import annotations
 
 import dataclasses
@@ -58,7 +60,7 @@ def twins(checkpoint, mode, blocks, seats, live_slots, ckpt_slots, **kwargs) -> 
     for fast in (True, False):
         llm = LLM(path, memory_budget_bytes=budget, max_num_seqs=seats, preemption_mode=mode,
                   max_num_batched_tokens=32, checkpoint_share=share, **kwargs)
-        llm.engine.scheduler.batch_decodes = fast
+        llm.engine.scheduler.carry_decode_batch = fast
         pair.append(llm)
     return pair[0], pair[1]
 
@@ -127,11 +129,15 @@ def first_difference(a, b, where="") -> str:
 def step_twins(fast: LLM, slow: LLM, ops: list, i: int, finished_only: bool = False) -> list:
     """One step of each twin; asserts they agree on the outputs and the memory afterwards.
     finished_only: the engine's step that reports only finished requests (generate's)."""
-    before = fast.engine.counters.get("decode_batch_steps", 0)
+    def counts():
+        c = fast.engine.counters  # a fresh dict each time
+        return c["carried_decode_batches"], c["decode_batch_steps"]
+    before = counts()
     step = (lambda llm: llm.engine.step(finished_only=True)) if finished_only else (lambda llm: llm.step())
     outs = [outputs_view(step(fast)), outputs_view(step(slow))]
-    took = fast.engine.counters.get("decode_batch_steps", 0) > before
-    ops.append(("step", i, "fast" if took else "general"))
+    carried, steady = (after > was for after, was in zip(counts(), before))
+    # fast: a steady decode batch carried over from the step before; batch: a steady one made anew
+    ops.append(("step", i, "fast" if carried else "batch" if steady else "general"))
     where = f"after step {i} ({ops[-1][2]} path in the fast twin); last ops: {ops[-8:]}"
     assert outs[0] == outs[1], f"outputs differ {where}: {first_difference(outs[0], outs[1])}"
     views = [memory_view(fast), memory_view(slow)]
@@ -166,8 +172,8 @@ def try_import(llm: LLM, snap) -> bool:
 
 
 def assert_paths_taken(fast: LLM, slow: LLM) -> None:
-    assert fast.engine.counters["decode_batch_steps"] > 0, "the fast twin never took the decode-batch path"
-    assert slow.engine.counters["decode_batch_steps"] == 0, "the slow twin took the decode-batch path"
+    assert fast.engine.counters["carried_decode_batches"] > 0, "the fast twin never took the decode-batch path"
+    assert slow.engine.counters["carried_decode_batches"] == 0, "the slow twin took the decode-batch path"
 
 
 # ---- the operations ------------------------------------------------------------------------
@@ -339,7 +345,7 @@ def test_nonfinite_logits_in_a_decode_batch_fail_only_their_request(checkpoints,
     assert len(hits["fast"][0]) == 2 and hits["fast"][1] == hits["slow"][1], hits
     k = hits["fast"][1]  # the poisoned step came from a steady decode batch (the step before it was a
     # fast one and nobody left), and the batch that is left takes the fast path again
-    assert ops[k - 1][2] == "fast" and len(ops[k - 1]) == 3, f"no steady decode batch at step {k}: {ops}"
+    assert ops[k - 1][2] in ("fast", "batch") and len(ops[k - 1]) == 3, f"no steady decode batch at step {k}: {ops}"
     assert any(op[2] == "fast" for op in ops[k + 1:]), f"no fast step after the victim left: {ops}"
     v = done["v"][3]
     assert [c[2] for c in v] == ["error", "error"] and "non-finite logits" in v[0][4] + v[1][4], v
@@ -417,7 +423,7 @@ def test_a_fault_in_a_decode_batch_step_ends_what_it_hit(checkpoints, stage, mon
     done, _ = run_twins(fast, slow, requests, ops=ops)
     assert hits.keys() == {"fast", "slow"} and hits["fast"] == hits["slow"], hits
     k = hits["fast"]
-    assert ops[k - 1][2] == "fast" and len(ops[k - 1]) == 3, f"no steady decode batch at step {k}: {ops}"
+    assert ops[k - 1][2] in ("fast", "batch") and len(ops[k - 1]) == 3, f"no steady decode batch at step {k}: {ops}"
     failed = {rid for rid, o in done.items() if any(c[2] == "error" for c in o[3])}
     assert failed == (set(requests) if stage == "forward" else {"v"}), (failed, ops)
     assert all(c[2] == "error" and "injected" in c[4] for c in done["v"][3]), done["v"]
@@ -481,9 +487,9 @@ def test_a_greedy_batch_cut_as_its_requests_finish(checkpoints):
 
 
 def test_switching_the_fast_path_off_and_on_mid_batch(checkpoints):
-    """`batch_decodes` is a plain switch: turned off for a few steps of a steady batch (nobody
+    """`carry_decode_batch` is a plain switch: turned off for a few steps of a steady batch (nobody
     joins or leaves) and on again, the fast twin still gives the slow twin's outputs and memory
-    (the batch kept from before the switch is three tokens behind and may not be reused)."""
+    (the batch of the step before the switch is carried over)."""
     fast, slow = roomy_twins(checkpoints("bamba"))
     for rid, (prompt, params) in bystanders(fast.model.vocab_size).items():
         for llm in (fast, slow):
@@ -492,13 +498,13 @@ def test_switching_the_fast_path_off_and_on_mid_batch(checkpoints):
     for i in range(40):
         if not fast.has_unfinished_requests():
             break
-        if ops and ops[-1][2] == "fast" and fast.engine.scheduler.batch_decodes and i < 9:
-            fast.engine.scheduler.batch_decodes = False
+        if ops and ops[-1][2] == "fast" and fast.engine.scheduler.carry_decode_batch and i < 9:
+            fast.engine.scheduler.carry_decode_batch = False
             off = i
         elif i == 9:
-            fast.engine.scheduler.batch_decodes = True
+            fast.engine.scheduler.carry_decode_batch = True
         step_twins(fast, slow, ops, i)
-    assert off < 8 and [op[2] for op in ops[off:9]] == ["general"] * (9 - off), ops
+    assert off < 8 and [op[2] for op in ops[off:9]] == ["batch"] * (9 - off), ops
     assert ops[9][2] == "fast" and not slow.has_unfinished_requests(), ops
     assert_paths_taken(fast, slow)
 

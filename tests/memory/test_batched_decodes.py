@@ -65,7 +65,7 @@ def decode_batched(m, rids, values, handle=None, continued=None):
         assert given.tolist() == starts
         if given is handle.next:
             continued[0] += 1
-    slots, due, done = m.allocate_decodes(handle if handle is not None else rids, given)
+    slots, due, done = m.allocate_decodes(handle if handle is not None else m.decode_rows([m.request(r) for r in rids]), given)
     ready = [i for i, ok in enumerate(done) if ok]
     with m.batched_checkpoints():
         for i in ready:
@@ -76,7 +76,7 @@ def decode_batched(m, rids, values, handle=None, continued=None):
                 if due[i]:
                     m.checkpoint_decode(handle, i)
         else:
-            assert m.commit_decodes([rids[i] for i in ready]) == {}
+            assert m.commit_decodes(m.decode_rows([m.request(rids[i]) for i in ready])) == {}
             for i in ready:
                 if due[i]:
                     m.checkpoint(rids[i])
@@ -156,7 +156,7 @@ def test_batched_decodes_leave_the_same_state_as_one_by_one(model, seed):
                 if handle is not None and handle.req_ids == rids:
                     reused += 1
                 else:
-                    handle = c.decode_rows(rids)
+                    handle = c.decode_rows([c.request(r) for r in rids])
                 if decode_batched(c, rids, values, handle, continued):
                     handle = None  # some went one by one (allocate): their blocks changed under the handle
             else:

@@ -303,7 +303,7 @@ class ManagerMachine(RuleBasedStateMachine):
         starts = [mgr.request(rid).num_computed_tokens for rid in rids]
         want_due = [mgr.checkpoint_due(rid, s, s + 1) is not None for rid, s in zip(rids, starts)]
         before = {rid: [list(g.block_ids(rid)) for g in mgr.attention_groups.values()] for rid in rids}
-        slots, due, done = mgr.allocate_decodes(rids, starts)
+        slots, due, done = mgr.allocate_decodes(mgr.decode_rows([mgr.request(r) for r in rids]), starts)
         ready = [i for i, ok in enumerate(done) if ok]
         with mgr.batched_checkpoints():
             for i in ready:
@@ -312,7 +312,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert mgr.allocate(rid, 1) == [slots[i]], "allocate_decodes gave another slot than allocate"
                 self.check_batch(rid, s, s + 1, [slots[i]])
                 write_step(mgr, rid, [slots[i]], s, s + 1)
-            assert mgr.commit_decodes([rids[i] for i in ready]) == {}
+            assert mgr.commit_decodes(mgr.decode_rows([mgr.request(rids[i]) for i in ready])) == {}
             for i in ready:
                 r = mgr.request(rids[i])
                 assert r.num_computed_tokens == starts[i] + 1

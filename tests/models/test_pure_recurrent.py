@@ -140,12 +140,14 @@ def test_preempted_mid_decode_resumes_identically(name, mode, family_models, mon
 
     def decodes_refusing_once(rows, starts):
         """The batched decode verb leaves out (not allocated) each request due its refusal, so the
-        scheduler asks `allocate` for it alone, as it does when a pool runs short."""
-        req_ids = list(getattr(rows, "req_ids", rows))  # a DecodeRows handle, or the ids
+        scheduler preempts the latest-arriving running request and asks again, as it does when a
+        pool runs short."""
+        req_ids = rows.req_ids
         due = {i for i, rid in enumerate(req_ids)
                if rid not in refused and mgr.request(rid).num_computed_tokens >= 20}
+        refused.update(req_ids[i] for i in due)
         keep = [i for i in range(len(req_ids)) if i not in due]
-        got = allocate_decodes([req_ids[i] for i in keep], [starts[i] for i in keep])
+        got = allocate_decodes(mgr.decode_rows([mgr.request(req_ids[i]) for i in keep]), [starts[i] for i in keep])
         slots, ckpts, ready = np.full(len(req_ids), -1), np.zeros(len(req_ids), bool), np.zeros(len(req_ids), bool)
         slots[keep], ckpts[keep], ready[keep] = got
         return slots, ckpts, ready
