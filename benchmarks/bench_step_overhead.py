@@ -86,8 +86,12 @@ def one_run(num_reqs: int, steps: int, real: bool, stream: bool = False) -> dict
         runner.sampler.greedy = _Timed(runner.sampler.inner.greedy, acc, "sampler")
     eng.scheduler.schedule = _Timed(eng.scheduler.schedule, acc, "schedule")
     eng.mgr.commit = _Timed(eng.mgr.commit, acc, "commit")
-    if hasattr(eng.mgr, "commit_decodes"):  # the batched commit of plain decodes (absent in older trees)
+    if hasattr(eng.mgr, "commit_decodes"):  # the batched commit of plain decodes (older trees)
         eng.mgr.commit_decodes = _Timed(eng.mgr.commit_decodes, acc, "commit")
+    else:  # the decode batch's handle commits (hybridkv/decode_rows.py)
+        from hybridkv.decode_rows import DecodeRows
+        timed = _Timed(DecodeRows.commit, acc, "commit")
+        DecodeRows.commit = lambda self, *a, **k: timed(self, *a, **k)
     rng = random.Random(1)
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     for _ in range(num_reqs):

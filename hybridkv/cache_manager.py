@@ -18,39 +18,8 @@ snapshot_transfer.py.
 Invariant at every step boundary: every kind holds the request's memory of exactly
 `num_computed_tokens` tokens (a live state after them; KV covering them, or the window of them).
 
-Scheduler-facing API (request ids are any hashable; "not now" is None/False, never an exception;
-a request that can never fit raises RequestTooLargeError, a ValueError):
-
-    mgr = HybridCacheManager(specs, block_size, num_blocks, num_slots, device=..., ...)
-    mgr = HybridCacheManager.from_budget(specs, budget_bytes, block_size, max_num_seqs, checkpoint_share, ...)
-    mgr.kv_caches / mgr.conv_states / mgr.ssm_states      {layer_idx: tensor} for ModelCaches
-    mgr.check_fits(num_prompt_tokens, max_tokens)          raises RequestTooLargeError
-    mgr.can_admit(request, num_new_tokens=None) -> bool
-    mgr.admit(request, num_new_tokens=None)     request: a Request the manager does not know
-        -> hit tokens (block-aligned, < its tokens) or None (does not fit now; no side effect).
-        The manager keeps the request by id and reads appended tokens from its list.
-    mgr.plan_bursts([(req_id, token_ids, cache_salt), ...])  the next waiting requests, before admitting
-    mgr.waits_for_shared_prefix(req_id, token_ids, cache_salt=) -> bool   the burst rule
-    mgr.append_tokens(req_id, token_ids)                   extends the owner's list
-    mgr.allocate(req_id, n) -> list[int] | None            KV write slots for [num_computed, +n)
-        (-1 each without attention); None = not enough blocks (no side effect): preempt, retry
-    mgr.commit(req_id, n)                                   num_computed += n; full blocks hashed
-    mgr.decode_rows(requests) -> DecodeRows                the batched one-token verbs' handle
-    mgr.allocate_decodes(rows, starts) -> (slots, due, allocated)   allocate(r, 1) and
-        checkpoint_due for one token of each, all at once (False: none of the short ones got one)
-    mgr.commit_decodes(rows[, starts]) -> {index: error}   commit(req_id, 1) for each
-    mgr.checkpoint_decode(rows, i) -> bool                  checkpoint() of row i after commit_decodes
-    with mgr.batched_checkpoints(): mgr.checkpoint(...) ...  the state copies at the exit, together
-    mgr.checkpoint_due(req_id, start, end) -> int | None    where to cut the chunk for a checkpoint
-    mgr.checkpoint(req_id) -> bool                          live state -> checkpoint at num_computed
-    mgr.fork(parent_id, child) -> bool                     child = parent.fork(...): share blocks, copy the state
-    mgr.preempt(req_id, mode="recompute" | "swap");  mgr.resume(req_id, num_new_tokens=None)
-    mgr.finish(req_id);  mgr.discard(req_id)               (a failed step: keep nothing of it)
-    mgr.export_snapshot(req_id) / mgr.import_snapshot(snapshot, request_of(snapshot))
-    mgr.block_table(req_ids, width=None) -> int32 [R, width]   (the lead attention group's)
-    mgr.block_tables(req_ids) -> {window: int32 [R, width]}   one per attention group
-    mgr.live_slot(req_id) -> int;  mgr.live_slots(req_ids) -> list[int]
-    mgr.request(req_id) -> Request;  mgr.stats() -> ManagerStats
+Its verbs, in docs/design.md ("The manager's verbs"): request ids are any hashable; "not now"
+is None / False, never an exception; a request that can never fit raises RequestTooLargeError.
 The semantics of each verb over each kind: docs/design.md.
 """
 from __future__ import annotations
@@ -59,7 +28,6 @@ import contextlib
 import types
 from typing import Hashable, Mapping, Optional, Sequence
 
-import numpy as np
 import torch
 
 from hybridkv import snapshot_transfer
@@ -112,7 +80,7 @@ class HybridCacheManager:
         self.bursts = BurstRule(block_size, self._prompt_hashes, lambda hashes, n: self._match(hashes, n).blocks)
         self._reqs: dict[Hashable, Request] = {}
         self.hits = PrefixHitCounter()
-        self._preemptions = {"recompute": 0, "swap": 0}
+        self.preemptions = {"recompute": 0, "swap": 0}  # requests preempted, by mode
 
     @classmethod
     def from_budget(cls, specs: Mapping[int, LayerSpec], budget_bytes: int, block_size: int = 16,
@@ -325,33 +293,11 @@ class HybridCacheManager:
 
     def decode_rows(self, requests: Sequence[Request]) -> DecodeRows:
         """The handle of the batched one-token verbs for these running requests, in this order
-        (decode_rows.py: valid while they run and get blocks only through allocate_decodes)."""
+        (decode_rows.py: valid while they run and get blocks only through its `allocate`)."""
         req_ids = [r.request_id for r in requests]
         for rid in req_ids:
             self._running(rid)
         return DecodeRows.of(self, req_ids, list(requests), self.live_slots(req_ids))
-
-    def allocate_decodes(self, rows: DecodeRows, starts: Sequence[int] | np.ndarray
-                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """allocate(req_id, 1) and checkpoint_due for one token of each running request of `rows`
-        at its num_computed_tokens starts[i], all at once: arrays of
-        (KV write slot, int64, -1 without attention; whether a checkpoint is due after the token;
-        whether it was allocated). Most tokens land in a block the request holds alone and need
-        nothing; those that start a block get one, and a copy of a shared partial block is made,
-        only when every pool can give all of them theirs, else none of them does (False:
-        allocate() those one by one, in run order, preempting as needed). A step that continues
-        the handle's last one costs no look at each request (decode_rows.py)."""
-        return rows.allocate(starts)
-
-    def commit_decodes(self, rows: DecodeRows, starts: Optional[np.ndarray] = None) -> dict[int, Exception]:
-        """commit(req_id, 1) for each request of `rows`: the model computed one more token of
-        each. starts: their num_computed_tokens as given to allocate_decodes (None: read here;
-        given, each request's next token must be known). Those whose token fills no block and
-        changes nothing else in any kind (past the prompt: no burst to drop) advance together, the
-        others through commit(), in order. Each must hold its token's slot (allocate_decodes or
-        allocate). Returns {index: the error} of those whose commit raised (each of them left as
-        it was); the others are committed whatever happened to those."""
-        return rows.commit(starts)
 
     def commit(self, req_id: Hashable, num_new_tokens: int) -> None:
         """The model computed `num_new_tokens` more tokens: advance num_computed_tokens, hash
@@ -435,12 +381,6 @@ class HybridCacheManager:
         h = self._boundary(r)
         output = nc > r.num_prompt_tokens and self.policy.rolling_output
         return self.recurrent.checkpoint(req_id, h, nc, output)
-
-    def checkpoint_decode(self, rows: DecodeRows, i: int) -> bool:
-        """checkpoint() of the i-th request of `rows` right after commit_decodes(rows, ...)
-        committed its token at a block boundary that allocate_decodes said was due: that commit
-        hashed the block and made it findable in every kind, so only the state is kept."""
-        return rows.checkpoint(i)
 
     def batched_checkpoints(self):
         """A context in which checkpoint() calls keep their bookkeeping but copy the states at the
@@ -530,7 +470,7 @@ class HybridCacheManager:
         else:
             raise ValueError(f"preemption mode {mode!r}; choose 'recompute' or 'swap'")
         self.bursts.drop(req_id)
-        self._preemptions[mode] += 1
+        self.preemptions[mode] += 1
 
     def resume(self, req_id: Hashable, num_new_tokens: Optional[int] = None) -> Optional[int]:
         """Restart a preempted request; returns its num_computed_tokens, or None if it cannot run now."""
@@ -589,22 +529,4 @@ class HybridCacheManager:
 
     # ---- statistics ------------------------------------------------------------------------
     def stats(self) -> ManagerStats:
-        """kv_blocks_* add up every attention group's pool; `kinds` has each group's own counters."""
-        kinds = {k.name: k.stats() for k in self.kinds}
-        a = {key: sum(kinds[g.name][key] for g in self.attention_groups.values())
-             for key in ("blocks_used", "blocks_cached", "blocks_free", "blocks_total")}
-        s = kinds.get(RecurrentMemory.name, {})
-        running = [r for r in self._reqs.values() if r.status is RUNNING]
-        used = a.get("blocks_used", 0)
-        waste = sum(len(g.block_ids(r.request_id)) * self.block_size - r.num_computed_tokens  # past the last token
-                    for g in self.attention_groups.values() for r in running)
-        return ManagerStats(
-            kv_blocks_used=used, kv_blocks_cached=a.get("blocks_cached", 0), kv_blocks_free=a.get("blocks_free", 0),
-            kv_blocks_total=a.get("blocks_total", 0), slots_live=s.get("slots_live", 0),
-            slots_checkpoint=s.get("slots_checkpoint", 0), slots_free=s.get("slots_free", 0),
-            slots_total=s.get("slots_total", 0), prefix_hit_tokens=self.hits.hit_tokens,
-            prefix_query_tokens=self.hits.query_tokens, prefix_queries=self.hits.queries,
-            prefix_misses=dict(self.hits.misses),
-            preemptions=dict(self._preemptions),
-            fragmentation=max(0.0, waste / (used * self.block_size)) if used else 0.0,
-            running_requests=len(running), burst_waits=self.bursts.waits, kinds=kinds)
+        return ManagerStats.of(self)

@@ -1,6 +1,6 @@
 """A fixed list of running requests that decode one token a step: where they live in the pools,
-as arrays, and the manager's batched one-token verbs over them (`allocate_decodes`,
-`commit_decodes` and `checkpoint_decode` run here).
+as arrays, and the batched one-token verbs over them (`allocate`, `commit`, `checkpoint`), made
+by the manager (`HybridCacheManager.decode_rows`).
 
 A decode step touches every running request, so it should cost numpy calls over arrays, not a
 lookup per request in each kind's dicts. `HybridCacheManager.decode_rows(req_ids)` looks each
@@ -18,7 +18,7 @@ the block size, and k steps later bucket (-k) mod block_size starts blocks and b
 num_computed_tokens (and, in the engine, its token).
 
 The handle stays valid while each of its requests is running and gets blocks only through
-`allocate_decodes` with this handle: a request that is preempted, finished, forked from, or
+its `allocate`: a request that is preempted, finished, forked from, or
 allocated for on its own (a prefill chunk) needs a new one.
 """
 from __future__ import annotations
@@ -140,7 +140,13 @@ class DecodeRows:
 
     # ---- allocate --------------------------------------------------------------------------
     def allocate(self, starts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The manager's allocate_decodes for these rows (see there): (slots, due, allocated)."""
+        """allocate(req_id, 1) and checkpoint_due for one token of each row at its
+        num_computed_tokens starts[i], all at once: arrays of (KV write slot, int64, -1 without
+        attention; whether a checkpoint is due after the token; whether it was allocated). Most
+        tokens land in a block the request holds alone and need nothing; those that start a block
+        get one, and a copy of a shared partial block is made, only when every pool can give all
+        of them theirs, else none of them does (the scheduler then preempts and asks again). A
+        step that continues the last one (`next`) costs no look at each request."""
         continues = starts is self.next
         starts = np.asarray(starts, dtype=np.int64)  # the same array when it is one already
         if continues or (self.last is not None and len(starts) == len(self)
@@ -231,7 +237,13 @@ class DecodeRows:
 
     # ---- commit and checkpoint -------------------------------------------------------------
     def commit(self, starts: Optional[np.ndarray] = None) -> dict[int, Exception]:
-        """The manager's commit_decodes for these rows (see there): {index: error}."""
+        """The manager's commit(req_id, 1) for each row: the model computed one more token of
+        each. starts: their num_computed_tokens as given to allocate (None: read here; given,
+        each request's next token must be known). Those whose token fills no block and changes
+        nothing else in any kind (past the prompt: no burst to drop) advance together, the others
+        through commit(), in order. Each must hold its token's slot. Returns {index: the error}
+        of those whose commit raised (each of them left as it was); the others are committed
+        whatever happened to those."""
         mgr, states, req_ids = self.mgr, self.states, self.req_ids
         n, bs = len(self), mgr.block_size
         failed: dict[int, Exception] = {}
@@ -275,7 +287,9 @@ class DecodeRows:
         return failed
 
     def checkpoint(self, i: int) -> bool:
-        """The manager's checkpoint_decode of row i (see there)."""
+        """The manager's checkpoint() of row i right after `commit` committed its token at a block
+        boundary that `allocate` said was due: that commit hashed the block and made it findable
+        in every kind, so only the state is kept."""
         mgr = self.mgr
         if mgr.recurrent is None or not mgr.enable_prefix_caching:
             return False

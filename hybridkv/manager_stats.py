@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hybridkv.request import RequestStatus
+
 
 @dataclass
 class ManagerStats:
@@ -32,6 +34,28 @@ class ManagerStats:
     running_requests: int = 0
     burst_waits: int = 0    # times a request waited a step for a burst leader (memory/burst.py)
     kinds: dict[str, dict] = field(default_factory=dict)  # each kind of memory's own counters
+
+    @classmethod
+    def of(cls, mgr) -> "ManagerStats":
+        """A HybridCacheManager's counters now: kv_blocks_* add up every attention group's pool;
+        `kinds` has each group's own counters."""
+        kinds = {k.name: k.stats() for k in mgr.kinds}
+        a = {key: sum(kinds[g.name][key] for g in mgr.attention_groups.values())
+             for key in ("blocks_used", "blocks_cached", "blocks_free", "blocks_total")}
+        s = kinds.get(mgr.recurrent.name, {}) if mgr.recurrent is not None else {}
+        running = [r for r in mgr.requests.values() if r.status is RequestStatus.RUNNING]
+        used, bs = a.get("blocks_used", 0), mgr.block_size
+        waste = sum(len(g.block_ids(r.request_id)) * bs - r.num_computed_tokens  # past the last token
+                    for g in mgr.attention_groups.values() for r in running)
+        hits = mgr.hits
+        return cls(
+            kv_blocks_used=used, kv_blocks_cached=a.get("blocks_cached", 0), kv_blocks_free=a.get("blocks_free", 0),
+            kv_blocks_total=a.get("blocks_total", 0), slots_live=s.get("slots_live", 0),
+            slots_checkpoint=s.get("slots_checkpoint", 0), slots_free=s.get("slots_free", 0),
+            slots_total=s.get("slots_total", 0), prefix_hit_tokens=hits.hit_tokens,
+            prefix_query_tokens=hits.query_tokens, prefix_queries=hits.queries, prefix_misses=dict(hits.misses),
+            preemptions=dict(mgr.preemptions), fragmentation=max(0.0, waste / (used * bs)) if used else 0.0,
+            running_requests=len(running), burst_waits=mgr.bursts.waits, kinds=kinds)
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -173,7 +173,7 @@ class Scheduler:
         prefill) and the rest asked again, until every decode left has its slot; None when none
         is left."""
         while True:
-            slots, due, done = self.mgr.allocate_decodes(batch.rows, batch.positions)
+            slots, due, done = batch.rows.allocate(batch.positions)
             if done.all():
                 batch.kv_slots, batch.checkpoints = slots, np.flatnonzero(due).tolist()
                 return batch
@@ -317,9 +317,9 @@ class Scheduler:
         if ended:  # those left commit through a handle of their own
             keep = [j for j, seq in enumerate(seqs) if not seq.finished]
             errors = {keep[k]: e for k, e in
-                      mgr.commit_decodes(batch.rows.kept(keep), batch.positions[keep]).items()} if keep else {}
+                      batch.rows.kept(keep).commit(batch.positions[keep]).items()} if keep else {}
         else:
-            errors = mgr.commit_decodes(batch.rows, batch.positions)
+            errors = batch.rows.commit(batch.positions)
         for j, e in errors.items():
             self.fail_request(seqs[j], e, touched, discard=True)
         failed = False
@@ -327,7 +327,7 @@ class Scheduler:
             if (ended or errors or failed) and seqs[i].finished:
                 continue
             try:
-                mgr.checkpoint_decode(batch.rows, i)
+                batch.rows.checkpoint(i)
             except Exception as e:
                 self.fail_request(seqs[i], e, touched)
                 failed = True

@@ -19,6 +19,7 @@ import random
 import pytest
 import torch
 
+from hybridkv.decode_rows import DecodeRows
 from hybridkv import LLM, SamplingParams
 from hybridkv.models.tiny import make_tiny_checkpoint
 from hybridkv.plan import kv_bytes_per_block, state_bytes_per_slot
@@ -385,6 +386,17 @@ def test_a_fault_in_a_decode_batch_step_ends_what_it_hit(checkpoints, stage, mon
     def hit(name):
         hits.setdefault(name, len(ops))
         return True
+    twin_of_mgr = {}
+    if stage == "checkpoint":  # the decode batch's checkpoint verb, on either twin's manager
+        real_decode = DecodeRows.checkpoint
+
+        def checkpoint_decode(rows, i):
+            rid, name = rows.req_ids[i], twin_of_mgr.get(id(rows.mgr))
+            if name and (rid == "v" or rid[0] == "v") and rows.mgr.request(rid).num_computed_tokens > 13 \
+                    and hit(name):
+                raise Injected("injected fault in checkpoint")
+            return real_decode(rows, i)
+        monkeypatch.setattr(DecodeRows, "checkpoint", checkpoint_decode)
     for name, llm in (("fast", fast), ("slow", slow)):
         mgr = llm.engine.mgr
         if stage == "checkpoint":  # the victim's first output checkpoint (a block boundary at 16)
@@ -395,14 +407,7 @@ def test_a_fault_in_a_decode_batch_step_ends_what_it_hit(checkpoints, stage, mon
                     raise Injected("injected fault in checkpoint")
                 return real(rid)
             monkeypatch.setattr(mgr, "checkpoint", checkpoint)
-            real_decode = mgr.checkpoint_decode  # the decode batch's checkpoint verb
-
-            def checkpoint_decode(rows, i, name=name, mgr=mgr, real=real_decode):
-                rid = rows.req_ids[i]
-                if (rid == "v" or rid[0] == "v") and mgr.request(rid).num_computed_tokens > 13 and hit(name):
-                    raise Injected("injected fault in checkpoint")
-                return real(rows, i)
-            monkeypatch.setattr(mgr, "checkpoint_decode", checkpoint_decode)
+            twin_of_mgr[id(mgr)] = name
         elif stage == "forward":  # once every request is well into its decodes
             real = llm.model.forward
 

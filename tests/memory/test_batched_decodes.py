@@ -1,4 +1,4 @@
-"""The batched decode verbs (allocate_decodes, commit_decodes, batched_checkpoints) against the
+"""The batched decode verbs (DecodeRows.allocate / commit / checkpoint, batched_checkpoints) against the
 per-request ones (checkpoint_due, allocate, commit, checkpoint), on twin managers driven through
 the same random runs: after every decode round both hold the same state, block for block and
 slot for slot, and the same KV and state values; a third twin keeps its DecodeRows handle across
@@ -65,18 +65,18 @@ def decode_batched(m, rids, values, handle=None, continued=None):
         assert given.tolist() == starts
         if given is handle.next:
             continued[0] += 1
-    slots, due, done = m.allocate_decodes(handle if handle is not None else m.decode_rows([m.request(r) for r in rids]), given)
+    slots, due, done = (handle if handle is not None else m.decode_rows([m.request(r) for r in rids])).allocate(given)
     ready = [i for i, ok in enumerate(done) if ok]
     with m.batched_checkpoints():
         for i in ready:
             model_writes(m, rids[i], slots[i], starts[i], values[i])
         if handle is not None and all(done):
-            assert m.commit_decodes(handle, given) == {}
+            assert handle.commit(given) == {}
             for i in ready:
                 if due[i]:
-                    m.checkpoint_decode(handle, i)
+                    handle.checkpoint(i)
         else:
-            assert m.commit_decodes(m.decode_rows([m.request(rids[i]) for i in ready])) == {}
+            assert m.decode_rows([m.request(rids[i]) for i in ready]).commit() == {}
             for i in ready:
                 if due[i]:
                     m.checkpoint(rids[i])

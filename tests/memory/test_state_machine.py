@@ -287,9 +287,9 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(tok=st.integers(0, 3))
     def decode_all(self, tok):
         """The engine's decode step: every running request one token short samples `tok` and
-        decodes it through the batched verbs (one allocate_decodes, the model's writes, one
-        commit_decodes, the checkpoints due under batched_checkpoints); those allocate_decodes
-        leaves go one by one. Its answers equal the per-request verbs' (checkpoint_due, allocate)."""
+        decodes it through the batched verbs of a DecodeRows (one allocate, the model's writes, one
+        commit, the checkpoints due under batched_checkpoints); those its allocate leaves go one
+        by one. Its answers equal the per-request verbs' (checkpoint_due, allocate)."""
         mgr = self.mgr
         rids = []
         for rid in self.ids(RequestStatus.RUNNING):
@@ -303,16 +303,16 @@ class ManagerMachine(RuleBasedStateMachine):
         starts = [mgr.request(rid).num_computed_tokens for rid in rids]
         want_due = [mgr.checkpoint_due(rid, s, s + 1) is not None for rid, s in zip(rids, starts)]
         before = {rid: [list(g.block_ids(rid)) for g in mgr.attention_groups.values()] for rid in rids}
-        slots, due, done = mgr.allocate_decodes(mgr.decode_rows([mgr.request(r) for r in rids]), starts)
+        slots, due, done = mgr.decode_rows([mgr.request(r) for r in rids]).allocate(starts)
         ready = [i for i, ok in enumerate(done) if ok]
         with mgr.batched_checkpoints():
             for i in ready:
                 rid, s = rids[i], starts[i]
                 assert due[i] == want_due[i]
-                assert mgr.allocate(rid, 1) == [slots[i]], "allocate_decodes gave another slot than allocate"
+                assert mgr.allocate(rid, 1) == [slots[i]], "the batched allocate gave another slot than allocate"
                 self.check_batch(rid, s, s + 1, [slots[i]])
                 write_step(mgr, rid, [slots[i]], s, s + 1)
-            assert mgr.commit_decodes(mgr.decode_rows([mgr.request(rids[i]) for i in ready])) == {}
+            assert mgr.decode_rows([mgr.request(rids[i]) for i in ready]).commit() == {}
             for i in ready:
                 r = mgr.request(rids[i])
                 assert r.num_computed_tokens == starts[i] + 1

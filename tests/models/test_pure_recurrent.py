@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from hybridkv import LLM, SamplingParams
+from hybridkv.decode_rows import DecodeRows
 from hybridkv.plan import state_bytes_per_slot
 from hybridkv.scheduler.snapshot_io import snapshot_from_bytes, snapshot_to_bytes
 from hybridkv.specs import RecurrentSpec
@@ -136,24 +137,27 @@ def test_preempted_mid_decode_resumes_identically(name, mode, family_models, mon
             return None
         return allocate(req_id, n)
 
-    allocate_decodes = mgr.allocate_decodes
+    allocate_decodes = DecodeRows.allocate
 
     def decodes_refusing_once(rows, starts):
         """The batched decode verb leaves out (not allocated) each request due its refusal, so the
         scheduler preempts the latest-arriving running request and asks again, as it does when a
         pool runs short."""
+        if rows.mgr is not mgr:
+            return allocate_decodes(rows, starts)
         req_ids = rows.req_ids
         due = {i for i, rid in enumerate(req_ids)
                if rid not in refused and mgr.request(rid).num_computed_tokens >= 20}
         refused.update(req_ids[i] for i in due)
         keep = [i for i in range(len(req_ids)) if i not in due]
-        got = allocate_decodes(mgr.decode_rows([mgr.request(req_ids[i]) for i in keep]), [starts[i] for i in keep])
+        got = allocate_decodes(mgr.decode_rows([mgr.request(req_ids[i]) for i in keep]),
+                               np.asarray([starts[i] for i in keep], dtype=np.int64))
         slots, ckpts, ready = np.full(len(req_ids), -1), np.zeros(len(req_ids), bool), np.zeros(len(req_ids), bool)
         slots[keep], ckpts[keep], ready[keep] = got
         return slots, ckpts, ready
 
     monkeypatch.setattr(mgr, "allocate", refuse_once)
-    monkeypatch.setattr(mgr, "allocate_decodes", decodes_refusing_once)
+    monkeypatch.setattr(DecodeRows, "allocate", decodes_refusing_once)
     prompts = _prompts(80)
     ids = [llm.add_request(p, greedy(12)) for p in prompts]
     _assert_hf(hf, prompts, _run(llm, ids))
