@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from hybridkv.request import Request
 from hybridkv.cache_manager import HybridCacheManager
+from hybridkv.request import Request
 from hybridkv.specs import AttentionSpec, RecurrentSpec
 
 

@@ -25,10 +25,10 @@ import time
 import torch
 
 from hybridkv.cache_manager import HybridCacheManager
+from hybridkv.request import Request
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.scheduler.preemption import PreemptionPolicy
 from hybridkv.scheduler.scheduler import Scheduler
-from hybridkv.request import Request
 from hybridkv.specs import AttentionSpec, RecurrentSpec
 
 GOAL_MS = 2.0

@@ -27,9 +27,9 @@ import time
 import numpy as np
 import torch
 
+from hybridkv.request import Request, RequestStatus
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.scheduler.sampler import Sampler
-from hybridkv.request import Request, RequestStatus
 from hybridkv.scheduler.token_append import TokenAppender
 
 EOS = (2, 3)

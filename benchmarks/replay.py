@@ -17,9 +17,9 @@ from typing import Callable, Optional, Sequence
 
 from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.contiguous import pool_utilization
+from hybridkv.request import Request as Seq
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.scheduler.preemption import PreemptionPolicy
-from hybridkv.request import Request as Seq
 from hybridkv.scheduler.scheduler import Scheduler
 
 from traces import TraceRequest

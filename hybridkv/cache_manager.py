@@ -424,29 +424,18 @@ class HybridCacheManager:
         self._reqs[child_id] = child
         return True
 
-    def finish(self, req_id: Hashable) -> None:
+    def finish(self, req_id: Hashable, failed: bool = False) -> None:
         """Forget the request: every kind lets its memory go (full blocks stay cached; the state
-        stays as a checkpoint when the policy keeps final states and it ends at a block boundary)."""
+        stays as a checkpoint when the policy keeps final states and it ends at a block boundary).
+        failed: its memory may have run past num_computed_tokens (its step failed): nothing is
+        kept — no state becomes a checkpoint, and only the blocks hashed before (complete,
+        committed) stay findable."""
         r = self.request(req_id)
         if r.status is RUNNING:
-            donate = self._donation(r) if self.policy.keeps_final_state else None
+            donate = self._donation(r) if self.policy.keeps_final_state and not failed else None
             for kind in self.kinds:
                 kind.release(req_id, donate)
         for kind in self.kinds:
-            kind.forget(req_id)
-        self.bursts.drop(req_id)
-        r.swapped = None
-        r.shared.clear()
-        del self._reqs[req_id]
-
-    def discard(self, req_id: Hashable) -> None:
-        """Forget a request whose memory may have run past num_computed_tokens (its step failed):
-        every kind lets go without keeping anything — no state becomes a checkpoint, and only the
-        blocks hashed before (complete, committed) stay findable."""
-        r = self.request(req_id)
-        for kind in self.kinds:
-            if r.status is RUNNING:
-                kind.release(req_id, None)
             kind.forget(req_id)
         self.bursts.drop(req_id)
         r.swapped = None

@@ -41,7 +41,7 @@ class Request:
     params: its SamplingParams (the defaults when none are given).
     max_tokens: output tokens it may generate (params.max_tokens, capped by the engine at what
         max_model_len leaves; 0 when neither it nor params is given); the same number is checked
-        at the door and at admission.
+        when it is added and at admission.
     priority: lower runs first, as in vLLM; arrival then serial break ties (earlier first).
     cache_salt, adapter_id, mm_hashes: what besides the tokens keys its blocks (block_hash.py).
     Set by the scheduler and the output side: status, finish_reason, error (why it finished with

@@ -29,16 +29,16 @@ from typing import Callable, Hashable, Optional
 
 from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.outputs import RequestOutput
+from hybridkv.request import Request
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.snapshot import RequestSnapshot
 
-from .door import Door
+from .request_validation import RequestValidator
 from .engine_stats import engine_stats
 from .model_runner import ModelRunner, RunnerOutput
 from .request_inbox import RequestInbox
 from .request_outputs import request_output
 from .scheduler import Scheduler
-from hybridkv.request import Request
 from .request_group import RequestGroup
 from .token_append import TokenAppender
 
@@ -58,7 +58,7 @@ class Engine:
         self.max_model_len = model.max_model_len
         scheduler.appender = TokenAppender(set(model.eos_token_ids), self.max_model_len, self.tokenizer,
                                            scheduler.finish)
-        self.door = Door(model.vocab_size, model.max_model_len, scheduler.max_seqs, manager.check_fits)
+        self.validator = RequestValidator(model.vocab_size, model.max_model_len, scheduler.max_seqs, manager.check_fits)
         self.groups = scheduler.groups  # by key: user ids (str) and owned keys (tuples)
         self.owned_done: dict[Hashable, RequestOutput] = {}  # finished requests of an owner (generate)
         self.inbox = RequestInbox(self._apply)
@@ -73,12 +73,12 @@ class Engine:
 
     # ---- requests --------------------------------------------------------------------------
     def validate(self, token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
-        """Raise ValueError (TypeError for a wrong type) naming the value and the limit (door.py);
+        """Raise ValueError (TypeError for a wrong type) naming the value and the limit (request_validation.py);
         nothing in the engine changes."""
-        self.door.validate(token_ids, params, priority)
+        self.validator.validate(token_ids, params, priority)
 
     def max_new_tokens(self, num_tokens: int, params: SamplingParams) -> int:
-        return self.door.max_new_tokens(num_tokens, params)
+        return self.validator.max_new_tokens(num_tokens, params)
 
     def add_request(self, request_id: Optional[str], token_ids: list[int], params: SamplingParams,
                     prompt: Optional[str] = None, priority: int = 0,
@@ -152,7 +152,7 @@ class Engine:
             raise TypeError(f"import_request takes a RequestSnapshot, got {type(snap).__name__}")
         with self.inbox.step():
             rid = str(snap.req_id)
-            self.door.check_snapshot(snap)
+            self.validator.check_snapshot(snap)
             with self.inbox.lock:  # no add_request of the same id in between
                 if rid in self.groups:
                     raise ValueError(f"request id {rid!r} is already in use on this engine")
@@ -160,7 +160,7 @@ class Engine:
                 if holds and len(self.scheduler.running) >= self.scheduler.max_seqs:
                     raise RuntimeError(f"cannot import request {rid!r} now: {len(self.scheduler.running)} "
                                        f"sequences run, max_num_seqs={self.scheduler.max_seqs}; retry later")
-                self.scheduler.import_snapshot(snap, self.door.max_new_tokens)
+                self.scheduler.import_snapshot(snap, self.validator.max_new_tokens)
             self._counts["migrations_in"] += 1
 
     def has_unfinished(self) -> bool:

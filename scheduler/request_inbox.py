@@ -1,4 +1,4 @@
-"""The engine's door for other threads: adds and aborts queue here and are applied in call order
+"""The engine's inbox for other threads: adds and aborts queue here and are applied in call order
 at the start of the next step, or at once when no step runs.
 
 `step()` is held while the queues and the memory manager change (a step, an export or import);

@@ -31,12 +31,12 @@ from typing import Hashable, Optional
 import numpy as np
 
 from hybridkv.cache_manager import HybridCacheManager
+from hybridkv.request import Request, RequestStatus, run_order
 from hybridkv.snapshot import RequestSnapshot
 
 from . import migration
 from .model_runner import RunnerOutput
 from .preemption import PreemptionPolicy
-from hybridkv.request import Request, RequestStatus, run_order
 from .request_group import RequestGroup
 from .sequence_queue import SequenceQueue
 from .step_plan import DecodeBatch, ScheduledChunk, SchedulerOutput
@@ -98,7 +98,7 @@ class Scheduler:
         log.warning("request %r failed: %s", rid, error)
         try:
             if discard and rid in self.mgr.requests:
-                self.mgr.discard(rid)  # frees without keeping the (advanced) state or new blocks
+                self.mgr.finish(rid, failed=True)  # frees without keeping the (advanced) state or new blocks
             self.finish(seq, "error")
         except Exception as e:  # the manager could not free it: say so, never raise from here
             log.error("request %r: freeing its memory failed too: %r", rid, e)
@@ -443,7 +443,7 @@ class Scheduler:
 
     def _fail_stuck(self, touched: dict) -> None:
         """Nothing ran and nothing was preempted: the head of the queue cannot fit even an idle
-        engine (checked at the door, so this is a bug); it fails so the rest can go on."""
+        engine (checked when it was added, so this is a bug); it fails so the rest can go on."""
         head = (self.swapped or self.waiting).peek()
         if head is not None:
             self.fail_request(head, f"the scheduler could not fit it in the pools; stats: {self.mgr.stats()}",

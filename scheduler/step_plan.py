@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from hybridkv.decode_rows import DecodeRows
-
 from hybridkv.request import Request, RequestStatus
+
 
 _RUNNING = RequestStatus.RUNNING
 _num_computed = attrgetter("num_computed_tokens")

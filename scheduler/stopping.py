@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from hybridkv.outputs import PositionLogprobs
-
 from hybridkv.request import Request
+
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ from typing import Callable, Optional
 import numpy as np
 
 from hybridkv.outputs import PositionLogprobs
-
 from hybridkv.request import Request, RequestStatus
+
 from .stopping import StopRule, check_stop, decoded_logprobs
 
 _FINISHED = RequestStatus.FINISHED

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from hybridkv.cache_manager import HybridCacheManager
+from hybridkv.request import Request
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.scheduler.batch_builder import BatchBuilder
 from hybridkv.scheduler.preemption import PreemptionPolicy
 from hybridkv.scheduler.scheduler import Scheduler
-from hybridkv.request import Request
 from hybridkv.specs import AttentionSpec, RecurrentSpec
 
 BS = 4

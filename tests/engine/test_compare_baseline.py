@@ -11,13 +11,13 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "examples"))
 
-from hybridkv.request import Request
 from hybridkv.cache_manager import HybridCacheManager  # noqa: E402
 from hybridkv.config_specs import load_specs, specs_from_config  # noqa: E402
 from hybridkv.contiguous import bytes_per_request, contiguous_manager, max_concurrent_requests  # noqa: E402
 from hybridkv.models import load_model  # noqa: E402
 from hybridkv.models.tiny import make_tiny_checkpoint  # noqa: E402
 from hybridkv.plan import kv_bytes_per_token, state_bytes_per_slot  # noqa: E402
+from hybridkv.request import Request
 from hybridkv.specs import AttentionSpec, RecurrentSpec  # noqa: E402
 from replay import replay  # noqa: E402
 from traces import serving_mix  # noqa: E402

@@ -23,8 +23,8 @@ from hybridkv.decode_rows import DecodeRows
 from hybridkv import LLM, SamplingParams
 from hybridkv.models.tiny import make_tiny_checkpoint
 from hybridkv.plan import kv_bytes_per_block, state_bytes_per_slot
-from hybridkv.scheduler.sampler import Sampler
 from hybridkv.request import Request
+from hybridkv.scheduler.sampler import Sampler
 from hybridkv.scheduler.sequence_queue import SequenceQueue
 
 from engine_fixtures import assert_no_leaks

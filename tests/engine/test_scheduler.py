@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from hybridkv.cache_manager import HybridCacheManager
+from hybridkv.request import Request, RequestStatus
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.scheduler.preemption import PreemptionPolicy
 from hybridkv.scheduler.scheduler import Scheduler
-from hybridkv.request import Request, RequestStatus
 from hybridkv.scheduler.sequence_queue import SequenceQueue
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))

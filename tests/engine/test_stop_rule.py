@@ -3,8 +3,8 @@ tokens, wherever check_stop ends a sequence the rule said it may (so asking chec
 gives the same answers), and the rule lets most tokens of a plain decode through without asking."""
 import random
 
-from hybridkv.sampling_params import SamplingParams
 from hybridkv.request import Request
+from hybridkv.sampling_params import SamplingParams
 from hybridkv.scheduler.stopping import StopRule, check_stop
 
 

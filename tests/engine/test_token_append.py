@@ -10,8 +10,8 @@ import random
 import numpy as np
 import pytest
 
-from hybridkv.sampling_params import SamplingParams
 from hybridkv.request import Request, RequestStatus
+from hybridkv.sampling_params import SamplingParams
 from hybridkv.scheduler.token_append import TokenAppender
 
 EOS = {200}

@@ -4,8 +4,8 @@ changes nothing; the hit is what every group and the recurrent kind accept."""
 import pytest
 import torch
 
-from hybridkv.snapshot_transfer import request_of
 from hybridkv.request import Request, RequestStatus
+from hybridkv.snapshot_transfer import request_of
 from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.memory.full_attention import NO_BLOCK
 from hybridkv.plan import plan, sliding_blocks_to_hold
@@ -174,8 +174,8 @@ def test_fork_export_import_and_discard_go_through_every_group():
             start = snap.kv_start.get(i, 0)
             for p in range(g.first_needed_token(n), n):
                 assert torch.equal(t[ids[p // 8], :, p % 8], snap.kv[i][:, p - start]), (w, i, p)
-    m.discard("c")
-    m.discard("p")
+    m.finish("c", failed=True)
+    m.finish("p", failed=True)
     assert m.stats().kv_blocks_used == 0 and m.stats().slots_live == 0
     assert_conserved(m)
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from hybridkv.request import Request
 from hybridkv.cache_manager import HybridCacheManager
+from hybridkv.request import Request
 from hybridkv.specs import AttentionSpec, RecurrentSpec
 from hybridkv.state_pool import StatePool
 

@@ -1,8 +1,8 @@
 """The burst rule through the coordinator: a shared prefix nobody has computed is computed once."""
 import torch
 
-from hybridkv.request import Request
 from hybridkv.cache_manager import HybridCacheManager
+from hybridkv.request import Request
 from hybridkv.specs import AttentionSpec, RecurrentSpec
 
 BS = 4

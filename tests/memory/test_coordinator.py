@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from hybridkv.snapshot_transfer import request_of
 from hybridkv.request import Request
+from hybridkv.snapshot_transfer import request_of
 from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.errors import MemoryBudgetError, RequestStateError, RequestTooLargeError, SnapshotMismatchError
 from hybridkv.specs import AttentionSpec, RecurrentSpec
@@ -276,7 +276,7 @@ def test_discard_keeps_nothing_of_a_failed_step():
     slots = m.allocate("a", 2)  # the step that fails: KV written past num_computed, never committed
     assert slots is not None
     before = m.stats()
-    m.discard("a")
+    m.finish("a", failed=True)
     s = m.stats()
     assert "a" not in m.requests and s.kv_blocks_used == 0 and s.slots_live == 0
     assert s.slots_checkpoint == before.slots_checkpoint  # the advanced live state is not kept

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from hybridkv.snapshot_transfer import request_of
 from hybridkv.request import Request
+from hybridkv.snapshot_transfer import request_of
 from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.errors import MemoryBudgetError
 from hybridkv.memory.full_attention import NO_BLOCK

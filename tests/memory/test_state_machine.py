@@ -21,12 +21,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
+from hybridkv.request import RequestStatus
 from hybridkv.snapshot_transfer import request_of
 from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.errors import RequestTooLargeError
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.memory.full_attention import NO_BLOCK
-from hybridkv.request import RequestStatus
 from hybridkv.scheduler.batch_builder import BatchBuilder
 from hybridkv.scheduler.scheduler import ScheduledChunk
 from hybridkv.request import Request

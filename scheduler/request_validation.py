@@ -1,4 +1,4 @@
-"""The door: what a request or an imported snapshot must be before the engine takes it.
+"""Request validation: what a request or an imported snapshot must be before the engine takes it.
 
 Every check raises ValueError (TypeError for a wrong type) naming the value and the limit, and
 changes nothing. The limits are the model's (vocabulary, max_model_len), the engine's
@@ -14,7 +14,7 @@ from hybridkv.sampling_params import SamplingParams
 from hybridkv.snapshot import RequestSnapshot
 
 
-class Door:
+class RequestValidator:
     """vocab_size, max_model_len, max_num_seqs: the limits; check_fits(num_tokens, max_tokens):
     the manager's "can this ever fit" (raises RequestTooLargeError)."""
 
@@ -61,7 +61,7 @@ class Door:
 
     def max_new_tokens(self, num_tokens: int, params: SamplingParams) -> int:
         """Output tokens a request of `num_tokens` may generate: max_tokens, capped by max_model_len
-        (the number both the door and admission check against the pools)."""
+        (the number both validation and admission check against the pools)."""
         return min(params.max_tokens, self.max_model_len - num_tokens)
 
     def check_snapshot(self, snap: RequestSnapshot) -> None:
