@@ -129,7 +129,7 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         self.top_k = _int("top_k (-1 or 0 disables it)", self.top_k, lo=-1, hi=MAX_TOP_K)
         self.max_tokens = _int("max_tokens", self.max_tokens, lo=1)
-        self.seed = _int("seed (64 bits)", self.seed, *SEED_RANGE, optional=True)
+        self.seed = _int("seed", self.seed, *SEED_RANGE, optional=True)  # 64 bits
         self.logprobs = _int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS, optional=True)
         self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS,
                                     optional=True)
