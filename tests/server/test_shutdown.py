@@ -62,7 +62,7 @@ def start_server(extra: list[str]):
     port = free_port()
     cmd = [sys.executable, "-m", "hybridkv", "serve", "--random-tiny", "--port", str(port), "--device", "cpu",
            "--dtype", "float32", "--memory-budget-mb", "16", "--max-num-seqs", "8", "--log-level", "info",
-           "--log-stats-interval", "0", "--shutdown-timeout", "1", *extra]
+           "--log-stats-interval", "0", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -86,12 +86,15 @@ def _kill(proc) -> None:
     proc.wait(10)
 
 
-def stream_until_end(url: str, got: dict) -> None:
-    """A long stream; records its last finish reason and whether [DONE] came."""
-    body = {"model": "tiny-bamba-random", "prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True,
-            "temperature": 0, "stream": True}
+def _body(max_tokens: int, stream: bool) -> dict:
+    return {"model": "tiny-bamba-random", "prompt": [5, 6, 7], "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0, "stream": stream, "return_token_ids": True}
+
+
+def stream_until_end(url: str, max_tokens: int, got: dict) -> None:
+    """A stream; records its chunks, tokens, last finish reason and whether [DONE] came."""
     try:
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        with httpx.stream("POST", url + "/v1/completions", json=_body(max_tokens, True), timeout=120) as r:
             got["status"] = r.status_code
             for line in r.iter_lines():
                 if line == "data: [DONE]":
@@ -100,39 +103,58 @@ def stream_until_end(url: str, got: dict) -> None:
                     got["chunks"] = got.get("chunks", 0) + 1
                     for c in json.loads(line[6:]).get("choices", []):
                         got["finish"] = c.get("finish_reason") or got.get("finish")
+                        got["tokens"] = got.get("tokens", 0) + len(c.get("token_ids") or [])
+    except httpx.HTTPError as e:
+        got["error"] = repr(e)
+
+
+def wait_for_json(url: str, max_tokens: int, got: dict) -> None:
+    """A non-streamed request; records its status, finish reason and tokens."""
+    try:
+        r = httpx.post(url + "/v1/completions", json=_body(max_tokens, False), timeout=120)
+        got["status"] = r.status_code
+        got["finish"] = r.json()["choices"][0]["finish_reason"]
+        got["tokens"] = r.json()["usage"]["completion_tokens"]
     except httpx.HTTPError as e:
         got["error"] = repr(e)
 
 
 # expect_procs: the replicas and ranks it spawns; ctrl_c: the signal goes to the whole process group,
-# as a terminal's Ctrl-C does
-@pytest.mark.parametrize("extra,sig,expect_procs,ctrl_c", [
-    ([], signal.SIGTERM, 0, False),
-    (["--data-parallel-size", "2"], signal.SIGTERM, 2, False),
-    (["--data-parallel-size", "2"], signal.SIGINT, 2, True),
-    (["--tensor-parallel-size", "2"], signal.SIGTERM, 1, False),
-    (["--tensor-parallel-size", "2"], signal.SIGINT, 1, True),
-], ids=["1-replica-SIGTERM", "2-replicas-SIGTERM", "2-replicas-Ctrl-C", "tp2-SIGTERM", "tp2-Ctrl-C"])
-def test_signal_drains_then_stops_every_process(extra, sig, expect_procs, ctrl_c):
-    proc, url = start_server(extra)
+# as a terminal's Ctrl-C does; drain: --shutdown-timeout 60 and requests short enough to finish in
+# it (else --shutdown-timeout 1 and requests that cannot: they end with finish_reason "abort")
+@pytest.mark.parametrize("extra,sig,expect_procs,ctrl_c,drain", [
+    ([], signal.SIGTERM, 0, False, False),
+    ([], signal.SIGINT, 0, False, True),
+    (["--data-parallel-size", "2"], signal.SIGTERM, 2, False, False),
+    (["--data-parallel-size", "2"], signal.SIGINT, 2, True, False),
+    (["--tensor-parallel-size", "2"], signal.SIGTERM, 1, False, False),
+    (["--tensor-parallel-size", "2"], signal.SIGINT, 1, True, False),
+], ids=["1-replica-SIGTERM", "1-replica-SIGINT-drained", "2-replicas-SIGTERM", "2-replicas-Ctrl-C",
+        "tp2-SIGTERM", "tp2-Ctrl-C"])
+def test_signal_drains_then_stops_every_process(extra, sig, expect_procs, ctrl_c, drain):
+    max_tokens = 40 if drain else 500
+    proc, url = start_server(extra + ["--shutdown-timeout", "60" if drain else "1"])
     try:
         kids = descendants(proc.pid)
         spawned = [k for k in kids if "spawn_main" in _cmdline(k)]  # replicas and ranks, not helpers
         assert len(spawned) == expect_procs, {k: _cmdline(k) for k in kids}
-        got: dict = {}
-        reader = threading.Thread(target=stream_until_end, args=(url, got))
-        reader.start()
+        streamed, waited = {}, {}
+        readers = [threading.Thread(target=stream_until_end, args=(url, max_tokens, streamed)),
+                   threading.Thread(target=wait_for_json, args=(url, max_tokens, waited))]
+        for t in readers:
+            t.start()
         deadline = time.monotonic() + 60
-        while got.get("chunks", 0) < 3 and time.monotonic() < deadline and reader.is_alive():
-            time.sleep(0.05)
-        assert got.get("chunks", 0) >= 3, got
+        while streamed.get("chunks", 0) < 3 and time.monotonic() < deadline and readers[0].is_alive():
+            time.sleep(0.02)
+        assert streamed.get("chunks", 0) >= 3, streamed
         kids = descendants(proc.pid)
         if ctrl_c:
             os.killpg(proc.pid, sig)
         else:
             proc.send_signal(sig)
         code = proc.wait(90)
-        reader.join(30)
+        for t in readers:
+            t.join(30)
         log = proc.stdout.read().decode()
         assert code == 0, log[-3000:]
         names = {k: _cmdline(k) for k in kids}
@@ -141,7 +163,14 @@ def test_signal_drains_then_stops_every_process(extra, sig, expect_procs, ctrl_c
             time.sleep(0.1)
         left = {k: names[k] for k in kids if alive(k)}
         assert not left, f"processes outlived the server: {left}\n{log[-3000:]}"
-        assert got.get("status") == 200 and got.get("done") and got.get("finish") in ("abort", "length"), got
+        assert streamed.get("status") == 200 and streamed.get("done"), streamed
+        assert waited.get("status") == 200, waited
+        if drain:  # both finished their work during the drain
+            assert streamed["finish"] == "length" and streamed["tokens"] == max_tokens, streamed
+            assert waited["finish"] == "length" and waited["tokens"] == max_tokens, waited
+        else:  # 500 tokens take longer than the 1 s drain on a CPU
+            assert streamed["finish"] == "abort" and waited["finish"] == "abort", (streamed, waited)
+            assert "finish_reason 'abort'" in log, log[-3000:]
         assert "Traceback" not in log, log[-3000:]
     finally:
         if proc.poll() is None:
