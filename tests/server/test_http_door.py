@@ -118,6 +118,12 @@ def test_body_and_prompt_limits(small_limits_server):
     answers_good(url, headers)
 
 
+def test_default_prompt_limit(chat_server):
+    r = httpx.post(chat_server.url + "/v1/completions", json={**GOOD, "prompt": ["hi"] * 5000}, headers=AUTH)
+    assert_openai_error(r, 400, "5000 prompts", "at most 256")
+    answers_good(chat_server.url)
+
+
 def test_openai_client_sees_the_400(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny-chat", prompt=[5, 6], max_tokens=2, extra_body={"top_k": -5})

@@ -63,7 +63,8 @@ def field(*plausible):
 tokens = st.lists(st.integers(-2, 140), min_size=0, max_size=12)
 SAMPLING = {
     "n": field(st.integers(0, 5)), "temperature": field(st.floats(-1, 3)), "top_p": field(st.floats(0, 1.5)),
-    "stream": field(st.booleans()), "stream_options": field(st.fixed_dictionaries({"include_usage": st.booleans()})),
+    "stream": field(st.booleans()),
+    "stream_options": field(st.fixed_dictionaries({"include_usage": st.booleans()})),
     "stop": field(texts, st.lists(texts, max_size=3)), "seed": field(ints),
     "presence_penalty": field(st.floats(-3, 3)), "frequency_penalty": field(st.floats(-3, 3)),
     "logit_bias": field(st.dictionaries(st.integers(-1, 200).map(str), st.floats(-150, 150), max_size=3)),
@@ -171,6 +172,7 @@ def test_http_fuzz_no_5xx_no_reset(fuzz_server):
             assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2, ok.text
 
         run()
-    print(f"\nHTTP fuzz: {tally.bodies} bodies, {tally.resets} resets, status counts {dict(sorted(tally.by_status.items()))}")
+    counts = dict(sorted(tally.by_status.items()))
+    print(f"\nHTTP fuzz: {tally.bodies} bodies, {tally.resets} resets, status counts {counts}")
     assert tally.resets == 0 and not any(s >= 500 for s in tally.by_status)
     assert fuzz_server.stats()["kv_blocks_used"] == 0  # every request that ran gave its memory back
