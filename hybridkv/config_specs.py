@@ -33,7 +33,9 @@ attention_hidden_size]` in float32; no attention), zaya (every layer CCA attenti
 `[(heads + kv heads) x head_dim, cca_time0 + cca_time1 - 2]` and delayed value `[kv heads x
 head_dim / 2]`), inkling_text (relative-bias attention at key `i`, sliding layers with the `swa_*` head
 shapes; at key `num_hidden_layers + i` the four short-conv windows `[2 x kv width + 2 x hidden,
-conv_kernel_size - 1]` in float32, no SSM state), inkling2_text (the same two kinds and keys).
+conv_kernel_size - 1]` in float32, no SSM state), inkling2_text (the same two kinds and keys),
+inkling2_loop_text (the same per virtual layer: each extra pass of the looped layers is one more,
+`num_hidden_layers + (pass - 1) x loop layers + (i - loop start)`; KV at key v, windows at V + v).
 For the families from granitemoehybrid on and the attention-only ones, fields a config.json omits take
 transformers' config-class defaults
 (`hf_config`), as they do when transformers loads it. Shapes follow the models in hybridkv.models,
@@ -337,14 +339,19 @@ def _inkling(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
     c = hf_config(cfg)
     n = c.num_hidden_layers
     kinds = _layer_kinds(c.layer_types, {"hybrid": "a", "hybrid_sliding": "s"}, "inkling")
+    # (layer, virtual layer): Inkling 2 Loop's extra passes over its looped layers are layers of their own
+    start, end = getattr(c, "loop_layer_index_start", 0), getattr(c, "loop_layer_index_end", 0)
+    extra = [(i, n + (p - 1) * (end - start) + i - start)
+             for p in range(1, getattr(c, "loop_num_passes", 1)) for i in range(start, end)]
+    visits = [(i, i) for i in range(n)] + extra
     specs: dict[int, LayerSpec] = {}
-    for i, k in enumerate(kinds):
-        p = "swa_" if k == "s" else ""
+    for i, v in visits:
+        p = "swa_" if kinds[i] == "s" else ""
         kv_heads, head_dim = getattr(c, f"{p}num_key_value_heads"), getattr(c, f"{p}head_dim")
-        specs[i] = AttentionSpec(kv_heads, head_dim, dtype, c.sliding_window_size if k == "s" else None)
+        specs[v] = AttentionSpec(kv_heads, head_dim, dtype, c.sliding_window_size if kinds[i] == "s" else None)
         # the convs stay float32 whatever the compute dtype, as in transformers
-        specs[n + i] = RecurrentSpec((2 * kv_heads * head_dim + 2 * c.hidden_size, c.conv_kernel_size - 1), (),
-                                     torch.float32)
+        specs[len(visits) + v] = RecurrentSpec((2 * kv_heads * head_dim + 2 * c.hidden_size, c.conv_kernel_size - 1),
+                                               (), torch.float32)
     return specs
 
 
@@ -357,7 +364,7 @@ _BUILDERS = {"bamba": _bamba, "jamba": _jamba, "qwen3_next": _qwen3_next,
              "kimi_linear": _kimi_linear, "bailing_hybrid": _kimi_linear,
              "gpt_oss": _attention_only,  # layer_types: sliding and full attention layers
              "granitemoe_swa": _attention_only, "rwkv": _rwkv, "zaya": _zaya,
-             "inkling_text": _inkling, "inkling2_text": _inkling,
+             "inkling_text": _inkling, "inkling2_text": _inkling, "inkling2_loop_text": _inkling,
              "lfm3": _lfm3, "lara_mini": _lara_mini}
 
 

@@ -38,7 +38,8 @@ from .norms import RMSNorm
 ARCHITECTURE = "Inkling2ForCausalLM"
 KINDS = ("hybrid", "hybrid_sliding")
 _FP32 = ("e_score_correction_bias", "mlp.gate.weight", "_convolution.conv1d.weight", "sconv.conv1d.weight",
-         "attention_input.query", "mlp_input.query", "final_input.query")  # transformers keeps these float32
+         "attention_input.query", "mlp_input.query", "final_input.query", "message_input.query",
+         "message_gate_proj.weight", "forget_gate_proj.weight")  # transformers keeps these float32
 
 
 def tiny_config(**overrides):
@@ -112,8 +113,32 @@ class Inkling2MoE(nn.Module):
         return ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, glu=self._glu)
 
 
+class MessageGate(nn.Module):
+    """`*_message_gate` of a looped layer (Inkling 2 Loop): (1 - forget) * h + gain * message, both
+    gates tanh of projections of [rmsnorm(h) | rmsnorm(message)] through a rank `loop_gate_rank`."""
+
+    def __init__(self, config):
+        super().__init__()
+        h, rank = config.hidden_size, config.loop_gate_rank
+        self.eps = config.rms_norm_eps
+        self.down_proj = nn.Linear(2 * h, rank, bias=False)
+        self.forget_gate_proj = nn.Linear(rank, h, bias=False)
+        self.message_gate_proj = nn.Linear(rank, h, bias=False)
+
+    def forward(self, h: torch.Tensor, message: torch.Tensor) -> torch.Tensor:
+        h, message = h.float(), message.float()
+        g = torch.cat([unweighted_rms_norm(h, self.eps), unweighted_rms_norm(message, self.eps)], dim=-1)
+        g = self.down_proj(g.to(self.down_proj.weight.dtype)).float()
+        forget = torch.tanh(F.linear(g, self.forget_gate_proj.weight.float()))
+        gain = torch.tanh(F.linear(g, self.message_gate_proj.weight.float()))
+        return (1 - forget) * h + gain * message
+
+
 class Inkling2DecoderLayer(nn.Module):
-    def __init__(self, config, i: int):
+    """One layer; `looped` (Inkling 2 Loop's re-applied layers) adds the message gates that mix the
+    previous pass's messages into the attention inputs and the feed-forward input."""
+
+    def __init__(self, config, i: int, looped: bool = False):
         super().__init__()
         self.kind = config.layer_types[i]
         if self.kind not in KINDS:
@@ -134,6 +159,9 @@ class Inkling2DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps=eps)
         self.post_attention_convolution = InklingShortConv(h, k, divisor=math.sqrt(k + 1))
         self.post_mlp_convolution = InklingShortConv(h, k, divisor=math.sqrt(k + 1))
+        if looped:
+            self.q_message_gate, self.k_message_gate = MessageGate(config), MessageGate(config)
+            self.v_message_gate, self.mlp_message_gate = MessageGate(config), MessageGate(config)
 
     def conv_spec(self) -> RecurrentSpec:
         """The four conv windows, channels [k | v | post-attention | post-feed-forward], float32."""
@@ -141,12 +169,20 @@ class Inkling2DecoderLayer(nn.Module):
         return RecurrentSpec(conv_shape=(2 * kv + 2 * h, self.post_attention_convolution.kernel_size - 1),
                              state_shape=(), dtype=torch.float32)
 
-    def forward(self, h: torch.Tensor, blocks: torch.Tensor, batch: ForwardBatch, kv_cache, windows):
-        """h [T, H] this layer's input, blocks [T, n, H] -> [T, H]; windows [S, 2 kv + 2 H, K - 1]."""
+    def forward(self, h: torch.Tensor, blocks: torch.Tensor, batch: ForwardBatch, kv_cache, windows,
+                messages: torch.Tensor | None = None):
+        """h [T, H] this layer's input, blocks [T, n, H] -> [T, H]; windows [S, 2 kv + 2 H, K - 1];
+        messages [T, 4, H] (q, k, v, feed-forward) in a looped layer's later passes, else None."""
         dtype, kv, H = h.dtype, self.self_attn.kv_width, h.shape[1]
         inputs = (h,) * 3 if self.attention_input is None else self.attention_input(blocks, h)
-        if self.kind == "hybrid_sliding":
+        if messages is not None:  # q, k, v inputs from the one (sliding) or three (full) mixes
+            inputs = inputs * 3 if len(inputs) == 1 else inputs
+            inputs = [gate(x, m) for gate, x, m in zip(
+                (self.q_message_gate, self.k_message_gate, self.v_message_gate), inputs, messages.unbind(1))]
+        if self.kind == "hybrid_sliding" and messages is None:
             xq = xk = xv = self.input_layernorm(inputs[0]).to(dtype)
+        elif self.kind == "hybrid_sliding":
+            xq, xk, xv = (self.input_layernorm(x).to(dtype) for x in inputs)
         else:
             xq = self.q_input_layernorm(inputs[0]).to(dtype)
             xk = self.k_input_layernorm(inputs[1]).to(dtype)
@@ -157,16 +193,20 @@ class Inkling2DecoderLayer(nn.Module):
             residual, blocks = x, torch.cat([blocks, h[:, None]], dim=1)
         else:
             residual = x = h.float() + x
-        x = self.mlp(self.post_attention_layernorm(self.mlp_input(blocks, x)[0]).to(dtype))
+        x = self.mlp_input(blocks, x)[0]
+        if messages is not None:
+            x = self.mlp_message_gate(x, messages[:, 3])
+        x = self.mlp(self.post_attention_layernorm(x).to(dtype))
         x = self.post_mlp_convolution(x, windows[:, 2 * kv + H:], batch)
         return (residual + x).to(dtype)
 
 
 class _Inkling2Body(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, looped: range = range(0)):
         super().__init__()
         self.embed_tokens = NormedEmbedding(config.vocab_size, config.hidden_size, config.rms_norm_eps)
-        self.layers = nn.ModuleList(Inkling2DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Inkling2DecoderLayer(config, i, looped=i in looped)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.final_input = BlockAttentionResidual(config.hidden_size)
 
@@ -176,9 +216,9 @@ class Inkling2Model(HybridModel):
 
     architecture = ARCHITECTURE
 
-    def __init__(self, config):
+    def __init__(self, config, body: nn.Module | None = None):
         super().__init__(config)
-        self.model = _Inkling2Body(config)
+        self.model = body or _Inkling2Body(config)
         self.vocab_size = int(config.unpadded_vocab_size)
         self.lm_head = nn.Linear(config.hidden_size, self.vocab_size, bias=False)
         self.softcap = float(config.final_logit_softcapping)

@@ -6,7 +6,10 @@ the top (`attn_res.attn_queries.{i - 1}` is layer i's attention_input, `attn_res
 its mlp_input, `attn_res.output_query` the final one). Two tensors change on the way:
 `mlp.experts.w13_weight` stores gate and up rows interleaved (g0, u0, g1, ...) and becomes gate
 rows then up rows; `unembed.weight` is padded to `vocab_size` rows and keeps the first
-`unpadded_vocab_size`. A checkpoint already in the in-memory names is read as it is.
+`unpadded_vocab_size`. Inkling 2 Loop adds its looped layers' message gates (`controllers.*`) and
+its message queries, stored as two tensors of [q, mlp] and [k, v] rows per looped layer (or both
+under their in-memory names after `model.llm.`, as transformers 5.24 saves a tiny one). A
+checkpoint already in the in-memory names is read as it is.
 """
 from __future__ import annotations
 
@@ -36,7 +39,12 @@ SUFFIXES = {
     **{f"self_attn.{x}_proj.sconv.{ours}": f"attn.{x}_sconv.{theirs}" for x in "kv"
        for ours, theirs in (("conv1d.weight", "weight"), ("static_weight", "static_w"),
                             ("weight_proj.weight", "weight_proj"))},
+    **{f"{x}_message_gate.{ours}.weight": f"controllers.{c}.{theirs}"  # Inkling 2 Loop's looped layers
+       for x, c in (("q", "attn"), ("k", "k"), ("v", "v"), ("mlp", "mlp"))
+       for ours, theirs in (("down_proj", "down_weight"), ("message_gate_proj", "gain_weight"),
+                            ("forget_gate_proj", "forget_weight"))},
 }
+MESSAGE_QUERIES = ("model.llm.middle_cycle_cross_pass_queries", "model.llm.middle_cycle_cross_pass_kv_queries")
 TOP = {"lm_head.weight": "model.llm.unembed.weight", "model.embed_tokens.weight": "model.llm.embed.weight",
        "model.embed_tokens.embed_norm.weight": "model.llm.embed_norm.weight",
        "model.norm.weight": "model.llm.norm.weight", "model.final_input.query": "model.llm.attn_res.output_query"}
@@ -65,12 +73,26 @@ class Inkling2CheckpointView:
         self.ckpt, self.vocab = ckpt, vocab
 
     def _source(self, name: str) -> str:
-        return name if name in self.ckpt else published_name(name)
+        """The in-memory name, else the published one, else the in-memory name under `model.llm.`
+        (transformers 5.24 saves the loop's gates and message queries so), whichever is stored."""
+        for candidate in (name, published_name(name), "model.llm." + name.removeprefix("model.")):
+            if candidate in self.ckpt:
+                return candidate
+        return published_name(name)
+
+    def _merged_queries(self, name: str) -> bool:
+        return name == "model.message_input.query" and self._source(name) not in self.ckpt
 
     def __contains__(self, name: str) -> bool:
+        if self._merged_queries(name):
+            return all(q in self.ckpt for q in MESSAGE_QUERIES)
         return self._source(name) in self.ckpt
 
     def get(self, name: str) -> torch.Tensor:
+        if self._merged_queries(name):
+            # [q, mlp] and [k, v] per looped layer, two rows each -> [layers, (q, k, v, mlp), H]
+            qm, kv = (self.ckpt.get(q).unflatten(0, (-1, 2)) for q in MESSAGE_QUERIES)
+            return torch.cat([qm[:, :1], kv, qm[:, 1:]], dim=1).contiguous()
         source = self._source(name)
         t = self.ckpt.get(source)
         if source.endswith("w13_weight"):  # interleaved gate / up rows -> gate rows, then up rows

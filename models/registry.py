@@ -38,6 +38,7 @@ _ARCHITECTURES: dict[str, str] = {
     "ZayaForCausalLM": "zaya",
     "InklingForCausalLM": "inkling",
     "Inkling2ForCausalLM": "inkling2",
+    "Inkling2LoopForCausalLM": "inkling2_loop",
 }
 
 

@@ -166,7 +166,7 @@ def tiny_inkling2(family: str, path, seed: int = 0, **overrides) -> Path:
     tensors = load_file(str(path / "model.safetensors"))
     g = torch.Generator().manual_seed(seed)
     for name, t in tensors.items():
-        if ".attn_res." in name:
+        if ".attn_res." in name or "message_input" in name:  # (Inkling 2 Loop's message queries too)
             tensors[name] = torch.randn(t.shape, generator=g)
         elif name.endswith("static_w"):
             tensors[name] = torch.randn(t.shape, generator=g) * 0.3
@@ -323,6 +323,11 @@ FAMILIES = {f.name: f for f in [
     Family("inkling2", seed=21, make=tiny_inkling2, logits_len=3 * WINDOW + 5, ragged=(*RAGGED_LENGTHS, 3 * WINDOW + 5),
            chunks=(5, 16, 7, 1, WINDOW + 6, 3, 1, 16), engine=((1, BS - 1, WINDOW + 1, 3 * BS + 5, 3 * WINDOW + 5), 60),
            names=("model.llm.layers.1.mlp.experts.w13_weight", "mlp.experts.gate_up_proj"),
+           hf_attn="eager", pressure=PressureCase(), prefix_migration=True, prefix_hit=True),
+    # Inkling 2 Loop: Inkling 2 with layers 2-3 run twice per token (a KV group entry and conv windows
+    # per pass), messages from the first pass gated into the second
+    Family("inkling2_loop", seed=22, make=tiny_inkling2, logits_len=3 * WINDOW + 5, ragged=(*RAGGED_LENGTHS, 3 * WINDOW + 5),
+           chunks=(5, 16, 7, 1, WINDOW + 6, 3, 1, 16), engine=((1, BS - 1, WINDOW + 1, 3 * BS + 5, 3 * WINDOW + 5), 60),
            hf_attn="eager", pressure=PressureCase(), prefix_migration=True, prefix_hit=True),
     # the shipped built-in models (trained Bambas, bf16 weights computed in float32): their own
     # weights, not random ones, through every check and the engine
