@@ -26,7 +26,7 @@ CONV1D_UPDATE = CFunction(
     "mamba2_decode", "conv1d_update", INT,
     conv_state=f32("num_slots", "dim", "k - 1"), num_slots=I64, slots=i32("nb"), nb=I64, dim=I64, k=I64,
     x=f32("nb", "dim", strides=("x_row", 1)), x_row=I64, weight=f32("dim", "k"), bias=f32("dim", optional=True),
-    act=INT, y=f32("nb", "dim", strides=("y_row", 1)), y_row=I64)
+    act=INT, y=f32("nb", "dim", strides=("y_row", 1), new=True), y_row=I64)
 MAMBA2_STATE_UPDATE = CFunction(
     "mamba2_decode", "mamba2_state_update", INT,
     state=f32("num_slots", "H", "P", "N"), num_slots=I64, slots=i32("nb"), nb=I64, H=I64, P=I64, N=I64, G=I64,
@@ -35,7 +35,7 @@ MAMBA2_STATE_UPDATE = CFunction(
     C=f32("nb", "G", "N", strides=("C_row", "N", 1)), C_row=I64,
     z=f32("nb", "H", "P", strides=("z_row", "P", 1), optional=True), z_row=I64,
     A=f32("H"), dt_bias=f32("H", optional=True), D=f32("H", optional=True), dt_softplus=INT, has_limit=INT,
-    dt_min=F32, dt_max=F32, y=f32("nb", "H", "P"))
+    dt_min=F32, dt_max=F32, y=f32("nb", "H", "P", new=True))
 
 
 class _MixerArgs(ctypes.Structure):
@@ -62,10 +62,9 @@ def conv1d_update_native(x, conv_state, weight, bias, slot_idx, activation="silu
     nb, dim = x.shape
     k = weight.shape[1]
     x = as_rows(x, (dim,))
-    y = torch.empty(nb, dim)
-    rc = CONV1D_UPDATE.call(conv_state=conv_state, num_slots=conv_state.shape[0], slots=slots_int32(slot_idx),
+    rc, y = CONV1D_UPDATE.call(conv_state=conv_state, num_slots=conv_state.shape[0], slots=slots_int32(slot_idx),
                             nb=nb, dim=dim, k=k, x=x, x_row=x.stride(0), weight=weight, bias=bias,
-                            act=activation is not None, y=y, y_row=dim)
+                            act=activation is not None)
     return y if rc == 0 else None
 
 
@@ -84,12 +83,11 @@ def mamba2_state_update_native(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_id
     z = None if z is None else as_rows(z, (H, P))
     A, D, dt_bias = (None if t is None else t.contiguous() for t in (A, D, dt_bias))
     lo, hi = (float(dt_limit[0]), float(dt_limit[1])) if dt_limit is not None else (0.0, 0.0)
-    y = torch.empty(nb, H, P)
-    rc = MAMBA2_STATE_UPDATE.call(
+    rc, y = MAMBA2_STATE_UPDATE.call(
         state=ssm_state, num_slots=ssm_state.shape[0], slots=slots_int32(slot_idx), nb=nb, H=H, P=P, N=N, G=G,
         x=x, x_row=x.stride(0), dt=dt, dt_row=dt.stride(0), B=B, B_row=B.stride(0), C=C, C_row=C.stride(0),
         z=z, z_row=0 if z is None else z.stride(0), A=A, dt_bias=dt_bias, D=D, dt_softplus=bool(dt_softplus),
-        has_limit=dt_limit is not None, dt_min=lo, dt_max=hi, y=y)
+        has_limit=dt_limit is not None, dt_min=lo, dt_max=hi)
     return y if rc == 0 else None
 
 
@@ -116,7 +114,7 @@ class Mamba2MixerDecode:
                        and conv_state.shape[0] == ssm_state.shape[0] and H % G == 0
                        and tuple(conv_state.shape[1:]) == (conv_dim, k - 1)
                        and tuple(ssm_state.shape[1:]) == (H, P, N) and conv_dim == H * P + 2 * G * N)
-        self._xbc, self._A = torch.empty(conv_dim), torch.empty(H)
+        self._xbc, self._A = torch.empty(conv_dim, dtype=torch.float32), torch.empty(H, dtype=torch.float32)
         a = self._args = _MixerArgs()
         a.conv_state, a.ssm_state = conv_state.data_ptr(), ssm_state.data_ptr()
         a.num_slots = ssm_state.shape[0]
@@ -142,7 +140,7 @@ class Mamba2MixerDecode:
             return None
         nb = proj.shape[0]
         slots = slots_int32(slot_idx)
-        y = torch.empty(nb, self._args.H * self._args.P)
+        y = torch.empty(nb, self._args.H * self._args.P, dtype=torch.float32)
         a = self._args
         a.proj, a.proj_row, a.nb = proj.data_ptr(), proj.stride(0), nb
         a.slots, a.y = slots.data_ptr(), y.data_ptr()

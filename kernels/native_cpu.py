@@ -13,11 +13,12 @@ compiler's version and the CPU's feature flags, so an edited source, another com
 compiles anew, and a library built for one CPU is never loaded on another. It is written under a
 temporary name and renamed, so concurrent processes never load half a file.
 
-Functions take raw pointers, element strides and sizes. Each is declared with its `argtypes` and
-`restype` (`function` below requires both), its pointer parameters typed by native_args.py (a CPU
-tensor of the declared dtype, never a bare address), and called only through one binding with
-keyword-only parameters that checks every tensor's dtype, shape and layout against the others
-(native_args.py); each C function is tested against the torch path.
+Functions take raw pointers, element strides and sizes. Each is declared parameter by parameter in
+native_args.py (a CPU tensor of the declared dtype, never a bare address) and called only through one
+binding with keyword-only parameters that checks every tensor's dtype, shape and layout against the
+others; the binding reaches it through a generated entry point taking one struct of its arguments
+(C code compiled in the kernel file's unit: `library(name, extra=...)`), loaded with its `argtypes`
+and `restype` (`function` below requires both). Each C function is tested against the torch path.
 
 When it is not used:
 - `HYBRIDKV_CPU_NATIVE=0` in the environment (read once, at import), or inside `forced_off()` (tests,
@@ -75,28 +76,30 @@ def cache_dir() -> Path:
     return Path(base) / "hybridkv" / "native"
 
 
-def library(name: str, source_dir: Path | None = None) -> ctypes.CDLL | None:
+def library(name: str, source_dir: Path | None = None, extra: str = "") -> ctypes.CDLL | None:
     """The loaded library built from `<source_dir>/<name>.c` (default kernels/native/), or None when
-    native kernels are off or cannot be built here. Built at most once per process."""
+    native kernels are off or cannot be built here. Built at most once per process. extra: C code
+    compiled after that file in the same unit (native_args.py's generated entry points; it is part
+    of the library's hash)."""
     if not _enabled:
         return None
     src = (source_dir or SOURCE_DIR) / f"{name}.c"
-    key = (name, str(src))
+    key = (name, str(src), extra)
     if key in _loaded:
         return _loaded[key]
     with _lock:
         if key not in _loaded:
-            _loaded[key] = _build_and_load(name, src)
+            _loaded[key] = _build_and_load(name, src, extra)
     return _loaded[key]
 
 
-def function(name: str, symbol: str, argtypes: list, restype):
-    """`symbol` of library `name` with its ctypes signature set, or None (see library()).
-    argtypes: one ctypes type per C parameter (pointers: native_args.F32, I32, ...); restype:
-    the C return type, None for void."""
+def function(name: str, symbol: str, argtypes: list, restype, extra: str = ""):
+    """`symbol` of library `name` (built with `extra`, see library()) with its ctypes signature
+    set, or None. argtypes: one ctypes type per C parameter; restype: the C return type, None for
+    void."""
     if not isinstance(argtypes, (list, tuple)) or not argtypes:
         raise TypeError(f"{name}.{symbol}: argtypes must list the C parameters' types, got {argtypes!r}")
-    lib = library(name)
+    lib = library(name, extra=extra)
     if lib is None:
         return None
     fn = lib[symbol]  # its own function object: `lib.symbol` is shared, and anyone may reset its types
@@ -133,7 +136,7 @@ def _cpu_features() -> str:
     return platform.processor()
 
 
-def _build_and_load(name: str, src: Path) -> ctypes.CDLL | None:
+def _build_and_load(name: str, src: Path, extra: str = "") -> ctypes.CDLL | None:
     cc = _compiler()
     if cc is None:
         logger.warning("no C compiler (%s) found: the CPU paths use torch only (slower); set CC to one",
@@ -147,9 +150,9 @@ def _build_and_load(name: str, src: Path) -> ctypes.CDLL | None:
         return None
     errors = []
     for flags in (FLAGS + ARCH_FLAGS, FLAGS):  # a compiler without -march=native still gets a build
-        out = cache_dir() / f"{name}-{_identity(cc, flags, source, headers)}.so"
+        out = cache_dir() / f"{name}-{_identity(cc, flags, source + extra.encode(), headers)}.so"
         if not out.exists():
-            err = _compile(cc, flags, src, out)
+            err = _compile(cc, flags, src, out, extra)
             if err is not None:
                 errors.append(err)
                 continue
@@ -161,15 +164,19 @@ def _build_and_load(name: str, src: Path) -> ctypes.CDLL | None:
     return None
 
 
-def _compile(cc: str, flags: tuple[str, ...], src: Path, out: Path) -> str | None:
-    """Compile src into out (atomically); an error message, or None on success."""
+def _compile(cc: str, flags: tuple[str, ...], src: Path, out: Path, extra: str = "") -> str | None:
+    """Compile src (followed by `extra`) into out (atomically); an error message, or None on success."""
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp.so", dir=out.parent)
         os.close(fd)
+        unit = src
+        if extra:  # one unit: the kernel file included, then the extra code (it sees the prototypes)
+            unit = Path(tmp[:-len(".so")] + ".c")
+            unit.write_text(f'#include "{src.name}"\n{extra}')
     except OSError as e:  # an unwritable cache: say where, and let the torch path run
         return f"cache directory {out.parent} unusable ({e}); set HYBRIDKV_CACHE_DIR to a writable one"
-    cmd = [cc, *flags, "-I", str(src.parent), "-o", tmp, str(src), "-lm"]
+    cmd = [cc, *flags, "-I", str(src.parent), "-o", tmp, str(unit), "-lm"]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
         if res.returncode != 0:
@@ -179,5 +186,6 @@ def _compile(cc: str, flags: tuple[str, ...], src: Path, out: Path) -> str | Non
     except (OSError, subprocess.SubprocessError) as e:
         return f"`{' '.join(cmd)}`: {e}"
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for leftover in {tmp, str(unit)} - {str(src)}:
+            if os.path.exists(leftover):
+                os.unlink(leftover)

@@ -10,8 +10,6 @@ outside the pool.
 """
 from __future__ import annotations
 
-import torch
-
 from .native_args import I64, INT, CFunction, as_rows, f32, fp32_cpu, i32, slots_int32
 
 # native/mamba1_decode.c and gdn_decode.c, declared parameter by parameter (native_args.py)
@@ -22,14 +20,14 @@ MAMBA1_STATE_UPDATE = CFunction(
     A=f32("d", "N"), B=f32("nb", "N", strides=("B_row", 1)), B_row=I64,
     C=f32("nb", "N", strides=("C_row", 1)), C_row=I64, D=f32("d", optional=True),
     z=f32("nb", "d", strides=("z_row", 1), optional=True), z_row=I64, dt_bias=f32("d", optional=True),
-    dt_softplus=INT, y=f32("nb", "d"))
+    dt_softplus=INT, y=f32("nb", "d", new=True))
 GDN_STATE_UPDATE = CFunction(
     "gdn_decode", "gdn_state_update", INT,
     state=f32("num_slots", "HV", "K", "V"), num_slots=I64, slots=i32("nb"), nb=I64, HV=I64, K=I64, V=I64,
     q=f32("nb", "HV", "K"), k=f32("nb", "HV", "K"), v=f32("nb", "HV", "V", strides=("v_row", "V", 1)),
     v_row=I64, g=f32("nb", "HV", strides=("g_row", 1)), g_row=I64,
-    beta=f32("nb", "HV", strides=("beta_row", 1)), beta_row=I64, o=f32("nb", "HV", "V"),
-    scratch=f32("2 * V"))
+    beta=f32("nb", "HV", strides=("beta_row", 1)), beta_row=I64, o=f32("nb", "HV", "V", new=True),
+    scratch=f32("2 * V", new=True))
 
 
 def mamba1_state_update_native(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, dt_softplus=True):
@@ -45,12 +43,11 @@ def mamba1_state_update_native(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_id
     x, dt, B, C = (as_rows(t, (n,)) for t, n in ((x, d), (dt, d), (B, N), (C, N)))
     z = None if z is None else as_rows(z, (d,))
     A, D, dt_bias = (None if t is None else t.contiguous() for t in (A, D, dt_bias))
-    y = torch.empty(nb, d)
     z_row = 0 if z is None else z.stride(0)
-    rc = MAMBA1_STATE_UPDATE.call(
+    rc, y = MAMBA1_STATE_UPDATE.call(
         state=ssm_state, num_slots=ssm_state.shape[0], slots=slots_int32(slot_idx), nb=nb, d=d, N=N,
         x=x, x_row=x.stride(0), dt=dt, dt_row=dt.stride(0), A=A, B=B, B_row=B.stride(0), C=C,
-        C_row=C.stride(0), D=D, z=z, z_row=z_row, dt_bias=dt_bias, dt_softplus=bool(dt_softplus), y=y)
+        C_row=C.stride(0), D=D, z=z, z_row=z_row, dt_bias=dt_bias, dt_softplus=bool(dt_softplus))
     return y if rc == 0 else None
 
 
@@ -66,10 +63,7 @@ def gdn_state_update_native(state, qf, kf, v, g, beta, slot_idx):
         return None
     qf, kf = qf.contiguous(), kf.contiguous()
     v, g, beta = as_rows(v, (HV, Vd)), as_rows(g, (HV,)), as_rows(beta, (HV,))
-    o = torch.empty(nb, HV, Vd)
-    scratch = torch.empty(2 * Vd)
-    rc = GDN_STATE_UPDATE.call(
+    rc, o, _ = GDN_STATE_UPDATE.call(
         state=state, num_slots=state.shape[0], slots=slots_int32(slot_idx), nb=nb, HV=HV, K=Kd, V=Vd,
-        q=qf, k=kf, v=v, v_row=v.stride(0), g=g, g_row=g.stride(0), beta=beta, beta_row=beta.stride(0),
-        o=o, scratch=scratch)
+        q=qf, k=kf, v=v, v_row=v.stride(0), g=g, g_row=g.stride(0), beta=beta, beta_row=beta.stride(0))
     return o if rc == 0 else None

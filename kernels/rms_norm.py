@@ -18,19 +18,21 @@ from . import native_cpu
 from .native_args import F32, I64, INT, CFunction, f32
 
 # native/rms_norm.c, declared parameter by parameter (native_args.py): x [n, d] rows, w [d]
+# (outputs `new`: allocated by the call, returned)
 RMS_NORM = CFunction("rms_norm", "rms_norm_f32", None,
                      x=f32("n", "d", strides=("x_stride", 1)), x_stride=I64, w=f32("d"), plus_one=INT,
-                     out=f32("n", "d", strides=("out_stride", 1)), out_stride=I64, n=I64, d=I64, eps=F32)
+                     out=f32("n", "d", strides=("out_stride", 1), new=True), out_stride=I64, n=I64, d=I64,
+                     eps=F32)
 ADD_RMS_NORM = CFunction("rms_norm", "add_rms_norm_f32", None,
                          h=f32("n", "d", strides=("h_stride", 1)), h_stride=I64,
                          delta=f32("n", "d", strides=("delta_stride", 1)), delta_stride=I64,
-                         w=f32("d"), plus_one=INT, sum=f32("n", "d", strides=("sum_stride", 1)),
-                         sum_stride=I64, out=f32("n", "d", strides=("out_stride", 1)), out_stride=I64,
+                         w=f32("d"), plus_one=INT, sum=f32("n", "d", strides=("sum_stride", 1), new=True),
+                         sum_stride=I64, out=f32("n", "d", strides=("out_stride", 1), new=True), out_stride=I64,
                          n=I64, d=I64, eps=F32)
 GATED_RMS_NORM = CFunction("rms_norm", "gated_rms_norm_f32", None,
                            y=f32("n", "d", strides=("y_stride", 1)), y_stride=I64,
                            z=f32("n", "d", strides=("z_stride", 1), optional=True), z_stride=I64,
-                           w=f32("d"), out=f32("n", "d", strides=("out_stride", 1)), out_stride=I64,
+                           w=f32("d"), out=f32("n", "d", strides=("out_stride", 1), new=True), out_stride=I64,
                            n=I64, d=I64, group=I64, norm_before_gate=INT, eps=F32)
 # gated norm: C up to this many elements (measured, 1 thread, rows of 512: 32 rows 139 vs 197 us,
 # 256 rows 859 vs 1482 us, 2048 rows 6707 vs 5925 us in torch)
@@ -70,11 +72,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool =
         if plus_one:
             return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)) * (1.0 + weight)
         return F.rms_norm(x, weight.shape, weight, eps)
-    out = torch.empty_like(x)  # (contiguous: x's rows have contiguous elements)
     n, d = x2.shape
-    RMS_NORM.call(x=x2, x_stride=x2.stride(0), w=weight, plus_one=plus_one, out=out if x2 is x else out.view(n, d),
-                  out_stride=d, n=n, d=d, eps=eps)
-    return out
+    out = RMS_NORM.call(x=x2, x_stride=x2.stride(0), w=weight, plus_one=plus_one, n=n, d=d, eps=eps)
+    return out if x2 is x else out.view(x.shape)
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -86,10 +86,8 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
         s = h + delta
         return s, rms_norm(s, weight, eps, plus_one)
     n, d = h.shape
-    s, out = torch.empty_like(h), torch.empty_like(h)  # (contiguous, as in rms_norm)
-    ADD_RMS_NORM.call(h=h, h_stride=h.stride(0), delta=delta, delta_stride=delta.stride(0), w=weight,
-                      plus_one=plus_one, sum=s, sum_stride=d, out=out, out_stride=d, n=n, d=d, eps=eps)
-    return s, out
+    return ADD_RMS_NORM.call(h=h, h_stride=h.stride(0), delta=delta, delta_stride=delta.stride(0), w=weight,
+                             plus_one=plus_one, n=n, d=d, eps=eps)
 
 
 def gated_rms_norm(y: torch.Tensor, z: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
@@ -107,9 +105,7 @@ def gated_rms_norm(y: torch.Tensor, z: Optional[torch.Tensor], weight: torch.Ten
     if not GATED_RMS_NORM.available():
         return None
     n, d = y2.shape
-    out = torch.empty_like(y)  # (contiguous, as in rms_norm)
-    GATED_RMS_NORM.call(y=y2, y_stride=y2.stride(0), z=z2, z_stride=0 if z2 is None else z2.stride(0), w=weight,
-                        out=out if y2 is y else out.view(n, d), out_stride=d, n=n, d=d, group=group_size,
-                        norm_before_gate=norm_before_gate, eps=eps)
-    return out
+    out = GATED_RMS_NORM.call(y=y2, y_stride=y2.stride(0), z=z2, z_stride=0 if z2 is None else z2.stride(0),
+                              w=weight, n=n, d=d, group=group_size, norm_before_gate=norm_before_gate, eps=eps)
+    return out if y2 is y else out.view(y.shape)
 

@@ -24,7 +24,7 @@ ROPE_WRITE_KV = CFunction(
     "rope_write_kv", "rope_write_kv_f32", I64,
     qkv=f32("T", "(Hq + 2 * Hkv) * D", strides=("qkv_stride", 1)), qkv_stride=I64, T=I64, Hq=I64, Hkv=I64,
     D=I64, rot=I64, cos=f32("T", "rot", strides=("cs_stride", 1)), sin=f32("T", "rot", strides=("cs_stride", 1)),
-    cs_stride=I64, q_out=f32("T", "Hq", "D"),
+    cs_stride=I64, q_out=f32("T", "Hq", "D", new=True),
     kv=f32("num_blocks", 2, "block_size", "Hkv", "D", strides=("s_block", "s_part", "s_off", "s_head", 1)),
     s_block=I64, s_part=I64, s_off=I64, s_head=I64, slots=i64("T"), block_size=I64, num_blocks=I64)
 
@@ -60,10 +60,9 @@ def rope_write_kv_cpu(qkv: torch.Tensor, rope: Optional[tuple[torch.Tensor, torc
     if rot == 0:  # cos and sin are not read: qkv's first columns stand in (valid addresses)
         cos = sin = qkv[:, :0]
         cs_stride = qkv.stride(0)
-    q = torch.empty((T, num_heads, D))
     s, (num_blocks, _, bs) = kv_cache.stride(), kv_cache.shape[:3]
-    bad = ROPE_WRITE_KV.call(qkv=qkv, qkv_stride=qkv.stride(0), T=T, Hq=num_heads, Hkv=num_kv_heads, D=D,
-                             rot=rot, cos=cos, sin=sin, cs_stride=cs_stride, q_out=q, kv=kv_cache,
+    bad, q = ROPE_WRITE_KV.call(qkv=qkv, qkv_stride=qkv.stride(0), T=T, Hq=num_heads, Hkv=num_kv_heads, D=D,
+                             rot=rot, cos=cos, sin=sin, cs_stride=cs_stride, kv=kv_cache,
                              s_block=s[0], s_part=s[1], s_off=s[2], s_head=s[3], slots=slots, block_size=bs,
                              num_blocks=num_blocks)
     if bad >= 0:

@@ -1,13 +1,17 @@
 """kernels/native_args.py: every C kernel is declared with its types and called by name; a swapped,
-missing or wrong argument raises before the C loop runs (instead of writing through a bad pointer)."""
+missing or wrong argument raises before the C loop runs (instead of writing through a bad pointer).
+The arguments reach C packed in one struct through a generated entry point: its layout is asserted
+in C, the declaration is checked against the prototype by the compiler, a scalar that does not fit
+its C type raises, and the outputs the call allocates are of the declared shape."""
 import ctypes
+import struct
 
 import pytest
 import torch
 
 from hybridkv.kernels import (attention_decode_native, mamba2_native, mamba2_prefill_native, native_cpu,
                               recurrent_native, rms_norm, write_kv_cpu)
-from hybridkv.kernels.native_args import CFunction
+from hybridkv.kernels.native_args import F32, I64, INT, CFunction, Ptr, f32
 
 MODULES = (attention_decode_native, mamba2_native, mamba2_prefill_native, recurrent_native, rms_norm,
            write_kv_cpu)
@@ -26,8 +30,9 @@ def test_every_binding_is_declared():
 def test_each_c_function_has_argtypes_and_restype(module, name, cf):
     fn = cf.function()
     assert fn is not None, f"{cf.library}.c did not build"
-    assert list(fn.argtypes) == cf.argtypes and len(fn.argtypes) == len(cf.params)
+    assert list(fn.argtypes) == [ctypes.c_char_p] == cf.argtypes  # the packed struct of every parameter
     assert fn.restype is cf.restype
+    assert cf.source.count(f"a->") == len(cf.params)
 
 
 @needs_native
@@ -48,15 +53,15 @@ def _mamba1_args(nb=2, d=6, N=4, S=5):
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     return dict(state=r(S, d, N), num_slots=S, slots=torch.tensor([3, 1], dtype=torch.int32), nb=nb, d=d, N=N,
                 x=r(nb, d), x_row=d, dt=r(nb, d), dt_row=d, A=-r(d, N).abs(), B=r(nb, N), B_row=N,
-                C=r(nb, N), C_row=N, D=r(d), z=None, z_row=0, dt_bias=r(d), dt_softplus=True,
-                y=torch.empty(nb, d))
+                C=r(nb, N), C_row=N, D=r(d), z=None, z_row=0, dt_bias=r(d), dt_softplus=True)
 
 
 @needs_native
 def test_a_correct_call_runs():
     args = _mamba1_args()
-    assert recurrent_native.MAMBA1_STATE_UPDATE.call(**args) == 0
-    assert torch.isfinite(args["y"]).all()
+    rc, y = recurrent_native.MAMBA1_STATE_UPDATE.call(**args)
+    assert rc == 0 and y.shape == (2, 6) and y.dtype == torch.float32 and y.is_contiguous()
+    assert torch.isfinite(y).all()
 
 
 @needs_native
@@ -73,6 +78,11 @@ def test_a_correct_call_runs():
     (lambda a: a.update(D=torch.ones(3)), ValueError, "argument D: expected shape"),
     (lambda a: a.pop("dt_bias"), TypeError, "dt_bias"),  # missing
     (lambda a: a.update(bias=None), TypeError, "bias"),  # unknown
+    (lambda a: a.update(y=torch.empty(2, 6)), TypeError, "'y'"),  # an output the call allocates
+    (lambda a: a.update(x_row=6.0), TypeError, "argument x_row: expected a C int64_t"),  # packed: a float
+    (lambda a: a.update(z_row=2 ** 64), TypeError, "argument z_row: expected a C int64_t"),  # z is None
+    (lambda a: a.update(dt_softplus=2 ** 40), TypeError, "argument dt_softplus: expected a C int"),
+    (lambda a: a.update(dt_softplus="yes"), TypeError, "argument dt_softplus"),
 ])
 def test_a_wrong_argument_raises_and_writes_nothing(change, error, match):
     args = _mamba1_args()
@@ -110,9 +120,10 @@ def test_sizes_not_given_are_checked_between_tensors():
 @needs_native
 def test_rms_norm_out_of_the_wrong_shape_raises():
     x, w = torch.randn(2, 8), torch.randn(8)
-    with pytest.raises(ValueError, match="argument out"):
-        rms_norm.RMS_NORM.call(x=x, x_stride=8, w=w, plus_one=False, out=torch.empty(1, 8), out_stride=8,
-                               n=2, d=8, eps=1e-6)
+    with pytest.raises(ValueError, match="argument x: expected shape"):  # out is [n, d]: n is x's
+        rms_norm.RMS_NORM.call(x=x, x_stride=8, w=w, plus_one=False, n=1, d=8, eps=1e-6)
+    out = rms_norm.RMS_NORM.call(x=x, x_stride=8, w=w, plus_one=False, n=2, d=8, eps=1e-6)
+    assert out.shape == (2, 8) and out.stride() == (8, 1)
 
 
 def test_calling_when_native_kernels_are_off_raises():
@@ -122,3 +133,50 @@ def test_calling_when_native_kernels_are_off_raises():
         assert not fresh.available()
         with pytest.raises(RuntimeError, match="available"):
             fresh.call(**_mamba1_args())
+
+
+@needs_native
+def test_packed_layout_is_the_c_structs():
+    """The generated C asserts the struct's size and every field's offset against the packer's."""
+    cf = rms_norm.ADD_RMS_NORM
+    assert f"== {cf.packer.size}, \"size\"" in cf.source and cf.source.count("_Static_assert(offsetof") == 13
+    assert cf.packer.size == struct.calcsize("@PqPqPiPqPqqqf0q")
+
+
+@needs_native
+def test_a_declaration_that_does_not_match_the_prototype_does_not_build(tmp_path, monkeypatch):
+    """The entry point calls the kernel with the declared types: a pointer of another element type,
+    a narrowing scalar or a missing parameter is a compile error, so the function is unavailable."""
+    monkeypatch.setenv("HYBRIDKV_CACHE_DIR", str(tmp_path))
+    good = dict(x=f32("n", "d", strides=("x_stride", 1)), x_stride=I64, w=f32("d"), plus_one=INT,
+                out=f32("n", "d", strides=("out_stride", 1), new=True), out_stride=I64, n=I64, d=I64, eps=F32)
+    assert CFunction("rms_norm", "rms_norm_f32", None, **good).available()
+    for change in (dict(w=Ptr(torch.int32, ("d",))), dict(eps=I64), dict(x_stride=F32)):
+        assert not CFunction("rms_norm", "rms_norm_f32", None, **{**good, **change}).available(), change
+    assert not CFunction("rms_norm", "rms_norm_f32", None, **{k: v for k, v in good.items() if k != "eps"}).available()
+    assert not CFunction("rms_norm", "rms_norm_f32", INT, **good).available()  # a void function
+
+
+@needs_native
+@pytest.mark.parametrize("bad,error,match", [
+    (dict(h=torch.randn(1, 256, dtype=torch.float64)), TypeError, "argument h: expected torch.float32"),
+    (dict(delta=torch.randn(1, 512)[:, ::2]), ValueError, "argument delta: expected strides"),
+    (dict(delta=torch.randn(1, 255)), ValueError, "argument delta: expected shape"),
+    (dict(w=torch.randn(128)), ValueError, "argument w: expected shape"),
+    (dict(w=torch.randn(512)[::2]), ValueError, "argument w: expected a contiguous tensor"),
+    (dict(d=255), ValueError, "expected shape"),
+    (dict(n=2), ValueError, "expected shape"),  # too few rows for the outputs it would allocate
+    (dict(eps="1e-6"), TypeError, "argument eps: expected a C float"),
+])
+def test_the_norm_row_a_decode_step_calls_still_raises(bad, error, match):
+    """The fast path of a batch-1 step (add + RMSNorm of one row, outputs allocated by the call,
+    arguments packed) checks every tensor and scalar it is given."""
+    h, delta, w = torch.randn(1, 256), torch.randn(1, 256), torch.randn(256)
+    args = dict(h=h, h_stride=256, delta=delta, delta_stride=256, w=w, plus_one=False, n=1, d=256, eps=1e-6)
+    args.update(bad)
+    with pytest.raises(error, match=match):
+        rms_norm.ADD_RMS_NORM.call(**args)
+    s, out = rms_norm.ADD_RMS_NORM.call(h=h, h_stride=256, delta=delta, delta_stride=256, w=w, plus_one=False,
+                                        n=1, d=256, eps=1e-6)
+    torch.testing.assert_close(s, h + delta)
+    torch.testing.assert_close(out, torch.nn.functional.rms_norm(h + delta, (256,), w, 1e-6))

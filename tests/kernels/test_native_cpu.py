@@ -51,6 +51,20 @@ def test_builds_once_and_computes_like_torch(scale_lib, tmp_path):
     assert len(list((tmp_path / "cache" / "native").glob("scale-*.so"))) == 2  # edited source: rebuilt
 
 
+def test_extra_code_is_compiled_with_the_file_and_hashed(scale_lib, tmp_path):
+    """native_args' entry points: extra C code in the kernel file's unit (it sees its functions); a
+    library per distinct extra, none left behind but the libraries."""
+    extra = "int64_t scale_twice(void) { return 2; }\n"
+    lib = native_cpu.library("scale", scale_lib, extra=extra)
+    assert lib is not None and lib.scale_twice() == 2 and hasattr(lib, "scale_rows")
+    assert native_cpu.library("scale", scale_lib, extra=extra) is lib
+    assert native_cpu.library("scale", scale_lib) is not lib  # without it: another library
+    other = native_cpu.library("scale", scale_lib, extra="int64_t scale_thrice(void) { return 3; }\n")
+    assert other.scale_thrice() == 3 and not hasattr(other, "scale_twice")
+    left = sorted(p.name for p in (tmp_path / "cache" / "native").iterdir())
+    assert len(left) == 3 and all(n.endswith(".so") and ".tmp" not in n for n in left)
+
+
 def test_forced_off_gives_none(scale_lib):
     with native_cpu.forced_off():
         assert not native_cpu.enabled()
