@@ -53,16 +53,25 @@ class _Stopper:
         (self.stop if not self.stop.is_set() else self.hurry).set()
 
 
-async def _serve(server, serving, stopper: _Stopper, drain_timeout: float) -> None:
+async def _uvicorn(server) -> Optional[str]:
+    """Run uvicorn; why it could not start, or None."""
+    try:
+        await server.serve()
+    except SystemExit as e:  # uvicorn's way to say it cannot bind (it logged why)
+        return f"uvicorn exited with code {e.code}"
+    return None if server.started else "it did not start"
+
+
+async def _serve(server, serving, stopper: _Stopper, drain_timeout: float) -> Optional[str]:
     stopper.attach(asyncio.get_running_loop())
-    task = asyncio.create_task(server.serve())
+    task = asyncio.create_task(_uvicorn(server))
     stop = asyncio.create_task(stopper.stop.wait())
     await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
     if not task.done():
         server.should_exit = True  # uvicorn closes the socket, then waits for open connections
         await serving.drain(drain_timeout, stopper.hurry)
     stop.cancel()
-    await task
+    return await task
 
 
 def serve_http(app, host: str, port: int, drain_timeout: float = 10.0) -> int:
@@ -74,13 +83,15 @@ def serve_http(app, host: str, port: int, drain_timeout: float = 10.0) -> int:
                             timeout_graceful_shutdown=drain_timeout + _CLOSE_GRACE_S)
     server = uvicorn.Server(config)
     stopper = _Stopper()
-    failed: list[BaseException] = []
+    failed: list[str] = []
 
     def run() -> None:
         try:
-            asyncio.run(_serve(server, app.state.serving, stopper, drain_timeout))
-        except BaseException as e:  # uvicorn exits (SystemExit) when it cannot bind
-            failed.append(e)
+            why = asyncio.run(_serve(server, app.state.serving, stopper, drain_timeout))
+        except BaseException as e:  # noqa: BLE001 - reported below, the caller still closes the engine
+            why = repr(e)
+        if why is not None:
+            failed.append(why)
 
     before = {sig: signal.signal(sig, stopper.on_signal) for sig in _SIGNALS}
     try:
@@ -91,9 +102,8 @@ def serve_http(app, host: str, port: int, drain_timeout: float = 10.0) -> int:
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
-    if failed or not server.started:
-        log.error("the HTTP server on %s:%d stopped: %s", host, port,
-                  repr(failed[0]) if failed else "it did not start")
+    if failed:
+        log.error("the HTTP server on %s:%d could not run: %s", host, port, failed[0])
         return 1
     log.info("HTTP server stopped")
     return 0

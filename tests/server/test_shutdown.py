@@ -182,3 +182,16 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return ""
+
+
+def test_a_taken_port_exits_1_with_a_message():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        p = subprocess.run([sys.executable, "-m", "hybridkv", "serve", "--random-tiny", "--port", str(port),
+                            "--device", "cpu", "--memory-budget-mb", "16", "--log-stats-interval", "0"],
+                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "address already in use" in p.stderr and "could not run" in p.stderr, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
