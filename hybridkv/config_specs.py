@@ -35,7 +35,8 @@ head_dim / 2]`), inkling_text (relative-bias attention at key `i`, sliding layer
 shapes; at key `num_hidden_layers + i` the four short-conv windows `[2 x kv width + 2 x hidden,
 conv_kernel_size - 1]` in float32, no SSM state), inkling2_text (the same two kinds and keys),
 inkling2_loop_text (the same per virtual layer: each extra pass of the looped layers is one more,
-`num_hidden_layers + (pass - 1) x loop layers + (i - loop start)`; KV at key v, windows at V + v).
+`num_hidden_layers + (pass - 1) x loop layers + (i - loop start)`; KV at key v, windows at V + v),
+and the published multimodal inkling2 / inkling2_loop configs (their nested `text_config`).
 For the families from granitemoehybrid on and the attention-only ones, fields a config.json omits take
 transformers' config-class defaults
 (`hf_config`), as they do when transformers loads it. Shapes follow the models in hybridkv.models,
@@ -337,6 +338,7 @@ def _zaya(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
 
 def _inkling(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
     c = hf_config(cfg)
+    c = getattr(c, "text_config", None) or c  # a published multimodal config nests the text model
     n = c.num_hidden_layers
     kinds = _layer_kinds(c.layer_types, {"hybrid": "a", "hybrid_sliding": "s"}, "inkling")
     # (layer, virtual layer): Inkling 2 Loop's extra passes over its looped layers are layers of their own
@@ -364,7 +366,8 @@ _BUILDERS = {"bamba": _bamba, "jamba": _jamba, "qwen3_next": _qwen3_next,
              "kimi_linear": _kimi_linear, "bailing_hybrid": _kimi_linear,
              "gpt_oss": _attention_only,  # layer_types: sliding and full attention layers
              "granitemoe_swa": _attention_only, "rwkv": _rwkv, "zaya": _zaya,
-             "inkling_text": _inkling, "inkling2_text": _inkling, "inkling2_loop_text": _inkling,
+             **dict.fromkeys(("inkling_text", "inkling2_text", "inkling2", "inkling2_loop_text", "inkling2_loop"),
+                             _inkling),
              "lfm3": _lfm3, "lara_mini": _lara_mini}
 
 
@@ -372,8 +375,8 @@ def specs_from_config(cfg: Mapping, dtype: Optional[torch.dtype] = None) -> dict
     """`{cache_key: AttentionSpec | RecurrentSpec}` from a config dict; caches in `dtype` (default:
     the config's torch_dtype). Keys equal the model's `cache_specs()` keys: the layer index, plus
     `num_hidden_layers + i` for falcon_h1's Mamba halves, zamba2's attention sites, zaya's CCA
-    states and inkling's conv windows (see the module docstring). Raises ValueError for a model_type it does not know or an
-    invalid config."""
+    states and inkling's conv windows (see the module docstring). Raises ValueError for a
+    model_type it does not know or an invalid config."""
     dtype = dtype or config_dtype(cfg)
     kind = cfg["model_type"]
     if kind in ATTENTION_ONLY:

@@ -12,7 +12,8 @@ norm's input are a softmax mix, over the blocks and the running state (unweighte
 with learned queries (`attention_input`, `mlp_input`, `final_input`). Feed-forward: sigmoid-routed
 top-k experts (weights renormalised, times route_scale) with a softcapped SwiGLU
 (softcap(gate) * sigmoid(gate) * softcap(up)); logits softcapped by `final_logit_softcapping`.
-Numbers follow transformers in float32; in bfloat16 its norms multiply the weight before the cast
+Published `Inkling2ForConditionalGeneration` checkpoints serve their text model (the vision tower
+unused). Numbers follow transformers in float32; in bfloat16 its norms multiply the weight before the cast
 and ours after, so bfloat16 runs are close, not identical. Tensor parallelism is refused.
 """
 from __future__ import annotations
@@ -60,6 +61,11 @@ def tiny_config(**overrides):
               bos_token_id=1, eos_token_id=2, architectures=[ARCHITECTURE])
     kw.update(overrides)
     return Inkling2TextConfig(**kw)
+
+
+def text_model_config(config):
+    """The text model's config: a published `...ForConditionalGeneration` config nests it."""
+    return getattr(config, "text_config", None) or config
 
 
 class BlockAttentionResidual(nn.Module):
@@ -217,6 +223,7 @@ class Inkling2Model(HybridModel):
     architecture = ARCHITECTURE
 
     def __init__(self, config, body: nn.Module | None = None):
+        config = text_model_config(config)
         super().__init__(config)
         self.model = body or _Inkling2Body(config)
         self.vocab_size = int(config.unpadded_vocab_size)

@@ -9,7 +9,8 @@ pass), pass p >= 1 of looped layer i has virtual layer index `num_hidden_layers 
 num_loop_layers + (i - start)`; with V virtual layers in all, virtual layer v keeps its KV pages
 under cache key v and its four conv windows under key V + v. Each pass's KV and windows depend
 only on the tokens before, so prefix hits, preemption and migration hold as for Inkling 2: no
-prefix-caching exception is needed. Tensor parallelism is refused.
+prefix-caching exception is needed. Published `Inkling2LoopForConditionalGeneration` checkpoints
+serve their text model. Tensor parallelism is refused.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from torch import nn
 from hybridkv.specs import LayerSpec
 
 from .forward_batch import ForwardBatch, ModelCaches
-from .inkling2 import Inkling2Model, _Inkling2Body
+from .inkling2 import Inkling2Model, _Inkling2Body, text_model_config
 from .inkling2_attention import unweighted_rms_norm
 
 ARCHITECTURE = "Inkling2LoopForCausalLM"
@@ -66,6 +67,7 @@ class Inkling2LoopModel(Inkling2Model):
     architecture = ARCHITECTURE
 
     def __init__(self, config):
+        config = text_model_config(config)
         super().__init__(config, body=_LoopBody(config))
         self.start, self.end = config.loop_layer_index_start, config.loop_layer_index_end
         self.passes = int(config.loop_num_passes)

@@ -74,8 +74,10 @@ class Inkling2CheckpointView:
 
     def _source(self, name: str) -> str:
         """The in-memory name, else the published one, else the in-memory name under `model.llm.`
-        (transformers 5.24 saves the loop's gates and message queries so), whichever is stored."""
-        for candidate in (name, published_name(name), "model.llm." + name.removeprefix("model.")):
+        (transformers 5.24 saves the loop's gates and message queries so) or under a multimodal
+        model's `model.language_model.`, whichever is stored."""
+        rest = name.removeprefix("model.")
+        for candidate in (name, published_name(name), "model.llm." + rest, "model.language_model." + rest):
             if candidate in self.ckpt:
                 return candidate
         return published_name(name)

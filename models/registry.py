@@ -39,6 +39,8 @@ _ARCHITECTURES: dict[str, str] = {
     "InklingForCausalLM": "inkling",
     "Inkling2ForCausalLM": "inkling2",
     "Inkling2LoopForCausalLM": "inkling2_loop",
+    "Inkling2ForConditionalGeneration": "inkling2",  # published checkpoints: the text model alone
+    "Inkling2LoopForConditionalGeneration": "inkling2_loop",
 }
 
 

@@ -112,3 +112,41 @@ def test_tensor_parallel_is_refused_by_name(family_models):
     path, _, _ = family_models(NAME)
     with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported for Inkling2ForCausalLM"):
         LLM(str(path), tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("family", ["inkling2", "inkling2_loop"])
+def test_published_multimodal_checkpoint_serves_its_text_model(family, tmp_path):
+    """An `...ForConditionalGeneration` checkpoint (text config nested, a vision tower, the text
+    weights under `model.llm.`) loads as the text model with the logits of transformers' multimodal
+    model on text alone; the config-only plan is the model's."""
+    import transformers
+    from safetensors.torch import load_file
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from hybridkv.config_specs import load_specs
+    from hybridkv.models import load_model
+    from hybridkv.models.registry import family_module
+    from model_harness import assert_close_rel
+
+    text = family_module(family).tiny_config().to_dict()
+    text.pop("architectures")
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, text_hidden_size=64,
+                  projection_hidden_dim=32, patch_size=4, posemb_grid_size=4)
+    arch = {"inkling2": "Inkling2ForConditionalGeneration", "inkling2_loop": "Inkling2LoopForConditionalGeneration"}[family]
+    config = CONFIG_MAPPING[family](text_config=text, vision_config=vision, architectures=[arch])
+    torch.manual_seed(4)
+    vl = getattr(transformers, arch)(config)
+    with torch.no_grad():
+        for p in vl.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    vl.save_pretrained(str(tmp_path))
+    assert any(k.startswith("model.llm.layers.") for k in load_file(str(tmp_path / "model.safetensors")))
+    ours = load_model(tmp_path)
+    assert ours.architecture == family_module(family).ARCHITECTURE
+    hf = getattr(transformers, arch).from_pretrained(str(tmp_path), dtype=torch.float32, attn_implementation="eager").eval()
+    tokens = prompt(BS + 5, 3)
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([tokens])).logits[0].float()
+    assert_close_rel(_logits(ours, tokens), want)
+    assert load_specs(tmp_path / "config.json", torch.float32) == ours.cache_specs()
