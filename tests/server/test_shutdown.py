@@ -121,18 +121,20 @@ def wait_for_json(url: str, max_tokens: int, got: dict) -> None:
 
 # expect_procs: the replicas and ranks it spawns; ctrl_c: the signal goes to the whole process group,
 # as a terminal's Ctrl-C does; drain: --shutdown-timeout 60 and requests short enough to finish in
-# it (else --shutdown-timeout 1 and requests that cannot: they end with finish_reason "abort")
+# it (else --shutdown-timeout 1 and requests that cannot: they end with finish_reason "abort");
+# "twice": a 60 s drain cut short by a second signal
 @pytest.mark.parametrize("extra,sig,expect_procs,ctrl_c,drain", [
     ([], signal.SIGTERM, 0, False, False),
     ([], signal.SIGINT, 0, False, True),
+    ([], signal.SIGTERM, 0, False, "twice"),
     (["--data-parallel-size", "2"], signal.SIGTERM, 2, False, False),
     (["--data-parallel-size", "2"], signal.SIGINT, 2, True, False),
     (["--tensor-parallel-size", "2"], signal.SIGTERM, 1, False, False),
     (["--tensor-parallel-size", "2"], signal.SIGINT, 1, True, False),
-], ids=["1-replica-SIGTERM", "1-replica-SIGINT-drained", "2-replicas-SIGTERM", "2-replicas-Ctrl-C",
-        "tp2-SIGTERM", "tp2-Ctrl-C"])
+], ids=["1-replica-SIGTERM", "1-replica-SIGINT-drained", "1-replica-SIGTERM-twice", "2-replicas-SIGTERM",
+        "2-replicas-Ctrl-C", "tp2-SIGTERM", "tp2-Ctrl-C"])
 def test_signal_drains_then_stops_every_process(extra, sig, expect_procs, ctrl_c, drain):
-    max_tokens = 40 if drain else 500
+    max_tokens = 40 if drain is True else 500
     proc, url = start_server(extra + ["--shutdown-timeout", "60" if drain else "1"])
     try:
         kids = descendants(proc.pid)
@@ -152,7 +154,12 @@ def test_signal_drains_then_stops_every_process(extra, sig, expect_procs, ctrl_c
             os.killpg(proc.pid, sig)
         else:
             proc.send_signal(sig)
-        code = proc.wait(90)
+        if drain == "twice":
+            time.sleep(0.5)
+            proc.send_signal(sig)
+            code = proc.wait(30)  # well before the 60 s drain would end
+        else:
+            code = proc.wait(90)
         for t in readers:
             t.join(30)
         log = proc.stdout.read().decode()
@@ -165,10 +172,10 @@ def test_signal_drains_then_stops_every_process(extra, sig, expect_procs, ctrl_c
         assert not left, f"processes outlived the server: {left}\n{log[-3000:]}"
         assert streamed.get("status") == 200 and streamed.get("done"), streamed
         assert waited.get("status") == 200, waited
-        if drain:  # both finished their work during the drain
+        if drain is True:  # both finished their work during the drain
             assert streamed["finish"] == "length" and streamed["tokens"] == max_tokens, streamed
             assert waited["finish"] == "length" and waited["tokens"] == max_tokens, waited
-        else:  # 500 tokens take longer than the 1 s drain on a CPU
+        else:  # 500 tokens take longer than the 1 s drain on a CPU (or the drain was cut short)
             assert streamed["finish"] == "abort" and waited["finish"] == "abort", (streamed, waited)
             assert "finish_reason 'abort'" in log, log[-3000:]
         assert "Traceback" not in log, log[-3000:]
