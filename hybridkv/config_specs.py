@@ -36,7 +36,8 @@ shapes; at key `num_hidden_layers + i` the four short-conv windows `[2 x kv widt
 conv_kernel_size - 1]` in float32, no SSM state), inkling2_text (the same two kinds and keys),
 inkling2_loop_text (the same per virtual layer: each extra pass of the looped layers is one more,
 `num_hidden_layers + (pass - 1) x loop layers + (i - loop start)`; KV at key v, windows at V + v),
-and the published multimodal inkling2 / inkling2_loop configs (their nested `text_config`).
+and the published multimodal inkling_mm_model / inkling2 / inkling2_loop configs (their nested
+`text_config`).
 For the families from granitemoehybrid on and the attention-only ones, fields a config.json omits take
 transformers' config-class defaults
 (`hf_config`), as they do when transformers loads it. Shapes follow the models in hybridkv.models,
@@ -366,8 +367,8 @@ _BUILDERS = {"bamba": _bamba, "jamba": _jamba, "qwen3_next": _qwen3_next,
              "kimi_linear": _kimi_linear, "bailing_hybrid": _kimi_linear,
              "gpt_oss": _attention_only,  # layer_types: sliding and full attention layers
              "granitemoe_swa": _attention_only, "rwkv": _rwkv, "zaya": _zaya,
-             **dict.fromkeys(("inkling_text", "inkling2_text", "inkling2", "inkling2_loop_text", "inkling2_loop"),
-                             _inkling),
+             **dict.fromkeys(("inkling_text", "inkling_mm_model", "inkling2_text", "inkling2", "inkling2_loop_text",
+                              "inkling2_loop"), _inkling),
              "lfm3": _lfm3, "lara_mini": _lara_mini}
 
 

@@ -16,7 +16,8 @@ in a state slot under key `num_hidden_layers + i` (RecurrentMemory, no SSM state
   shared experts take their weights from that normalisation;
 - convs, the routing bias and the router's global_scale stay float32 whatever the compute dtype.
 Multi-token-prediction layers (`num_mtp_layers`) are not run (transformers ignores their weights
-too). Tensor parallelism is refused.
+too). Published `InklingForConditionalGeneration` checkpoints serve their text model (the vision
+and audio towers unused). Tensor parallelism is refused.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from hybridkv.specs import LayerSpec, RecurrentSpec
 from .base import HybridModel
 from .forward_batch import ForwardBatch, ModelCaches
 from .inkling_attention import InklingAttention, InklingShortConv
+from .inkling_names import InklingCheckpointView
 from .moe import StackedExperts
 from .norms import RMSNorm
 
@@ -182,6 +184,7 @@ class InklingModel(HybridModel):
     architecture = ARCHITECTURE
 
     def __init__(self, config):
+        config = getattr(config, "text_config", None) or config  # a published multimodal checkpoint's text model
         super().__init__(config)
         self.model = _InklingBody(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -194,7 +197,9 @@ class InklingModel(HybridModel):
 
     @torch.no_grad()
     def load_weights(self, ckpt) -> None:
-        """The checkpoint's tensors; those transformers keeps in float32 re-read in float32."""
+        """The checkpoint's tensors (a text-only checkpoint's names, or the published multimodal
+        ones: InklingCheckpointView); those transformers keeps in float32 re-read in float32."""
+        ckpt = InklingCheckpointView(ckpt)
         super().load_weights(ckpt)
         for name, t in [*self.named_parameters(), *self.named_buffers()]:
             if name.endswith(_FP32) and t.dtype != torch.float32:

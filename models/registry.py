@@ -37,6 +37,7 @@ _ARCHITECTURES: dict[str, str] = {
     "RwkvForCausalLM": "rwkv",
     "ZayaForCausalLM": "zaya",
     "InklingForCausalLM": "inkling",
+    "InklingForConditionalGeneration": "inkling",  # published checkpoints: the text model alone
     "Inkling2ForCausalLM": "inkling2",
     "Inkling2LoopForCausalLM": "inkling2_loop",
     "Inkling2ForConditionalGeneration": "inkling2",  # published checkpoints: the text model alone

@@ -152,3 +152,40 @@ def test_tensor_parallel_is_refused_by_name(family_models):
     path, _, _ = family_models(NAME)
     with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported for InklingForCausalLM"):
         LLM(str(path), tensor_parallel_size=2)
+
+
+def test_published_multimodal_checkpoint_serves_its_text_model(tmp_path):
+    """An `InklingForConditionalGeneration` checkpoint (text config nested, vision and audio towers,
+    the text weights under the published `model.llm.` names with interleaved gate / up rows) loads
+    as the text model with the logits of transformers' multimodal model on text; the config-only
+    plan is the model's."""
+    import transformers
+    from safetensors.torch import load_file
+    from transformers.models.inkling.configuration_inkling import InklingConfig
+
+    from hybridkv.models.registry import family_module
+
+    text = family_module(NAME).tiny_config().to_dict()
+    text.pop("architectures")
+    config = InklingConfig(text_config=text, architectures=["InklingForConditionalGeneration"],
+                           vision_config=dict(text_hidden_size=64, patch_size=4, hidden_size=32, num_hidden_layers=1,
+                                              num_attention_heads=2),
+                           audio_config=dict(text_hidden_size=64, n_mel_bins=4, mel_vocab_size=8))
+    torch.manual_seed(4)
+    mm = transformers.InklingForConditionalGeneration(config)
+    with torch.no_grad():
+        for p in mm.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    mm.save_pretrained(str(tmp_path))
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    assert "model.llm.layers.0.mlp.w13_dn.weight" in stored and "model.llm.layers.1.mlp.shared_experts.shared_w13_weight" in stored
+    ours = load_model(tmp_path)
+    assert ours.architecture == "InklingForCausalLM"
+    hf = transformers.InklingForConditionalGeneration.from_pretrained(str(tmp_path), dtype=torch.float32,
+                                                                      attn_implementation="eager").eval()
+    tokens = prompt(BS + 5, 3)
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([tokens])).logits[0].float()
+    assert_close_rel(_logits(ours, tokens), want[:, :ours.vocab_size])
+    assert load_specs(tmp_path / "config.json", torch.float32) == ours.cache_specs()
