@@ -492,7 +492,9 @@ class HybridCacheManager:
         """Continue an exported request here (any block size) as `request` (made from the snapshot:
         `snapshot_transfer.request_of`; its tokens equal snap.token_ids), which becomes RUNNING at
         snap.num_computed_tokens. False if the pools cannot take it now; SnapshotMismatchError if
-        it was taken on another model or is malformed (nothing changes)."""
+        it was taken on another model or is malformed (checked before anything is allocated;
+        nothing changes). A transaction: when a kind fails while placing its part, every kind lets
+        go of what it took and the error is raised with nothing held."""
         snapshot_transfer.check_snapshot(snap, self.kinds, self.fingerprint, self.check_fits)
         rid = request.request_id
         if request.token_ids != list(snap.token_ids):
@@ -510,10 +512,15 @@ class HybridCacheManager:
         if self.enable_prefix_caching:
             hashes = self._hashes(r)
             r.num_hashed_blocks = nc // self.block_size
-        for kind in self.kinds:
-            kind.import_(rid, part, hashes, nc)
         r.status = RUNNING
         self._reqs[rid] = r
+        try:
+            for kind in self.kinds:
+                kind.import_(rid, part, hashes, nc)
+        except BaseException:
+            self.finish(rid, failed=True)  # every kind lets go; nothing of it is cached
+            r.status, r.num_computed_tokens, r.num_hashed_blocks = WAITING, 0, 0
+            raise
         return True
 
     # ---- statistics ------------------------------------------------------------------------

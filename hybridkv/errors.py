@@ -11,7 +11,12 @@ class RequestTooLargeError(ValueError):
 
 
 class SnapshotMismatchError(ValueError):
-    """A RequestSnapshot was taken on another model (fingerprint or layer shapes differ)."""
+    """A RequestSnapshot cannot continue here: it was taken on another model (fingerprint or layer
+    shapes differ), or it is malformed — a field of the wrong type or range, positions that
+    disagree, an incomplete sampling state, tensors of the wrong shape, dtype or count, bytes that
+    are not a snapshot — or its request id is in use. The one error of a refused import and of
+    `snapshot_from_bytes`; the message names the field, the value and the rule. Raised before
+    anything is allocated."""
 
 
 class RequestStateError(ValueError):

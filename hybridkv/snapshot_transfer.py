@@ -1,9 +1,11 @@
 """A request's memory in and out of a manager: what a snapshot must match, and its parts per kind.
 
 Export gathers each kind's share of `[0, num_computed_tokens)` (the KV, or the window of it, and
-the live state). Import is refused, before anything is allocated, when the snapshot was taken on
-another model (fingerprint, or the same fingerprint with other layer shapes), its positions are
-inconsistent, it could never fit, or a kind finds its part malformed (`check_import`).
+the live state). Import is refused with SnapshotMismatchError, before anything is allocated, when
+a field is malformed (`snapshot.check_fields`), the snapshot was taken on another model
+(fingerprint, or the same fingerprint with other layer shapes), it carries tensors for layers this
+model's kinds do not keep, it could never fit, or a kind finds its part malformed (shape, dtype,
+finite values, where a window starts: `check_import`).
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 
 from hybridkv.errors import SnapshotMismatchError
 from hybridkv.request import Request
-from hybridkv.snapshot import RequestSnapshot
+from hybridkv.snapshot import RequestSnapshot, check_fields
 
 
 def layer_shapes(kinds: Sequence) -> dict[int, tuple]:
@@ -42,10 +44,20 @@ def snapshot_parts(snap: RequestSnapshot) -> dict:
     return {"kv": snap.kv, "kv_start": snap.kv_start, "conv": snap.conv, "ssm": snap.ssm}
 
 
+def layers_by_part(shapes: dict[int, tuple]) -> dict[str, set[int]]:
+    """{part: the layers whose tensors a snapshot of these layer shapes carries}: kv and kv_start
+    for attention layers, conv / ssm for recurrent layers that keep one (`layer_shapes`)."""
+    attn = {i for i, v in shapes.items() if v[0] == "attn"}
+    rec = {i: v for i, v in shapes.items() if v[0] == "rec"}
+    return {"kv": attn, "kv_start": attn, "conv": {i for i, v in rec.items() if v[1]},
+            "ssm": {i for i, v in rec.items() if v[2]}}
+
+
 def check_snapshot(snap: RequestSnapshot, kinds: Sequence, fingerprint: str,
                    check_fits: Callable[[int, int], None]) -> None:
     """Raise SnapshotMismatchError (or RequestTooLargeError from check_fits) when `snap` cannot
     continue on a manager of these kinds, whatever is free; changes nothing."""
+    check_fields(snap)
     if snap.fingerprint != fingerprint:
         raise SnapshotMismatchError(
             f"snapshot fingerprint {snap.fingerprint!r} != this model's {fingerprint!r}: a request "
@@ -55,15 +67,16 @@ def check_snapshot(snap: RequestSnapshot, kinds: Sequence, fingerprint: str,
         raise SnapshotMismatchError(
             f"snapshot layers {snap.layer_shapes} differ from this model's {mine}: same fingerprint, "
             f"different layer specs; check the model config")
-    nc, n_tok = snap.num_computed_tokens, len(snap.token_ids)
-    if not 1 <= snap.num_prompt_tokens <= n_tok or not 0 <= nc <= n_tok:
-        raise SnapshotMismatchError(
-            f"snapshot positions are inconsistent: {n_tok} tokens, num_prompt_tokens="
-            f"{snap.num_prompt_tokens}, num_computed_tokens={nc} (need 1 <= prompt <= tokens, computed <= tokens)")
-    check_fits(snap.num_prompt_tokens, snap.max_tokens)
     part = snapshot_parts(snap)
+    for name, layers in layers_by_part(mine).items():
+        extra = sorted(set(part[name]) - layers)
+        if extra:
+            raise SnapshotMismatchError(
+                f"snapshot field {name} has layers {extra} that this model does not keep there "
+                f"(it keeps {sorted(layers)}): tensors renamed or added on the way")
+    check_fits(snap.num_prompt_tokens, snap.max_tokens)
     for kind in kinds:
-        kind.check_import(part, nc)
+        kind.check_import(part, snap.num_computed_tokens)
 
 
 def request_of(snap: RequestSnapshot, request_id: Optional[Hashable] = None, params=None) -> Request:

@@ -28,11 +28,13 @@ import uuid
 from typing import Callable, Hashable, Optional
 
 from hybridkv.cache_manager import HybridCacheManager
+from hybridkv.errors import SnapshotMismatchError
 from hybridkv.outputs import RequestOutput
 from hybridkv.request import Request
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.snapshot import RequestSnapshot
 
+from . import migration
 from .request_validation import RequestValidator
 from .engine_stats import engine_stats
 from .model_runner import ModelRunner, RunnerOutput
@@ -140,27 +142,26 @@ class Engine:
             g = self.groups.get(request_id) if isinstance(request_id, str) else None
             if g is None:
                 raise KeyError(f"unknown request id {request_id!r}")
-            snap = self.scheduler.export(g)
+            snap = migration.export_request(self.scheduler, g)
             self._counts["migrations_out"] += 1
             return snap
 
     def import_request(self, snap: RequestSnapshot) -> None:
-        """Continue a migrated request here. Raises SnapshotMismatchError for another model,
-        ValueError / TypeError for a malformed snapshot, and RuntimeError when the pools or
-        max_num_seqs cannot take it now; in every case nothing changed."""
-        if not isinstance(snap, RequestSnapshot):
-            raise TypeError(f"import_request takes a RequestSnapshot, got {type(snap).__name__}")
+        """Continue a migrated request here. Raises SnapshotMismatchError for a snapshot that
+        cannot continue here (another model, a malformed field, sampling state or tensor, an id in
+        use: the whole schema is checked before anything is allocated), RuntimeError when the
+        pools or max_num_seqs cannot take it now (retry later); in every case nothing changed."""
         with self.inbox.step():
-            rid = str(snap.req_id)
-            self.validator.check_snapshot(snap)
+            params = self.validator.check_snapshot(snap)
+            rid = snap.req_id
             with self.inbox.lock:  # no add_request of the same id in between
                 if rid in self.groups:
-                    raise ValueError(f"request id {rid!r} is already in use on this engine")
+                    raise SnapshotMismatchError(f"snapshot request id {rid!r} is already in use on this engine")
                 holds = snap.num_computed_tokens > 0
                 if holds and len(self.scheduler.running) >= self.scheduler.max_seqs:
                     raise RuntimeError(f"cannot import request {rid!r} now: {len(self.scheduler.running)} "
                                        f"sequences run, max_num_seqs={self.scheduler.max_seqs}; retry later")
-                self.scheduler.import_snapshot(snap, self.validator.max_new_tokens)
+                migration.import_request(self.scheduler, snap, params, self.validator.max_new_tokens)
             self._counts["migrations_in"] += 1
 
     def has_unfinished(self) -> bool:

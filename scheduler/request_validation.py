@@ -1,7 +1,7 @@
 """Request validation: what a request or an imported snapshot must be before the engine takes it.
 
 Every check raises ValueError (TypeError for a wrong type) naming the value and the limit, and
-changes nothing. The limits are the model's (vocabulary, max_model_len), the engine's
+changes nothing; a snapshot's checks raise SnapshotMismatchError (a ValueError) for all of it. The limits are the model's (vocabulary, max_model_len), the engine's
 (max_num_seqs) and the pools' (`check_fits`: a request that could never fit is refused here,
 with the same max_tokens cap admission uses, so it never waits at the head of the queue).
 """
@@ -10,8 +10,14 @@ from __future__ import annotations
 import numbers
 from typing import Callable
 
-from hybridkv.sampling_params import SamplingParams
-from hybridkv.snapshot import RequestSnapshot
+from hybridkv.errors import SnapshotMismatchError
+from hybridkv.sampling_params import SamplingParams, check_priority
+from hybridkv.snapshot import RequestSnapshot, check_fields, check_keys, is_int
+
+# The sampling state an engine puts in a snapshot (scheduler/migration.py's freeze), key -> what it holds.
+SAMPLING_STATE = {"prompt": "the prompt text or None", "params": "SamplingParams as a dict",
+                  "priority": "a signed 64-bit int", "output_logprobs": "per output token {token id: "
+                  "[logprob, rank, text]}", "num_cached_tokens": "prefix-hit tokens at its first admission"}
 
 
 class RequestValidator:
@@ -64,21 +70,68 @@ class RequestValidator:
         (the number both validation and admission check against the pools)."""
         return min(params.max_tokens, self.max_model_len - num_tokens)
 
-    def check_snapshot(self, snap: RequestSnapshot) -> None:
-        """What the engine knows of a snapshot (the manager checks its tensors): sampling state,
-        tokens within the vocabulary and max_model_len, params valid for a new request here."""
+    def check_snapshot(self, snap: RequestSnapshot) -> SamplingParams:
+        """The whole schema of a snapshot the engine may import, before anything is allocated (the
+        manager then checks its tensors against the model): every field's type and range
+        (`snapshot.check_fields`), a string request id, a token left to compute
+        (num_computed_tokens < tokens), fewer output tokens than max_tokens, the sampling state
+        complete and typed (`SAMPLING_STATE`, params valid as SamplingParams, n == 1), and the
+        tokens and params valid for a new request here. Returns its SamplingParams; raises
+        SnapshotMismatchError naming what is wrong."""
+        check_fields(snap)
+        rid = snap.req_id
+        if not isinstance(rid, str):
+            raise SnapshotMismatchError(f"snapshot req_id {rid!r} must be a string (an engine's request id)")
+        tokens, nc = list(snap.token_ids), snap.num_computed_tokens
+        if nc >= len(tokens):
+            raise SnapshotMismatchError(
+                f"snapshot {rid!r}: num_computed_tokens={nc} leaves no token of its {len(tokens)} to "
+                f"compute (an exported request always has one)")
         st = snap.sampling_state
+        check_keys("sampling_state", st, SAMPLING_STATE)
+        if not isinstance(st["params"], dict) or not all(isinstance(k, str) for k in st["params"]):
+            raise SnapshotMismatchError(f"snapshot {rid!r}: sampling_state params must be a dict of "
+                                        f"SamplingParams fields, got {st['params']!r:.200}")
         try:
             params = SamplingParams(**st["params"])
-            priority = st["priority"]
-            num_prompt = snap.num_prompt_tokens
-            [int(k) for d in st["output_logprobs"] for k in d]
-        except (TypeError, KeyError, ValueError) as e:
-            raise ValueError(f"snapshot {snap.req_id!r} has a malformed sampling state: {e!r}") from None
+            check_priority(st["priority"])
+        except (TypeError, ValueError) as e:
+            raise SnapshotMismatchError(f"snapshot {rid!r}: sampling_state is malformed: {e}") from None
         if params.n != 1:
-            raise ValueError(f"snapshot {snap.req_id!r} has n={params.n}; only n == 1 requests migrate")
-        tokens = list(snap.token_ids)
-        if isinstance(num_prompt, bool) or not isinstance(num_prompt, int) or not 1 <= num_prompt <= len(tokens):
-            raise ValueError(f"snapshot {snap.req_id!r}: num_prompt_tokens={num_prompt!r} is not in "
-                             f"[1, {len(tokens)}] (its token count)")
-        self.validate(tokens, params, priority)
+            raise SnapshotMismatchError(f"snapshot {rid!r} has n={params.n}; only n == 1 requests migrate")
+        if st["prompt"] is not None and not isinstance(st["prompt"], str):
+            raise SnapshotMismatchError(f"snapshot {rid!r}: sampling_state prompt must be a string or "
+                                        f"None, got {st['prompt']!r:.80}")
+        n_out = len(tokens) - snap.num_prompt_tokens
+        if n_out >= params.max_tokens:
+            raise SnapshotMismatchError(f"snapshot {rid!r} has {n_out} output tokens, max_tokens="
+                                        f"{params.max_tokens}: it would have finished")
+        cached = st["num_cached_tokens"]
+        if not is_int(cached) or not 0 <= cached <= snap.num_prompt_tokens:
+            raise SnapshotMismatchError(f"snapshot {rid!r}: sampling_state num_cached_tokens={cached!r} "
+                                        f"is not an integer in [0, {snap.num_prompt_tokens}] (its prompt)")
+        self._check_logprobs(rid, st["output_logprobs"], params, n_out)
+        try:
+            self.validate(tokens, params, st["priority"])
+        except (TypeError, ValueError) as e:
+            raise SnapshotMismatchError(f"snapshot {rid!r} cannot run here: {e}") from None
+        return params
+
+    def _check_logprobs(self, rid: str, lps, params: SamplingParams, n_out: int) -> None:
+        """output_logprobs: one {token id: logprob | [logprob, rank, text]} per output token when
+        params ask for logprobs (JSON made the ids strings and the Logprobs lists), else none."""
+        want = n_out if params.logprobs is not None else 0
+        if not isinstance(lps, list) or len(lps) != want:
+            raise SnapshotMismatchError(f"snapshot {rid!r}: sampling_state output_logprobs must be a list "
+                                        f"of {want} dicts (one per output token), got {lps!r:.120}")
+        for d in lps:
+            for k, v in d.items() if isinstance(d, dict) else [(None, d)]:
+                tid = int(k) if isinstance(k, str) and k.isascii() and k.isdigit() else k
+                v = list(v) if isinstance(v, (list, tuple)) else [v]
+                if (not is_int(tid) or not 0 <= tid < self.vocab_size or not 1 <= len(v) <= 3
+                        or isinstance(v[0], bool) or not isinstance(v[0], (int, float))
+                        or (len(v) > 1 and v[1] is not None and not is_int(v[1]))
+                        or (len(v) > 2 and v[2] is not None and not isinstance(v[2], str))):
+                    raise SnapshotMismatchError(
+                        f"snapshot {rid!r}: sampling_state output_logprobs entry {k!r}: {v!r:.80} is not "
+                        f"token id (< {self.vocab_size}) -> [logprob, rank or None, text or None]")

@@ -32,9 +32,7 @@ import numpy as np
 
 from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.request import Request, RequestStatus, run_order
-from hybridkv.snapshot import RequestSnapshot
 
-from . import migration
 from .model_runner import RunnerOutput
 from .preemption import PreemptionPolicy
 from .request_group import RequestGroup
@@ -74,7 +72,8 @@ class Scheduler:
         self.waiting.add(seq)
 
     def add_running(self, seq: Request) -> None:
-        """A sequence the manager already holds as running (a fork, or an imported snapshot)."""
+        """A sequence the manager already holds as running (a fork, or an imported snapshot:
+        migration.py's export_request / import_request are the scheduler's migration verbs)."""
         seq.status = RequestStatus.RUNNING
         self.running.add(seq)
 
@@ -106,25 +105,6 @@ class Scheduler:
                 queue.remove(seq)
             seq.status, seq.finish_reason = RequestStatus.FINISHED, "error"
         seq.error = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else error
-
-    def export(self, g: RequestGroup) -> RequestSnapshot:
-        """Freeze request `g` (n == 1) into a snapshot (migration.py) and release it here."""
-        snap = migration.freeze(g, self.mgr)
-        del self.groups[g.key]
-        self.finish(g.seqs[0], "migrated")
-        return snap
-
-    def import_snapshot(self, snap, max_new_tokens) -> None:
-        """Continue a migrated request here: its memory to the manager (or, moved as tokens, queued
-        for recompute). max_new_tokens(num prompt tokens, params): the engine's length limit."""
-        g, holds_memory = migration.thaw(snap, self.mgr)
-        seq = g.seqs[0]
-        seq.max_tokens = max_new_tokens(seq.num_prompt_tokens, g.params)
-        if holds_memory:
-            self.add_running(seq)
-        else:  # moved as tokens: recomputed here
-            self.add(seq)
-        self.groups[g.key] = g
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.swapped or self.running)

@@ -13,10 +13,12 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from hybridkv.errors import SnapshotMismatchError
-from hybridkv.snapshot import RequestSnapshot
+from hybridkv.snapshot import RequestSnapshot, check_fields, check_keys
 
 _KINDS = ("kv", "conv", "ssm")
 _DIGEST = 32  # SHA-256 of the safetensors payload, appended to it
+_META = {"req_id", "token_ids", "num_prompt_tokens", "num_computed_tokens", "max_tokens", "fingerprint",
+         "block_size", "cache_salt", "adapter_id", "mm_hashes", "sampling_state", "layer_shapes", "kv_start"}
 
 
 def _tuples(x):
@@ -37,25 +39,56 @@ def snapshot_to_bytes(snap: RequestSnapshot) -> bytes:
 
 
 def snapshot_from_bytes(data: bytes) -> RequestSnapshot:
-    """Inverse of snapshot_to_bytes; SnapshotMismatchError if the bytes were changed on the way."""
+    """Inverse of snapshot_to_bytes. Raises SnapshotMismatchError, naming what is wrong, if the
+    bytes were changed on the way (the SHA-256 trailer) or, checksum valid, their content is not a
+    snapshot: the safetensors payload, the metadata (exactly the fields of snapshot_to_bytes, each
+    of its type and range: `snapshot.check_fields`), tensor names other than `kv|conv|ssm.<layer>`."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise SnapshotMismatchError(f"snapshot bytes must be bytes, got {type(data).__name__}")
     data, digest = bytes(data[:-_DIGEST]), bytes(data[-_DIGEST:])
     if len(data) < 8 or hashlib.sha256(data).digest() != digest:
         raise SnapshotMismatchError(
             f"snapshot bytes are corrupt: their SHA-256 does not match the one sent with them "
             f"({len(data) + _DIGEST} bytes received); send the snapshot again")
+    try:  # a buggy or hostile sender can make the parsers raise many types: one here
+        snap = _parse(data)
+    except SnapshotMismatchError:
+        raise
+    except Exception as e:
+        raise SnapshotMismatchError(f"snapshot bytes are not a snapshot: {type(e).__name__}: {e}"[:400]) from None
+    check_fields(snap)
+    return snap
+
+
+def _layer(name: str) -> int:
+    """A layer index written as a canonical decimal string (so no two names mean one layer)."""
+    if not (name.isascii() and name.isdigit() and str(int(name)) == name):
+        raise SnapshotMismatchError(f"snapshot layer index {name!r:.80} is not a decimal integer")
+    return int(name)
+
+
+def _parse(data: bytes) -> RequestSnapshot:
     tensors = st_load(data)
     header_len = int.from_bytes(data[:8], "little")
     meta = json.loads(json.loads(data[8:8 + header_len])["__metadata__"]["snapshot"])
+    check_keys("metadata", meta, _META)
     parts = {k: {} for k in _KINDS}
     for name, t in tensors.items():
-        kind, layer = name.split(".")
-        parts[kind][int(layer)] = t
+        kind, _, layer = name.partition(".")
+        if kind not in parts:
+            raise SnapshotMismatchError(f"snapshot tensor {name!r:.80} is not named kv|conv|ssm.<layer index>")
+        parts[kind][_layer(layer)] = t
+    for key in ("layer_shapes", "kv_start"):
+        if not isinstance(meta[key], dict):
+            raise SnapshotMismatchError(f"snapshot metadata {key} must be a dict, got {meta[key]!r:.200}")
+    if not isinstance(meta["mm_hashes"], list):
+        raise SnapshotMismatchError(f"snapshot metadata mm_hashes must be a list, got {meta['mm_hashes']!r:.80}")
     return RequestSnapshot(
         meta["req_id"], meta["token_ids"], meta["num_prompt_tokens"], meta["num_computed_tokens"],
         meta["max_tokens"], parts["kv"], parts["conv"], parts["ssm"], meta["fingerprint"], meta["block_size"],
         meta["cache_salt"], meta["adapter_id"], tuple(meta["mm_hashes"]), meta["sampling_state"],
-        {int(k): _tuples(v) for k, v in meta["layer_shapes"].items()},
-        {int(k): v for k, v in meta.get("kv_start", {}).items()})
+        {_layer(k): _tuples(v) for k, v in meta["layer_shapes"].items()},
+        {_layer(k): v for k, v in meta["kv_start"].items()})
 
 
 def send_snapshot(snap: RequestSnapshot, dst: int, device: torch.device | str = "cpu") -> None:
