@@ -120,8 +120,8 @@ def check_option(option, device: torch.device, tensor_parallel_size: int = 1) ->
                          f"{torch.device(device)}; leave cuda_graphs off on a CPU")
     if tensor_parallel_size != 1:
         raise ValueError(f"cuda_graphs with tensor_parallel_size={tensor_parallel_size}: a replay "
-                         f"skips the forward that sends each step to the other ranks; use one or "
-                         f"the other")
+                         f"builds no model inputs for the executor to send the other ranks; use one "
+                         f"or the other")
     return mode
 
 
