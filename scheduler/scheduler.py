@@ -24,7 +24,6 @@ caller that changes the memory manager.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 from typing import Hashable, Optional
 
@@ -286,7 +285,7 @@ class Scheduler:
         manager call, take their checkpoints, and append their tokens (all greedy: through the
         batch's stop rules). A batch run and committed whole may be carried to the next step.
         some_failed: a request failed while scheduling (its siblings in the batch ended with it)."""
-        seqs, mgr = batch.seqs, self.mgr
+        seqs = batch.seqs
         self.counters["decode_batch_steps"] += batch.whole  # a steady step: every running request decoded
         finite = result.batch_finite
         if finite is not None:

@@ -13,17 +13,17 @@ next turn of the engine loop.
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Callable, Optional
+from typing import Callable, Optional
 
 from hybridkv.sampling_params import SamplingParams
 
 from .engine_loop import EngineLoop
 from .news import DeltaOutput, EngineDeadError  # noqa: F401 - what its callers get and catch
-from .request_stream import RequestStream
+from .request_stream import RequestStream, StreamingEngine
 from .sink import QueueSink
 
 
-class AsyncLLM(EngineLoop):
+class AsyncLLM(EngineLoop, StreamingEngine):
     """Owns `llm` on a background thread; `generate` streams deltas; `abort`, `stats`, `close`.
 
     Every `log_stats_interval` seconds in which the engine stepped, one stats line is logged
@@ -62,12 +62,3 @@ class AsyncLLM(EngineLoop):
         await self.call(lambda llm: self.add(llm, request_id, prompt_token_ids, params, priority, cache_salt, sink))
         return RequestStream(self, request_id, params, sink)
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       priority: int = 0, cache_salt: Optional[str] = None) -> AsyncIterator[DeltaOutput]:
-        """Yield the request's deltas until all its sequences finish; leaving early aborts it."""
-        stream = await self.add_request(prompt_token_ids, params, request_id, priority, cache_salt)
-        try:
-            async for d in stream:
-                yield d
-        finally:
-            stream.abort()

@@ -28,7 +28,7 @@ from .balancing import Balancer
 from .news import EngineDeadError
 from .replica_messages import ReplicaFacts
 from .replica_set import ReplicaSet
-from .request_stream import RequestStream
+from .request_stream import RequestStream, StreamingEngine
 from .router import PrefixRouter
 from .sink import QueueSink
 
@@ -40,7 +40,7 @@ _SUMMED = ("kv_blocks_used", "kv_blocks_cached", "kv_blocks_total", "state_slots
 _SUMMED_BY_KEY = ("prefix_misses", "preemptions", "migrations")
 
 
-class DataParallelLLM:
+class DataParallelLLM(StreamingEngine):
     """`data_parallel_size` replicas of `LLM(model, **llm_kwargs)`, one process each.
 
     `balance_interval` seconds between two looks for an overloaded and an idle replica (0 turns
@@ -161,15 +161,6 @@ class DataParallelLLM:
                 raise
         return RequestStream(self, request_id, params, stream)
 
-    async def generate(self, prompt_token_ids, params: SamplingParams, request_id: str, priority: int = 0,
-                       cache_salt: Optional[str] = None):
-        """Yield the request's deltas until it finishes; leaving early aborts it."""
-        stream = await self.add_request(prompt_token_ids, params, request_id, priority, cache_salt)
-        try:
-            async for d in stream:
-                yield d
-        finally:
-            stream.abort()
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop every replica (requests still running are aborted); waits at most `timeout` each."""

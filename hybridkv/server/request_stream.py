@@ -8,7 +8,7 @@ The engine it came from needs `tokenizer` and `abort(request_id)`.
 """
 from __future__ import annotations
 
-from typing import AsyncIterator
+from typing import AsyncIterator, Optional
 
 from hybridkv.sampling_params import SamplingParams
 
@@ -70,3 +70,17 @@ class RequestStream:
                 self.finished = self.finished or news.finished
         finally:
             self.abort()
+
+
+class StreamingEngine:
+    """What AsyncLLM and DataParallelLLM share: `generate` over the stream of their `add_request`."""
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                       priority: int = 0, cache_salt: Optional[str] = None) -> AsyncIterator[DeltaOutput]:
+        """Yield the request's deltas until all its sequences finish; leaving early aborts it."""
+        stream = await self.add_request(prompt_token_ids, params, request_id, priority, cache_salt)
+        try:
+            async for d in stream:
+                yield d
+        finally:
+            stream.abort()
