@@ -207,7 +207,9 @@ class Inkling2DecoderLayer(nn.Module):
         return (residual + x).to(dtype)
 
 
-class _Inkling2Body(nn.Module):
+class Inkling2Body(nn.Module):
+    """`model`: the embeddings, the layers (those in `looped` with message gates), final mix and norm."""
+
     def __init__(self, config, looped: range = range(0)):
         super().__init__()
         self.embed_tokens = NormedEmbedding(config.vocab_size, config.hidden_size, config.rms_norm_eps)
@@ -225,7 +227,7 @@ class Inkling2Model(HybridModel):
     def __init__(self, config, body: nn.Module | None = None):
         config = text_model_config(config)
         super().__init__(config)
-        self.model = body or _Inkling2Body(config)
+        self.model = body or Inkling2Body(config)
         self.vocab_size = int(config.unpadded_vocab_size)
         self.lm_head = nn.Linear(config.hidden_size, self.vocab_size, bias=False)
         self.softcap = float(config.final_logit_softcapping)

@@ -20,7 +20,7 @@ from torch import nn
 from hybridkv.specs import LayerSpec
 
 from .forward_batch import ForwardBatch, ModelCaches
-from .inkling2 import Inkling2Model, _Inkling2Body, text_model_config
+from .inkling2 import Inkling2Body, Inkling2Model, text_model_config
 from .inkling2_attention import unweighted_rms_norm
 
 ARCHITECTURE = "Inkling2LoopForCausalLM"
@@ -54,7 +54,7 @@ class MessageInput(nn.Module):
         return torch.einsum("tqn,tnh->tqh", torch.softmax(scores, dim=-1, dtype=torch.float32), stacked)
 
 
-class _LoopBody(_Inkling2Body):
+class _LoopBody(Inkling2Body):
     def __init__(self, config):
         start, end = config.loop_layer_index_start, config.loop_layer_index_end
         super().__init__(config, looped=range(start, end))
