@@ -189,3 +189,24 @@ def test_published_multimodal_checkpoint_serves_its_text_model(tmp_path):
         want = hf(input_ids=torch.tensor([tokens])).logits[0].float()
     assert_close_rel(_logits(ours, tokens), want[:, :ours.vocab_size])
     assert load_specs(tmp_path / "config.json", torch.float32) == ours.cache_specs()
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_feed_forward_equals_transformers(family_models, layer):
+    """Layer 0's dense MLP (times global_scale) and layer 1's MoE (sigmoid routing with the
+    correction bias, shared expert inside the normalisation) against transformers' modules on the
+    same input; the bias randomised so it changes choices."""
+    _, ours, hf = family_models(NAME)
+    mine, theirs = ours.model.layers[layer].mlp, hf.model.layers[layer].mlp
+    x = torch.randn(45, hf.config.hidden_size, generator=torch.Generator().manual_seed(layer)) * 3
+    biases = [m.gate.e_score_correction_bias for m in (mine, theirs)] if layer == 1 else []
+    saved = [b.clone() for b in biases]
+    with torch.no_grad():
+        for b in biases:
+            b.copy_(torch.randn(4, generator=torch.Generator().manual_seed(7)) * 0.2)
+        try:
+            got, want = mine(x), theirs(x[None])[0]
+        finally:
+            for b, v in zip(biases, saved):
+                b.copy_(v)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())

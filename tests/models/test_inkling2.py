@@ -150,3 +150,13 @@ def test_published_multimodal_checkpoint_serves_its_text_model(family, tmp_path)
         want = hf(input_ids=torch.tensor([tokens])).logits[0].float()
     assert_close_rel(_logits(ours, tokens), want)
     assert load_specs(tmp_path / "config.json", torch.float32) == ours.cache_specs()
+
+
+def test_moe_with_softcapped_experts_equals_transformers(family_models):
+    """Layer 1's MoE (sigmoid routing renormalised over the top k, softcapped SwiGLU experts through
+    fused_moe's glu) against transformers' block on the same input."""
+    _, ours, hf = family_models(NAME)
+    x = torch.randn(45, hf.config.hidden_size, generator=torch.Generator().manual_seed(3)) * 3
+    with torch.no_grad():
+        got, want = ours.model.layers[1].mlp(x), hf.model.layers[1].mlp(x[None])[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
