@@ -15,9 +15,11 @@ repeat). Microseconds per call, median (min-max) over repeats; then per step (ea
 count in a step: Bamba 16 add+norm, 1 norm, 2 rope-writes, 2 paged decodes, 6 Mamba2 decodes;
 Llama 16 add+norm, 1 norm, 8 rope-writes, 8 paged decodes), with the paired difference per repeat.
 
-Part "steps" (fresh processes): a batch-1 generation (64-token prompt, 64 new tokens, greedy) of
-each tiny model through `LLM.generate`, the CPU time of each engine step; the median decode step's
-ms per process, processes alternating between a copy of COMMIT's tree and this checkout.
+Part "steps" (one process, COMMIT with an ops registry): batch-1 generations (64-token prompt, 64 new
+tokens, greedy) of each tiny model through one `LLM`, the CPU time of each engine step; generations
+alternate between COMMIT's kernels (every op's CPU implementation swapped for that tree's function)
+and this tree's, so the engine, the model and the machine's drift are shared; the median decode step
+per generation, median (min-max) over rounds, and the ratio within each round.
 
 1 torch thread everywhere (OMP_NUM_THREADS=1, torch.set_num_threads(1)); CPU time
 (`time.process_time`). The machine is shared: compare rows of one run, not runs.
@@ -26,13 +28,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -166,18 +168,43 @@ def _fmt(xs, digits=2) -> str:
     return f"{statistics.median(xs):.{digits}f} ({min(xs):.{digits}f}-{max(xs):.{digits}f})"
 
 
-def one_run(family: str) -> None:
-    """One process of part "steps": prints {"step_ms": median decode step} as its last line."""
-    torch.set_num_threads(1)
+@contextmanager
+def _kernels_of(old_ops):
+    """Within the block every op's CPU implementation is COMMIT's (old_ops: its kernels.ops): each
+    "module:function" of this registry set to that tree's function of the same name."""
+    from hybridkv.kernels import ops
+
+    saved = []
+    for op in ops.OPS.values():
+        old = old_ops.OPS.get(op.name)
+        if op.cpu is None or old is None or old.cpu is None:
+            continue
+        module, fn = op.cpu.split(":")
+        new_mod = importlib.import_module(f"hybridkv.kernels.{module}")
+        old_mod, old_fn = old.cpu.split(":")
+        saved.append((new_mod, fn, getattr(new_mod, fn)))
+        setattr(new_mod, fn, getattr(importlib.import_module(f"kernels.{old_mod}"), old_fn))
+    try:
+        yield
+    finally:
+        for mod, fn, f in saved:
+            setattr(mod, fn, f)
+
+
+def part_steps(root: Path, label: str, rounds: int) -> None:
+    """One engine per model; its generations alternate between COMMIT's kernels and this tree's."""
+    sys.path.insert(0, str(root))
+    old_ops = importlib.import_module("kernels.ops")
     sys.path.insert(0, str(HERE / "benchmarks"))
     from bench_engine import CONFIGS
 
     from hybridkv import LLM, SamplingParams
     from hybridkv.models.tiny import make_tiny_checkpoint
 
-    with tempfile.TemporaryDirectory() as d:
-        path = make_tiny_checkpoint(family, f"{d}/{family}", **CONFIGS[family])
-        llm = LLM(str(path), memory_budget_bytes=256 << 20, max_num_seqs=1)
+    for fam in COUNTS:
+        with tempfile.TemporaryDirectory() as d:
+            llm = LLM(str(make_tiny_checkpoint(fam, f"{d}/{fam}", **CONFIGS[fam])),
+                      memory_budget_bytes=256 << 20, max_num_seqs=1)
         eng, steps = llm.engine, []
         step = eng.step
 
@@ -190,33 +217,22 @@ def one_run(family: str) -> None:
 
         eng.step = timed
         params = SamplingParams(max_tokens=64, min_tokens=64, temperature=0.0)
-        prompt = [[(7 * i) % 500 + 3 for i in range(64)]]
-        llm.generate(prompt, params, use_tqdm=False)  # warm-up
-        meds = []
-        for _ in range(3):
-            steps.clear()
-            out = llm.generate(prompt, params, use_tqdm=False)
-            meds.append(statistics.median(steps[1:]) * 1e3)  # [0]: the prefill
-    print(json.dumps({"step_ms": statistics.median(meds), "tokens": list(out[0].outputs[0].token_ids)}))
-
-
-def part_steps(root: Path, label: str, rounds: int) -> None:
-    for fam in COUNTS:
-        res = {label: [], "this tree": []}
-        tokens = set()
-        for rnd in range(rounds):
-            order = [(label, root), ("this tree", HERE)]
-            for name, tree in (order if rnd % 2 == 0 else order[::-1]):
-                env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
-                out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--one-run", fam], env=env,
-                                     capture_output=True, text=True, check=True, cwd=tree).stdout
-                line = json.loads(out.strip().splitlines()[-1])
-                res[name].append(line["step_ms"])
-                tokens.add(tuple(line["tokens"]))
+        res, tokens = {label: [], "this tree": []}, set()
+        for rnd in range(rounds + 1):
+            order = [label, "this tree"] if rnd % 2 == 0 else ["this tree", label]
+            for name in order:
+                prompt = [[(7 * i + rnd) % 500 + 3 for i in range(64)]]
+                with (_kernels_of(old_ops) if name == label else nullcontext()):
+                    steps.clear()
+                    out = llm.generate(prompt, params, use_tqdm=False)
+                if rnd:  # round 0 warms up
+                    res[name].append(statistics.median(steps[1:]) * 1e3)  # steps[0]: the prefill
+                    tokens.add((rnd, tuple(out[0].outputs[0].token_ids)))
         ratio = [y / x for x, y in zip(res[label], res["this tree"])]
-        print(f"  batch-1 {fam} decode step (ms CPU): {label}: {_fmt(res[label])}   this tree: "
-              f"{_fmt(res['this tree'])}   this/before per round {statistics.median(ratio):.3f}x "
-              f"({min(ratio):.3f}-{max(ratio):.3f}); tokens identical: {len(tokens) == 1}", flush=True)
+        print(f"  batch-1 {fam} decode step, ms CPU, median (min-max) of generations' medians: {label}: "
+              f"{_fmt(res[label])}   this tree: {_fmt(res['this tree'])}   this/before per round "
+              f"{statistics.median(ratio):.3f}x ({min(ratio):.3f}-{max(ratio):.3f}); tokens identical: "
+              f"{len(tokens) == rounds}", flush=True)
 
 
 def main() -> None:
@@ -225,11 +241,8 @@ def main() -> None:
     ap.add_argument("--part", choices=("calls", "steps", "all"), default="calls")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--calls", type=int, default=2000)
-    ap.add_argument("--rounds", type=int, default=5, help="process pairs per model (part steps)")
-    ap.add_argument("--one-run", metavar="FAMILY", help=argparse.SUPPRESS)
+    ap.add_argument("--rounds", type=int, default=10, help="generation pairs per model (part steps)")
     args = ap.parse_args()
-    if args.one_run:
-        return one_run(args.one_run)
     torch.set_num_threads(1)
     label = f"at {args.before}"
     with tempfile.TemporaryDirectory() as d:
