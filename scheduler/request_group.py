@@ -56,6 +56,16 @@ class RequestGroup:
         return [SampleRow(seq.params, j, 0, seq.token_ids, seq.num_prompt_tokens)
                 for j in range(first, first + self.forks_pending)]
 
+    def make_forks(self, parent: Request) -> list[Request]:
+        """The pending siblings, made now from `parent` (the first sequence, its prompt just
+        computed) and added to the group; none for another sequence. Fork j is named
+        (key, j): a tuple, never equal to a user's id."""
+        if parent.seq_index != 0:
+            return []
+        made = [parent.fork((self.key, j), j) for j in range(len(self.seqs), self.params.n)]
+        self.seqs.extend(made)
+        return made
+
     def collects_prompt_logprobs(self, seq: Request) -> bool:
         return self.prompt_logprobs is not None and seq.seq_index == 0
 

@@ -1,26 +1,15 @@
-"""Continuous batching over the dual memory manager.
+"""Continuous batching over the dual memory manager (docs/design.md, "Scheduling").
 
-Each step: running decodes first, then running chunked prefills, then swapped-out sequences, then
-waiting ones (priority, then arrival), under a token budget and a cap on running sequences.
-FCFS: when the head of the swapped or waiting queue does not fit, nobody behind it starts. The one
-exception is a new sequence the manager holds back for a running one that is computing the prefix
-they share (burst rule): it stays waiting and the scan goes on, as it is not short of memory.
-A prefill chunk is cut at the block boundary where the manager wants a state checkpoint, so the
-state at that boundary exists at the end of the step. When blocks or slots run out the manager
-evicts cached blocks and checkpoints first; if that is not enough, the lowest-priority,
-latest-arriving running sequence is preempted (recompute or swap, per PreemptionPolicy) and goes
-back to its queue. Queues are keyed by id (sequence_queue.py): a step costs what it schedules.
-The running plain decodes (one token left, past the prompt) go out as one DecodeBatch
-(step_plan.py), allocated in one manager call; when a pool is short, the latest-arriving
-lowest-priority running requests are preempted until every decode left fits. A batch that held
-every running request is carried over to the next step (one token later) while the running
-queue's version stays the same.
-A verb that raises for one sequence (admit, swap-in, swap-out, allocate) ends that sequence
-alone with "error" (`fail`, listed in `SchedulerOutput.failed`); the scan goes on for the rest.
-
-After the forward pass, `update_from_output` applies what the model runner computed: commits,
-state checkpoints, forks (n > 1), the sampled tokens and the stops. The scheduler is the only
-caller that changes the memory manager.
+Each step: the running plain decodes as one DecodeBatch (step_plan.py), then running chunked
+prefills, then swapped-out requests, then waiting ones (priority, then arrival), under a token
+budget and a cap on running requests. FCFS: nobody overtakes the head of the swapped or waiting
+queue, except a new request the manager holds back for a running one computing the prefix they
+share (burst rule). Prefill chunks are cut where the manager wants a state checkpoint. When a
+pool is short after eviction, the lowest-priority, latest-arriving running request is preempted
+(recompute or swap, per PreemptionPolicy). A verb that raises for one request ends it alone
+with "error" (`fail`); the scan goes on. After the forward pass, `update_from_output` applies
+what the model runner computed: commits, state checkpoints, forks (n > 1), the sampled tokens
+and the stops. The scheduler is the only caller that changes the memory manager.
 """
 from __future__ import annotations
 
@@ -66,14 +55,14 @@ class Scheduler:
 
     # ---- queues ----------------------------------------------------------------------------
     def add(self, seq: Request) -> None:
-        """Queue a sequence the manager does not hold (new, or a fork that found no slot)."""
-        seq.status = RequestStatus.WAITING
+        """Queue a sequence the manager does not hold (new, or a fork that found no slot). The
+        manager's verbs set a request's status (admit, resume, preempt, fork, import), the
+        scheduler only FINISHED."""
         self.waiting.add(seq)
 
     def add_running(self, seq: Request) -> None:
         """A sequence the manager already holds as running (a fork, or an imported snapshot:
         migration.py's export_request / import_request are the scheduler's migration verbs)."""
-        seq.status = RequestStatus.RUNNING
         self.running.add(seq)
 
     def finish(self, seq: Request, reason: str) -> None:
@@ -110,8 +99,7 @@ class Scheduler:
 
     # ---- the step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self.max_tokens
+        out, budget = SchedulerOutput(), self.max_tokens
         last, self._advanced = self._advanced, None  # a kept batch serves the very next step only
         batch, rest = None, []
         if self.running and budget > 0:
@@ -188,7 +176,6 @@ class Scheduler:
                     return -1  # keep FCFS: nobody overtakes the head of the queue
                 queue.remove(seq)
                 self.running.add(seq)
-                seq.status = RequestStatus.RUNNING
                 out.chunks.append(chunk)
                 budget -= chunk.num_tokens
             return budget
@@ -197,7 +184,7 @@ class Scheduler:
                 queue.add(seq)
 
     def _cut(self, seq: Request, start: int, n: int) -> tuple[int, bool]:
-        due = self.mgr.checkpoint_due(seq.request_id, start, start + n)
+        due = self.mgr.checkpoint_due(seq.request_id, start, start + n)  # a chunk ends at a checkpoint
         return (due - start, True) if due is not None else (n, False)
 
     def _fit_running(self, seq: Request, start: int, n: int, out: SchedulerOutput) -> Optional[ScheduledChunk]:
@@ -228,12 +215,7 @@ class Scheduler:
             out.failed.append(victim)
             return
         self.running.remove(victim)
-        if mode == "swap":
-            victim.status = RequestStatus.SWAPPED
-            self.swapped.add(victim)
-        else:
-            victim.status = RequestStatus.WAITING
-            self.waiting.add(victim)
+        (self.swapped if mode == "swap" else self.waiting).add(victim)  # the manager set its status
         out.preempted.append((victim, mode))
 
     def _start(self, seq: Request, budget: int, resume: bool) -> Optional[ScheduledChunk]:
@@ -274,8 +256,7 @@ class Scheduler:
                 self._update_batch(out.decodes, result, touched, finished_only, bool(out.failed))
             if out.chunks:
                 self._update_chunks(out.chunks, result, touched, finished_only)
-        if out.decodes is None and not out.chunks and self.has_unfinished() and not out.preempted \
-                and not out.failed:
+        if not (out.decodes or out.chunks or out.preempted or out.failed) and self.has_unfinished():
             self._fail_stuck(touched)
         return touched
 
@@ -362,14 +343,10 @@ class Scheduler:
             except Exception as e:
                 self.fail_request(seq, e, touched)
                 continue
-            row_tokens, row_lps = result.tokens[i], result.logprobs[i]
-            seqs.append(seq)
-            tokens.append(row_tokens[0])
-            lps.append(row_lps[0])
-            for child, j in children:  # a fork's draw is the j-th of its parent's row
-                seqs.append(child)
-                tokens.append(row_tokens[j])
-                lps.append(row_lps[j])
+            for s, j in [(seq, 0), *children]:  # a fork's draw is the j-th of its parent's row
+                seqs.append(s)
+                tokens.append(result.tokens[i][j])
+                lps.append(result.logprobs[i][j])
         self._append(seqs, tokens, lps, touched, finished_only)
 
     def _append(self, seqs: list[Request], tokens: list, lps: list, touched: dict, finished_only: bool) -> None:
@@ -389,18 +366,12 @@ class Scheduler:
         it takes its draw from the parent's row this step; one that finds no state slot or no seat
         waits in the queue and prefills on its own (a prefix hit on the parent's blocks).
         Returns (fork, its draw's index in the parent's row) of the forks that run now."""
-        g = self.groups.get(parent.group_id)
-        if parent.seq_index != 0 or g is None:
-            return []
-        out, first = [], len(g.seqs)
-        while g.forks_pending:
-            j = len(g.seqs)
-            child = parent.fork((g.key, j), j)  # a tuple: never equal to a user's id
-            g.seqs.append(child)
+        g, out = self.groups.get(parent.group_id), []
+        for k, child in enumerate(g.make_forks(parent) if g is not None else [], start=1):
             if len(self.running) < self.max_seqs and self.mgr.fork(parent.request_id, child):
                 self.add_running(child)
                 self.counters["forks"] += 1
-                out.append((child, 1 + j - first))
+                out.append((child, k))
             else:
                 self.add(child)
         return out
