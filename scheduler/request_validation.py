@@ -38,6 +38,7 @@ class RequestValidator:
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
             raise TypeError(f"priority must be an integer (lower runs first), got {priority!r}")
+        check_priority(priority)  # within 64 bits, as over HTTP
         if len(token_ids) == 0:
             raise ValueError("the prompt is empty: give at least one token")
         vocab = self.vocab_size

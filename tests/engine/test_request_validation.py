@@ -122,6 +122,15 @@ def test_priorities_are_ints(llm, priority):
     assert_no_leaks(llm)
 
 
+@pytest.mark.parametrize("priority", [2**63, -(2**63) - 1, 2**70])
+def test_priorities_fit_in_64_bits_as_over_http(llm, priority):
+    with pytest.raises(ValueError, match=r"priority \(lower runs first\) must be an integer in"):
+        llm.add_request([5, 6], greedy(2), priority=priority)
+    assert llm.add_request([5, 6], greedy(2), priority=2**63 - 1) is not None
+    drain(llm)
+    assert_no_leaks(llm)
+
+
 def test_max_tokens_is_capped_the_same_way_at_the_door_and_at_admission(ckpt):
     """max_tokens beyond max_model_len runs to max_model_len when the pools hold that much, and is
     refused at once when they never can; it never waits at the head of the queue forever."""
