@@ -112,10 +112,17 @@ class RequestValidator:
             raise SnapshotMismatchError(f"snapshot {rid!r}: sampling_state num_cached_tokens={cached!r} "
                                         f"is not an integer in [0, {snap.num_prompt_tokens}] (its prompt)")
         self._check_logprobs(rid, st["output_logprobs"], params, n_out)
-        try:
-            self.validate(tokens, params, st["priority"])
+        try:  # the prompt as a new request here (the same fit check), then the output so far
+            self.validate(tokens[:snap.num_prompt_tokens], params, st["priority"])
         except (TypeError, ValueError) as e:
             raise SnapshotMismatchError(f"snapshot {rid!r} cannot run here: {e}") from None
+        bad = [t for t in tokens[snap.num_prompt_tokens:] if t >= self.vocab_size]
+        if bad:
+            raise SnapshotMismatchError(f"snapshot {rid!r}: output token id {bad[0]} is outside the "
+                                        f"vocabulary [0, {self.vocab_size})")
+        if len(tokens) >= self.max_model_len:
+            raise SnapshotMismatchError(f"snapshot {rid!r} has {len(tokens)} tokens; this model's "
+                                        f"max_model_len is {self.max_model_len} (one must be left to generate)")
         return params
 
     def _check_logprobs(self, rid: str, lps, params: SamplingParams, n_out: int) -> None:

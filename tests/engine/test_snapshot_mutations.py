@@ -37,7 +37,8 @@ CASES = int(os.environ.get("HYBRIDKV_SNAPSHOT_MUTATIONS", "48"))
 PROMPT = [(7 * i + 5) % 50 + 4 for i in range(40)]  # past gpt_oss's window: its sliding KV starts later
 BYSTANDER = [9, 4, 11, 30, 8, 21, 5]
 MOVED = SamplingParams(temperature=0.8, top_k=30, seed=7, max_tokens=9, ignore_eos=True, logprobs=2)
-FIGURES: Counter = Counter()
+FIGURES: Counter = Counter()  # cases, refused, accepted, per kind
+LABELS: Counter = Counter()  # (mutation, refused | accepted)
 
 JUNK = st.one_of(st.none(), st.booleans(), st.floats(allow_nan=True), st.integers(-2**70, 2**70),
                  st.text(max_size=4), st.lists(st.integers(-3, 70), max_size=3),
@@ -94,6 +95,7 @@ def worlds(tmp_path_factory):
     yield world
     if FIGURES:
         print("\nsnapshot mutations:", dict(sorted(FIGURES.items())))
+        print("by mutation:", dict(sorted(LABELS.items())))
 
 
 # ---- mutations of the RequestSnapshot object ------------------------------------------------
@@ -330,6 +332,7 @@ def _check_case(world: World, data) -> None:
         assert set(llm.engine.groups) == {"bystander"}
     FIGURES["cases"] += 1
     FIGURES["accepted" if accepted else "refused"] += 1
+    LABELS[f"{label}:{'accepted' if accepted else 'refused'}"] += 1
     done = world._drain(world.llm)
     assert done["bystander"].outputs[0].token_ids == world.bystander, "the bystander was harmed"
     assert done["bystander"].outputs[0].finish_reason == "length"
