@@ -24,7 +24,6 @@ reads the same K/V rows, the memory floor.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import random
 import statistics
 import subprocess
@@ -168,11 +167,12 @@ def kernel_versions(before: str, repeats: int):
             sub = Path(d) / name.replace(" ", "_")
             sub.mkdir()
             (sub / "paged_attention.c").write_text(text)
-            lib = native_cpu.library("paged_attention", sub)
+            cf = native.PAGED_DECODE_ATTENTION  # its entry point, built with that source
+            lib = native_cpu.library("paged_attention", sub, extra=cf.source)
             if lib is None:
-                raise SystemExit(f"the kernel at {name} did not build")
-            fn = lib["paged_decode_attention"]
-            fn.argtypes, fn.restype = native.PAGED_DECODE_ATTENTION.argtypes, ctypes.c_int64
+                raise SystemExit(f"the kernel at {name} did not build (or its prototype is not this declaration's)")
+            fn = lib[cf.entry]
+            fn.argtypes, fn.restype = cf.argtypes, cf.restype
             kernels[name] = fn
     rng = random.Random(1)
     lens = [rng.randint(100, 330) for _ in range(32)]

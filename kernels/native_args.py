@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -105,6 +106,17 @@ class CFunction:
 
     def available(self) -> bool:
         return native_cpu.enabled() and bool(self._fn or self.function())
+
+    @contextmanager
+    def replaced(self, fn):
+        """Within the block, calls go to `fn` (this function's entry point from another build of the
+        kernel: `native_cpu.library(library, source_dir, extra=self.source)[self.entry]`, argtypes
+        and restype set) or, for None, the function is not available (benchmarks)."""
+        before, self._fn = self._fn, (False if fn is None else fn)
+        try:
+            yield
+        finally:
+            self._fn = before
 
     def _loaded(self):
         fn = self.function()

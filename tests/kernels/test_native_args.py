@@ -180,3 +180,19 @@ def test_the_norm_row_a_decode_step_calls_still_raises(bad, error, match):
                                         n=1, d=256, eps=1e-6)
     torch.testing.assert_close(s, h + delta)
     torch.testing.assert_close(out, torch.nn.functional.rms_norm(h + delta, (256,), w, 1e-6))
+
+
+@needs_native
+def test_replaced_runs_another_build_of_the_entry_point_or_none():
+    """Benchmarks compare builds: another library built with the declaration's entry point."""
+    cf = rms_norm.RMS_NORM
+    lib = native_cpu.library(cf.library, extra=cf.source)
+    other = lib[cf.entry]
+    other.argtypes, other.restype = cf.argtypes, cf.restype
+    x, w = torch.randn(2, 8), torch.randn(8)
+    with cf.replaced(other):
+        out = cf.call(x=x, x_stride=8, w=w, plus_one=False, n=2, d=8, eps=1e-6)
+    torch.testing.assert_close(out, torch.nn.functional.rms_norm(x, (8,), w, 1e-6))
+    with cf.replaced(None):
+        assert not cf.available()
+    assert cf.available()
