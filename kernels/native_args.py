@@ -39,6 +39,7 @@ from . import native_cpu
 I64, F32, INT = ctypes.c_int64, ctypes.c_float, ctypes.c_int
 # each scalar type: its struct code and C type; tensors: a pointer ("P") to their element type
 _SCALARS = {I64: ("q", "int64_t"), F32: ("f", "float"), INT: ("i", "int")}
+_PACK_ERRORS = struct.error  # a value its C type cannot hold (a float past float32 packs as inf, as in C)
 _ELEMENTS = {torch.float32: "float", torch.int32: "int32_t", torch.int64: "int64_t", torch.bool: "uint8_t",
              torch.uint8: "uint8_t"}
 
@@ -203,16 +204,17 @@ def _generate(cf: CFunction, params: dict):
            + "".join(f"    {n} = {e}\n" for n, e in derived.items())
            + "    try:\n"
            f"        _a = _pack({', '.join(args)})\n"
-           "    except _struct_error:\n"
+           "    except _pack_errors:\n"
            "        _bad_scalar(_cf, locals())\n"
            "    _r = (_cf._fn or _cf._loaded())(_a)\n"
            f"    return {result}\n")
     scope = {"_bad": _bad, "_bad_scalar": _bad_scalar, "_same_layout": _same_layout, "_cf": cf,
-             "_pack": cf.packer.pack, "_struct_error": struct.error, "_empty": torch.empty}
+             "_pack": cf.packer.pack, "_pack_errors": _PACK_ERRORS, "_empty": torch.empty}
     scope.update({f"_{n}_dtype": p.dtype for n, p in params.items() if isinstance(p, Ptr)})
     exec(compile(src, f"<CFunction {cf.library}.{cf.symbol}>", "exec"), scope)
     fn = scope[cf.symbol]
-    fn.__doc__ = f"{cf.symbol}(*, {', '.join(given)}): see {cf.library}.c; returns {result.replace('_r', 'result')}"
+    fn.__doc__ = f"{cf.symbol}(*, {', '.join(given)}) -> {result.replace('_r', 'result').rstrip(',')}; see {cf.library}.c"
+    cf.call_source = src  # (to read what a call does)
     return fn
 
 
@@ -224,7 +226,7 @@ def _bad_scalar(cf: CFunction, values: dict) -> None:
         code, ctype = _SCALARS[p]
         try:
             struct.pack("@" + code, values[name])
-        except struct.error as e:
+        except _PACK_ERRORS as e:
             raise TypeError(f"{cf.symbol}: argument {name}: expected a C {ctype}, got {values[name]!r} ({e})") \
                 from None
     raise TypeError(f"{cf.symbol}: an argument does not fit its C type")
