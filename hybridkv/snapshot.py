@@ -69,6 +69,11 @@ def check_keys(name: str, value, keys) -> None:
         raise SnapshotMismatchError(f"snapshot {name} is malformed: missing {missing}, unknown {unknown}"[:400])
 
 
+def _plain(v) -> bool:
+    """A tuple of strings, ints and such tuples (what `layer_shapes` holds; compared with ==)."""
+    return isinstance(v, tuple) and all(isinstance(x, (str, int)) or _plain(x) for x in v)
+
+
 def _tensors(name: str, value) -> None:
     if not isinstance(value, dict):
         _refuse(name, value, "must be a dict {layer index: tensor}")
@@ -115,8 +120,8 @@ def check_fields(snap: RequestSnapshot) -> None:
         _int_in(f"kv_start[{layer}]", start, 0, MAX_TOKEN_ID)  # its kind checks the window
     if not isinstance(snap.fingerprint, str):
         _refuse("fingerprint", snap.fingerprint, "must be a string")
-    if not isinstance(snap.layer_shapes, dict):
-        _refuse("layer_shapes", snap.layer_shapes, "must be a dict {layer index: what it holds}")
+    if not isinstance(snap.layer_shapes, dict) or not all(is_int(k) and _plain(v) for k, v in snap.layer_shapes.items()):
+        _refuse("layer_shapes", snap.layer_shapes, "must be a dict {layer index: a tuple of names and sizes}")
     if snap.cache_salt is not None and not isinstance(snap.cache_salt, str):
         _refuse("cache_salt", snap.cache_salt, "must be None or a string")
     if snap.adapter_id is not None and not isinstance(snap.adapter_id, str) and not is_int(snap.adapter_id):
