@@ -66,7 +66,8 @@ def check_keys(name: str, value, keys) -> None:
     missing = sorted(set(keys) - set(value))
     unknown = sorted(map(repr, set(value) - set(keys)))
     if missing or unknown:
-        raise SnapshotMismatchError(f"snapshot {name} is malformed: missing {missing}, unknown {unknown}"[:400])
+        why = "; ".join(f"{w} {ks}" for w, ks in (("missing", missing), ("unknown", unknown)) if ks)
+        raise SnapshotMismatchError(f"snapshot {name} is malformed: {why} (it holds exactly {sorted(keys)})"[:400])
 
 
 def _plain(v) -> bool:
