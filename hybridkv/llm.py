@@ -127,7 +127,7 @@ class LLM:
         if graph_mode is not None:  # decode steps replay graphs (scheduler/decode_graphs.py)
             self.engine.runner.decode_graphs = DecodeGraphs.for_engine(self.engine, graph_mode)
         self._ids_counter = itertools.count()
-        self._parked: list[RequestOutput] = []  # add_request outputs that finished inside generate()
+        self._finished_in_generate: list[RequestOutput] = []  # add_request outputs that finished inside generate()
         s = self.engine.stats()
         log.info("%s on %s in %s: %d KV blocks of %d tokens, %d state slots (%d MiB budget), "
                  "max_num_seqs %d, max_num_batched_tokens %d", model, self.model.device,
@@ -235,10 +235,10 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """One engine step: the outputs of requests added with add_request that advanced, plus
         those that finished while generate() was stepping."""
-        parked, self._parked = self._parked, []
+        finished, self._finished_in_generate = self._finished_in_generate, []
         out = self.engine.step()
         self._check_ranks()
-        return parked + out
+        return finished + out
 
     def _check_ranks(self) -> None:
         """Raise RankFailedError when a tensor-parallel rank was lost (its requests failed)."""
@@ -255,7 +255,7 @@ class LLM:
 
     def has_unfinished_requests(self) -> bool:
         """True while a request runs or waits, or a finished one's output awaits step()."""
-        return bool(self._parked) or self.engine.has_unfinished()
+        return bool(self._finished_in_generate) or self.engine.has_unfinished()
 
     def export_request(self, request_id: str) -> RequestSnapshot:
         return self.engine.export_request(request_id)
@@ -353,20 +353,20 @@ class LLM:
         try:
             for (tok, text, salt), sp, prio in zip(parsed, params, priority):
                 keys.append(self.engine.add_request(self._new_id(), tok, sp, text, prio,
-                                                    salt if salt is not None else cache_salt, owned=True))
+                                                    salt if salt is not None else cache_salt, for_generate=True))
             pending, done = set(keys), {}
             with tqdm(total=len(keys), desc="generate", disable=not use_tqdm, unit="req") as bar:
                 while pending and self.engine.has_unfinished():
-                    self._parked.extend(self.engine.step(finished_only=True))
+                    self._finished_in_generate.extend(self.engine.step(finished_only=True))
                     self._check_ranks()
-                    for key in [k for k in self.engine.owned_done if k in pending]:
-                        done[key] = self.engine.owned_done.pop(key)
+                    for key in [k for k in self.engine.generate_done if k in pending]:
+                        done[key] = self.engine.generate_done.pop(key)
                         pending.discard(key)
                         bar.update(1)
         except BaseException:
             for key in keys:  # leave nothing of this call queued or holding memory
                 self.engine.abort(key)
-                self.engine.owned_done.pop(key, None)
+                self.engine.generate_done.pop(key, None)
             raise
         return [done[k] for k in keys]
 

@@ -17,7 +17,7 @@ from .base import HybridModel
 from .decoder import layer_cache_specs, run_layers
 from .forward_batch import ForwardBatch, ModelCaches
 from .gated_latent_attention import GatedLatentAttention
-from .kimi_linear import KimiLinearDecoderLayer, _KimiLinearBody, _PublishedKdaNames
+from .kimi_linear import KimiLinearDecoderLayer, KimiLinearBody, PublishedKdaNames
 from .moe import PerExpertView
 from .rotary import RotaryEmbedding
 
@@ -80,7 +80,7 @@ class _PublishedLingNames:
     """A checkpoint seen with transformers' in-memory names when it holds Ling's published ones
     (`model.word_embeddings`, `.attention.` for `.self_attn.`, `attention.dense` for `o_proj`,
     `mlp.gate.expert_bias` for the correction bias); KDA's forget-gate and split-conv names are
-    _PublishedKdaNames', per-expert tensors PerExpertView's."""
+    PublishedKdaNames', per-expert tensors PerExpertView's."""
 
     def __init__(self, ckpt):
         self.ckpt = ckpt
@@ -107,12 +107,12 @@ class BailingHybridModel(HybridModel):
     def __init__(self, config):
         check_config(config)
         super().__init__(config)
-        self.model = _KimiLinearBody(config, BailingHybridDecoderLayer)
+        self.model = KimiLinearBody(config, BailingHybridDecoderLayer)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config, config.qk_rope_head_dim)
 
     def load_weights(self, ckpt) -> None:
-        super().load_weights(PerExpertView(_PublishedKdaNames(_PublishedLingNames(ckpt))))
+        super().load_weights(PerExpertView(PublishedKdaNames(_PublishedLingNames(ckpt))))
 
     def cache_specs(self) -> dict[int, LayerSpec]:
         return layer_cache_specs(self.model.layers, self.dtype)

@@ -120,7 +120,7 @@ class KimiLinearDecoderLayer(HybridDecoderLayer):
         return isinstance(self.self_attn, LatentAttention)
 
 
-class _KimiLinearBody(nn.Module):
+class KimiLinearBody(nn.Module):
     def __init__(self, config, layer_class=KimiLinearDecoderLayer):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -128,7 +128,7 @@ class _KimiLinearBody(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
-class _PublishedKdaNames:
+class PublishedKdaNames:
     """A checkpoint seen with transformers' in-memory KDA names when it holds the published ones:
     `self_attn.{f_a_proj,f_b_proj,dt_bias,A_log}` outside `forget_gate`, and the conv split in
     `q_conv1d` / `k_conv1d` / `v_conv1d` (stacked on read, as transformers' conversion does)."""
@@ -162,11 +162,11 @@ class KimiLinearModel(HybridModel):
     def __init__(self, config):
         _check_types(config)
         super().__init__(config)
-        self.model = _KimiLinearBody(config)
+        self.model = KimiLinearBody(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def load_weights(self, ckpt) -> None:
-        super().load_weights(PerExpertView(_PublishedKdaNames(MixtralExpertNames(ckpt))))
+        super().load_weights(PerExpertView(PublishedKdaNames(MixtralExpertNames(ckpt))))
 
     def cache_specs(self) -> dict[int, LayerSpec]:
         return layer_cache_specs(self.model.layers, self.dtype)

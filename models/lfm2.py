@@ -19,7 +19,7 @@ from .slot_split import SlotSplit
 ARCHITECTURE = "Lfm2ForCausalLM"
 
 # Our module names -> the checkpoint's, for the pieces shared with other families.
-_RENAMES = {
+LFM2_RENAMES = {
     ".self_attn.o_proj.": ".self_attn.out_proj.",
     ".self_attn.q_norm.": ".self_attn.q_layernorm.",
     ".self_attn.k_norm.": ".self_attn.k_layernorm.",
@@ -104,11 +104,11 @@ class _Lfm2Body(nn.Module):
 
 
 class Lfm2Model(HybridModel):
-    """Parameter names equal the HF checkpoint's except where `_RENAMES` maps shared modules
+    """Parameter names equal the HF checkpoint's except where `LFM2_RENAMES` maps shared modules
     (attention out_proj / q,k_layernorm, feed-forward w1 / w3 / w2)."""
 
     architecture = ARCHITECTURE
-    checkpoint_renames = _RENAMES  # ours -> the checkpoint's (renamed())
+    checkpoint_renames = LFM2_RENAMES  # ours -> the checkpoint's (renamed())
     layer_class = Lfm2DecoderLayer
 
     def __init__(self, config):

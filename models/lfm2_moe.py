@@ -15,13 +15,13 @@ from torch import nn
 
 from hybridkv.kernels import ops
 
-from .lfm2 import _RENAMES as _LFM2_RENAMES
+from .lfm2 import LFM2_RENAMES
 from .lfm2 import Lfm2DecoderLayer, Lfm2Model
 from .mlp import GatedMLP
 from .moe import SparseMoE
 
 ARCHITECTURE = "Lfm2MoeForCausalLM"
-_RENAMES = {**_LFM2_RENAMES, ".feed_forward.router.": ".feed_forward.gate."}
+LFM2_MOE_RENAMES = {**LFM2_RENAMES, ".feed_forward.router.": ".feed_forward.gate."}
 
 
 def tiny_config(**overrides):
@@ -118,7 +118,7 @@ class Lfm2MoeModel(Lfm2Model):
 
     architecture = ARCHITECTURE
     layer_class = Lfm2MoeDecoderLayer
-    checkpoint_renames = _RENAMES
+    checkpoint_renames = LFM2_MOE_RENAMES
 
     def load_weights(self, ckpt) -> None:
         super().load_weights(_ExpertsView(ckpt))

@@ -61,8 +61,8 @@ class Engine:
         scheduler.appender = TokenAppender(set(model.eos_token_ids), self.max_model_len, self.tokenizer,
                                            scheduler.finish)
         self.validator = RequestValidator(model.vocab_size, model.max_model_len, scheduler.max_seqs, manager.check_fits)
-        self.groups = scheduler.groups  # by key: user ids (str) and owned keys (tuples)
-        self.owned_done: dict[Hashable, RequestOutput] = {}  # finished requests of an owner (generate)
+        self.groups = scheduler.groups  # by key: user ids (str) and generate's keys (tuples)
+        self.generate_done: dict[Hashable, RequestOutput] = {}  # finished requests added by generate
         self.inbox = RequestInbox(self._apply)
         self._serials = itertools.count()
         self._counts = {"steps": 0, "processed_tokens": 0, "swaps_out": 0, "migrations_out": 0,
@@ -84,12 +84,12 @@ class Engine:
 
     def add_request(self, request_id: Optional[str], token_ids: list[int], params: SamplingParams,
                     prompt: Optional[str] = None, priority: int = 0,
-                    cache_salt: Optional[str] = None, owned: bool = False) -> Hashable:
+                    cache_salt: Optional[str] = None, for_generate: bool = False) -> Hashable:
         """Queue a prompt's token ids (its n sequences fork after prefill); returns the request's
-        key. A user's request is keyed by its id (a string, refused while in use); an `owned` one
-        (generate's) by a tuple no user id can equal, its finished output kept in `owned_done`.
+        key. A user's request is keyed by its id (a string, refused while in use); a `for_generate` one
+        (generate's) by a tuple no user id can equal, its finished output kept in `generate_done`.
         Any thread may call this; bad input raises and changes nothing."""
-        if not owned and not isinstance(request_id, str):
+        if not for_generate and not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string, got {request_id!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
@@ -101,13 +101,13 @@ class Engine:
             # recompute after preemption may hit its own blocks, whose logprobs are already kept)
             cache_salt = f"{cache_salt or ''}\x1fprompt_logprobs:{uuid.uuid4().hex}"
         with self.inbox.lock:
-            key = ("owned", next(self._serials)) if owned else request_id
+            key = ("generate", next(self._serials)) if for_generate else request_id
             if key in self.groups:
                 raise ValueError(f"request id {request_id!r} is already in use; give another id")
             seq = Request(key, token_ids, params, priority=int(priority), cache_salt=cache_salt,
                            max_tokens=self.max_new_tokens(len(token_ids), params))
             g = RequestGroup(str(request_id), prompt, params, [seq], key=key)
-            g.owned = owned
+            g.for_generate = for_generate
             if params.prompt_logprobs is not None:
                 g.prompt_logprobs = [None] * len(token_ids)
             self.groups[key] = g
@@ -175,7 +175,7 @@ class Engine:
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Run one batch; returns the outputs of the user requests that advanced or failed (only
         those that finished, with `finished_only`). Owned requests' finished outputs go to
-        `owned_done`."""
+        `generate_done`."""
         with self.inbox.step():
             sched = self.scheduler
             out = sched.schedule()
@@ -187,12 +187,12 @@ class Engine:
                     self._counts["processed_tokens"] += out.num_tokens
             else:
                 result = RunnerOutput()
-            touched = sched.update_from_output(out, result, finished_only)
-            return self._outputs(touched, finished_only)
+            reported = sched.update_from_output(out, result, finished_only)
+            return self._outputs(reported, finished_only)
 
-    def _outputs(self, touched: dict, finished_only: bool) -> list[RequestOutput]:
+    def _outputs(self, reported: dict, finished_only: bool) -> list[RequestOutput]:
         outs = []
-        for g in touched.values():
+        for g in reported.values():
             done = g.finished
             if finished_only and not done:
                 continue
@@ -205,9 +205,9 @@ class Engine:
             if out.finished:
                 with self.inbox.lock:
                     self.groups.pop(g.key, None)
-            if g.owned:
+            if g.for_generate:
                 if out.finished:
-                    self.owned_done[g.key] = out
+                    self.generate_done[g.key] = out
             else:
                 outs.append(out)
         return outs

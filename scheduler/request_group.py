@@ -26,7 +26,7 @@ class RequestGroup:
                  seqs: Optional[list[Request]] = None, key=None):
         self.request_id = request_id
         self.key = request_id if key is None else key
-        self.owned = False            # an owner inside the engine (generate) takes its output
+        self.for_generate = False     # added by LLM.generate, which takes its finished output
         self.failed = False           # ended with "error": its pending forks will never be made
         self.prompt = prompt          # the text, when the prompt came as text
         # with params.prompt_logprobs: per prompt position {token id: Logprob}, None for position 0

@@ -242,25 +242,25 @@ class Scheduler:
         append the sampled tokens and end the sequences that stop. A failure in any of these ends
         its request alone. Returns {key: group} of the requests that advanced or ended (with
         finished_only: that ended)."""
-        touched: dict[Hashable, RequestGroup] = {}
+        reported: dict[Hashable, RequestGroup] = {}
         for seq in out.failed:
-            self.fail_request(seq, seq.error or "failed while scheduling", touched)
+            self.fail_request(seq, seq.error or "failed while scheduling", reported)
         e = result.error
         if e is not None:
             for seq in out.seqs():
                 self.fail_request(seq, f"the forward pass of its batch failed: {type(e).__name__}: {e}",
-                                  touched, discard=True)
-            return touched
+                                  reported, discard=True)
+            return reported
         with self.mgr.batched_checkpoints():  # this step's state checkpoints copy together
             if out.decodes is not None:
-                self._update_batch(out.decodes, result, touched, finished_only, bool(out.failed))
+                self._update_batch(out.decodes, result, reported, finished_only, bool(out.failed))
             if out.chunks:
-                self._update_chunks(out.chunks, result, touched, finished_only)
+                self._update_chunks(out.chunks, result, reported, finished_only)
         if not (out.decodes or out.chunks or out.preempted or out.failed) and self.has_unfinished():
-            self._fail_stuck(touched)
-        return touched
+            self._fail_stuck(reported)
+        return reported
 
-    def _update_batch(self, batch: DecodeBatch, result: RunnerOutput, touched: dict, finished_only: bool,
+    def _update_batch(self, batch: DecodeBatch, result: RunnerOutput, reported: dict, finished_only: bool,
                       some_failed: bool) -> None:
         """The decode batch: a row with non-finite logits fails alone; the others commit in one
         manager call, take their checkpoints, and append their tokens (all greedy: through the
@@ -272,7 +272,7 @@ class Scheduler:
         if finite is not None:
             for j in np.flatnonzero(~np.asarray(finite)).tolist():
                 if not seqs[j].finished:  # (a sibling's failure may have ended it)
-                    self.fail_request(seqs[j], NONFINITE, touched, discard=True)  # its new KV and state are suspect
+                    self.fail_request(seqs[j], NONFINITE, reported, discard=True)  # its new KV and state are suspect
         ended = finite is not None or some_failed
         if ended:  # those left commit through a handle of their own
             keep = [j for j, seq in enumerate(seqs) if not seq.finished]
@@ -281,7 +281,7 @@ class Scheduler:
         else:
             errors = batch.rows.commit(batch.positions)
         for j, e in errors.items():
-            self.fail_request(seqs[j], e, touched, discard=True)
+            self.fail_request(seqs[j], e, reported, discard=True)
         failed = False
         for i in batch.checkpoints:
             if (ended or errors or failed) and seqs[i].finished:
@@ -289,29 +289,29 @@ class Scheduler:
             try:
                 batch.rows.checkpoint(i)
             except Exception as e:
-                self.fail_request(seqs[i], e, touched)
+                self.fail_request(seqs[i], e, reported)
                 failed = True
         tokens = result.batch_tokens
         if ended or errors or failed:  # those left append one by one; the batch ends here
             keep = [j for j, seq in enumerate(seqs) if not seq.finished]
             lps = result.batch_logprobs or [None] * len(seqs)
             self._append([seqs[j] for j in keep], [tokens[j] for j in keep], [lps[j] for j in keep],
-                         touched, finished_only)
+                         reported, finished_only)
             return
         if result.sampled is None:  # not all greedy (or its argmax failed): row by row
-            self._append(seqs, tokens, result.batch_logprobs, touched, finished_only)
+            self._append(seqs, tokens, result.batch_logprobs, reported, finished_only)
         else:
             if batch.stops is None:
                 batch.stops = self.appender.batch_stops(seqs)
             appended, stopped = self.appender.append_batch(
-                seqs, tokens, batch.stops, batch.positions + 2, lambda seq, e: self.fail_request(seq, e, touched),
+                seqs, tokens, batch.stops, batch.positions + 2, lambda seq, e: self.fail_request(seq, e, reported),
                 result.sampled_np)
             batch.sampled = result.sampled
-            self._advanced_by(appended, stopped if finished_only else seqs, touched)
+            self._advanced_by(appended, stopped if finished_only else seqs, reported)
         if batch.whole:
             self._advanced = batch  # the next step may carry it over
 
-    def _update_chunks(self, chunks: list[ScheduledChunk], result: RunnerOutput, touched: dict,
+    def _update_chunks(self, chunks: list[ScheduledChunk], result: RunnerOutput, reported: dict,
                        finished_only: bool) -> None:
         """Commit, checkpoint, fork and append for a step's chunks (result's chunk rows are in
         this order); a chunk with NaN or inf fails alone."""
@@ -322,12 +322,12 @@ class Scheduler:
             if seq.finished:
                 continue  # its group failed earlier in this step
             if not result.finite[i]:
-                self.fail_request(seq, NONFINITE, touched, discard=True)  # its new KV and state are suspect
+                self.fail_request(seq, NONFINITE, reported, discard=True)  # its new KV and state are suspect
                 continue
             try:
                 mgr.commit(seq.request_id, c.num_tokens)
             except Exception as e:
-                self.fail_request(seq, e, touched, discard=True)
+                self.fail_request(seq, e, reported, discard=True)
                 continue
             try:
                 if c.checkpoint:
@@ -341,23 +341,23 @@ class Scheduler:
                     continue  # a prefill chunk short of the end: nothing sampled yet
                 children = self._fork(seq)
             except Exception as e:
-                self.fail_request(seq, e, touched)
+                self.fail_request(seq, e, reported)
                 continue
             for s, j in [(seq, 0), *children]:  # a fork's draw is the j-th of its parent's row
                 seqs.append(s)
                 tokens.append(result.tokens[i][j])
                 lps.append(result.logprobs[i][j])
-        self._append(seqs, tokens, lps, touched, finished_only)
+        self._append(seqs, tokens, lps, reported, finished_only)
 
-    def _append(self, seqs: list[Request], tokens: list, lps: list, touched: dict, finished_only: bool) -> None:
-        appended, stopped = self.appender(seqs, tokens, lps, lambda seq, e: self.fail_request(seq, e, touched))
-        self._advanced_by(appended, stopped if finished_only else seqs, touched)
+    def _append(self, seqs: list[Request], tokens: list, lps: list, reported: dict, finished_only: bool) -> None:
+        appended, stopped = self.appender(seqs, tokens, lps, lambda seq, e: self.fail_request(seq, e, reported))
+        self._advanced_by(appended, stopped if finished_only else seqs, reported)
 
-    def _advanced_by(self, appended: int, seqs: list[Request], touched: dict) -> None:
+    def _advanced_by(self, appended: int, seqs: list[Request], reported: dict) -> None:
         self.counters["generated_tokens"] += appended
         groups = self.groups
         for seq in seqs:
-            touched[seq.group_id] = groups[seq.group_id]
+            reported[seq.group_id] = groups[seq.group_id]
 
     # ---- n > 1 ------------------------------------------------------------------------------
     def _fork(self, parent: Request) -> list[tuple[Request, int]]:
@@ -377,7 +377,7 @@ class Scheduler:
         return out
 
     # ---- failures ---------------------------------------------------------------------------
-    def fail_request(self, seq: Request, error, touched: dict, discard: bool = False) -> None:
+    def fail_request(self, seq: Request, error, reported: dict, discard: bool = False) -> None:
         """End the request `seq` belongs to with "error": every unfinished sequence of it.
         discard: this step ran past what the manager committed for it (see `fail`)."""
         g = self.groups.get(seq.group_id)
@@ -388,13 +388,13 @@ class Scheduler:
                       discard=discard)
         if g is not None:
             g.failed = True
-            touched[g.key] = g
+            reported[g.key] = g
         self.counters["failed"] += 1
 
-    def _fail_stuck(self, touched: dict) -> None:
+    def _fail_stuck(self, reported: dict) -> None:
         """Nothing ran and nothing was preempted: the head of the queue cannot fit even an idle
         engine (checked when it was added, so this is a bug); it fails so the rest can go on."""
         head = (self.swapped or self.waiting).peek()
         if head is not None:
             self.fail_request(head, f"the scheduler could not fit it in the pools; stats: {self.mgr.stats()}",
-                              touched)
+                              reported)

@@ -38,9 +38,6 @@ KNOWN_PRIVATE_IMPORTS: frozenset[tuple[str, str, str]] = frozenset({
     ("hybridkv.kernels.mamba1_cpu", "hybridkv.kernels.mamba1_ref", "_gate"),
     ("hybridkv.kernels.mamba2_cpu", "hybridkv.kernels.mamba2_ref", "_discretize_dt"),
     ("hybridkv.kernels.mamba2_cpu", "hybridkv.kernels.mamba2_ref", "_gate"),
-    ("hybridkv.models.bailing_hybrid", "hybridkv.models.kimi_linear", "_KimiLinearBody"),
-    ("hybridkv.models.bailing_hybrid", "hybridkv.models.kimi_linear", "_PublishedKdaNames"),
-    ("hybridkv.models.lfm2_moe", "hybridkv.models.lfm2", "_RENAMES"),
 })
 
 
