@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .conv1d_ref import _act, _check
+from .conv1d_ref import conv_activation, check_conv_args
 from . import mamba2_prefill_native as prefill_native
 from .mamba2_native import conv1d_update_native
 from .slot_rows import update_slot_rows
@@ -27,7 +27,7 @@ def causal_conv1d_cpu(x, conv_state, weight, bias, query_start_loc, slot_idx, ha
     """x [T, dim] packed tokens; conv_state [S, dim, k-1] (updated in place); weight [dim, k];
     bias [dim] or None; query_start_loc [R+1]; slot_idx [R]; has_initial_state [R] bool.
     Returns [T, dim] in x.dtype."""
-    _check(x, conv_state, weight)
+    check_conv_args(x, conv_state, weight)
     spans = request_spans(query_start_loc, conv_state.shape[0], slot_idx, has_initial_state)
     T, dim = x.shape
     k = weight.shape[1]
@@ -57,7 +57,7 @@ def causal_conv1d_cpu(x, conv_state, weight, bias, query_start_loc, slot_idx, ha
         y.addcmul_(buf[j:j + n], wf[:, j])
     if bias is not None:
         y.add_(bias.float())
-    out = _act(y.index_select(0, token_rows - w), activation).to(x.dtype)
+    out = conv_activation(y.index_select(0, token_rows - w), activation).to(x.dtype)
     if w:
         tails = torch.tensor([e + r * w for r, (_, e, _, _) in enumerate(spans)], device=x.device)
         last = buf.index_select(0, (tails[:, None] + torch.arange(w, device=x.device)).reshape(-1))
@@ -69,7 +69,7 @@ def conv1d_update_cpu(x, conv_state, weight, bias, slot_idx, activation="silu"):
     """x [B, dim] one token per request; conv_state [S, dim, k-1] (updated in place);
     weight [dim, k]; bias [dim] or None; slot_idx [B]. Returns [B, dim] in x.dtype.
     The C kernel (mamba2_native.py) runs instead where it can; this torch path otherwise."""
-    _check(x, conv_state, weight)
+    check_conv_args(x, conv_state, weight)
     y = conv1d_update_native(x, conv_state, weight, bias, slot_idx, activation)
     if y is not None:
         return y.to(x.dtype)
@@ -90,4 +90,4 @@ def conv1d_update_cpu(x, conv_state, weight, bias, slot_idx, activation="silu"):
         return y
 
     y = update_slot_rows(conv_state, slot_idx.long(), (x,), update)
-    return _act(y, activation).to(x.dtype)
+    return conv_activation(y, activation).to(x.dtype)

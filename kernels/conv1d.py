@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .conv1d_ref import _check
+from .conv1d_ref import check_conv_args
 from .triton_math import device_guard, interpreted, silu
 
 
@@ -103,7 +103,7 @@ def _activation_flag(activation):
 
 
 def _launch(x, conv_state, weight, bias, out, qsl, slot_idx, init, num_reqs, activation, varlen):
-    _check(x, conv_state, weight)
+    check_conv_args(x, conv_state, weight)
     dim, kw = weight.shape
     block_d = min(triton.next_power_of_2(dim), 128)
     grid = (num_reqs, triton.cdiv(dim, block_d))

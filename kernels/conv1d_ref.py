@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from .varlen import request_spans
 
 
-def _check(x, conv_state, weight):
+def check_conv_args(x, conv_state, weight):
     dim, k = weight.shape
     if x.shape[-1] != dim or conv_state.shape[1] != dim or conv_state.shape[2] != k - 1:
         raise ValueError(f"conv shapes disagree: x {tuple(x.shape)}, conv_state "
@@ -19,7 +19,7 @@ def _check(x, conv_state, weight):
                          f"x [..., {dim}], conv_state [S, {dim}, {k - 1}]")
 
 
-def _act(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+def conv_activation(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     if activation is None:
         return y
     if activation in ("silu", "swish"):
@@ -36,7 +36,7 @@ def causal_conv1d_ref(x, conv_state, weight, bias, query_start_loc, slot_idx, ha
     query_start_loc [R+1]; slot_idx [R]; has_initial_state [R] bool (False: window of zeros).
     Returns [T, dim] in x.dtype, computed in fp32.
     """
-    _check(x, conv_state, weight)
+    check_conv_args(x, conv_state, weight)
     dim, k = weight.shape
     out = torch.empty_like(x)
     w = weight.float().unsqueeze(1)
@@ -46,7 +46,7 @@ def causal_conv1d_ref(x, conv_state, weight, bias, query_start_loc, slot_idx, ha
         window = conv_state[slot].float() if init else x.new_zeros(dim, k - 1, dtype=torch.float32)
         full = torch.cat([window, x[start:end].float().t()], dim=1)  # [dim, k-1+L]
         y = F.conv1d(full.unsqueeze(0), w, b, groups=dim)[0]  # [dim, L]
-        out[start:end] = _act(y, activation).t().to(x.dtype)
+        out[start:end] = conv_activation(y, activation).t().to(x.dtype)
         conv_state[slot] = full[:, full.shape[1] - (k - 1):].to(conv_state.dtype)
     return out
 
@@ -58,7 +58,7 @@ def conv1d_update_ref(x, conv_state, weight, bias, slot_idx, activation="silu"):
     The windows are gathered, extended by x, convolved (taps summed oldest first, then the
     bias) and the last k-1 columns written back.
     """
-    _check(x, conv_state, weight)
+    check_conv_args(x, conv_state, weight)
     slots = slot_idx.long()
     full = torch.cat([conv_state[slots].float(), x.float()[:, :, None]], dim=2)  # [B, dim, k]
     w = weight.float()
@@ -68,4 +68,4 @@ def conv1d_update_ref(x, conv_state, weight, bias, slot_idx, activation="silu"):
     if bias is not None:
         y = y + bias.float()
     conv_state[slots] = full[:, :, 1:].to(conv_state.dtype)
-    return _act(y, activation).to(x.dtype)
+    return conv_activation(y, activation).to(x.dtype)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .chunk_layout import ChunkLayout
-from .gdn_ref import _prepare_qk
+from .gdn_ref import prepare_qk
 from .recurrent_native import gdn_state_update_native
 from .slot_rows import update_slot_rows
 from .varlen import check_positions_arg, request_spans, state_cuts
@@ -26,7 +26,7 @@ def gdn_state_update_cpu(state, q, k, v, g, beta, slot_idx, scale=None, use_qk_l
     The C kernel (recurrent_native.py) runs instead where it can: two passes over each state."""
     slots = slot_idx.long()
     nb, HV, Vd = v.shape
-    qf, kf = _prepare_qk(q, k, HV, scale, use_qk_l2norm)  # [B, HV, K] fp32
+    qf, kf = prepare_qk(q, k, HV, scale, use_qk_l2norm)  # [B, HV, K] fp32
     o = gdn_state_update_native(state, qf, kf, v, g, beta, slot_idx)
     if o is not None:
         return o.to(v.dtype)
@@ -74,7 +74,7 @@ def gdn_chunk_scan_cpu(state, q, k, v, g, beta, query_start_loc, slot_idx, has_i
     for r, (s, e, _, _) in enumerate(spans):
         state_cuts(e - s, wanted[r], r)  # positions outside 1..len are refused before any write
     T, HV, Vd = v.shape
-    qf, kf = _prepare_qk(q, k, HV, scale, use_qk_l2norm)  # [T, HV, K] fp32; refuses bad heads first
+    qf, kf = prepare_qk(q, k, HV, scale, use_qk_l2norm)  # [T, HV, K] fp32; refuses bad heads first
     Kd = kf.shape[-1]
     lay = ChunkLayout(spans, chunk_size, v.device)
     h = state.index_select(0, lay.slots).float()  # [R, HV, K, V]

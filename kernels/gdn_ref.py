@@ -13,7 +13,7 @@ import torch
 from .varlen import check_positions_arg, request_spans, scan_requests
 
 
-def _prepare_qk(q, k, num_v_heads, scale, use_qk_l2norm):
+def prepare_qk(q, k, num_v_heads, scale, use_qk_l2norm):
     """q, k [..., H, K] -> fp32 [..., HV, K], normalised and (q only) scaled."""
     H, K = q.shape[-2:]
     if num_v_heads % H:
@@ -37,7 +37,7 @@ def gdn_state_update_ref(state, q, k, v, g, beta, slot_idx, scale=None, use_qk_l
     """
     slots = slot_idx.long()
     HV = v.shape[1]
-    qf, kf = _prepare_qk(q, k, HV, scale, use_qk_l2norm)  # [B, HV, K]
+    qf, kf = prepare_qk(q, k, HV, scale, use_qk_l2norm)  # [B, HV, K]
     S = state[slots].float() * torch.exp(g.float())[..., None, None]
     delta = (v.float() - torch.einsum("bhkv,bhk->bhv", S, kf)) * beta.float()[..., None]
     S = S + kf[..., :, None] * delta[..., None, :]
@@ -95,7 +95,7 @@ def gdn_chunk_scan_ref(state, q, k, v, g, beta, query_start_loc, slot_idx, has_i
     spans = request_spans(query_start_loc, state.shape[0], slot_idx, has_initial_state)
     check_positions_arg(return_states_at, len(spans))
     HV = v.shape[1]
-    qf, kf = (t.transpose(0, 1) for t in _prepare_qk(q, k, HV, scale, use_qk_l2norm))
+    qf, kf = (t.transpose(0, 1) for t in prepare_qk(q, k, HV, scale, use_qk_l2norm))
     vf, gf, bf = v.float().transpose(0, 1), g.float().t(), beta.float().t()
     o = torch.empty(HV, v.shape[0], v.shape[2], dtype=torch.float32, device=v.device)
 

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kda_ref import _check_shapes
+from .kda_ref import check_kda_shapes
 from .triton_math import device_guard
 
 
@@ -51,7 +51,7 @@ def _kda_step_kernel(state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr, 
 def kda_state_update_triton(state, q, k, v, g, beta, slot_idx, scale=None, use_qk_l2norm=True):
     """See kda_ref.kda_state_update_ref. q, k, g [B, H, K]; v [B, H, V]; beta [B, H]
     -> o [B, H, V] in v.dtype; state [S, H, K, V] updated in place at slot_idx [B]."""
-    _check_shapes(state, q, k, v, g, beta)
+    check_kda_shapes(state, q, k, v, g, beta)
     batch, heads, k_dim = q.shape
     v_dim = v.shape[2]
     # the kernel indexes key/value channels and the heads of beta with unit stride

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kda_ref import _check_shapes, _prepare_qk
+from .kda_ref import check_kda_shapes, prepare_qk
 from .scan_plan import (build_scan_plan, check_packed_tokens, matmul_precision,
                          scan_result, unit_last_stride)
 from .triton_math import device_guard
@@ -192,7 +192,7 @@ def kda_chunk_scan_triton(state, q, k, v, g, beta, query_start_loc, slot_idx, ha
     q, k, g [T, H, K]; v [T, H, V]; beta [T, H]. Returns o [T, H, V] in v.dtype, or
     (o, states per request [n_pos, H, K, V] in state.dtype).
     """
-    _check_shapes(state, q, k, v, g, beta)
+    check_kda_shapes(state, q, k, v, g, beta)
     check_packed_tokens(q, v, chunk_size)
     T, H, K = q.shape
     V = v.shape[2]
@@ -202,7 +202,7 @@ def kda_chunk_scan_triton(state, q, k, v, g, beta, query_start_loc, slot_idx, ha
     plan = build_scan_plan(query_start_loc, slot_idx, has_initial_state, state.shape[0], T,
                            chunk, return_states_at, v.device)
     v, g = unit_last_stride(v), unit_last_stride(g)
-    q, k = (unit_last_stride(t) for t in _prepare_qk(q, k, scale, use_qk_l2norm))  # fp32, q scaled
+    q, k = (unit_last_stride(t) for t in prepare_qk(q, k, scale, use_qk_l2norm))  # fp32, q scaled
     dev, f32 = v.device, torch.float32
     block_t = 16
     block_k = max(16, triton.next_power_of_2(K))

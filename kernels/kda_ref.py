@@ -14,7 +14,7 @@ import torch
 from .varlen import check_positions_arg, request_spans, scan_requests
 
 
-def _check_shapes(state, q, k, v, g, beta):
+def check_kda_shapes(state, q, k, v, g, beta):
     heads, k_dim, v_dim = state.shape[1:]
     if (q.shape[-2:] != (heads, k_dim) or k.shape != q.shape or g.shape != q.shape
             or v.shape[-2:] != (heads, v_dim) or beta.shape != q.shape[:-1]):
@@ -24,7 +24,7 @@ def _check_shapes(state, q, k, v, g, beta):
                          f"[.., {heads}, {v_dim}], beta [.., {heads}]")
 
 
-def _prepare_qk(q, k, scale, use_qk_l2norm):
+def prepare_qk(q, k, scale, use_qk_l2norm):
     q, k = q.float(), k.float()
     if use_qk_l2norm:
         q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
@@ -38,9 +38,9 @@ def kda_state_update_ref(state, q, k, v, g, beta, slot_idx, scale=None, use_qk_l
     state [S, H, K, V] pool (updated in place at `slot_idx [B]`); q, k [B, H, K]; v [B, H, V];
     g [B, H, K] per-channel log-decay (<= 0); beta [B, H] in (0, 1). Returns o [B, H, V] in v.dtype.
     """
-    _check_shapes(state, q, k, v, g, beta)
+    check_kda_shapes(state, q, k, v, g, beta)
     slots = slot_idx.long()
-    qf, kf = _prepare_qk(q, k, scale, use_qk_l2norm)
+    qf, kf = prepare_qk(q, k, scale, use_qk_l2norm)
     S = state[slots].float() * torch.exp(g.float())[..., None]
     delta = (v.float() - torch.einsum("bhkv,bhk->bhv", S, kf)) * beta.float()[..., None]
     S = S + kf[..., :, None] * delta[..., None, :]
@@ -92,10 +92,10 @@ def kda_chunk_scan_ref(state, q, k, v, g, beta, query_start_loc, slot_idx, has_i
     """
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    _check_shapes(state, q, k, v, g, beta)
+    check_kda_shapes(state, q, k, v, g, beta)
     spans = request_spans(query_start_loc, state.shape[0], slot_idx, has_initial_state)
     check_positions_arg(return_states_at, len(spans))
-    qf, kf = (t.transpose(0, 1) for t in _prepare_qk(q, k, scale, use_qk_l2norm))
+    qf, kf = (t.transpose(0, 1) for t in prepare_qk(q, k, scale, use_qk_l2norm))
     vf, gf, bf = v.float().transpose(0, 1), g.float().transpose(0, 1), beta.float().t()
     o = torch.empty(v.shape[1], v.shape[0], v.shape[2], dtype=torch.float32, device=v.device)
 

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .lightning_ref import _check_shapes
+from .lightning_ref import check_lightning_shapes
 from .triton_math import device_guard
 
 
@@ -41,7 +41,7 @@ def _lightning_step_kernel(state_ptr, q_ptr, k_ptr, v_ptr, slope_ptr, slot_ptr, 
 def lightning_state_update_triton(state, q, k, v, slope, slot_idx):
     """See lightning_ref.lightning_state_update_ref. q, k [B, H, K]; v [B, H, V]; slope [H]
     -> o [B, H, V] in v.dtype; state [S, H, K, V] updated in place at slot_idx [B]."""
-    _check_shapes(state, q, k, v, slope)
+    check_lightning_shapes(state, q, k, v, slope)
     batch, heads, k_dim = q.shape
     v_dim = v.shape[2]
     # the kernel indexes key/value dims and the slopes with unit stride

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .lightning_ref import _check_shapes
+from .lightning_ref import check_lightning_shapes
 from .scan_plan import (build_scan_plan, check_packed_tokens, matmul_precision,
                          scan_result, unit_last_stride)
 from .triton_math import device_guard
@@ -96,7 +96,7 @@ def lightning_chunk_scan_triton(state, q, k, v, slope, query_start_loc, slot_idx
     place); q, k [T, H, K]; v [T, H, V]; slope [H]. Returns o [T, H, V] in v.dtype, or
     (o, states per request [n_pos, H, K, V] in state.dtype).
     """
-    _check_shapes(state, q, k, v, slope)
+    check_lightning_shapes(state, q, k, v, slope)
     check_packed_tokens(q, v, chunk_size)
     T, H, K = q.shape
     V = v.shape[2]

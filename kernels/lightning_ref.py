@@ -12,7 +12,7 @@ import torch
 from .varlen import check_positions_arg, request_spans, scan_requests
 
 
-def _check_shapes(state, q, k, v, slope):
+def check_lightning_shapes(state, q, k, v, slope):
     heads, k_dim, v_dim = state.shape[1:]
     if q.shape[-2:] != (heads, k_dim) or k.shape != q.shape or v.shape[-2:] != (heads, v_dim):
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit the "
@@ -30,7 +30,7 @@ def lightning_state_update_ref(state, q, k, v, slope, slot_idx):
     slope [H] decay rates (the state is multiplied by exp(-slope) per token). Returns o [B, H, V]
     in v.dtype.
     """
-    _check_shapes(state, q, k, v, slope)
+    check_lightning_shapes(state, q, k, v, slope)
     slots = slot_idx.long()
     S = state[slots].float() * torch.exp(-slope.float())[None, :, None, None]
     S = S + k.float()[..., :, None] * v.float()[..., None, :]
@@ -73,7 +73,7 @@ def lightning_chunk_scan_ref(state, q, k, v, slope, query_start_loc, slot_idx, h
     """
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    _check_shapes(state, q, k, v, slope)
+    check_lightning_shapes(state, q, k, v, slope)
     spans = request_spans(query_start_loc, state.shape[0], slot_idx, has_initial_state)
     check_positions_arg(return_states_at, len(spans))
     qf, kf, vf = (t.float().transpose(0, 1) for t in (q, k, v))

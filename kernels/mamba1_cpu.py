@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .mamba1_ref import _discretize_dt, _gate
+from .mamba1_ref import discretize_dt, gate_output
 from .recurrent_native import mamba1_state_update_native
 from .slot_rows import update_slot_rows
 
@@ -28,7 +28,7 @@ def mamba1_state_update_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, 
     slots = slot_idx.long()
     nb, d = x.shape
     N = A.shape[-1]
-    dt = _discretize_dt(dt, dt_bias, dt_softplus)  # [B, d] fp32
+    dt = discretize_dt(dt, dt_bias, dt_softplus)  # [B, d] fp32
     dA = torch.exp(dt[..., None] * A.float())  # [B, d, N]
     xdt = dt * x.float()
 
@@ -38,4 +38,4 @@ def mamba1_state_update_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, 
         return torch.bmm(Cf.reshape(n, 1, N), h.transpose(1, 2)).view(n, d)  # C as a row times h^T
 
     y = update_slot_rows(ssm_state, slots, (dA, xdt, B.float(), C.float()), update)
-    return _gate(y, x, D, z).to(x.dtype)
+    return gate_output(y, x, D, z).to(x.dtype)

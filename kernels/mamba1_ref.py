@@ -12,14 +12,14 @@ import torch.nn.functional as F
 from .varlen import check_positions_arg, request_spans, scan_requests
 
 
-def _discretize_dt(dt, dt_bias, dt_softplus):
+def discretize_dt(dt, dt_bias, dt_softplus):
     dt = dt.float()
     if dt_bias is not None:
         dt = dt + dt_bias.float()
     return F.softplus(dt) if dt_softplus else dt
 
 
-def _gate(y, x, D, z):
+def gate_output(y, x, D, z):
     if D is not None:
         y = y + x.float() * D.float()
     if z is not None:
@@ -35,12 +35,12 @@ def mamba1_state_update_ref(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, 
     dt_bias [d_inner] or None; slot_idx [B]. Returns y [B, d_inner] in x.dtype.
     """
     slots = slot_idx.long()
-    dt = _discretize_dt(dt, dt_bias, dt_softplus)  # [B, d]
+    dt = discretize_dt(dt, dt_bias, dt_softplus)  # [B, d]
     h = ssm_state[slots].float()
     h = torch.exp(dt[..., None] * A.float()) * h + (dt * x.float())[..., None] * B.float()[:, None, :]
     ssm_state[slots] = h.to(ssm_state.dtype)
     y = (h * C.float()[:, None, :]).sum(-1)
-    return _gate(y, x, D, z).to(x.dtype)
+    return gate_output(y, x, D, z).to(x.dtype)
 
 
 def _scan(h, x, dt, A, B, C):
@@ -68,7 +68,7 @@ def mamba1_scan_ref(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_loc, s
     """
     spans = request_spans(query_start_loc, ssm_state.shape[0], slot_idx, has_initial_state)
     check_positions_arg(return_states_at, len(spans))
-    dtf = _discretize_dt(dt, dt_bias, dt_softplus)
+    dtf = discretize_dt(dt, dt_bias, dt_softplus)
     Af, xf, Bf, Cf = A.float(), x.float(), B.float(), C.float()
     y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
 
@@ -77,5 +77,5 @@ def mamba1_scan_ref(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_loc, s
         return h
 
     states = scan_requests(ssm_state, spans, return_states_at, piece)
-    out = _gate(y, x, D, z).to(x.dtype)
+    out = gate_output(y, x, D, z).to(x.dtype)
     return out if return_states_at is None else (out, states)

@@ -18,7 +18,7 @@ import torch
 
 from . import mamba2_prefill_native as prefill_native
 from .chunk_layout import ChunkLayout
-from .mamba2_ref import _discretize_dt, _gate
+from .mamba2_ref import discretize_dt, gate_output
 from .mamba2_native import mamba2_state_update_native
 from .slot_rows import update_slot_rows
 from .varlen import check_positions_arg, request_spans, state_cuts
@@ -69,7 +69,7 @@ def mamba2_chunk_scan_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_
         out = torch.zeros_like(x)
         return out if return_states_at is None else (out, [ssm_state.new_zeros(0, H, P, N)] * len(spans))
     nc, cs, hpg = lay.num_chunks, chunk_size, H // G
-    dtf = _discretize_dt(dt, dt_bias, dt_softplus, dt_limit)
+    dtf = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)
     fast = prefill_native.usable(x, dtf, A, B, C, D)  # the elementwise steps in C, one pass each
     Bp = lay.pad(B.reshape(T, G * N)).view(nc, cs, G, N)
     Cp = lay.pad(C.reshape(T, G * N)).view(nc, cs, G, N)
@@ -113,7 +113,7 @@ def mamba2_chunk_scan_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_
         y = y_in.permute(0, 2, 1, 3, 4)[lay.token_chunk, lay.token_pos].reshape(-1, H, P)
         if not (lay.identity and T == lay.num_tokens):
             y = torch.zeros((T, H, P), device=x.device).index_copy_(0, lay.rows, y)
-        out = _gate(y, x, D, None)
+        out = gate_output(y, x, D, None)
     states = None
     if return_states_at is not None:
         states = _states_at(lay, wanted, starts, acum, xdt, Bp, hpg, ssm_state.dtype)
@@ -121,7 +121,7 @@ def mamba2_chunk_scan_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_
     if write:
         w = torch.tensor(write, device=x.device)
         ssm_state.index_copy_(0, lay.slots[w], finals[w].to(ssm_state.dtype))
-    out = _gate(out, x, None, z).to(x.dtype)
+    out = gate_output(out, x, None, z).to(x.dtype)
     return out if return_states_at is None else (out, states)
 
 
@@ -168,7 +168,7 @@ def mamba2_state_update_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, 
     nb, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     hpg = H // G
-    dt = _discretize_dt(dt, dt_bias, dt_softplus, dt_limit)  # [nb, H] fp32
+    dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)  # [nb, H] fp32
     dA = torch.exp(dt * A.float())
     xf = x.float()
     xdt = xf * dt[..., None]  # [nb, H, P]
@@ -182,4 +182,4 @@ def mamba2_state_update_cpu(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, 
                              h.view(n * G, hpg * P, N).transpose(1, 2)).view(n, H, P)
 
     y = update_slot_rows(ssm_state, slots, (dA, xdt, B.float(), C.float(), skip), update)
-    return _gate(y, x, None, z).to(x.dtype)
+    return gate_output(y, x, None, z).to(x.dtype)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from .varlen import check_positions_arg, request_spans, scan_requests
 
 
-def _discretize_dt(dt, dt_bias, dt_softplus, dt_limit):
+def discretize_dt(dt, dt_bias, dt_softplus, dt_limit):
     """dt [.., H] -> fp32; bias, then softplus, then the clamp (the order of Bamba/Mamba2)."""
     dt = dt.float()
     if dt_bias is not None:
@@ -34,7 +34,7 @@ def _heads(t, num_heads):
     return t.float().repeat_interleave(num_heads // groups, dim=-2)
 
 
-def _gate(y, x, D, z):
+def gate_output(y, x, D, z):
     if D is not None:
         y = y + x.float() * D.float()[:, None]
     if z is not None:
@@ -54,14 +54,14 @@ def mamba2_state_update_ref(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, 
     """
     slots = slot_idx.long()
     H = x.shape[1]
-    dt = _discretize_dt(dt, dt_bias, dt_softplus, dt_limit)  # [B, H]
+    dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)  # [B, H]
     Bh, Ch = _heads(B, H), _heads(C, H)  # [B, H, N]
     h = ssm_state[slots].float()
     dA = torch.exp(dt * A.float())[..., None, None]
     h = dA * h + (dt[..., None] * x.float())[..., None] * Bh[:, :, None, :]
     ssm_state[slots] = h.to(ssm_state.dtype)
     y = (h * Ch[:, :, None, :]).sum(-1)
-    return _gate(y, x, D, z).to(x.dtype)
+    return gate_output(y, x, D, z).to(x.dtype)
 
 
 def _ssd(h, x, dt, A, B, C, chunk_size):
@@ -112,7 +112,7 @@ def mamba2_chunk_scan_ref(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_
     spans = request_spans(query_start_loc, ssm_state.shape[0], slot_idx, has_initial_state)
     check_positions_arg(return_states_at, len(spans))
     H = x.shape[1]
-    dtf = _discretize_dt(dt, dt_bias, dt_softplus, dt_limit)
+    dtf = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)
     xf, Af, Bh, Ch = x.float(), A.float(), _heads(B, H), _heads(C, H)
     y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
 
@@ -121,5 +121,5 @@ def mamba2_chunk_scan_ref(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_
         return h
 
     states = scan_requests(ssm_state, spans, return_states_at, piece)
-    out = _gate(y, x, D, z).to(x.dtype)
+    out = gate_output(y, x, D, z).to(x.dtype)
     return out if return_states_at is None else (out, states)

@@ -22,23 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # cycle; a cycle through any other import fails the test. Delete an entry once its import is gone.
 KNOWN_CYCLES: dict[tuple[str, str], str] = {}
 
-# issue 23: being removed. Private names imported across modules, in files other engineers are
-# rewriting now: (importer, imported module, name). Any other private import fails the test.
-KNOWN_PRIVATE_IMPORTS: frozenset[tuple[str, str, str]] = frozenset({
-    ("hybridkv.kernels.causal_conv_cpu", "hybridkv.kernels.conv1d_ref", "_act"),
-    ("hybridkv.kernels.causal_conv_cpu", "hybridkv.kernels.conv1d_ref", "_check"),
-    ("hybridkv.kernels.conv1d", "hybridkv.kernels.conv1d_ref", "_check"),
-    ("hybridkv.kernels.gdn_cpu", "hybridkv.kernels.gdn_ref", "_prepare_qk"),
-    ("hybridkv.kernels.kda", "hybridkv.kernels.kda_ref", "_check_shapes"),
-    ("hybridkv.kernels.kda_prefill", "hybridkv.kernels.kda_ref", "_check_shapes"),
-    ("hybridkv.kernels.kda_prefill", "hybridkv.kernels.kda_ref", "_prepare_qk"),
-    ("hybridkv.kernels.lightning", "hybridkv.kernels.lightning_ref", "_check_shapes"),
-    ("hybridkv.kernels.lightning_prefill", "hybridkv.kernels.lightning_ref", "_check_shapes"),
-    ("hybridkv.kernels.mamba1_cpu", "hybridkv.kernels.mamba1_ref", "_discretize_dt"),
-    ("hybridkv.kernels.mamba1_cpu", "hybridkv.kernels.mamba1_ref", "_gate"),
-    ("hybridkv.kernels.mamba2_cpu", "hybridkv.kernels.mamba2_ref", "_discretize_dt"),
-    ("hybridkv.kernels.mamba2_cpu", "hybridkv.kernels.mamba2_ref", "_gate"),
-})
+# Private names imported across modules: (importer, imported module, name). Any private import
+# fails the test; an entry here would say why one is tolerated (none is now).
+KNOWN_PRIVATE_IMPORTS: frozenset[tuple[str, str, str]] = frozenset()
 
 
 @dataclass
