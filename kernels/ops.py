@@ -89,6 +89,16 @@ latent_paged_attention = Op("latent_paged_attention", "ops:_latent_attention_ref
 max_query_len=None): MLA over latent pages, q [T, H, nope + rope] -> o [T, H, v_dim]. On CUDA a
 decode step (max_query_len=1, a host fact) runs latent_attention_decode (no host sync); everything
 else runs the reference.""")
+pooled_index_select = Op("pooled_index_select", "sparse_index_ref:pooled_index_select",
+                         "sparse_index_ref:pooled_index_select", """
+(q, weights, index_cache, ape, query_start_loc, seq_lens, block_table, kpool, topk, scale,
+select_tail=True): a DSA indexer over its own pages (key | k-pool gate per token) -> selected
+[T, max seq_len] bool, the keys each query sees (torch on every device; see sparse_index_ref).""")
+latent_sparse_attention = Op("latent_sparse_attention", "sparse_index_ref:latent_sparse_attention",
+                             "sparse_index_ref:latent_sparse_attention", """
+(q, kv_cache, kv_b_weight, query_start_loc, seq_lens, block_table, scale, nope_dim, v_dim, selected):
+rotary-free MLA over latent pages where query t sees the keys `selected[t]` marks -> o [T, H, v_dim]
+(torch on every device).""")
 
 # --- convolution and recurrent layers ----------------------------------------------------------
 causal_conv1d = Op("causal_conv1d", "causal_conv_cpu:causal_conv1d_cpu", "ops:_causal_conv1d_triton",

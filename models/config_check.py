@@ -25,6 +25,9 @@ POSITIVE_KEYS = (
     # latent attention (Kimi-Linear, BailingHybrid) and BailingHybrid's KDA conv and layer groups
     "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "short_conv_kernel_size", "layer_group_size",
 )
+# Counts a family sets to 0 on purpose: GLM-5-Next's DSA layers are rotary-free, and its config
+# class forces head_dim (the rotary part) and qk_rope_head_dim to 0.
+ZERO_ALLOWED = {"glm5_next_text": ("head_dim", "qk_rope_head_dim"), "glm5_next": ("head_dim", "qk_rope_head_dim")}
 # Keys that divide something (logits / cap): a positive number; 0 or less is no model either.
 POSITIVE_NUMBER_KEYS = ("logits_soft_cap",)
 
@@ -39,7 +42,7 @@ def check_config(config: dict, file: Path) -> None:
     for prefix, section in sections:
         for key in POSITIVE_KEYS:
             value = section.get(key)
-            if value is None or value == "auto":
+            if value is None or value == "auto" or (value == 0 and key in ZERO_ALLOWED.get(section.get("model_type"), ())):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise CheckpointError(f"{file} has {prefix}{key}={value!r}; it must be a positive "

@@ -42,6 +42,7 @@ _ARCHITECTURES: dict[str, str] = {
     "Inkling2LoopForCausalLM": "inkling2_loop",
     "Inkling2ForConditionalGeneration": "inkling2",  # published checkpoints: the text model alone
     "Inkling2LoopForConditionalGeneration": "inkling2_loop",
+    "Glm5NextForConditionalGeneration": "glm5_next",  # its text model (no ForCausalLM class exists)
 }
 
 

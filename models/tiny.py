@@ -40,17 +40,20 @@ def make_tiny_checkpoint(family: str, path: str | Path, seed: int = 0, **config_
     biases, A_log, D, dt_bias...) gets N(0, 0.1) noise so no weight is trivially 1 or 0.
     Returns the directory (config.json, model.safetensors, generation_config.json, tokenizer).
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = family_module(family).tiny_config(**config_overrides)
     torch.manual_seed(seed)
-    hf = AutoModelForCausalLM.from_config(config)
+    # a multimodal family with no ForCausalLM class (GLM-5-Next) is saved as its whole model
+    auto = AutoModelForCausalLM if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else AutoModelForImageTextToText
+    hf = auto.from_config(config)
     with torch.no_grad():
         for p in hf.parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.1)
     hf.save_pretrained(str(path))
-    make_tiny_tokenizer(path, config.vocab_size)
+    make_tiny_tokenizer(path, config.get_text_config().vocab_size)
     return path

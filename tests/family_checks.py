@@ -15,7 +15,8 @@ from typing import Callable, Optional
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from hybridkv.models import load_model
 from hybridkv.models.registry import family_module
@@ -178,6 +179,25 @@ def tiny_inkling2(family: str, path, seed: int = 0, **overrides) -> Path:
     return path
 
 
+def tiny_glm5_next(family: str, path, seed: int = 0, **overrides) -> Path:
+    """A tiny GLM-5-Next checkpoint (the multimodal model, saved under the published names) whose
+    indexer and hyper-connections are not at their constant init: the k-pool position offsets
+    `index_kpool_compress_ape` (zero) N(0, 1), the k-pool gate `index_kpool_compress_gate` (ones)
+    N(0, 0.3^2), the hyper-connection projections `hc_*_fn` times 10."""
+    path = make_tiny_checkpoint(family, path, seed=seed, **overrides)
+    tensors = load_file(str(path / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    for name, t in tensors.items():
+        if name.endswith("index_kpool_compress_ape"):
+            tensors[name] = torch.randn(t.shape, generator=g)
+        elif name.endswith("index_kpool_compress_gate"):
+            tensors[name] = torch.randn(t.shape, generator=g) * 0.3
+        elif name.endswith(("hc_attn_fn", "hc_ffn_fn")):
+            tensors[name] = t * 10
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
 def builtin_checkpoint(name: str, path, seed: int = 0) -> Path:
     """The shipped folder of built-in model `name` (hybridkv/builtin_models/<name>, loaded as
     "hybridkv/<name>"); `path` and `seed` are unused: its trained weights are the case."""
@@ -329,6 +349,11 @@ FAMILIES = {f.name: f for f in [
     Family("inkling2_loop", seed=22, make=tiny_inkling2, logits_len=3 * WINDOW + 5, ragged=(*RAGGED_LENGTHS, 3 * WINDOW + 5),
            chunks=(5, 16, 7, 1, WINDOW + 6, 3, 1, 16), engine=((1, BS - 1, WINDOW + 1, 3 * BS + 5, 3 * WINDOW + 5), 60),
            hf_attn="eager", pressure=PressureCase(), prefix_migration=True, prefix_hit=True),
+    # GLM-5-Next: KDA beside DSA (latent KV pages, the indexer's own pages of key | k-pool gate, a
+    # top-k over pools of 4, one layer sharing the previous selection), hyper-connection streams
+    Family("glm5_next", seed=23, make=tiny_glm5_next, engine=(ENGINE_LENGTHS, 40), hf_attn="eager",
+           names=("model.language_model.layers.1.mlp.experts.0.gate_proj.weight", "mlp.experts.gate_up_proj"),
+           pressure=PressureCase(), prefix_migration=True, prefix_hit=True),
     # the shipped built-in models (trained Bambas, bf16 weights computed in float32): their own
     # weights, not random ones, through every check and the engine
     Family("tiny-code", seed=0, make=builtin_checkpoint, engine=(ENGINE_LENGTHS, 40), prefix_hit=True),
@@ -345,7 +370,10 @@ def prompt(n: int, seed: int) -> list[int]:
 def load_pair(path, attn_implementation: Optional[str] = None):
     """(our model, transformers' float32 model in eval mode), both from checkpoint dir `path`."""
     kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
+    config = AutoConfig.from_pretrained(path)
+    # a multimodal family with no ForCausalLM class (GLM-5-Next): its whole model, run on text
+    auto = AutoModelForCausalLM if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else AutoModelForImageTextToText
+    hf = auto.from_pretrained(path, dtype=torch.float32, **kw).eval()
     return load_model(path), hf
 
 
