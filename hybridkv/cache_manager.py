@@ -77,6 +77,7 @@ class HybridCacheManager:
         # per-step verbs (here and in decode_rows.py) skip the others, whose allocate and commit do nothing
         self.allocating_kinds = [k for k in self.kinds if type(k).allocate is not LayerMemory.allocate]
         self.committing_kinds = [k for k in self.kinds if type(k).commit is not LayerMemory.commit]
+        self.commit_checking_kinds = [k for k in self.committing_kinds if not k.decode_commit_always_idle]
         self.bursts = BurstRule(block_size, self._prompt_hashes, lambda hashes, n: self._match(hashes, n).blocks)
         self._reqs: dict[Hashable, Request] = {}
         self.hits = PrefixHitCounter()

@@ -255,7 +255,7 @@ class DecodeRows:
         else:
             new = starts + 1
             alone = new > self.num_prompt
-        for kind in mgr.committing_kinds:
+        for kind in mgr.commit_checking_kinds:  # (the others are idle between block boundaries)
             idle = kind.decode_commit_idle(new)
             if idle is not True:
                 alone &= idle

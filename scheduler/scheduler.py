@@ -14,6 +14,7 @@ and the stops. The scheduler is the only caller that changes the memory manager.
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from typing import Hashable, Optional
 
 import numpy as np
@@ -135,10 +136,9 @@ class Scheduler:
         return out
 
     def _allocate_batch(self, batch: DecodeBatch, out: SchedulerOutput) -> Optional[DecodeBatch]:
-        """KV slots and due checkpoints for the decode batch in one manager call. When a pool is
-        short, the last running request in run order is preempted (a decode of the batch or a
-        prefill) and the rest asked again, until every decode left has its slot; None when none
-        is left."""
+        """KV slots and due checkpoints for the decode batch in one call. When a pool is short, the
+        last running request in run order is preempted (a decode or a prefill) and the rest asked
+        again, until every decode left has its slot; None when none is left."""
         while True:
             slots, due, done = batch.rows.allocate(batch.positions)
             if done.all():
@@ -251,7 +251,8 @@ class Scheduler:
                 self.fail_request(seq, f"the forward pass of its batch failed: {type(e).__name__}: {e}",
                                   reported, discard=True)
             return reported
-        with self.mgr.batched_checkpoints():  # this step's state checkpoints copy together
+        checkpoints = out.chunks or (out.decodes is not None and out.decodes.checkpoints)
+        with self.mgr.batched_checkpoints() if checkpoints else nullcontext():  # they copy together
             if out.decodes is not None:
                 self._update_batch(out.decodes, result, reported, finished_only, bool(out.failed))
             if out.chunks:
@@ -313,8 +314,7 @@ class Scheduler:
 
     def _update_chunks(self, chunks: list[ScheduledChunk], result: RunnerOutput, reported: dict,
                        finished_only: bool) -> None:
-        """Commit, checkpoint, fork and append for a step's chunks (result's chunk rows are in
-        this order); a chunk with NaN or inf fails alone."""
+        """Commit, checkpoint, fork and append for a step's chunks; one with NaN or inf fails alone."""
         seqs, tokens, lps = [], [], []  # the sampled rows, in batch order
         mgr = self.mgr
         for i, c in enumerate(chunks):

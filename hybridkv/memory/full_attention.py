@@ -204,8 +204,9 @@ class FullAttentionMemory(LayerMemory):
             width = max(map(len, map(self._blocks.__getitem__, rids)), default=1)
         return self.tables.gather(list(map(self._row.__getitem__, rids)), width)
 
+    decode_commit_always_idle = True  # commit changes something only when a block fills (its hash)
+
     def decode_commit_idle(self, num_computed: np.ndarray) -> np.ndarray | bool:
-        # commit changes something only when a block fills (its hash, which the manager sees)
         return True
 
     def commit(self, rid: Hashable, hashes: Sequence[bytes], num_hashed: int, num_full: int,

@@ -63,6 +63,8 @@ class LayerMemory(ABC):
         """rid now has num_computed tokens computed; blocks [num_hashed, num_full) just became full
         and their hashes are hashes[num_hashed:num_full]."""
 
+    decode_commit_always_idle = False  # True: decode_commit_idle is True whatever it is asked
+
     def decode_commit_idle(self, num_computed: np.ndarray) -> np.ndarray | bool:
         """Per request, whether commit() up to num_computed[i] tokens, one more than before and
         filling no block, would change nothing in this kind (then the manager skips it); an

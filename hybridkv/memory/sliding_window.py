@@ -68,6 +68,8 @@ class SlidingWindowMemory(FullAttentionMemory):
         first = np.maximum(0, num_computed - self.window + 1) // self.block_size
         return np.minimum(first, np.maximum(0, (num_computed - 1) // self.block_size))
 
+    decode_commit_always_idle = False
+
     def decode_commit_idle(self, num_computed: np.ndarray) -> np.ndarray:
         # idle unless this token moves a block out of the window (the previous commit let go the rest)
         return self._let_go_before(num_computed) == self._let_go_before(num_computed - 1)
