@@ -37,7 +37,7 @@ conv_kernel_size - 1]` in float32, no SSM state), inkling2_text (the same two ki
 inkling2_loop_text (the same per virtual layer: each extra pass of the looped layers is one more,
 `num_hidden_layers + (pass - 1) x loop layers + (i - loop start)`; KV at key v, windows at V + v),
 and the published multimodal inkling_mm_model / inkling2 / inkling2_loop configs (their nested
-`text_config`), glm5_next / glm5_next_text (hybridkv/glm5_next_specs.py).
+`text_config`), glm5_next and qwen4_exp, and their _text configs (hybridkv/indexed_attention_specs.py).
 For the families from granitemoehybrid on and the attention-only ones, fields a config.json omits take
 transformers' config-class defaults
 (`hf_config`), as they do when transformers loads it. Shapes follow the models in hybridkv.models,
@@ -51,7 +51,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from hybridkv.glm5_next_specs import glm5_next_specs
+from hybridkv.indexed_attention_specs import BUILDERS as INDEXED_BUILDERS
 from hybridkv.specs import AttentionSpec, LayerSpec, RecurrentSpec
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -359,10 +359,6 @@ def _inkling(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
     return specs
 
 
-def _glm5_next(cfg: Mapping, dtype: torch.dtype) -> dict[int, LayerSpec]:
-    return glm5_next_specs(hf_config(cfg), dtype)
-
-
 _BUILDERS = {"bamba": _bamba, "jamba": _jamba, "qwen3_next": _qwen3_next,
              "granitemoehybrid": _granitemoehybrid, "nemotron_h": _nemotron_h, "lfm2": _lfm2, "lfm2_moe": _lfm2,
              "falcon_h1": _falcon_h1, "zamba2": _zamba2, "zamba": _zamba,
@@ -374,7 +370,8 @@ _BUILDERS = {"bamba": _bamba, "jamba": _jamba, "qwen3_next": _qwen3_next,
              "granitemoe_swa": _attention_only, "rwkv": _rwkv, "zaya": _zaya,
              **dict.fromkeys(("inkling_text", "inkling_mm_model", "inkling2_text", "inkling2", "inkling2_loop_text",
                               "inkling2_loop"), _inkling),
-             "glm5_next": _glm5_next, "glm5_next_text": _glm5_next, "lfm3": _lfm3, "lara_mini": _lara_mini}
+             **{kind: (lambda cfg, dtype, b=b: b(hf_config(cfg), dtype)) for kind, b in INDEXED_BUILDERS.items()},
+             "lfm3": _lfm3, "lara_mini": _lara_mini}
 
 
 def specs_from_config(cfg: Mapping, dtype: Optional[torch.dtype] = None) -> dict[int, LayerSpec]:

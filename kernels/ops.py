@@ -99,6 +99,14 @@ latent_sparse_attention = Op("latent_sparse_attention", "sparse_index_ref:latent
 (q, kv_cache, kv_b_weight, query_start_loc, seq_lens, block_table, scale, nope_dim, v_dim, selected):
 rotary-free MLA over latent pages where query t sees the keys `selected[t]` marks -> o [T, H, v_dim]
 (torch on every device).""")
+block_mean_index_select = Op("block_mean_index_select", "qsa_ref:block_mean_index_select",
+                             "qsa_ref:block_mean_index_select", """
+(q, index_cache, query_start_loc, seq_lens, block_table, ratio, budget, key_fn): Qwen4-Exp's QSA
+indexer over its latent pages of raw keys -> selected [T, max seq_len] bool (torch; see qsa_ref).""")
+paged_sparse_attention = Op("paged_sparse_attention", "qsa_ref:paged_sparse_attention",
+                            "qsa_ref:paged_sparse_attention", """
+(q, kv_cache, query_start_loc, seq_lens, block_table, scale, selected): GQA attention over paged KV
+where query t sees the keys `selected[t]` marks -> o [T, Hq, D] (torch on every device).""")
 
 # --- convolution and recurrent layers ----------------------------------------------------------
 causal_conv1d = Op("causal_conv1d", "causal_conv_cpu:causal_conv1d_cpu", "ops:_causal_conv1d_triton",

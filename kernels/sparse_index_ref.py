@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 
-def _request_rows(query_start_loc, seq_lens, block_table, bs: int):
+def request_rows(query_start_loc, seq_lens, block_table, bs: int):
     """(r, first row, last row, seq len, the request's block ids) for every request with queries."""
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
     for r, L in enumerate(lens):
@@ -42,7 +42,7 @@ def pooled_index_select(q, weights, index_cache, ape, query_start_loc, seq_lens,
     bs, D = index_cache.shape[2], index_cache.shape[-1]
     width = int(seq_lens.max()) if seq_lens.numel() else 0
     selected = torch.zeros(T, width, dtype=torch.bool, device=q.device)
-    for _, a, b, L, blocks in _request_rows(query_start_loc, seq_lens, block_table, bs):
+    for _, a, b, L, blocks in request_rows(query_start_loc, seq_lens, block_table, bs):
         n = b - a
         pages = index_cache[blocks, :, :, 0].transpose(0, 1).reshape(2, -1, D)[:, :L]
         pos = torch.arange(L - n, L, device=q.device)
@@ -82,7 +82,7 @@ def latent_sparse_attention(q, kv_cache, kv_b_weight, query_start_loc, seq_lens,
                          f"{nope_dim}+{v_dim} dims from a latent of {rank}")
     out = torch.zeros(T, H, v_dim, dtype=torch.float32, device=q.device)
     w = kv_b_weight.float()
-    for _, a, b, L, blocks in _request_rows(query_start_loc, seq_lens, block_table, bs):
+    for _, a, b, L, blocks in request_rows(query_start_loc, seq_lens, block_table, bs):
         lat = kv_cache[blocks, 0, :, 0].reshape(-1, rank)[:L].float()
         kv = (lat @ w.t()).view(L, H, nope_dim + v_dim)
         scores = torch.einsum("qhd,khd->hqk", q[a:b].float(), kv[..., :nope_dim]) * scale

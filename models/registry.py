@@ -43,6 +43,8 @@ _ARCHITECTURES: dict[str, str] = {
     "Inkling2ForConditionalGeneration": "inkling2",  # published checkpoints: the text model alone
     "Inkling2LoopForConditionalGeneration": "inkling2_loop",
     "Glm5NextForConditionalGeneration": "glm5_next",  # its text model (no ForCausalLM class exists)
+    "Qwen4ExpForCausalLM": "qwen4_exp",
+    "Qwen4ExpForConditionalGeneration": "qwen4_exp",  # published checkpoints: the text model alone
 }
 
 

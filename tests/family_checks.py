@@ -198,6 +198,19 @@ def tiny_glm5_next(family: str, path, seed: int = 0, **overrides) -> Path:
     return path
 
 
+def tiny_qwen4_exp(family: str, path, seed: int = 0, **overrides) -> Path:
+    """A tiny Qwen4-Exp checkpoint whose PLE convolutions (transformers' init: zero) are N(0, 0.3^2),
+    so the n-gram context and the dilated conv window both reach the logits."""
+    path = make_tiny_checkpoint(family, path, seed=seed, **overrides)
+    tensors = load_file(str(path / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    for name, t in tensors.items():
+        if name.endswith("ple.conv1d.weight"):
+            tensors[name] = torch.randn(t.shape, generator=g) * 0.3
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
 def builtin_checkpoint(name: str, path, seed: int = 0) -> Path:
     """The shipped folder of built-in model `name` (hybridkv/builtin_models/<name>, loaded as
     "hybridkv/<name>"); `path` and `seed` are unused: its trained weights are the case."""
@@ -353,6 +366,12 @@ FAMILIES = {f.name: f for f in [
     # top-k over pools of 4, one layer sharing the previous selection), hyper-connection streams
     Family("glm5_next", seed=23, make=tiny_glm5_next, engine=(ENGINE_LENGTHS, 40), hf_attn="eager",
            names=("model.language_model.layers.1.mlp.experts.0.gate_proj.weight", "mlp.experts.gate_up_proj"),
+           pressure=PressureCase(), prefix_migration=True, prefix_hit=True),
+    # Qwen4-Exp: GDN beside QSA attention (KV pages, the indexer's raw-key latent pages, a top-k over
+    # block means of 4), PLE n-gram embeddings (a dilated conv window and the last two ids per slot),
+    # gated hyper-connection streams
+    Family("qwen4_exp", seed=24, make=tiny_qwen4_exp, engine=(ENGINE_LENGTHS, 40), hf_attn="eager",
+           names=("model.layers.0.ple.ple_embedding.ngram_embedding.shard_0.weight", "ple_embedding.ngram_embedding.weight"),
            pressure=PressureCase(), prefix_migration=True, prefix_hit=True),
     # the shipped built-in models (trained Bambas, bf16 weights computed in float32): their own
     # weights, not random ones, through every check and the engine

@@ -10,7 +10,7 @@ from family_checks import (FAMILIES, check_engine_generate, check_engine_under_p
 
 # the longest rows (3-5 s of checks each, measured): in the slow tier only
 SLOW = {"lara_mini", "kimi_linear", "bailing_hybrid", "zamba", "olmo_hybrid", "minimax", "lfm2_moe",
-        "inkling", "inkling2", "inkling2_loop", "glm5_next"}
+        "inkling", "inkling2", "inkling2_loop", "glm5_next", "qwen4_exp"}
 
 
 def rows(has: str = ""):

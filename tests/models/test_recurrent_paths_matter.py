@@ -14,7 +14,7 @@ from model_harness import Harness
 MAMBA = ("zamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1", "mamba2", "mamba",
          "falcon_mamba", "jamba", "zamba")
 STATE = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "recurrent_gemma", "olmo_hybrid", "minimax",
-         "kimi_linear", "bailing_hybrid", "lara_mini", "rwkv", "zaya", "glm5_next")
+         "kimi_linear", "bailing_hybrid", "lara_mini", "rwkv", "zaya", "glm5_next", "qwen4_exp")
 
 
 def _moved(got: torch.Tensor, ref: torch.Tensor) -> float:
