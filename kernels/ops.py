@@ -92,21 +92,24 @@ else runs the reference.""")
 pooled_index_select = Op("pooled_index_select", "sparse_index_ref:pooled_index_select",
                          "sparse_index_ref:pooled_index_select", """
 (q, weights, index_cache, ape, query_start_loc, seq_lens, block_table, kpool, topk, scale,
-select_tail=True): a DSA indexer over its own pages (key | k-pool gate per token) -> selected
-[T, max seq_len] bool, the keys each query sees (torch on every device; see sparse_index_ref).""")
+select_tail=True, max_query_len=None): a DSA indexer over its own pages (key | k-pool gate per token)
+-> selected [T, table width x bs] bool, the keys each query sees (torch on every device; decode steps,
+max_query_len=1, without a host sync; see sparse_index_ref).""")
 latent_sparse_attention = Op("latent_sparse_attention", "sparse_index_ref:latent_sparse_attention",
                              "sparse_index_ref:latent_sparse_attention", """
-(q, kv_cache, kv_b_weight, query_start_loc, seq_lens, block_table, scale, nope_dim, v_dim, selected):
-rotary-free MLA over latent pages where query t sees the keys `selected[t]` marks -> o [T, H, v_dim]
-(torch on every device).""")
+(q, kv_cache, kv_b_weight, query_start_loc, seq_lens, block_table, scale, nope_dim, v_dim, selected,
+max_query_len=None): rotary-free MLA over latent pages where query t sees the keys `selected[t]` marks
+-> o [T, H, v_dim] (torch on every device; decode steps without a host sync).""")
 block_mean_index_select = Op("block_mean_index_select", "qsa_ref:block_mean_index_select",
                              "qsa_ref:block_mean_index_select", """
-(q, index_cache, query_start_loc, seq_lens, block_table, ratio, budget, key_fn): Qwen4-Exp's QSA
-indexer over its latent pages of raw keys -> selected [T, max seq_len] bool (torch; see qsa_ref).""")
+(q, index_cache, query_start_loc, seq_lens, block_table, ratio, budget, key_fn, max_query_len=None):
+Qwen4-Exp's QSA indexer over its latent pages of raw keys -> selected [T, table width x bs] bool
+(torch; decode steps without a host sync; see qsa_ref).""")
 paged_sparse_attention = Op("paged_sparse_attention", "qsa_ref:paged_sparse_attention",
                             "qsa_ref:paged_sparse_attention", """
-(q, kv_cache, query_start_loc, seq_lens, block_table, scale, selected): GQA attention over paged KV
-where query t sees the keys `selected[t]` marks -> o [T, Hq, D] (torch on every device).""")
+(q, kv_cache, query_start_loc, seq_lens, block_table, scale, selected, max_query_len=None): GQA
+attention over paged KV where query t sees the keys `selected[t]` marks -> o [T, Hq, D] (torch on
+every device; decode steps without a host sync).""")
 
 # --- convolution and recurrent layers ----------------------------------------------------------
 causal_conv1d = Op("causal_conv1d", "causal_conv_cpu:causal_conv1d_cpu", "ops:_causal_conv1d_triton",

@@ -17,17 +17,46 @@ from typing import Callable
 
 import torch
 
-from .sparse_index_ref import request_rows
+from .sparse_index_ref import request_pages, request_rows
+
+
+def decode_block_mean_index_select(q, index_cache, seq_lens, block_table, ratio: int, budget: int,
+                                   key_fn: Callable) -> torch.Tensor:
+    """block_mean_index_select for one query per request (q [R, Hi, D]), every request at once over
+    the block table's width, without a host sync (decode steps, CUDA graphs). Same selection."""
+    raw = request_pages(index_cache, block_table)[:, 0, :, 0]  # [R, W, D]
+    R, W, D = raw.shape
+    pos = seq_lens.long() - 1
+    cols = torch.arange(W, device=q.device)
+    complete = (pos + 1) // ratio
+    num_blocks = W // ratio
+    selected = torch.zeros(R, W, dtype=torch.bool, device=q.device)
+    if num_blocks:
+        live = (cols[: num_blocks * ratio][None] <= pos[:, None])[..., None]  # garbage past the sequence -> 0
+        raw = torch.where(live, raw[:, : num_blocks * ratio], torch.zeros((), dtype=raw.dtype, device=raw.device))
+        pooled = raw.view(R, num_blocks, ratio, D).float().mean(dim=2).to(raw.dtype)
+        starts = (torch.arange(num_blocks, device=q.device) * ratio).repeat(R)
+        keys = key_fn(pooled.view(R * num_blocks, D), starts).view(R, num_blocks, D)
+        scores = torch.matmul(q.float(), keys.float().transpose(1, 2)).relu().sum(dim=1) / math.sqrt(D)  # [R, P]
+        valid = torch.arange(num_blocks, device=q.device)[None, :] < complete[:, None]
+        scores = scores.masked_fill(~valid, float("-inf"))
+        chosen = scores.topk(min(budget // ratio, num_blocks), dim=-1).indices
+        picked = torch.zeros(R, num_blocks + 1, dtype=torch.bool, device=q.device)
+        picked.scatter_(1, chosen, valid.gather(1, chosen))
+        selected = picked[:, torch.div(cols, ratio, rounding_mode="floor").clamp(max=num_blocks)]
+    return selected | ((cols[None, :] >= (complete * ratio)[:, None]) & (cols[None, :] <= pos[:, None]))
 
 
 def block_mean_index_select(q, index_cache, query_start_loc, seq_lens, block_table, ratio: int, budget: int,
-                            key_fn: Callable) -> torch.Tensor:
+                            key_fn: Callable, max_query_len=None) -> torch.Tensor:
     """q [T, Hi, D] (normed, rotated); index_cache [N, 1, bs, 1, D]; key_fn(pooled [P, D],
-    starts [P] long) -> [P, D]. Returns selected [T, max seq_len] bool."""
+    starts [P] long) -> [P, D]. Returns selected [T, W x bs] bool (W: the block table's width).
+    max_query_len 1 (a host fact: one query per request) runs the sync-free decode form."""
+    if max_query_len == 1 and q.shape[0] == seq_lens.shape[0]:
+        return decode_block_mean_index_select(q, index_cache, seq_lens, block_table, ratio, budget, key_fn)
     T, _, D = q.shape
     bs = index_cache.shape[2]
-    width = int(seq_lens.max()) if seq_lens.numel() else 0
-    selected = torch.zeros(T, width, dtype=torch.bool, device=q.device)
+    selected = torch.zeros(T, block_table.shape[1] * bs, dtype=torch.bool, device=q.device)
     for _, a, b, L, blocks in request_rows(query_start_loc, seq_lens, block_table, bs):
         n = b - a
         pos = torch.arange(L - n, L, device=q.device)
@@ -53,11 +82,20 @@ def block_mean_index_select(q, index_cache, query_start_loc, seq_lens, block_tab
 
 
 def paged_sparse_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale: float,
-                           selected: torch.Tensor) -> torch.Tensor:
+                           selected: torch.Tensor, max_query_len=None) -> torch.Tensor:
     """q [T, Hq, D]; kv_cache [N, 2, bs, Hkv, D]; selected [T, >= max seq_len] bool -> o [T, Hq, D]
-    in q.dtype (scores and softmax in float32)."""
+    in q.dtype (scores and softmax in float32). max_query_len 1 (one query per request, a host
+    fact) attends for every request at once, without a host sync."""
     T, Hq, D = q.shape
     bs, Hkv = kv_cache.shape[2], kv_cache.shape[3]
+    if max_query_len == 1 and T == seq_lens.shape[0]:
+        pages = request_pages(kv_cache, block_table).float()  # [R, 2, W, Hkv, D]
+        seen = selected[:, : pages.shape[2]]
+        pages = torch.where(seen[:, None, :, None, None], pages, 0)  # garbage past a sequence may hold anything
+        k, v = (x.repeat_interleave(Hq // Hkv, dim=2) for x in pages.unbind(1))  # [R, W, Hq, D]
+        scores = torch.einsum("rhd,rkhd->rhk", q.float(), k) * scale
+        scores = scores.masked_fill(~seen[:, None], float("-inf"))
+        return torch.einsum("rhk,rkhd->rhd", scores.softmax(-1), v).to(q.dtype)
     out = torch.zeros(T, Hq, D, dtype=torch.float32, device=q.device)
     for _, a, b, L, blocks in request_rows(query_start_loc, seq_lens, block_table, bs):
         kv = kv_cache[blocks].transpose(0, 1).reshape(2, -1, Hkv, D)[:, :L].float()

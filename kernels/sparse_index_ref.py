@@ -32,16 +32,59 @@ def request_rows(query_start_loc, seq_lens, block_table, bs: int):
         yield r, a, b, L, block_table[r, :-(-L // bs)].long()
 
 
+def request_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """cache [N, parts, bs, heads, D] -> every request's pages [R, parts, W x bs, heads, D] over the
+    block table's width W (no host sync; entries past a request's blocks are garbage to mask)."""
+    n, parts, bs, heads, dim = cache.shape
+    pages = cache[block_table.long().clamp(0, n - 1)]  # [R, W, parts, bs, heads, D]
+    return pages.transpose(1, 2).reshape(block_table.shape[0], parts, -1, heads, dim)
+
+
+def decode_pooled_index_select(q, weights, index_cache, ape, seq_lens, block_table, kpool: int, topk: int,
+                               scale: float, select_tail: bool = True) -> torch.Tensor:
+    """pooled_index_select for one query per request (q [R, Hi, D]), every request at once over the
+    block table's width, without a host sync (decode steps, CUDA graphs). Same selection."""
+    pages = request_pages(index_cache, block_table)[:, :, :, 0].float()  # [R, 2, W, D]
+    R, _, W, D = pages.shape
+    pos = seq_lens.long() - 1
+    cols = torch.arange(W, device=q.device)
+    selected = torch.zeros(R, W, dtype=torch.bool, device=q.device)
+    num_pools = W // kpool
+    if num_pools:
+        live = (cols[: num_pools * kpool][None] <= pos[:, None])[..., None]  # garbage past the sequence -> 0
+        keys = torch.where(live, pages[:, 0, : num_pools * kpool], 0).to(index_cache.dtype)
+        gates = torch.where(live, pages[:, 1, : num_pools * kpool], 0).to(index_cache.dtype)
+        keys, gates = keys.view(R, num_pools, kpool, D), gates.view(R, num_pools, kpool, D)
+        probs = torch.softmax(gates.float() + ape.float()[None, None], dim=2).to(keys.dtype)
+        pool_keys = (probs * keys).sum(dim=2)  # [R, P, D]
+        scores = F.relu(torch.matmul(q.float(), pool_keys.float().transpose(1, 2)) * scale)  # [R, Hi, P]
+        index = torch.matmul(weights.float().unsqueeze(-2), scores).squeeze(-2)  # [R, P]
+        ends = torch.arange(num_pools, device=q.device) * kpool + kpool - 1
+        valid = ends[None, :] <= pos[:, None]
+        index = index.masked_fill(~valid, torch.finfo(index.dtype).min)
+        chosen = index.topk(min(topk // kpool, num_pools), dim=-1).indices
+        picked = torch.zeros(R, num_pools + 1, dtype=torch.bool, device=q.device)
+        picked.scatter_(1, chosen, valid.gather(1, chosen))
+        selected = picked[:, torch.div(cols, kpool, rounding_mode="floor").clamp(max=num_pools)]
+    if select_tail:
+        tail_start = (pos + 1) - (pos + 1) % kpool
+        selected = selected | ((cols[None, :] >= tail_start[:, None]) & (cols[None, :] <= pos[:, None]))
+    return selected
+
+
 def pooled_index_select(q, weights, index_cache, ape, query_start_loc, seq_lens, block_table, kpool: int,
-                        topk: int, scale: float, select_tail: bool = True) -> torch.Tensor:
+                        topk: int, scale: float, select_tail: bool = True, max_query_len=None) -> torch.Tensor:
     """q [T, Hi, D] indexer queries; weights [T, Hi] float32 per-head weights (already times
     Hi ** -0.5); index_cache [N, 2, bs, 1, D] (key | gate score per token); ape [kpool, D].
-    Returns selected [T, max seq_len] bool: row t marks the keys of its request that query t sees
-    (positions < seq_len of its request; the rest False)."""
+    Returns selected [T, W x bs] bool (W: the block table's width): row t marks the keys of its
+    request that query t sees. max_query_len 1 (a host fact: one query per request) runs the
+    sync-free decode form."""
+    if max_query_len == 1 and q.shape[0] == seq_lens.shape[0]:
+        return decode_pooled_index_select(q, weights, index_cache, ape, seq_lens, block_table, kpool, topk, scale,
+                                          select_tail)
     T = q.shape[0]
     bs, D = index_cache.shape[2], index_cache.shape[-1]
-    width = int(seq_lens.max()) if seq_lens.numel() else 0
-    selected = torch.zeros(T, width, dtype=torch.bool, device=q.device)
+    selected = torch.zeros(T, block_table.shape[1] * bs, dtype=torch.bool, device=q.device)
     for _, a, b, L, blocks in request_rows(query_start_loc, seq_lens, block_table, bs):
         n = b - a
         pages = index_cache[blocks, :, :, 0].transpose(0, 1).reshape(2, -1, D)[:, :L]
@@ -71,15 +114,24 @@ def pooled_index_select(q, weights, index_cache, ape, query_start_loc, seq_lens,
 
 
 def latent_sparse_attention(q, kv_cache, kv_b_weight, query_start_loc, seq_lens, block_table, scale,
-                            nope_dim: int, v_dim: int, selected: torch.Tensor) -> torch.Tensor:
+                            nope_dim: int, v_dim: int, selected: torch.Tensor, max_query_len=None) -> torch.Tensor:
     """q [T, H, nope_dim]; kv_cache [N, 1, bs, 1, kv_lora_rank]; kv_b_weight [H * (nope_dim +
     v_dim), kv_lora_rank]; selected [T, >= max seq_len] bool (pooled_index_select's). Softmax in
-    float32 over each query's selected keys -> o [T, H, v_dim] in q.dtype."""
+    float32 over each query's selected keys -> o [T, H, v_dim] in q.dtype. max_query_len 1 (one
+    query per request, a host fact) attends for every request at once, without a host sync."""
     T, H, _ = q.shape
     bs, rank = kv_cache.shape[2], kv_cache.shape[-1]
     if kv_b_weight.shape != (H * (nope_dim + v_dim), rank):
         raise ValueError(f"kv_b_weight {tuple(kv_b_weight.shape)} does not fit {H} heads of "
                          f"{nope_dim}+{v_dim} dims from a latent of {rank}")
+    if max_query_len == 1 and T == seq_lens.shape[0]:
+        lat = request_pages(kv_cache, block_table)[:, 0, :, 0].float()  # [R, W, rank]
+        seen = selected[:, : lat.shape[1]]
+        lat = torch.where(seen[..., None], lat, 0)  # garbage pages past a sequence may hold anything
+        kv = (lat @ kv_b_weight.float().t()).view(T, -1, H, nope_dim + v_dim)
+        scores = torch.einsum("rhd,rkhd->rhk", q.float(), kv[..., :nope_dim]) * scale
+        scores = scores.masked_fill(~seen[:, None], float("-inf"))
+        return torch.einsum("rhk,rkhd->rhd", scores.softmax(-1), kv[..., nope_dim:]).to(q.dtype)
     out = torch.zeros(T, H, v_dim, dtype=torch.float32, device=q.device)
     w = kv_b_weight.float()
     for _, a, b, L, blocks in request_rows(query_start_loc, seq_lens, block_table, bs):

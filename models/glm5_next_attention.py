@@ -21,6 +21,11 @@ from .forward_batch import ForwardBatch
 from .latent_attention import LatentAttention
 
 
+def max_query_len(batch: ForwardBatch) -> int | None:
+    """The step's longest query (a host fact; None when the batch does not say)."""
+    return max(batch.query_lens_cpu) if batch.query_lens_cpu else None
+
+
 class DsaIndexer(nn.Module):
     """`self_attn.indexer`: x [T, hidden], q_resid [T, q_lora_rank] -> selected [T, max seq_len]."""
 
@@ -50,7 +55,7 @@ class DsaIndexer(nn.Module):
         weights = self.weights_proj(x).float() * self.n_heads ** -0.5
         return ops.pooled_index_select(q, weights, index_cache, self.index_kpool_compress_ape,
                                        batch.query_start_loc, batch.seq_lens, batch.block_table, self.kpool,
-                                       self.topk, self.head_dim ** -0.5, self.select_tail)
+                                       self.topk, self.head_dim ** -0.5, self.select_tail, max_query_len(batch))
 
 
 class DsaAttention(LatentAttention):
@@ -73,5 +78,5 @@ class DsaAttention(LatentAttention):
             selected = self.indexer(hidden, q_resid, batch, index_cache)
         out = ops.latent_sparse_attention(q, kv_cache, self.kv_b_proj.weight, batch.query_start_loc,
                                           batch.seq_lens, batch.block_table, self.scale, self.nope_dim,
-                                          self.v_dim, selected)
+                                          self.v_dim, selected, max_query_len(batch))
         return self.o_proj(out.reshape(T, self.num_heads * self.v_dim)), selected

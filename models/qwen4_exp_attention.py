@@ -17,6 +17,7 @@ from hybridkv.kernels import ops
 from hybridkv.specs import AttentionSpec
 
 from .forward_batch import ForwardBatch
+from .glm5_next_attention import max_query_len
 from .norms import RMSNorm
 
 
@@ -71,7 +72,7 @@ class QsaIndexer(nn.Module):
         ops.write_latent(key, index_cache, batch.slot_mapping)
         q = rotate(self.q_layernorm(q.view(T, self.heads, D)), batch.positions, self.rope)
         return ops.block_mean_index_select(q, index_cache, batch.query_start_loc, batch.seq_lens, batch.block_table,
-                                           self.ratio, self.budget, self.block_keys)
+                                           self.ratio, self.budget, self.block_keys, max_query_len(batch))
 
 
 class QsaAttention(nn.Module):
@@ -102,5 +103,5 @@ class QsaAttention(nn.Module):
         k = rotate(self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, D)), batch.positions, self.rope)
         ops.write_kv(k, self.v_proj(x).view(T, self.num_kv_heads, D), kv_cache, batch.slot_mapping)
         out = ops.paged_sparse_attention(q.contiguous(), kv_cache, batch.query_start_loc, batch.seq_lens,
-                                         batch.block_table, D ** -0.5, selected)
+                                         batch.block_table, D ** -0.5, selected, max_query_len(batch))
         return self.o_proj(out.reshape(T, H * D) * torch.sigmoid(gate.reshape(T, H * D)))
