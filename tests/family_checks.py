@@ -19,7 +19,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from hybridkv.models import load_model
-from hybridkv.models.registry import family_module
 from hybridkv.models.tiny import make_tiny_checkpoint
 from model_harness import Harness, assert_close_rel, assert_greedy_matches_hf, hf_logits
 
@@ -526,6 +525,34 @@ def check_engine_under_pressure(path, ours, hf, case: PressureCase, mode: str):
         assert assert_greedy_matches_hf(hf, p, o.outputs[0].token_ids) == 0
     assert llm.stats()["preemptions"][mode] > 0
     assert_no_leaks(llm)
+
+
+def check_burst_computes_the_shared_prefix_once(path, hf):
+    """Three prompts sharing 40 tokens arrive together: the followers wait for the leader's
+    checkpoint at 2 blocks of BS (every kind's memory there) and resume at it; all outputs are
+    transformers' greedy tokens and nothing leaks."""
+    from engine_fixtures import assert_no_leaks, greedy
+    from hybridkv import LLM
+
+    llm = LLM(str(path), memory_budget_bytes=4 << 20)
+    shared = prompt(40, 41)
+    prompts = [shared + prompt(3 + i, 42 + i) for i in range(3)]
+    outs = llm.generate(prompts, greedy(6), use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [0, 2 * BS, 2 * BS]
+    assert llm.stats()["burst_waits"] >= 2
+    for p, o in zip(prompts, outs):
+        assert assert_greedy_matches_hf(hf, p, o.outputs[0].token_ids) == 0
+    assert_no_leaks(llm)
+
+
+def check_tensor_parallel_refused_by_name(path, architecture: str):
+    """LLM(path, tensor_parallel_size=2) raises a ValueError naming the architecture."""
+    import pytest
+
+    from hybridkv import LLM
+
+    with pytest.raises(ValueError, match=f"tensor_parallel_size=2 is not supported for {architecture}"):
+        LLM(str(path), tensor_parallel_size=2)
 
 
 def check_prefix_hit_and_migration(path, hf):

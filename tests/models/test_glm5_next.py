@@ -11,15 +11,14 @@ import shutil
 import pytest
 import torch
 
-from hybridkv import LLM
 from hybridkv.config_specs import load_specs, specs_from_config
 from hybridkv.models import load_model
 from hybridkv.models.checkpoint import CheckpointError
 from hybridkv.specs import AttentionSpec, RecurrentSpec
 
-from engine_fixtures import assert_no_leaks, greedy
-from family_checks import BS, prompt
-from model_harness import Harness, assert_close_rel, assert_greedy_matches_hf, hf_logits
+from family_checks import (check_burst_computes_the_shared_prefix_once, check_tensor_parallel_refused_by_name,
+                           prompt)
+from model_harness import Harness, assert_close_rel, hf_logits
 
 NAME = "glm5_next"
 
@@ -89,21 +88,12 @@ def test_burst_computes_the_shared_prefix_once(family_models):
     """Three prompts sharing 40 tokens arrive together: the followers wait for the leader's
     checkpoint at 32 (latent and indexer pages, the KDA state) and resume there."""
     path, _, hf = family_models(NAME)
-    llm = LLM(str(path), memory_budget_bytes=4 << 20)
-    shared = prompt(40, 41)
-    prompts = [shared + prompt(3 + i, 42 + i) for i in range(3)]
-    outs = llm.generate(prompts, greedy(6), use_tqdm=False)
-    assert [o.num_cached_tokens for o in outs] == [0, 2 * BS, 2 * BS]
-    assert llm.stats()["burst_waits"] >= 2
-    for p, o in zip(prompts, outs):
-        assert assert_greedy_matches_hf(hf, p, o.outputs[0].token_ids) == 0
-    assert_no_leaks(llm)
+    check_burst_computes_the_shared_prefix_once(path, hf)
 
 
 def test_tensor_parallel_is_refused_by_name(family_models):
     path, _, _ = family_models(NAME)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported for Glm5NextForConditionalGeneration"):
-        LLM(str(path), tensor_parallel_size=2)
+    check_tensor_parallel_refused_by_name(path, "Glm5NextForConditionalGeneration")
 
 
 @pytest.mark.parametrize("change, message", [

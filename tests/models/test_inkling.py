@@ -16,7 +16,9 @@ from hybridkv.models import load_model
 from hybridkv.specs import AttentionSpec, RecurrentSpec
 
 from engine_fixtures import assert_no_leaks, greedy
-from family_checks import BS, WINDOW, generate_holding_the_window, load_pair, prompt
+from family_checks import (BS, WINDOW, check_burst_computes_the_shared_prefix_once,
+                           check_tensor_parallel_refused_by_name, generate_holding_the_window, load_pair,
+                           prompt)
 from hybridkv.models.tiny import make_tiny_checkpoint
 from model_harness import Harness, assert_close_rel, assert_greedy_matches_hf, hf_logits
 
@@ -137,21 +139,12 @@ def test_long_generation_holds_the_window_then_a_prefix_hit(family_models):
 
 def test_burst_computes_the_shared_prefix_once(family_models):
     path, _, hf = family_models(NAME)
-    llm = LLM(str(path), memory_budget_bytes=4 << 20)
-    shared = prompt(40, 41)
-    prompts = [shared + prompt(3 + i, 42 + i) for i in range(3)]
-    outs = llm.generate(prompts, greedy(6), use_tqdm=False)
-    assert [o.num_cached_tokens for o in outs] == [0, 2 * BS, 2 * BS]
-    assert llm.stats()["burst_waits"] >= 2
-    for p, o in zip(prompts, outs):
-        assert assert_greedy_matches_hf(hf, p, o.outputs[0].token_ids) == 0
-    assert_no_leaks(llm)
+    check_burst_computes_the_shared_prefix_once(path, hf)
 
 
 def test_tensor_parallel_is_refused_by_name(family_models):
     path, _, _ = family_models(NAME)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported for InklingForCausalLM"):
-        LLM(str(path), tensor_parallel_size=2)
+    check_tensor_parallel_refused_by_name(path, "InklingForCausalLM")
 
 
 def test_published_multimodal_checkpoint_serves_its_text_model(tmp_path):

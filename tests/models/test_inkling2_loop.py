@@ -7,7 +7,6 @@ migration to block size 8) are its row in tests/family_checks.py: a loop over de
 pass's memory per token, so prefix reuse needs no exception."""
 import shutil
 
-import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -17,7 +16,7 @@ from hybridkv.models import load_model
 from hybridkv.specs import AttentionSpec, RecurrentSpec
 
 from engine_fixtures import assert_no_leaks
-from family_checks import WINDOW, generate_holding_the_window, prompt
+from family_checks import WINDOW, check_tensor_parallel_refused_by_name, generate_holding_the_window, prompt
 from model_harness import Harness, assert_greedy_matches_hf
 
 NAME = "inkling2_loop"
@@ -108,5 +107,4 @@ def test_long_generation_holds_the_window_in_every_pass(family_models):
 
 def test_tensor_parallel_is_refused_by_name(family_models):
     path, _, _ = family_models(NAME)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported for Inkling2LoopForCausalLM"):
-        LLM(str(path), tensor_parallel_size=2)
+    check_tensor_parallel_refused_by_name(path, "Inkling2LoopForCausalLM")

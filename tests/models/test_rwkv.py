@@ -8,12 +8,11 @@ import pytest
 import torch
 from transformers.models.rwkv.modeling_rwkv import rwkv_linear_attention_cpu
 
-from hybridkv import LLM
 from hybridkv.config_specs import load_specs, specs_from_config
 from hybridkv.kernels import ops
 from hybridkv.specs import RecurrentSpec
 
-from family_checks import BS, load_pair, prompt, tiny_rwkv
+from family_checks import BS, check_tensor_parallel_refused_by_name, load_pair, prompt, tiny_rwkv
 from model_harness import Harness, assert_close_rel, hf_logits
 
 NAME = "rwkv"
@@ -120,5 +119,4 @@ def test_bfloat16_keeps_float32_where_transformers_does(family_models):
 
 def test_tensor_parallel_is_refused_by_name(family_models):
     path, _, _ = family_models(NAME)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported for RwkvForCausalLM"):
-        LLM(str(path), tensor_parallel_size=2)
+    check_tensor_parallel_refused_by_name(path, "RwkvForCausalLM")

@@ -19,7 +19,9 @@ from hybridkv.models.checkpoint import CheckpointError
 from hybridkv.specs import AttentionSpec, RecurrentSpec
 
 from engine_fixtures import assert_no_leaks, greedy
-from family_checks import BS, WINDOW, generate_holding_the_window, load_pair, prompt, tiny_zaya
+from family_checks import (BS, WINDOW, check_burst_computes_the_shared_prefix_once,
+                           check_tensor_parallel_refused_by_name, generate_holding_the_window, load_pair,
+                           prompt, tiny_zaya)
 from model_harness import Harness, assert_close_rel, assert_greedy_matches_hf, hf_logits
 
 NAME = "zaya"
@@ -140,21 +142,12 @@ def test_burst_computes_the_shared_prefix_once(family_models):
     """Three prompts sharing 40 tokens arrive together: the followers wait for the leader's
     checkpoint at 32 (KV blocks and the CCA state) and resume there."""
     path, _, hf = family_models(NAME)
-    llm = LLM(str(path), memory_budget_bytes=4 << 20)
-    shared = prompt(40, 41)
-    prompts = [shared + prompt(3 + i, 42 + i) for i in range(3)]
-    outs = llm.generate(prompts, greedy(6), use_tqdm=False)
-    assert [o.num_cached_tokens for o in outs] == [0, 2 * BS, 2 * BS]
-    assert llm.stats()["burst_waits"] >= 2
-    for p, o in zip(prompts, outs):
-        assert assert_greedy_matches_hf(hf, p, o.outputs[0].token_ids) == 0
-    assert_no_leaks(llm)
+    check_burst_computes_the_shared_prefix_once(path, hf)
 
 
 def test_tensor_parallel_is_refused_by_name(family_models):
     path, _, _ = family_models(NAME)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported for ZayaForCausalLM"):
-        LLM(str(path), tensor_parallel_size=2)
+    check_tensor_parallel_refused_by_name(path, "ZayaForCausalLM")
 
 
 def test_unknown_layer_type_is_refused(family_models, tmp_path):
