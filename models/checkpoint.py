@@ -12,6 +12,25 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
+class PartsView:
+    """A checkpoint seen under other names: `_parts(name)` lists the stored tensors that make up the
+    tensor `name` (one read as it is, several stacked along dim 0); `ckpt`: anything with
+    `__contains__` and `get(name)`."""
+
+    def __init__(self, ckpt):
+        self.ckpt = ckpt
+
+    def _parts(self, name: str) -> list[str]:
+        return [name]
+
+    def __contains__(self, name: str) -> bool:
+        return all(p in self.ckpt for p in self._parts(name))
+
+    def get(self, name: str) -> torch.Tensor:
+        parts = self._parts(name)
+        return self.ckpt.get(parts[0]) if len(parts) == 1 else torch.cat([self.ckpt.get(p) for p in parts])
+
+
 class CheckpointError(ValueError):
     """A checkpoint directory is missing something or holds a malformed file, a tensor of the wrong
     shape or a config value no model can have; the message names the file and what is wrong."""

@@ -8,7 +8,8 @@ Renames: `attn_hc.{fn,base,scale}` <- `hc_attn_{fn,base,scale}` (ffn alike); the
 """
 from __future__ import annotations
 
-import torch
+from .checkpoint import PartsView
+from .kimi_linear import published_kda_parts
 
 _HC = {f".{part}_hc.{w}": f".hc_{part}_{w}" for part in ("attn", "ffn") for w in ("fn", "base", "scale")}
 
@@ -18,19 +19,12 @@ def _renamed(rest: str) -> list[str]:
     for ours, theirs in _HC.items():
         if rest.endswith(ours):
             return [rest[: -len(ours)] + theirs]
-    if ".self_attn.forget_gate." in rest:
-        return [rest.replace(".forget_gate.", ".")]
-    if rest.endswith(".self_attn.conv1d.weight"):
-        return [rest.replace(".conv1d.", f".{p}_conv1d.") for p in "qkv"]
-    return [rest]
+    return published_kda_parts(rest)
 
 
-class Glm5NextNames:
+class Glm5NextNames(PartsView):
     """A checkpoint seen under in-memory names `model.*` / `lm_head.weight`; anything with
     `__contains__` and `get(name)` inside. A name stored as such is read as it is."""
-
-    def __init__(self, ckpt):
-        self.ckpt = ckpt
 
     def _parts(self, name: str) -> list[str]:
         if name in self.ckpt or not name.startswith("model."):
@@ -41,10 +35,3 @@ class Glm5NextNames:
                 if all(p in self.ckpt for p in parts):
                     return parts
         return [name]
-
-    def __contains__(self, name: str) -> bool:
-        return all(p in self.ckpt for p in self._parts(name))
-
-    def get(self, name: str) -> torch.Tensor:
-        parts = self._parts(name)
-        return self.ckpt.get(parts[0]) if len(parts) == 1 else torch.cat([self.ckpt.get(p) for p in parts])

@@ -14,6 +14,7 @@ from hybridkv.kernels import ops
 from hybridkv.specs import LayerSpec
 
 from .base import HybridModel
+from .checkpoint import PartsView
 from .decoder import HybridDecoderLayer, layer_cache_specs, run_layers
 from .forward_batch import ForwardBatch, ModelCaches
 from .kda_mixer import KimiDeltaAttentionMixer
@@ -128,29 +129,23 @@ class KimiLinearBody(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
-class PublishedKdaNames:
-    """A checkpoint seen with transformers' in-memory KDA names when it holds the published ones:
+def published_kda_parts(name: str) -> list[str]:
+    """The published names of KDA tensor `name` (transformers' in-memory one):
     `self_attn.{f_a_proj,f_b_proj,dt_bias,A_log}` outside `forget_gate`, and the conv split in
     `q_conv1d` / `k_conv1d` / `v_conv1d` (stacked on read, as transformers' conversion does)."""
+    if ".self_attn.forget_gate." in name:
+        return [name.replace(".forget_gate.", ".")]
+    if name.endswith(".self_attn.conv1d.weight"):
+        return [name.replace(".conv1d.", f".{p}_conv1d.") for p in "qkv"]
+    return [name]
 
-    def __init__(self, ckpt):
-        self.ckpt = ckpt
+
+class PublishedKdaNames(PartsView):
+    """A checkpoint seen with transformers' in-memory KDA names when it holds the published ones
+    (`published_kda_parts`)."""
 
     def _parts(self, name: str) -> list[str]:
-        if name in self.ckpt:
-            return [name]
-        if ".self_attn.forget_gate." in name:
-            return [name.replace(".forget_gate.", ".")]
-        if name.endswith(".self_attn.conv1d.weight"):
-            return [name.replace(".conv1d.", f".{p}_conv1d.") for p in "qkv"]
-        return [name]
-
-    def __contains__(self, name: str) -> bool:
-        return all(p in self.ckpt for p in self._parts(name))
-
-    def get(self, name: str) -> torch.Tensor:
-        parts = self._parts(name)
-        return self.ckpt.get(parts[0]) if len(parts) == 1 else torch.cat([self.ckpt.get(p) for p in parts])
+        return [name] if name in self.ckpt else published_kda_parts(name)
 
 
 class KimiLinearModel(HybridModel):

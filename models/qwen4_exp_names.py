@@ -7,16 +7,13 @@ Per-expert weights stack in models/moe.py's PerExpertView.
 """
 from __future__ import annotations
 
-import torch
+from .checkpoint import PartsView
 
 _TABLE = ".ngram_embedding.weight"
 
 
-class Qwen4ExpNames:
+class Qwen4ExpNames(PartsView):
     """A checkpoint seen under in-memory names; anything with `__contains__` and `get(name)` inside."""
-
-    def __init__(self, ckpt):
-        self.ckpt = ckpt
 
     def _parts(self, name: str) -> list[str]:
         candidates = [name]
@@ -32,10 +29,3 @@ class Qwen4ExpNames:
                 if shards:
                     return shards
         return [name]
-
-    def __contains__(self, name: str) -> bool:
-        return all(p in self.ckpt for p in self._parts(name))
-
-    def get(self, name: str) -> torch.Tensor:
-        parts = self._parts(name)
-        return self.ckpt.get(parts[0]) if len(parts) == 1 else torch.cat([self.ckpt.get(p) for p in parts])
