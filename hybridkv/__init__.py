@@ -3,6 +3,7 @@ from hybridkv.errors import (MemoryBudgetError, RequestStateError, RequestTooLar
                              SnapshotMismatchError)
 from hybridkv.outputs import CompletionOutput, RequestOutput
 from hybridkv.plan import MemoryPlan, plan
+from hybridkv.request import Request, RequestStatus
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.snapshot import RequestSnapshot
 from hybridkv.specs import AttentionSpec, LayerSpec, RecurrentSpec
@@ -28,7 +29,7 @@ __version__ = _version()
 __all__ = ["__version__", "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "AttentionSpec",
            "RecurrentSpec", "LayerSpec", "HybridCacheManager", "ManagerStats", "RequestSnapshot",
            "MemoryPlan", "plan", "MemoryBudgetError", "RequestTooLargeError",
-           "SnapshotMismatchError", "RequestStateError"]
+           "SnapshotMismatchError", "RequestStateError", "Request", "RequestStatus"]
 
 
 def __getattr__(name):  # lazy: `import hybridkv` stays light; LLM pulls in models and kernels
