@@ -8,7 +8,7 @@ N requests (16-200 random prompt tokens, greedy, EOS ignored) are prefilled, the
 timed with `time.process_time` (1 torch thread): the whole step, the model call (a stub returning
 zero logits [N, vocab], or with --real the tiny Bamba of bench_engine.py: hidden 256, 8 layers,
 attention at 3 and 7), the sampler call, `schedule()` and the manager's `commit` (with
-`commit_decodes`, the batched commit of plain decodes). Overhead = step - model - sampler:
+the decode batch's `DecodeRows.commit`; `commit_decodes` in older trees). Overhead = step - model - sampler:
 scheduling, the batch build, commits and checkpoints, stop checks, outputs. Steps run as
 `LLM.generate` runs them (`step(finished_only=True)`: outputs of finished requests only); with
 --stream every step returns every advanced request's output, as the server's stepping does.
@@ -38,7 +38,7 @@ REAL_BAMBA = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8, n
 
 class _Timed:
     """Forwards calls to `inner`, adding each call's CPU seconds to acc[key]; a call made inside
-    another timed call of the same key (commit_decodes calling commit) is counted once."""
+    another timed call of the same key (a batched commit calling commit) is counted once."""
 
     def __init__(self, inner, acc: dict, key: str):
         self.inner, self.acc, self.key = inner, acc, key
