@@ -292,6 +292,48 @@ class HybridCacheManager:
             return [-1] * num_new_tokens
         return self.attention.slot_mapping(req_id, start, end)
 
+    def allocate_draft(self, req_id: Hashable, num_draft: int) -> Optional[tuple[list[int], list[int]]]:
+        """For a running request to verify a draft of num_draft tokens in one step: KV write slots
+        for its num_draft + 1 positions from num_computed_tokens, and its state slot chain [live
+        slot, then a draft slot per position] ([] without recurrent layers; memory/recurrent.py).
+        None when a pool cannot give them without evicting (speculation never preempts, never
+        evicts a checkpoint); then nothing changed. `commit_draft` ends the run."""
+        r = self._running(req_id)
+        n = num_draft + 1
+        if len(r.token_ids) - r.num_computed_tokens != 1 or num_draft < 1:
+            raise RequestStateError(f"draft of {num_draft} tokens for {req_id!r}: it must have exactly one "
+                                    f"token left to compute and a draft of at least one")
+        start = r.num_computed_tokens
+        rec = self.recurrent
+        if rec is not None and not rec.can_take_draft_slots(n):
+            return None
+        if not all(kind.can_allocate(req_id, start, start + n) for kind in self.allocating_kinds):
+            return None
+        for kind in self.allocating_kinds:
+            kind.allocate(req_id, start, start + n)
+        chain = [rec.live_slot(req_id), *rec.take_draft_slots(req_id, n)] if rec is not None else []
+        kv = self.attention.slot_mapping(req_id, start, start + n) if self.attention is not None else [-1] * n
+        return kv, chain
+
+    def commit_draft(self, req_id: Hashable, num_tokens: int) -> None:
+        """A verified draft run keeps its first num_tokens positions (the token before the draft,
+        then the accepted draft tokens; its token list holds them): commit() them, keep the state
+        checkpoints due inside the run from the draft slot of their position, make the state after
+        the last kept token the live one (a slot move), and let go of the KV and draft slots of the
+        rejected positions. On a raise, `finish(req_id, failed=True)` frees what is left."""
+        r = self._running(req_id)
+        start = r.num_computed_tokens
+        end = start + num_tokens
+        self.commit(req_id, num_tokens)
+        rec = self.recurrent
+        if rec is not None:
+            slots, b = rec.draft_slots(req_id), start
+            while (b := self.checkpoint_due(req_id, b, end)) is not None:  # the states of the run's boundaries
+                self._checkpoint_at(r, b, slots[b - start - 1])
+            rec.accept_draft(req_id, num_tokens)
+        for kind in self.kinds:
+            kind.trim(req_id, end)
+
     def decode_rows(self, requests: Sequence[Request]) -> DecodeRows:
         """The handle of the batched one-token verbs for these running requests, in this order
         (decode_rows.py: valid while they run and get blocks only through its `allocate`)."""
@@ -379,9 +421,14 @@ class HybridCacheManager:
             raise RequestStateError(
                 f"checkpoint of {req_id!r} at num_computed_tokens={nc}, not a block boundary (block_size "
                 f"{bs}): cut the chunk where checkpoint_due() says")
-        h = self._boundary(r)
-        output = nc > r.num_prompt_tokens and self.policy.rolling_output
-        return self.recurrent.checkpoint(req_id, h, nc, output)
+        return self._checkpoint_at(r, nc)
+
+    def _checkpoint_at(self, r: Request, position: int, source: Optional[int] = None) -> bool:
+        """Keep the state after `position` (a block boundary) tokens of r from slot `source`
+        (None: the live state, after num_computed_tokens)."""
+        h = self._boundary(r, position)
+        output = position > r.num_prompt_tokens and self.policy.rolling_output
+        return self.recurrent.checkpoint(r.request_id, h, position, output, source)
 
     def batched_checkpoints(self):
         """A context in which checkpoint() calls keep their bookkeeping but copy the states at the
@@ -390,9 +437,9 @@ class HybridCacheManager:
             return contextlib.nullcontext()
         return self.recurrent.states.deferred_copies()
 
-    def _boundary(self, r: Request) -> bytes:
-        """Hash of the block ending at num_computed_tokens, made findable in every kind."""
-        i = r.num_computed_tokens // self.block_size - 1
+    def _boundary(self, r: Request, position: Optional[int] = None) -> bytes:
+        """Hash of the block ending at `position` (None: num_computed_tokens), made findable in every kind."""
+        i = (r.num_computed_tokens if position is None else position) // self.block_size - 1
         for kind in self.kinds:
             kind.mark_boundary(r.request_id, i, r.block_hashes[i])
         return r.block_hashes[i]

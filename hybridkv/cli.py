@@ -57,6 +57,9 @@ def add_llm_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-share", type=float, default=None)
     g.add_argument("--cuda-graphs", action="store_true",
                    help="replay decode steps as CUDA graphs (GPU only; never run on a GPU yet, so off by default)")
+    g.add_argument("--speculative-config", default=None,
+                   help='speculative decoding, JSON in vLLM\'s shape, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4}\' (default off)')
 
 
 def llm_kwargs(args: argparse.Namespace) -> dict:
@@ -69,7 +72,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
                 max_model_len=args.max_model_len, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
                 checkpoint_policy=args.checkpoint_policy, checkpoint_every_n=args.checkpoint_every_n,
                 checkpoint_eviction=args.checkpoint_eviction, checkpoint_share=args.checkpoint_share,
-                cuda_graphs=args.cuda_graphs)
+                cuda_graphs=args.cuda_graphs, speculative_config=args.speculative_config)
 
 
 # ---- hybridkv demo ---------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from hybridkv.scheduler.config import EngineConfig
 from hybridkv.scheduler.decode_graphs import DecodeGraphs
 from hybridkv.scheduler.decode_graphs import check_option as check_graphs_option
 from hybridkv.scheduler.engine import Engine
+from hybridkv.scheduler.speculation import Speculation
 from hybridkv.scheduler.preemption import PreemptionPolicy
 from hybridkv.scheduler.profiler import Profile, profile_model
 from hybridkv.scheduler.scheduler import Scheduler
@@ -73,6 +74,10 @@ class LLM:
     0; hybridkv/parallel/); `close()` stops the other ranks.
     `cuda_graphs=True` replays decode steps as CUDA graphs (scheduler/decode_graphs.py; off by
     default: never run on a GPU yet); refused on a CPU ('dry_run' is the tests' CPU stand-in).
+    `speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
+    "prompt_lookup_min": 2}` (vLLM's shape) makes decodes verify drafted tokens, k + 1 positions
+    in one forward, with the output token for token what it would be without (docs/design.md,
+    "Speculative decoding").
     """
 
     def __init__(self, model: str, device: str = "auto", dtype="float32", block_size: int = 16,
@@ -122,6 +127,8 @@ class LLM:
             flops_per_token=2.0 * params, max_num_batched_tokens=max_num_batched_tokens)
         policy = PreemptionPolicy(preemption_mode, specs, block_size, self.profile, enable_prefix_caching)
         scheduler = Scheduler(self.manager, policy, max_num_batched_tokens, max_num_seqs)
+        if c.speculative_config is not None:  # decodes verify drafts (scheduler/speculation.py)
+            scheduler.speculation = Speculation(c.speculative_config, block_size)
         tp = self.tensor_parallel  # its executor sends each step to ranks 1..N-1, then runs rank 0's
         self.engine = Engine(self.model, self.manager, scheduler, seed=seed, executor=tp.executor if tp else None)
         if graph_mode is not None:  # decode steps replay graphs (scheduler/decode_graphs.py)

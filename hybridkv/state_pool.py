@@ -1,8 +1,9 @@
 """Whole-object recurrent-state slots: per recurrent layer `conv[num_slots, ...]` and `ssm[num_slots, ...]`.
 
 Slot 0 is the null slot (padding rows point at it). Every other slot is free, live (owned by one
-running request, written in place by the kernels) or a checkpoint (immutable, owned by the prefix
-cache). The pool records which, so conservation can be checked; owners are the manager's business.
+running request, written in place by the kernels), a checkpoint (immutable, owned by the prefix
+cache) or a draft slot (the state after one token of a draft being verified, for one step). The
+pool records which, so conservation can be checked; owners are the manager's business.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 from hybridkv.specs import RecurrentSpec
 
-FREE, LIVE, CHECKPOINT, NULL = "free", "live", "checkpoint", "null"
+FREE, LIVE, CHECKPOINT, DRAFT, NULL = "free", "live", "checkpoint", "draft", "null"
 # Above this many bytes per slot a tensor's deferred copies run one by one (measured on the CPU:
 # a gather of 2-16 slots of 128 KiB costs ~1.6-2.6x the copies; of 1 KiB slots, 0.3-0.7x)
 _GATHER_MAX_SLOT_BYTES = 16 << 10
@@ -69,7 +70,7 @@ class StatePool:
         return self.kind.count(kind)
 
     def allocate(self, kind: str = LIVE) -> Optional[int]:
-        """A free slot marked `kind` (LIVE or CHECKPOINT), or None when none is free. Contents are stale."""
+        """A free slot marked `kind` (LIVE, CHECKPOINT or DRAFT), or None when none is free. Contents are stale."""
         if not self._free:
             return None
         slot = self._free.pop()

@@ -26,6 +26,10 @@ class ForwardBatch:
                       layers form several groups (full and sliding, or two windows), each with its
                       own pool; an attention layer then reads its group's table and slots
                       (kv_tables()). Empty: block_table and slot_mapping serve every layer.
+    verify_slots:     {request index: [live slot, then a state slot per token]} of the requests
+                      that verify a draft (speculative decoding): their recurrent layers leave the
+                      state after each token in that token's slot and never write the live one
+                      (slot_split.py; token_shift.py). Empty: none verifies.
     """
 
     input_ids: torch.Tensor
@@ -43,6 +47,7 @@ class ForwardBatch:
     seq_lens_cpu: list[int] = field(default_factory=list)
     kernel_plans: dict = field(default_factory=dict, repr=False, compare=False)
     kv_groups: dict = field(default_factory=dict)
+    verify_slots: dict = field(default_factory=dict)
 
     def kv_tables(self, window: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """(block_table [R, W], slot_mapping [T], kernel plan dict) for attention layers of this

@@ -79,6 +79,7 @@ class GatedDeltaNetMixer(nn.Module):
             decode=lambda xd, s: ops.conv1d_update(xd, conv_state, weight, None, s.decode_slots),
             prefill=lambda xp, s: ops.causal_conv1d(xp, conv_state, weight, None, s.prefill_qsl,
                                                     s.prefill_slots, s.prefill_has_init),
+            states=(conv_state,),
         )
         beta = b.sigmoid() * self.beta_scale
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
@@ -103,7 +104,7 @@ class GatedDeltaNetMixer(nn.Module):
             return ops.gdn_chunk_scan(ssm_state, q, k, v, gs, bs, s.prefill_qsl, s.prefill_slots,
                                       s.prefill_has_init, use_qk_l2norm=True)
 
-        core = split.run(packed, decode=decode, prefill=prefill)  # [T, HV, dv]
+        core = split.run(packed, decode=decode, prefill=prefill, states=(ssm_state,))  # [T, HV, dv]
         core = self.norm(core.to(hidden.dtype).reshape(-1, self.head_v_dim),
                          z.reshape(-1, self.head_v_dim))
         return self.out_proj(core.reshape(T, self.value_dim))

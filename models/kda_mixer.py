@@ -97,6 +97,7 @@ class KimiDeltaAttentionMixer(nn.Module):
             decode=lambda xd, s: ops.conv1d_update(xd, conv_state, weight, None, s.decode_slots),
             prefill=lambda xp, s: ops.causal_conv1d(xp, conv_state, weight, None, s.prefill_qsl,
                                                     s.prefill_slots, s.prefill_has_init),
+            states=(conv_state,),
         )
         g = self.forget_gate(hidden)
         beta = torch.sigmoid(self.b_proj(hidden).float())
@@ -117,7 +118,7 @@ class KimiDeltaAttentionMixer(nn.Module):
             return ops.kda_chunk_scan(state, q, k, v, gs, bs, s.prefill_qsl, s.prefill_slots,
                                       s.prefill_has_init, use_qk_l2norm=True)
 
-        core = split.run(packed, decode=decode, prefill=prefill)  # [T, H, K]
+        core = split.run(packed, decode=decode, prefill=prefill, states=(state,))  # [T, H, K]
         gate = self.output_gate(hidden).view(T, H, K)
         out = self.o_norm(core.to(hidden.dtype), gate)
         return self.o_proj(out.reshape(T, H * K))

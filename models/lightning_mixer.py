@@ -70,6 +70,6 @@ class LightningAttentionMixer(nn.Module):
             return ops.lightning_chunk_scan(state, q, k, v, self._slopes, s.prefill_qsl,
                                             s.prefill_slots, s.prefill_has_init)
 
-        core = split.run(qkv, decode=decode, prefill=prefill)  # [T, H, D]
+        core = split.run(qkv, decode=decode, prefill=prefill, states=(state,))  # [T, H, D]
         core = self.norm(core.reshape(T, H * D))
         return self.out_proj(torch.sigmoid(self.output_gate(hidden)) * core)

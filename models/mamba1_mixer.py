@@ -68,6 +68,7 @@ class Mamba1Mixer(nn.Module):
             decode=lambda xd, s: ops.conv1d_update(xd, conv_state, weight, bias, s.decode_slots),
             prefill=lambda xp, s: ops.causal_conv1d(xp, conv_state, weight, bias, s.prefill_qsl,
                                                     s.prefill_slots, s.prefill_has_init),
+            states=(conv_state,),
         )
         dt, B, C = torch.split(self.x_proj(xc), [self.dt_rank, self.d_state, self.d_state], dim=-1)
         dt = F.linear(self.dt_layernorm(dt), self.dt_proj.weight)  # bias goes in as dt_bias
@@ -88,5 +89,5 @@ class Mamba1Mixer(nn.Module):
             return ops.mamba1_scan(ssm_state, xs, dts, A, Bs, Cs, D, zs, dt_bias, s.prefill_qsl,
                                    s.prefill_slots, s.prefill_has_init, dt_softplus=True)
 
-        y = split.run(packed, decode=decode, prefill=prefill, out_dim=self.d_inner)
+        y = split.run(packed, decode=decode, prefill=prefill, out_dim=self.d_inner, states=(ssm_state,))
         return self.out_proj(y.to(hidden.dtype))

@@ -131,7 +131,7 @@ class Mamba2Mixer(nn.Module):
             return y.reshape(-1, self.d_inner)
 
         # xBC and dt are adjacent columns of proj: one view, no copy
-        y = split.run(proj[:, self.d_inner:], decode, prefill, out_dim=self.d_inner)
+        y = split.run(proj[:, self.d_inner:], decode, prefill, out_dim=self.d_inner, states=(conv_state, ssm_state))
         y = self.norm(y, z) if self.norm is not None else y * F.silu(z)
         return self.out_proj(y.to(hidden.dtype))
 

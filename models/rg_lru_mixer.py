@@ -88,6 +88,7 @@ class RGLRUBlock(nn.Module):
             prefill=lambda xp, s: ops.causal_conv1d(xp.contiguous(), conv_state, weight, bias,
                                                     s.prefill_qsl, s.prefill_slots, s.prefill_has_init,
                                                     activation=None),
+            states=(conv_state,),
         )
         gi, gr = self.rg_lru.gates(x)
         packed = torch.cat([x, gi, gr], dim=-1)
@@ -100,5 +101,5 @@ class RGLRUBlock(nn.Module):
             return ops.rg_lru_scan(lru_state, *p.chunk(3, dim=-1), param, s.prefill_qsl,
                                    s.prefill_slots, s.prefill_has_init)
 
-        h = split.run(packed, decode=decode, prefill=prefill, out_dim=self.lru_width)
+        h = split.run(packed, decode=decode, prefill=prefill, out_dim=self.lru_width, states=(lru_state,))
         return self.linear_out(h.to(hidden.dtype) * y)

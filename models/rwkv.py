@@ -80,7 +80,7 @@ class RwkvTimeMix(nn.Module):
             decode=lambda kv, s: ops.rwkv4_state_update(wkv_state, *kv.chunk(2, dim=-1), w, u, s.decode_slots),
             prefill=lambda kv, s: ops.rwkv4_scan(wkv_state, *kv.chunk(2, dim=-1), w, u, s.prefill_qsl,
                                                  s.prefill_slots, s.prefill_has_init),
-            out_dim=self.attention_hidden_size)
+            out_dim=self.attention_hidden_size, states=(wkv_state,))
         return self.output(r * wkv)
 
 

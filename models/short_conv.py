@@ -60,5 +60,5 @@ class ShortConv(nn.Module):
             return ops.causal_conv1d(rows.contiguous(), conv_state, weight, bias, sp.prefill_qsl,
                                      sp.prefill_slots, sp.prefill_has_init, activation=None)
 
-        conv_out = split.run(bx, decode, prefill)
+        conv_out = split.run(bx, decode, prefill, states=(conv_state,))
         return self.out_proj(C * conv_out.to(C.dtype))

@@ -3,11 +3,19 @@
 A request decodes when it brings one token on top of a state (`seq_len > 1`); everything else
 (prompt starts, prefill chunks, a one-token prompt) goes through the varlen path, which also
 handles a zero initial state. Recurrent mixers share one split per step.
+
+A request that verifies a draft (`ForwardBatch.verify_slots`: speculative decoding) brings k + 1
+tokens and must leave the state after EACH of them, so that accepting j drafts makes the state
+after token j the live one by a slot move, never a replay. Its tokens run the one-token decode
+kernels position by position, each on a state slot of its own: before position j's decode, the
+states this call writes (`run(..., states=...)`) are copied from the slot of position j - 1 (the
+live slot for j = 0) into the slot of position j. The live slot itself is never written, so a
+rejected draft leaves nothing to undo. The arithmetic per token is the plain decode's.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -24,6 +32,7 @@ class SlotSplit:
     prefill_qsl:   [Rp+1] int32 query_start_loc re-based to the gathered prefill rows
     prefill_slots: [Rp] int32; prefill_has_init: [Rp] bool
     all_prefill / all_decode: the gather is the identity (skip copying)
+    verify:        the steps of the requests that verify drafts, one per position (see the module doc)
     """
 
     num_tokens: int
@@ -35,13 +44,16 @@ class SlotSplit:
     prefill_has_init: Optional[torch.Tensor]
     all_prefill: bool
     all_decode: bool
+    verify: Sequence["VerifyStep"] = ()
 
     def run(self, x: torch.Tensor, decode: Callable, prefill: Callable,
-            out_dim: Optional[int] = None) -> torch.Tensor:
+            out_dim: Optional[int] = None, states: Sequence[torch.Tensor] = ()) -> torch.Tensor:
         """Apply `decode(x_rows, self)` / `prefill(x_rows, self)` to their rows of x [T, ...].
 
         Returns [T, out_dim] (out_dim defaults to x's last dim; trailing dims of the outputs are
         kept as the callables return them). Rows of zero-length requests stay zero.
+        states: the pool tensors [S, ...] that `decode` writes at its slots; needed (and only
+        read) when some requests verify drafts, whose rows run `decode` position by position.
         """
         if self.all_decode:
             return decode(x, self)
@@ -52,11 +64,44 @@ class SlotSplit:
             parts.append((self.decode_rows, decode(x[self.decode_rows], self)))
         if self.prefill_rows is not None:
             parts.append((self.prefill_rows, prefill(x[self.prefill_rows], self)))
+        if self.verify and not states:
+            raise ValueError("this layer's split.run names no state tensors (states=...), so its decode "
+                             "cannot verify drafts position by position")
+        for step in self.verify:
+            for t in states:  # the state before this position: the previous position's
+                t[step.dst] = t[step.src]
+            parts.append((step.rows, decode(x[step.rows], step.split)))
         trailing = parts[0][1].shape[1:] if parts else ((out_dim or x.shape[-1]),)
         out = x.new_zeros((self.num_tokens, *trailing), dtype=parts[0][1].dtype if parts else x.dtype)
         for rows, y in parts:
             out[rows] = y
         return out
+
+
+@dataclass
+class VerifyStep:
+    """Position j of every verifying request that has one: its token rows [n] (long), the slots
+    holding the state before it (src) and the slots its state goes to (dst, int32 [n]); `split`
+    routes the rows to `decode` with decode_slots = dst."""
+
+    rows: torch.Tensor
+    src: torch.Tensor
+    dst: torch.Tensor
+    split: SlotSplit
+
+
+def _verify_steps(verify: list[tuple[int, int, list[int]]], dev) -> list[VerifyStep]:
+    """verify: (first token row, query length q, slot chain [live, slot of token 0, ..., of token
+    q - 1]) per verifying request -> one VerifyStep per position."""
+    steps = []
+    for j in range(max(q for _, q, _ in verify)):
+        at = [(row + j, chain[j], chain[j + 1]) for row, q, chain in verify if q > j]
+        rows, src, dst = zip(*at)
+        dst_t = torch.tensor(dst, dtype=torch.int32, device=dev)
+        view = SlotSplit(len(rows), None, dst_t, None, None, None, None, all_prefill=False, all_decode=True)
+        steps.append(VerifyStep(torch.tensor(rows, device=dev), torch.tensor(src, device=dev).long(),
+                                dst_t.long(), view))
+    return steps
 
 
 def split_decode_prefill(batch: ForwardBatch) -> SlotSplit:
@@ -69,9 +114,16 @@ def split_decode_prefill(batch: ForwardBatch) -> SlotSplit:
                          f"and seq_lens_cpu {len(slens)} entries; fill both or leave them empty")
     dev = batch.input_ids.device
     dec_req, dec_row, pre_req, pre_rows, pre_qsl = [], [], [], [], [0]
+    verify_slots, verify = batch.verify_slots, []
     start = 0
     for r, (q, s) in enumerate(zip(qlens, slens)):
-        if q == 1 and s > 1:
+        if verify_slots and r in verify_slots:
+            chain = verify_slots[r]
+            if len(chain) != q + 1:
+                raise ValueError(f"request {r} verifies {q} tokens but has {len(chain)} slots; expected the live "
+                                 f"slot and one per token")
+            verify.append((start, q, chain))
+        elif q == 1 and s > 1:
             dec_req.append(r)
             dec_row.append(start)
         elif q > 0:
@@ -97,4 +149,5 @@ def split_decode_prefill(batch: ForwardBatch) -> SlotSplit:
         prefill_slots = slots[idx]
         prefill_has_init = batch.has_initial_state[idx]
     return SlotSplit(start, decode_rows, decode_slots, prefill_rows, prefill_qsl, prefill_slots,
-                     prefill_has_init, all_prefill=all_prefill, all_decode=all_decode)
+                     prefill_has_init, all_prefill=all_prefill, all_decode=all_decode,
+                     verify=_verify_steps(verify, dev) if verify else ())

@@ -5,6 +5,8 @@ A slot keeps the request's last K inputs of the layer (`window [S, C, K]`, oldes
 request resumes from them, and one that starts at position 0 sees `initial` (zeros by default)
 instead, never its slot's old contents. Every token of a packed step gets its K predecessors at
 once through one index (no host sync, so decode steps can be captured in a CUDA graph).
+A request that verifies a draft (`ForwardBatch.verify_slots`) leaves its window after each of its
+tokens in that token's slot and its live slot as it was (slot_split.py says why).
 """
 from __future__ import annotations
 
@@ -39,8 +41,30 @@ def lagged_inputs(x: torch.Tensor, window: torch.Tensor, batch: ForwardBatch,
     rows = torch.where(src >= 0, R * K + t[:, None] - lags, req[:, None] * K + K + src)
     table = torch.cat([before.transpose(1, 2).reshape(R * K, C), x])
     ext = torch.cat([table[rows], x[:, None]], dim=1).transpose(1, 2)  # [T, C, K + 1]
-    window[slots] = ext[qsl[1:] - 1, :, 1:].to(window.dtype)
+    if batch.verify_slots:
+        rows_after, dst = _windows_kept(batch)
+        window[torch.tensor(dst, device=x.device)] = ext[torch.tensor(rows_after, device=x.device), :, 1:].to(window.dtype)
+    else:
+        window[slots] = ext[qsl[1:] - 1, :, 1:].to(window.dtype)
     return ext
+
+
+def _windows_kept(batch: ForwardBatch) -> tuple[list[int], list[int]]:
+    """(token rows, slots): the window after each row goes to its slot: a request's last token to
+    its live slot, or every token of a verifying request to that token's slot (host lists)."""
+    qlens = batch.query_lens_cpu or (batch.query_start_loc[1:] - batch.query_start_loc[:-1]).tolist()
+    live = batch.state_slots.tolist()
+    rows, dst, start = [], [], 0
+    for r, q in enumerate(qlens):
+        chain = batch.verify_slots.get(r)
+        if chain is not None:
+            rows.extend(range(start, start + q))
+            dst.extend(chain[1:q + 1])
+        elif q > 0:
+            rows.append(start + q - 1)
+            dst.append(live[r])
+        start += q
+    return rows, dst
 
 
 def previous_token(x: torch.Tensor, pool: torch.Tensor, batch: ForwardBatch,

@@ -64,6 +64,7 @@ class ZambaMambaMixer(nn.Module):
             decode=lambda xd, s: ops.conv1d_update(xd, conv_state, weight, bias, s.decode_slots),
             prefill=lambda xp, s: ops.causal_conv1d(xp.contiguous(), conv_state, weight, bias,
                                                     s.prefill_qsl, s.prefill_slots, s.prefill_has_init),
+            states=(conv_state,),
         )
         xh = x.view(T, H, hd)
         params = torch.einsum("hrd,thd->thr", self.x_proj_weight, xh)  # [T, H, R + 2N]
@@ -87,5 +88,5 @@ class ZambaMambaMixer(nn.Module):
                 return ops.mamba1_scan(pool, xs, dts, A[h], Bs, Cs, self.D[h], zs, self.dt_proj_bias[h],
                                        s.prefill_qsl, s.prefill_slots, s.prefill_has_init, dt_softplus=True)
 
-            outs.append(split.run(packed, decode=decode, prefill=prefill, out_dim=hd))
+            outs.append(split.run(packed, decode=decode, prefill=prefill, out_dim=hd, states=(pool,)))
         return self.out_proj(torch.cat(outs, dim=-1).to(hidden.dtype))

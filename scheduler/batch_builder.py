@@ -45,15 +45,21 @@ class BatchBuilder:
         else:
             ids = []
             for c in chunks:
-                ids.extend(c.seq.token_ids[c.start:c.start + c.num_tokens])
+                if c.draft:  # its last token, then the draft it verifies
+                    ids.append(c.seq.token_ids[c.start])
+                    ids.extend(c.draft)
+                else:
+                    ids.extend(c.seq.token_ids[c.start:c.start + c.num_tokens])
         mgr = self.mgr
         groups = {w: t.numpy() for w, t in mgr.block_tables(rids).items()} if len(mgr.attention_groups) > 1 else {}
         if groups:
             lead = next(groups[w] for w, g in mgr.attention_groups.items() if g is mgr.attention)
         else:
             lead = mgr.block_table(rids).numpy()
-        return self._build(ids, np.array(starts, dtype=np.int64), counts, lead, groups, mgr.live_slots(rids),
-                           logits_indices)
+        batch = self._build(ids, np.array(starts, dtype=np.int64), counts, lead, groups, mgr.live_slots(rids),
+                            logits_indices)
+        batch.verify_slots = {i: list(c.verify_slots) for i, c in enumerate(chunks) if c.verify_slots}
+        return batch
 
     def build_decodes(self, batch: DecodeBatch) -> ForwardBatch:
         """The batch of a DecodeBatch (allocated): one token per sequence, its last."""

@@ -6,6 +6,7 @@ from typing import Optional, Union
 
 from hybridkv.checkpoint_policy import DEFAULT_POLICY
 from hybridkv.eviction import DEFAULT_EVICTION
+from hybridkv.speculative.config import SpeculativeConfig
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 CUDA_GRAPH_MODES = (False, True, "dry_run")
@@ -18,7 +19,9 @@ class EngineConfig:
     bytes for KV blocks + state slots (None: derived from gpu_memory_utilization on a GPU, 1 GiB on
     a CPU). checkpoint_share: share of the budget for prefix-cache state checkpoints. cuda_graphs:
     decode steps replay CUDA graphs (decode_graphs.py; never run on a GPU yet, so off by default);
-    "dry_run" (tests) runs that path on a CPU with a direct call in place of capture and replay."""
+    "dry_run" (tests) runs that path on a CPU with a direct call in place of capture and replay.
+    speculative_config: None (off), or a dict / JSON text in vLLM's shape (hybridkv/speculative/
+    config.py), kept as a SpeculativeConfig."""
 
     block_size: int = 16
     max_num_batched_tokens: int = 2048
@@ -34,8 +37,10 @@ class EngineConfig:
     max_model_len: Optional[int] = None
     seed: int = 0
     cuda_graphs: Union[bool, str] = False
+    speculative_config: Optional[object] = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         if self.cuda_graphs not in CUDA_GRAPH_MODES:
             raise ValueError(f"cuda_graphs={self.cuda_graphs!r}; choose one of {CUDA_GRAPH_MODES}")
         if self.preemption_mode not in PREEMPTION_MODES:

@@ -71,7 +71,9 @@ class Engine:
     @property
     def counters(self) -> dict:
         """The engine's, the scheduler's and the runner's counters in one dict (a copy)."""
-        return {**self._counts, **self.scheduler.counters, "model_seconds": self.runner.model_seconds}
+        spec = self.scheduler.speculation
+        return {**self._counts, **self.scheduler.counters, **(spec.counters if spec is not None else {}),
+                "model_seconds": self.runner.model_seconds}
 
     # ---- requests --------------------------------------------------------------------------
     def validate(self, token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:

@@ -27,4 +27,14 @@ def engine_stats(m: ManagerStats, counters: dict, scheduler: Scheduler) -> dict:
         "generated_tokens": c["generated_tokens"],
         "tokens_per_second": c["processed_tokens"] / secs if secs else 0.0,  # prompt + decode
         "generated_tokens_per_second": c["generated_tokens"] / secs if secs else 0.0,
+        **speculation_stats(c),
     }
+
+
+def speculation_stats(c: dict) -> dict:
+    """Speculative decoding's counters (zeros when it is off): verification runs, drafted and
+    accepted tokens, the acceptance rate and the mean tokens a run yields (accepted + 1)."""
+    runs, drafted, accepted = (c.get(k, 0) for k in ("spec_verify_runs", "spec_draft_tokens", "spec_accepted_tokens"))
+    return {"spec_verify_runs": runs, "spec_draft_tokens": drafted, "spec_accepted_tokens": accepted,
+            "spec_acceptance_rate": accepted / drafted if drafted else 0.0,
+            "spec_mean_accepted_length": (accepted + runs) / runs if runs else 0.0}

@@ -30,7 +30,7 @@ from hybridkv.models.forward_batch import ForwardBatch, ModelCaches
 from .batch_builder import BatchBuilder
 from .decode_graphs import DecodeInputs
 from .logit_rows import LogitRows, plan_logit_rows, prompt_logprobs
-from .sampler import Sampler
+from .sampler import SampleRow, Sampler
 from .step_plan import DecodeBatch, ScheduledChunk, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,9 @@ class RunnerOutput:
     chunks: the step's chunks (SchedulerOutput.chunks), in batch order after the decode rows.
     finite: per chunk, whether its rows are finite.
     tokens / logprobs: per chunk, the tokens sampled from its last row (the sequence's, then one
-        per fork made there; an entry may be the exception its draw raised) and their logprobs.
+        per fork made there; an entry may be the exception its draw raised) and their logprobs;
+        for a chunk that verifies a draft, its accepted run: the draft tokens its positions drew
+        in order, then the first token that differs from the draft (or follows all of it).
     prompt_logprobs: {chunk index: (first position, per prompt position from there {token id:
         Logprob})} for the chunks that collect prompt logprobs.
     batch_tokens: the decode batch's tokens, one per row (list of ints, or of ints and
@@ -214,6 +216,13 @@ class ModelRunner:
                 span = rows.spans[i]
                 out.prompt_logprobs[i] = (span.pos0, prompt_logprobs(logits, seq.token_ids, span,
                                                                      seq.params.prompt_logprobs))
+            if c.draft:  # a row per position, each drawn as that position's plain decode would be
+                these = draft_sample_rows(seq, c.draft)
+                first = rows.drafts[i]
+                idx.extend(range(first, first + len(these)))
+                sample_rows.extend(these)
+                owners.extend([i] * len(these))
+                continue
             if c.start + c.num_tokens < len(seq.token_ids):
                 continue  # a prefill chunk short of the end: nothing to sample yet
             these = [seq] if c.decode else [seq, *fork_rows(seq)]
@@ -227,6 +236,10 @@ class ModelRunner:
         for i, tok, lp in zip(owners, tokens, logprobs):
             out.tokens.setdefault(i, []).append(tok)
             out.logprobs.setdefault(i, []).append(lp)
+        for i, c in enumerate(chunks):
+            if c.draft and i in out.tokens:
+                n = accepted_run(out.tokens[i], c.draft)
+                del out.tokens[i][n:], out.logprobs[i][n:]
         return out
 
     def _sample_rows(self, logits: torch.Tensor, rows: list) -> tuple[list, list]:
@@ -249,3 +262,21 @@ class ModelRunner:
                 logprobs.append(None)
         return tokens, logprobs
 
+
+def draft_sample_rows(seq, draft) -> list:
+    """What the sampler reads for each position of seq's draft run: the sequence itself for its
+    last token, then as if draft[:j] had been appended (its count of generated tokens, which
+    seeds a seeded draw and gates min_tokens; the tokens, for penalties)."""
+    penalized = seq.params.penalized
+    return [seq] + [SampleRow(seq.params, seq.seq_index, seq.num_generated + j,
+                              seq.token_ids + list(draft[:j]) if penalized else seq.token_ids, seq.num_prompt_tokens)
+                    for j in range(1, len(draft) + 1)]
+
+
+def accepted_run(drawn: list, draft) -> int:
+    """How many of a draft run's drawn tokens stand: while position j drew draft[j] the next
+    position's logits are valid; the run ends with the first draw that differs (or an exception)."""
+    n = 0
+    while n < len(draft) and drawn[n].__class__ is int and drawn[n] == draft[n]:
+        n += 1
+    return n + 1

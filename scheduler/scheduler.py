@@ -26,6 +26,7 @@ from .model_runner import RunnerOutput
 from .preemption import PreemptionPolicy
 from .request_group import RequestGroup
 from .sequence_queue import SequenceQueue
+from .speculation import Speculation
 from .step_plan import DecodeBatch, ScheduledChunk, SchedulerOutput
 from .stopping import decoded_logprobs
 from .token_append import TokenAppender
@@ -53,6 +54,7 @@ class Scheduler:
         self.counters = {"generated_tokens": 0, "forks": 0, "failed": 0,
                          "decode_batch_steps": 0, "carried_decode_batches": 0}
         self.appender: Optional[TokenAppender] = None  # the model's stop rules (set by the engine)
+        self.speculation: Optional[Speculation] = None  # drafts for the decodes (speculation.py), or off
 
     # ---- queues ----------------------------------------------------------------------------
     def add(self, seq: Request) -> None:
@@ -76,6 +78,8 @@ class Scheduler:
         if seq.request_id in self.mgr.requests:
             self.mgr.finish(seq.request_id)
         seq.status, seq.finish_reason = RequestStatus.FINISHED, reason
+        if self.speculation is not None:
+            self.speculation.forget(seq.request_id)
 
     def fail(self, seq: Request, error: BaseException | str, discard: bool = False) -> None:
         """End `seq` with finish_reason "error" and free its memory. discard: its live memory ran
@@ -111,6 +115,8 @@ class Scheduler:
             self.batches_cut += batch.cut
             out.decodes = self._allocate_batch(batch, out)
             budget -= len(out.decodes) if out.decodes is not None else 0
+            if self.speculation is not None:  # rows with a draft verify it as chunks
+                budget = self.speculation.take_drafts(self.mgr, out, budget)
         for start, seq in rest:  # the last prompt token of some, then prefills; in run order
             if budget == 0:
                 break
@@ -257,6 +263,8 @@ class Scheduler:
                 self._update_batch(out.decodes, result, reported, finished_only, bool(out.failed))
             if out.chunks:
                 self._update_chunks(out.chunks, result, reported, finished_only)
+        if self.speculation is not None and out.chunks:  # outside: their checkpoints read draft slots
+            self._update_drafts(out.chunks, result, reported, finished_only)
         if not (out.decodes or out.chunks or out.preempted or out.failed) and self.has_unfinished():
             self._fail_stuck(reported)
         return reported
@@ -319,8 +327,8 @@ class Scheduler:
         mgr = self.mgr
         for i, c in enumerate(chunks):
             seq = c.seq
-            if seq.finished:
-                continue  # its group failed earlier in this step
+            if seq.finished or c.draft:
+                continue  # its group failed earlier in this step; a draft run: _update_drafts
             if not result.finite[i]:
                 self.fail_request(seq, NONFINITE, reported, discard=True)  # its new KV and state are suspect
                 continue
@@ -348,6 +356,32 @@ class Scheduler:
                 tokens.append(result.tokens[i][j])
                 lps.append(result.logprobs[i][j])
         self._append(seqs, tokens, lps, reported, finished_only)
+
+    def _update_drafts(self, chunks: list[ScheduledChunk], result: RunnerOutput, reported: dict,
+                       finished_only: bool) -> None:
+        """The chunks that verified a draft: each keeps the positions its accepted run computed
+        (the token before the draft and the draft tokens accepted: `commit_draft` with the
+        accepted tokens in its list for the call), then appends the run, stopping where a stop
+        rule says (a stop inside the run ends it there)."""
+        for i, c in enumerate(chunks):
+            seq = c.seq
+            if not c.draft or seq.finished:
+                continue
+            if not result.finite[i]:
+                self.fail_request(seq, NONFINITE, reported, discard=True)
+                continue
+            run, lps = result.tokens[i], result.logprobs[i]
+            accepted, ids = len(run) - 1, seq.token_ids
+            ids.extend(c.draft[:accepted])
+            try:
+                self.mgr.commit_draft(seq.request_id, accepted + 1)
+            except Exception as e:
+                self.fail_request(seq, e, reported, discard=True)
+                continue
+            finally:
+                del ids[len(ids) - accepted:]
+            self.speculation.observe(seq, len(c.draft), accepted)
+            self._append([seq] * len(run), run, lps, reported, finished_only)
 
     def _append(self, seqs: list[Request], tokens: list, lps: list, reported: dict, finished_only: bool) -> None:
         appended, stopped = self.appender(seqs, tokens, lps, lambda seq, e: self.fail_request(seq, e, reported))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -33,7 +33,10 @@ _token_ids = attrgetter("token_ids")
 class ScheduledChunk:
     """`num_tokens` tokens of `seq` from position `start`; `checkpoint` if a state checkpoint is
     due once they are computed. `decode`: a row of the decode batch in chunk form (one token past
-    the prompt: no prompt logprobs, no forks to make)."""
+    the prompt: no prompt logprobs, no forks to make). `draft`: a decode that verifies these
+    proposed tokens (speculation.py): its tokens are its last one then the draft, every position
+    is sampled, and `verify_slots` is its state slot chain (live slot, then one per token; []
+    without recurrent layers)."""
 
     seq: Request
     start: int
@@ -41,6 +44,8 @@ class ScheduledChunk:
     slot_mapping: list[int]
     checkpoint: bool = False
     decode: bool = False
+    draft: Sequence[int] = ()
+    verify_slots: Sequence[int] = ()
 
 
 @dataclass(slots=True)

@@ -150,6 +150,14 @@ class FullAttentionMemory(LayerMemory):
             self.tables.write(row, len(blocks), new)
             blocks.extend(new)
 
+    def trim(self, rid: Hashable, num_tokens: int) -> None:
+        blocks = self._blocks[rid]
+        keep = -(-num_tokens // self.block_size)
+        if len(blocks) > keep:  # blocks past the last kept token: fresh, unhashed, this request's alone
+            extra = blocks[keep:]
+            del blocks[keep:]
+            self.pool.release(extra)
+
     def table_row(self, rid: Hashable) -> int:
         """rid's row in `tables`."""
         return self._row[rid]

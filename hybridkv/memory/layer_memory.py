@@ -72,11 +72,16 @@ class LayerMemory(ABC):
         default, never."""
         return np.zeros(len(num_computed), dtype=bool)
 
+    def trim(self, rid: Hashable, num_tokens: int) -> None:
+        """rid keeps only what positions [0, num_tokens) need: memory allocated past them for a
+        draft whose tokens were rejected goes back to the pool (it was never committed)."""
+
     def mark_boundary(self, rid: Hashable, index: int, h: bytes) -> None:
         """A checkpoint is being taken after block `index` (hash h): make that block findable."""
 
-    def checkpoint(self, rid: Hashable, h: bytes, position: int, output: bool) -> bool:
-        """Keep rid's state after `position` tokens under key h. Kinds without state: False."""
+    def checkpoint(self, rid: Hashable, h: bytes, position: int, output: bool, source: Optional[int] = None) -> bool:
+        """Keep rid's state after `position` tokens under key h (from state slot `source`: a
+        verified draft's slot for that position; None: the live state). Kinds without state: False."""
         return False
 
     # ---- a request's life ------------------------------------------------------------------

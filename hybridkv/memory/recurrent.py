@@ -8,6 +8,10 @@ into a fresh live slot (copy-on-hit). When slots run short, checkpoints are evic
 unreachable ones first (the attention KV before them is gone), then by the eviction rule.
 An output checkpoint (inside generated tokens; only a continuation of that answer can use it)
 may displace only other output checkpoints; each request keeps one, rolling forward.
+A request verifying a draft of k tokens holds k + 1 draft slots for one step (the state after
+each token of the run; the kernels never write its live slot then): accepting j tokens makes
+draft slot j - 1 its live slot and frees the rest (`take_draft_slots`, `accept_draft`). Draft
+slots come only from free slots: speculation never evicts a checkpoint.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import torch
 from hybridkv.errors import SnapshotMismatchError
 from hybridkv.eviction import check_rule, choose_victim
 from hybridkv.specs import RecurrentSpec
-from hybridkv.state_pool import CHECKPOINT, LIVE, StatePool
+from hybridkv.state_pool import CHECKPOINT, DRAFT, LIVE, StatePool
 
 from .layer_memory import LayerMemory
 
@@ -63,6 +67,7 @@ class RecurrentMemory(LayerMemory):
         self.checkpoints: OrderedDict[bytes, Checkpoint] = OrderedDict()  # least recently used first
         self._slot: dict[Hashable, int] = {}
         self._rolling: dict[Hashable, bytes] = {}  # rid -> key of its output checkpoint
+        self._draft: dict[Hashable, list[int]] = {}  # rid -> its draft slots while it verifies a draft
         self._clock = 0
 
     @property
@@ -107,7 +112,8 @@ class RecurrentMemory(LayerMemory):
     def _can_take_slot(self) -> bool:
         return self.states.num_free > 0 or bool(self.checkpoints)
 
-    def checkpoint(self, rid: Hashable, h: bytes, position: int, output: bool) -> bool:
+    def checkpoint(self, rid: Hashable, h: bytes, position: int, output: bool, source: Optional[int] = None) -> bool:
+        src = self._slot[rid] if source is None else source
         if output:  # one rolling output state per request: the new one replaces the old
             old = self._rolling.get(rid)
             self._rolling[rid] = h
@@ -115,8 +121,8 @@ class RecurrentMemory(LayerMemory):
                 if h not in self.checkpoints:
                     # the new state takes the old one's slot in place: what freeing it and taking a
                     # slot would do (the free list hands the slot just freed back first)
-                    live, c = self._slot[rid], self.checkpoints.pop(old)
-                    self.states.copy(live, c.slot)
+                    c = self.checkpoints.pop(old)
+                    self.states.copy(src, c.slot)
                     self._clock += 1
                     c.position, c.last_used, c.output = position, self._clock, True
                     self.checkpoints[h] = c
@@ -128,9 +134,47 @@ class RecurrentMemory(LayerMemory):
         slot = self._take_slot(CHECKPOINT, only_output=output)
         if slot is None:
             return False
-        self.states.copy(self._slot[rid], slot)
+        self.states.copy(src, slot)
         self._add(h, position, slot, output)
         return True
+
+    # ---- drafts (speculative decoding) -----------------------------------------------------
+    def can_take_draft_slots(self, n: int) -> bool:
+        return self.states.num_free >= n
+
+    def take_draft_slots(self, rid: Hashable, n: int) -> list[int]:
+        """n free slots for the states after each token of rid's draft run (call
+        can_take_draft_slots first); they are rid's until accept_draft or release."""
+        if rid in self._draft:
+            raise RuntimeError(f"request {rid!r} already holds draft slots")
+        slots = [self.states.allocate(DRAFT) for _ in range(n)]
+        if None in slots:
+            for s in slots:
+                if s is not None:
+                    self.states.free(s)
+            raise RuntimeError(f"take_draft_slots for {rid!r} without {n} free slots: ask can_take_draft_slots")
+        self._draft[rid] = slots
+        return slots
+
+    def draft_slots(self, rid: Hashable) -> list[int]:
+        return self._draft.get(rid, [])
+
+    def accept_draft(self, rid: Hashable, num_tokens: int) -> None:
+        """The first num_tokens (>= 1) tokens of rid's run are kept: the state after the last of
+        them becomes rid's live state (a slot move, no copy); the old live slot and the other
+        draft slots are freed."""
+        slots = self._draft.pop(rid)
+        kept = slots[num_tokens - 1]
+        self.states.free(self._slot[rid])
+        self.states.mark(kept, LIVE)
+        self._slot[rid] = kept
+        for s in slots:
+            if s != kept:
+                self.states.free(s)
+
+    def _drop_draft(self, rid: Hashable) -> None:
+        for s in self._draft.pop(rid, ()):
+            self.states.free(s)
 
     # ---- prefix reuse ----------------------------------------------------------------------
     def usable_prefix(self, hashes: Sequence[bytes], limit: int) -> int:
@@ -169,6 +213,7 @@ class RecurrentMemory(LayerMemory):
         self._slot[child] = slot
 
     def release(self, rid: Hashable, donate: Optional[tuple[bytes, int]] = None) -> None:
+        self._drop_draft(rid)
         slot = self._slot.pop(rid, 0)
         if not slot:
             return

@@ -1,0 +1,105 @@
+"""The scheduler's side of speculative decoding: which running decodes verify a draft this step,
+and how many tokens each drafts (hybridkv/speculative/ has the drafters; docs/design.md,
+"Speculative decoding", the semantics).
+
+A running request with one token left to compute asks the drafter for up to k tokens. With a
+proposal it becomes a chunk of k + 1 tokens (its last token, then the draft) instead of a row of
+the decode batch, when the step's token budget and the pools can take it without preempting or
+evicting anything (`HybridCacheManager.allocate_draft`); otherwise it decodes as usual.
+k adapts per request: it starts at num_speculative_tokens, grows by one after a run that took
+every drafted token, and falls to one more than the tokens taken after one that did not; a run
+that took none makes the request skip drafting for 1, 2, 4, ... 64 steps (drafts that never
+match then cost one verification every 64 steps).
+Counters (the engine's stats and /metrics): verification runs, drafted and accepted tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable
+
+from hybridkv.request import Request
+from hybridkv.speculative.config import SpeculativeConfig
+from hybridkv.speculative.ngram import NgramDrafter
+
+from .step_plan import DecodeBatch, ScheduledChunk, SchedulerOutput
+
+MAX_SKIP = 64
+
+
+@dataclass
+class DraftPace:
+    """One request's k and back-off."""
+
+    k: int
+    skip: int = 0  # steps left without drafting
+    misses: int = 0  # runs in a row that took no draft token
+
+
+class Speculation:
+    """Drafts for a scheduler's decodes (see the module doc); `block_size` caps k (a run crosses
+    at most one block boundary, where a state checkpoint may be due)."""
+
+    def __init__(self, config: SpeculativeConfig, block_size: int):
+        self.config = config
+        self.k_max = min(config.num_speculative_tokens, block_size - 1)
+        if self.k_max < 1:
+            raise ValueError(f"speculative decoding needs block_size >= 2, got {block_size}")
+        self.drafter = NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
+        self._pace: dict[Hashable, DraftPace] = {}
+        self.counters = {"spec_verify_runs": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
+
+    def draft(self, seq: Request, budget: int) -> list[int]:
+        """The draft seq verifies this step ([] for none): at most its k, the budget's tokens, and
+        what its max_tokens / max_model_len leave after the token the run always yields."""
+        pace = self._pace.get(seq.request_id)
+        if pace is None:
+            pace = self._pace[seq.request_id] = DraftPace(self.k_max)
+        if pace.skip:
+            pace.skip -= 1
+            return []
+        room = seq.num_prompt_tokens + seq.max_tokens - len(seq.token_ids) - 1
+        k = min(pace.k, budget, room)
+        return self.drafter.propose(seq.request_id, seq.token_ids, k) if k > 0 else []
+
+    def take_drafts(self, mgr, out: SchedulerOutput, budget: int) -> int:
+        """Turn rows of the step's decode batch that have a draft into draft chunks (appended to
+        out.chunks) where the pools can take them; returns the token budget left."""
+        batch = out.decodes
+        if batch is None:
+            return budget
+        keep, chunks = [], []
+        for i, seq in enumerate(batch.seqs):
+            draft = self.draft(seq, budget) if budget > 0 else []
+            got = mgr.allocate_draft(seq.request_id, len(draft)) if draft else None
+            if got is None:
+                keep.append(i)
+                continue
+            kv, chain = got
+            chunks.append(ScheduledChunk(seq, int(batch.positions[i]), len(draft) + 1, kv, draft=draft,
+                                         verify_slots=chain))
+            budget -= len(draft)
+        if chunks:
+            out.decodes = batch.without(keep)
+            out.chunks[:0] = chunks  # before the prefills, as decodes
+        return budget
+
+    def observe(self, seq: Request, drafted: int, accepted: int) -> None:
+        """A verification run of `drafted` tokens took `accepted` of them."""
+        c = self.counters
+        c["spec_verify_runs"] += 1
+        c["spec_draft_tokens"] += drafted
+        c["spec_accepted_tokens"] += accepted
+        pace = self._pace.get(seq.request_id)
+        if pace is None:
+            return
+        if accepted == drafted:
+            pace.k, pace.misses = min(self.k_max, pace.k + 1), 0
+        elif accepted == 0:
+            pace.misses += 1
+            pace.k, pace.skip = 1, min(MAX_SKIP, 1 << (pace.misses - 1))
+        else:
+            pace.k, pace.misses = accepted + 1, 0
+
+    def forget(self, request_id: Hashable) -> None:
+        self._pace.pop(request_id, None)
+        self.drafter.forget(request_id)
