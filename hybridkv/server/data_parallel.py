@@ -23,6 +23,7 @@ from types import SimpleNamespace
 from typing import Optional
 
 from hybridkv.sampling_params import SamplingParams
+from hybridkv.scheduler.engine_stats import speculation_stats
 
 from .balancing import Balancer
 from .news import EngineDeadError
@@ -36,7 +37,7 @@ log = logging.getLogger("hybridkv.replicas")
 _SUMMED = ("kv_blocks_used", "kv_blocks_cached", "kv_blocks_total", "state_slots_live", "state_slots_checkpoint",
            "state_slots_total", "prefix_hit_tokens", "prefix_query_tokens", "burst_waits", "swaps", "forks",
            "aborted", "failed", "running", "waiting", "swapped", "steps", "generated_tokens", "tokens_per_second",
-           "generated_tokens_per_second")
+           "generated_tokens_per_second", "spec_verify_runs", "spec_draft_tokens", "spec_accepted_tokens")
 _SUMMED_BY_KEY = ("prefix_misses", "preemptions", "migrations")
 
 
@@ -108,6 +109,7 @@ class DataParallelLLM(StreamingEngine):
         q = total["prefix_query_tokens"]
         total["prefix_hit_rate"] = total["prefix_hit_tokens"] / q if q else 0.0
         total["fragmentation"] = max((s["fragmentation"] for s in per.values()), default=0.0)
+        total.update(speculation_stats(total))  # the rates of the summed counters
         total["replicas"] = [{"replica": i, "alive": i in per, "pid": self.facts[i].pid, **per.get(i, {})}
                              for i in range(self.size)]
         return total

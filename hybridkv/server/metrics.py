@@ -68,6 +68,15 @@ class _EngineCollector:
         yield self._counter("num_forks", "Sequences forked from a shared prompt (n > 1).", {"": s["forks"]})
         yield self._counter("num_aborted_requests", "Requests aborted (client gone or cancelled).",
                             {"": s["aborted"]})
+        yield self._counter("spec_decode_num_drafts", "Draft runs verified (speculative decoding).",
+                            {"": s["spec_verify_runs"]})
+        yield self._counter("spec_decode_num_draft_tokens", "Draft tokens verified.", {"": s["spec_draft_tokens"]})
+        yield self._counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                            {"": s["spec_accepted_tokens"]})
+        yield self._gauge("spec_decode_acceptance_rate", "Accepted over drafted tokens since start.",
+                          s["spec_acceptance_rate"])
+        yield self._gauge("spec_decode_mean_accepted_length", "Tokens a verification run yields on average "
+                          "(accepted + 1).", s["spec_mean_accepted_length"])
         if "replicas" in s:  # data-parallel replicas (server/replicas.py): the sums above, and each one
             yield from self._per_replica(s["replicas"])
 

@@ -1,0 +1,340 @@
+"""Speculative decoding through the engine (scheduler/speculation.py; the draft rows of the model
+runner; the manager's allocate_draft / commit_draft; the per-position state slots of
+models/slot_split.py): the output is token for token the engine's without speculation — with
+drafts always right, always wrong and right by chance; for every family in the table; through
+preemption in both modes, prefix hits on a checkpoint taken inside an accepted run, migration
+mid-run, stops and max_tokens inside a run, logprobs, seeded sampling and n > 1 — and no block or
+slot outlives its request (no draft slot outlives its step). Unseeded sampling keeps the plain
+engine's distribution (a two-sample chi-square test)."""
+import random
+import sys
+
+import pytest
+
+from engine_fixtures import assert_no_leaks, greedy, tight_budget
+from family_checks import FAMILIES, prompt
+from hybridkv import LLM, SamplingParams
+from hybridkv.state_pool import DRAFT
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 5}
+
+
+class ScriptedDrafter:
+    """Proposes the continuation a plain run produced (`runs`: full token lists, prompt first),
+    each token replaced by a wrong one with probability `p_wrong`; nothing for a sequence that left
+    every run. Stands in for the n-gram drafter so that acceptance is known."""
+
+    def __init__(self, runs, p_wrong: float, seed: int = 0, vocab: int = 128):
+        self.runs = [list(r) for r in runs]
+        self.p_wrong = p_wrong
+        self.rng = random.Random(seed)
+        self.vocab = vocab
+        self.asked = 0
+
+    def propose(self, request_id, tokens, k):
+        self.asked += 1
+        n = len(tokens)
+        for run in self.runs:
+            if len(run) > n and run[:n] == tokens:
+                return [t if self.rng.random() >= self.p_wrong else 4 + (t - 3) % (self.vocab - 4)
+                        for t in run[n:n + k]]
+        return []
+
+    def forget(self, request_id):
+        pass
+
+
+def speculating(path, runs, p_wrong, seed=0, **kw):
+    """An LLM on `path` with speculation on, drafting from `runs` (ScriptedDrafter)."""
+    llm = LLM(str(path), speculative_config=kw.pop("speculative_config", SPEC), **kw)
+    llm.engine.scheduler.speculation.drafter = ScriptedDrafter(runs, p_wrong, seed, llm.model.vocab_size)
+    return llm
+
+
+def no_draft_slot_left(llm) -> bool:
+    rec = llm.manager.recurrent
+    return rec is None or rec.states.count(DRAFT) == 0
+
+
+def full_runs(prompts, outs):
+    return [p + list(c.token_ids) for p, o in zip(prompts, outs) for c in o.outputs]
+
+
+def tokens(outs):
+    return [[list(c.token_ids) for c in o.outputs] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def bamba(tmp_path_factory):
+    from hybridkv.models.tiny import make_tiny_checkpoint
+
+    return make_tiny_checkpoint("bamba", tmp_path_factory.mktemp("bamba"), seed=2)
+
+
+# ---- every family ---------------------------------------------------------------------------
+FAST = {"llama", "bamba", "rwkv", "qwen3_next", "lfm2", "gpt_oss"}  # one of each kind of memory
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow)
+                                  for n in FAMILIES])
+def test_every_family_decodes_the_tokens_of_plain_decoding(name, tmp_path):
+    """Drafts always right, right 60% of the time, always wrong: the same greedy tokens as the
+    engine without speculation, for prompts of 1, 15, 17 and 53 tokens; drafts were verified and
+    (but for the always-wrong ones) accepted; nothing leaks."""
+    fam = FAMILIES[name]
+    path = fam.make(fam.name, tmp_path, seed=fam.seed, **fam.overrides)
+    prompts = [prompt(n, 40 + n) for n in (1, 15, 17, 53)]
+    params = greedy(30)
+    plain = LLM(str(path), memory_budget_bytes=16 << 20).generate(prompts, params, use_tqdm=False)
+    for p_wrong in (0.0, 0.4, 1.0):
+        llm = speculating(path, full_runs(prompts, plain), p_wrong, memory_budget_bytes=16 << 20)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert tokens(outs) == tokens(plain), p_wrong
+        s = llm.stats()
+        assert s["spec_verify_runs"] > 0
+        assert (s["spec_accepted_tokens"] > 0) == (p_wrong < 1.0)
+        assert_no_leaks(llm)
+        assert no_draft_slot_left(llm)
+
+
+def test_speculative_tokens_are_transformers_greedy_tokens(bamba):
+    """Tied to the oracle once: the speculative engine's greedy tokens are transformers'."""
+    from model_harness import assert_greedy_matches_hf
+    from engine_fixtures import hf_model
+
+    prompts = [prompt(n, 7 + n) for n in (5, 33)]
+    plain = LLM(str(bamba), memory_budget_bytes=16 << 20).generate(prompts, greedy(24), use_tqdm=False)
+    outs = speculating(bamba, full_runs(prompts, plain), 0.3, memory_budget_bytes=16 << 20).generate(
+        prompts, greedy(24), use_tqdm=False)
+    hf = hf_model(bamba)
+    for p, o in zip(prompts, outs):
+        assert assert_greedy_matches_hf(hf, p, o.outputs[0].token_ids) == 0
+
+
+# ---- the memory around a run ----------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_in_both_modes_between_runs(bamba, mode):
+    """A budget of 7 blocks and 4 slots for 5 requests of 40 tokens: requests are preempted while
+    others verify drafts, resume, and end with the plain engine's tokens."""
+    prompts = [prompt(n, 90 + n) for n in (3, 17, 30, 9, 22)]
+    params = greedy(40)
+    plain = LLM(str(bamba), memory_budget_bytes=16 << 20).generate(prompts, params, use_tqdm=False)
+    specs = LLM(str(bamba), memory_budget_bytes=16 << 20).model.cache_specs()
+    llm = speculating(bamba, full_runs(prompts, plain), 0.3, preemption_mode=mode, max_num_seqs=3,
+                      max_num_batched_tokens=24, checkpoint_share=0.0,
+                      memory_budget_bytes=tight_budget(specs, 16, blocks=7, slots=1 + 3 + 6))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert tokens(outs) == tokens(plain)
+    s = llm.stats()
+    assert s["preemptions"][mode] > 0 and s["spec_accepted_tokens"] > 0
+    assert_no_leaks(llm)
+
+
+def test_a_checkpoint_inside_an_accepted_run_serves_the_next_turn(bamba):
+    """A 20-token prompt generating 30 tokens crosses the block boundaries 32 and 48 inside
+    accepted runs; the rolling output checkpoint is taken from the draft slot of that position.
+    The next turn (prompt + answer + more) hits it: cached tokens at that boundary, and the plain
+    engine's tokens."""
+    first = prompt(20, 3)
+    plain = LLM(str(bamba), memory_budget_bytes=16 << 20)
+    a = plain.generate([first], greedy(30), use_tqdm=False)[0]
+    turn = first + list(a.outputs[0].token_ids) + prompt(5, 4)
+    b = plain.generate([turn], greedy(12), use_tqdm=False)[0]
+    llm = speculating(bamba, [first + list(a.outputs[0].token_ids), turn + list(b.outputs[0].token_ids)], 0.0,
+                      memory_budget_bytes=16 << 20)
+    ga = llm.generate([first], greedy(30), use_tqdm=False)[0]
+    assert ga.outputs[0].token_ids == a.outputs[0].token_ids
+    assert llm.stats()["spec_accepted_tokens"] >= 20
+    gb = llm.generate([turn], greedy(12), use_tqdm=False)[0]
+    assert gb.num_cached_tokens == 48  # the state at 48 came from a draft slot
+    assert gb.outputs[0].token_ids == b.outputs[0].token_ids
+    assert_no_leaks(llm)
+
+
+def test_migration_between_runs(bamba):
+    """Exported after a few verification steps, imported into another speculating engine (block
+    size 8): it finishes with the plain engine's tokens; the snapshot holds committed state only."""
+    p = prompt(21, 5)
+    plain = LLM(str(bamba), memory_budget_bytes=16 << 20).generate([p], greedy(30), use_tqdm=False)[0]
+    runs = full_runs([p], [plain])
+    src = speculating(bamba, runs, 0.3, memory_budget_bytes=16 << 20)
+    rid = src.add_request(p, greedy(30))
+    for _ in range(4):
+        src.step()
+    snap = src.export_request(rid)
+    assert snap.num_computed_tokens == len(snap.token_ids) - 1 > len(p) + 3
+    dst = speculating(bamba, runs, 0.3, memory_budget_bytes=16 << 20, block_size=8)
+    dst.import_request(snap)
+    out = None
+    while dst.has_unfinished_requests():
+        out = next((o for o in dst.step() if o.finished), out)
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert src.stats()["spec_verify_runs"] > 0 and dst.stats()["spec_verify_runs"] > 0
+    assert_no_leaks(src)
+    assert_no_leaks(dst)
+
+
+def test_abort_between_runs_frees_everything(bamba):
+    p = prompt(30, 6)
+    plain = LLM(str(bamba), memory_budget_bytes=16 << 20).generate([p], greedy(40), use_tqdm=False)[0]
+    llm = speculating(bamba, full_runs([p], [plain]), 0.2, memory_budget_bytes=16 << 20)
+    rid = llm.add_request(p, greedy(40))
+    for _ in range(3):
+        llm.step()
+        assert no_draft_slot_left(llm)
+    llm.abort(rid)
+    llm.step()
+    assert_no_leaks(llm)
+    assert llm.stats()["spec_verify_runs"] > 0
+
+
+# ---- what a run yields ----------------------------------------------------------------------
+def test_a_stop_token_inside_an_accepted_run_ends_it_there(bamba):
+    """The plain run's 9th token is made a stop id: with drafts of 5 always right, it is accepted
+    mid-run; the output ends there (stop_reason, the same tokens) and the run's later tokens are
+    dropped."""
+    p = prompt(12, 8)
+    ref = LLM(str(bamba), memory_budget_bytes=16 << 20).generate([p], greedy(20), use_tqdm=False)[0]
+    stop = ref.outputs[0].token_ids[8]
+    params = SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[stop])
+    plain = LLM(str(bamba), memory_budget_bytes=16 << 20).generate([p], params, use_tqdm=False)[0]
+    llm = speculating(bamba, full_runs([p], [ref]), 0.0, memory_budget_bytes=16 << 20)
+    out = llm.generate([p], params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert out.outputs[0].stop_reason == plain.outputs[0].stop_reason == stop
+    assert out.outputs[0].finish_reason == "stop"
+    assert_no_leaks(llm)
+
+
+def test_a_stop_string_inside_an_accepted_run_ends_it_there(bamba):
+    p = prompt(12, 8)
+    llm0 = LLM(str(bamba), memory_budget_bytes=16 << 20)
+    ref = llm0.generate([p], greedy(20), use_tqdm=False)[0]
+    text = ref.outputs[0].text
+    stop = text[6:8]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=[stop])
+    plain = llm0.generate([p], params, use_tqdm=False)[0]
+    llm = speculating(bamba, full_runs([p], [ref]), 0.0, memory_budget_bytes=16 << 20)
+    out = llm.generate([p], params, use_tqdm=False)[0]
+    assert (out.outputs[0].text, out.outputs[0].token_ids) == (plain.outputs[0].text, plain.outputs[0].token_ids)
+    assert out.outputs[0].finish_reason == "stop"
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 7, 12])
+def test_max_tokens_cuts_a_run(bamba, max_tokens):
+    p = prompt(10, 9)
+    plain = LLM(str(bamba), memory_budget_bytes=16 << 20).generate([p], greedy(max_tokens), use_tqdm=False)[0]
+    ref = LLM(str(bamba), memory_budget_bytes=16 << 20).generate([p], greedy(20), use_tqdm=False)[0]
+    llm = speculating(bamba, full_runs([p], [ref]), 0.0, memory_budget_bytes=16 << 20)
+    out = llm.generate([p], greedy(max_tokens), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert len(out.outputs[0].token_ids) == max_tokens
+    assert_no_leaks(llm)
+
+
+def test_logprobs_of_accepted_tokens_are_the_plain_ones(bamba):
+    p = prompt(14, 10)
+    params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=3, ignore_eos=True)
+    plain = LLM(str(bamba), memory_budget_bytes=16 << 20).generate([p], params, use_tqdm=False)[0]
+    llm = speculating(bamba, full_runs([p], [plain]), 0.3, memory_budget_bytes=16 << 20)
+    out = llm.generate([p], params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert llm.stats()["spec_accepted_tokens"] > 0
+    for got, want in zip(out.outputs[0].logprobs, plain.outputs[0].logprobs):
+        assert got.keys() == want.keys()
+        for t in got:
+            assert got[t].rank == want[t].rank
+            assert got[t].logprob == pytest.approx(want[t].logprob, abs=1e-4)
+
+
+def test_seeded_sampling_and_n_forks_draw_the_plain_tokens(bamba):
+    """A seeded draw depends on (seed, sequence, position): a verified position draws the token the
+    plain step at that position would, so sampled output with penalties, top-k / top-p and n = 3
+    is token for token the plain engine's."""
+    prompts = [prompt(9, 11), prompt(26, 12)]
+    params = [SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=1.0, top_k=20, n=3, seed=3, presence_penalty=0.5,
+                             repetition_penalty=1.2, ignore_eos=True)]
+    plain = LLM(str(bamba), memory_budget_bytes=16 << 20).generate(prompts, params, use_tqdm=False)
+    llm = speculating(bamba, full_runs(prompts, plain), 0.2, memory_budget_bytes=16 << 20)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert tokens(outs) == tokens(plain)
+    assert llm.stats()["spec_accepted_tokens"] > 10
+    assert_no_leaks(llm)
+
+
+@pytest.mark.slow  # 2 x 300 requests
+def test_unseeded_sampling_keeps_the_plain_distribution(bamba):
+    """300 unseeded requests of 3 tokens at temperature 0.5, drafting the greedy continuation: the
+    pairs (2nd, 3rd token) follow the same distribution with and without speculation (two-sample
+    chi-square over the 12 most common pairs and the rest, p > 0.001), and drafts were accepted."""
+    from collections import Counter
+
+    from scipy.stats import chi2_contingency
+
+    p = prompt(12, 13)
+    params = SamplingParams(max_tokens=3, temperature=0.5, ignore_eos=True)
+    greedy_run = LLM(str(bamba), memory_budget_bytes=16 << 20).generate([p], greedy(3), use_tqdm=False)
+    counts = []
+    for spec in (False, True):
+        llm = (speculating(bamba, full_runs([p], greedy_run), 0.0, memory_budget_bytes=16 << 20, seed=5) if spec
+               else LLM(str(bamba), memory_budget_bytes=16 << 20, seed=5))
+        outs = llm.generate([p] * 300, params, use_tqdm=False)
+        counts.append(Counter(tuple(o.outputs[0].token_ids[1:]) for o in outs))
+        if spec:
+            assert llm.stats()["spec_accepted_tokens"] > 20
+    top = [k for k, _ in (counts[0] + counts[1]).most_common(12)]
+    table = [[c[k] for k in top] + [sum(c.values()) - sum(c[k] for k in top)] for c in counts]
+    assert chi2_contingency(table).pvalue > 1e-3
+
+
+# ---- adaptive k and the n-gram drafter ------------------------------------------------------
+def test_drafts_that_never_match_back_off(bamba):
+    """Always-wrong drafts for 60 tokens: after each miss the request skips 1, 2, 4, ... steps, so
+    a handful of runs verify, none accepts, and the output is the plain one."""
+    p = prompt(8, 14)
+    plain = LLM(str(bamba), memory_budget_bytes=16 << 20).generate([p], greedy(60), use_tqdm=False)[0]
+    llm = speculating(bamba, full_runs([p], [plain]), 1.0, memory_budget_bytes=16 << 20)
+    out = llm.generate([p], greedy(60), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    s = llm.stats()
+    assert 3 <= s["spec_verify_runs"] <= 7 and s["spec_accepted_tokens"] == 0
+
+
+def test_the_ngram_drafter_speeds_a_repeating_prompt_without_changing_it(bamba):
+    """The real drafter on a prompt the model continues by repeating: with a prompt that repeats a
+    phrase, whatever the random model does, tokens equal the plain ones; the counters add up."""
+    phrase = prompt(9, 15)
+    p = phrase * 4
+    plain = LLM(str(bamba), memory_budget_bytes=16 << 20).generate([p], greedy(30), use_tqdm=False)[0]
+    llm = LLM(str(bamba), memory_budget_bytes=16 << 20, speculative_config={"num_speculative_tokens": 4,
+                                                                              "prompt_lookup_min": 1})
+    out = llm.generate([p], greedy(30), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    s = llm.stats()
+    assert s["spec_verify_runs"] > 0
+    assert s["spec_acceptance_rate"] == pytest.approx(s["spec_accepted_tokens"] / s["spec_draft_tokens"])
+    assert s["spec_mean_accepted_length"] == pytest.approx(
+        (s["spec_accepted_tokens"] + s["spec_verify_runs"]) / s["spec_verify_runs"])
+    assert_no_leaks(llm)
+
+
+def test_a_pure_attention_model_drops_the_kv_of_rejected_tokens(tmp_path):
+    """Llama (no state): rejected positions' blocks go back to the pool at the step's end, so
+    between steps a request holds exactly the blocks its computed tokens need."""
+    from hybridkv.models.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint("llama", tmp_path, seed=1)
+    p = prompt(13, 16)
+    plain = LLM(str(path), memory_budget_bytes=16 << 20).generate([p], greedy(40), use_tqdm=False)[0]
+    llm = speculating(path, full_runs([p], [plain]), 0.5, memory_budget_bytes=16 << 20,
+                      enable_prefix_caching=False)
+    rid = llm.add_request(p, greedy(40))
+    while llm.has_unfinished_requests():
+        llm.step()
+        r = llm.manager.requests.get(rid)
+        if r is not None:
+            assert len(llm.manager.block_ids(rid)) == -(-r.num_computed_tokens // 16), r
+    assert llm.stats()["spec_verify_runs"] > 3
+    assert_no_leaks(llm)
