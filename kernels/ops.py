@@ -1,4 +1,4 @@
-"""Every kernel op, declared once: its name, its CPU implementation and its CUDA one. Models call
+"""Every kernel op, declared once: its signature, its CPU implementation and its CUDA one. Models call
 these (`from hybridkv.kernels import ops; ops.mamba2_state_update(...)`), never a backend module.
 
 CPU: torch, with the native C kernels where they apply (native_cpu.py; the torch code is their
@@ -10,188 +10,166 @@ backend (None below) returns None there, and its caller runs the unfused steps.
 
 A registry of our own, not torch.library custom ops: measured on an RMSNorm row in C (~10 us a
 call on the shared test machine), `torch.library.custom_op` adds ~30 us of dispatch per call,
-`Library.impl` ~5 us, this registry ~1.4 us (docs/design.md, "Kernel ops";
-benchmarks/bench_op_registry.py).
-Implementations are named "module:function" of hybridkv.kernels and looked up at each call (a
-module imports at first use, so Triton loads only where it runs; a test may patch one). The
-shapes are on each op's docstring and on the torch references, which are the specification.
+`Library.impl` ~5 us, this registry ~0.5 us (docs/design.md, "Kernel ops";
+benchmarks/bench_op_registry.py). An op's call takes the op's own parameters and hands them on
+unchanged (dispatch.py). Implementations are named "module:function" of hybridkv.kernels, take
+exactly the op's parameters (tests/kernels/test_ops.py) and are looked up at each call (a module
+imports at first use, so Triton loads only where it runs; a test may patch one). The shapes are on
+each op's docstring and on the torch references, which are the specification.
 """
 from __future__ import annotations
 
-import importlib
-import sys
-from typing import Optional
-
-from .dispatch import backend_for
-
-
-class Op:
-    """One op. cpu, cuda: "module:function" (same signature as the op), or None (returns None)."""
-
-    def __init__(self, name: str, cpu: Optional[str], cuda: Optional[str], doc: str):
-        self.name, self.cpu, self.cuda, self.__doc__ = name, cpu, cuda, doc
-        self._where = {"torch": _split(cpu), "triton": _split(cuda)}
-        self._one = cpu == cuda  # one function on both backends (the norms): nothing to choose
-
-    def backend(self, t, plan_cache: Optional[dict] = None) -> str:
-        """'torch' (the CPU implementation) or 'triton' (the CUDA one) for inputs on t's device."""
-        if plan_cache is None:
-            return backend_for(t)
-        backend = plan_cache.get("backend")
-        if backend is None:
-            backend = plan_cache["backend"] = backend_for(t)
-        return backend
-
-    def impl(self, backend: str):
-        """The implementation this backend runs, or None."""
-        where = self._where[backend]
-        if where is None:
-            return None
-        module, fn = where
-        return getattr(sys.modules.get(module) or importlib.import_module(module), fn)
-
-    def __call__(self, *args, **kwargs):
-        fn = self.impl("torch" if self._one else self.backend(args[0], kwargs.get("plan_cache")))
-        return None if fn is None else fn(*args, **kwargs)
-
-    def __repr__(self) -> str:
-        return f"Op({self.name}: cpu {self.cpu}, cuda {self.cuda})"
-
-
-def _split(where: Optional[str]):
-    if where is None:
-        return None
-    module, fn = where.split(":")
-    return f"{__package__}.{module}", fn
-
+from .dispatch import Op, declare
 
 # --- attention --------------------------------------------------------------------------------
-paged_attention = Op("paged_attention", "attention_cpu:paged_attention_cpu", "ops:_paged_attention_triton", """
-q [T, Hq, D], kv_cache [num_blocks, 2, bs, Hkv, D] -> out [T, Hq, D]; see attention_ref.
-Args (q, kv_cache, query_start_loc, seq_lens, block_table, scale, causal=True, sliding_window=None,
-soft_cap=None, max_query_len=None, max_seq_len=None, plan_cache=None, sinks=None); sinks [Hq]: per-head
-sink logits in the softmax denominator (GPT-OSS).""")
-write_kv = Op("write_kv", "write_kv_cpu:write_kv_cpu", "ops:_write_kv_triton", """
-(k, v, kv_cache, slot_mapping, plan_cache=None): k, v [T, Hkv, D] into kv_cache at flat slots
-slot_mapping [T] (-1 skipped).""")
-rope_write_kv = Op("rope_write_kv", "write_kv_cpu:rope_write_kv_cpu", None, """
-(qkv, rope, num_heads, num_kv_heads, head_dim, kv_cache, slot_mapping, plan_cache=None): qkv
-[T, (Hq + 2 Hkv) * D], rope (cos, sin) [T, rot] or None -> q [T, Hq, D] rotated, k (rotated) and v
-written into kv_cache at slot_mapping, as apply_rotary + write_kv in one C loop; None where it
+paged_attention = declare(
+    "paged_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale, causal=True, sliding_window=None,"
+    " soft_cap=None, max_query_len=None, max_seq_len=None, plan_cache=None, sinks=None)",
+    "attention_cpu:paged_attention_cpu", "ops:_paged_attention_triton", """
+q [T, Hq, D], kv_cache [num_blocks, 2, bs, Hkv, D] -> out [T, Hq, D]; see attention_ref. sinks [Hq]:
+per-head sink logits in the softmax denominator (GPT-OSS).""")
+write_kv = declare("write_kv(k, v, kv_cache, slot_mapping, plan_cache=None)",
+                   "write_kv_cpu:write_kv_cpu", "ops:_write_kv_triton", """
+k, v [T, Hkv, D] into kv_cache at flat slots slot_mapping [T] (-1 skipped).""")
+rope_write_kv = declare(
+    "rope_write_kv(qkv, rope, num_heads, num_kv_heads, head_dim, kv_cache, slot_mapping, plan_cache=None)",
+    "write_kv_cpu:rope_write_kv_cpu", None, """
+qkv [T, (Hq + 2 Hkv) * D], rope (cos, sin) [T, rot] or None -> q [T, Hq, D] rotated, k (rotated) and
+v written into kv_cache at slot_mapping, as apply_rotary + write_kv in one C loop; None where it
 does not run (the caller runs those two).""")
-write_latent = Op("write_latent", "latent_attention_ref:write_latent_ref",
-                  "latent_write_kernel:write_latent_triton", """
-(latent, kv_cache, slot_mapping): latent [T, D] into latent pages kv_cache [N, 1, bs, 1, D] at flat
-slots (-1 skipped).""")
-latent_paged_attention = Op("latent_paged_attention", "ops:_latent_attention_ref",
-                            "ops:_latent_attention_triton", """
-(q, kv_cache, kv_b_weight, query_start_loc, seq_lens, block_table, scale, nope_dim, v_dim,
-max_query_len=None): MLA over latent pages, q [T, H, nope + rope] -> o [T, H, v_dim]. On CUDA a
-decode step (max_query_len=1, a host fact) runs latent_attention_decode (no host sync); everything
-else runs the reference.""")
-pooled_index_select = Op("pooled_index_select", "sparse_index_ref:pooled_index_select",
-                         "sparse_index_ref:pooled_index_select", """
-(q, weights, index_cache, ape, query_start_loc, seq_lens, block_table, kpool, topk, scale,
-select_tail=True, max_query_len=None): a DSA indexer over its own pages (key | k-pool gate per token)
--> selected [T, table width x bs] bool, the keys each query sees (torch on every device; decode steps,
-max_query_len=1, without a host sync; see sparse_index_ref).""")
-latent_sparse_attention = Op("latent_sparse_attention", "sparse_index_ref:latent_sparse_attention",
-                             "sparse_index_ref:latent_sparse_attention", """
-(q, kv_cache, kv_b_weight, query_start_loc, seq_lens, block_table, scale, nope_dim, v_dim, selected,
-max_query_len=None): rotary-free MLA over latent pages where query t sees the keys `selected[t]` marks
--> o [T, H, v_dim] (torch on every device; decode steps without a host sync).""")
-block_mean_index_select = Op("block_mean_index_select", "qsa_ref:block_mean_index_select",
-                             "qsa_ref:block_mean_index_select", """
-(q, index_cache, query_start_loc, seq_lens, block_table, ratio, budget, key_fn, max_query_len=None):
+write_latent = declare("write_latent(latent, kv_cache, slot_mapping)",
+                       "latent_attention_ref:write_latent_ref", "latent_write_kernel:write_latent_triton", """
+latent [T, D] into latent pages kv_cache [N, 1, bs, 1, D] at flat slots (-1 skipped).""")
+latent_paged_attention = declare(
+    "latent_paged_attention(q, kv_cache, kv_b_weight, query_start_loc, seq_lens, block_table, scale, nope_dim,"
+    " v_dim, max_query_len=None)",
+    "ops:_latent_attention_ref", "ops:_latent_attention_triton", """
+MLA over latent pages, q [T, H, nope + rope] -> o [T, H, v_dim]. On CUDA a decode step
+(max_query_len=1, a host fact) runs latent_attention_decode (no host sync); everything else runs
+the reference.""")
+pooled_index_select = declare(
+    "pooled_index_select(q, weights, index_cache, ape, query_start_loc, seq_lens, block_table, kpool, topk,"
+    " scale, select_tail=True, max_query_len=None)",
+    "sparse_index_ref:pooled_index_select", "sparse_index_ref:pooled_index_select", """
+A DSA indexer over its own pages (key | k-pool gate per token) -> selected [T, table width x bs]
+bool, the keys each query sees (torch on every device; decode steps, max_query_len=1, without a host
+sync; see sparse_index_ref).""")
+latent_sparse_attention = declare(
+    "latent_sparse_attention(q, kv_cache, kv_b_weight, query_start_loc, seq_lens, block_table, scale, nope_dim,"
+    " v_dim, selected, max_query_len=None)",
+    "sparse_index_ref:latent_sparse_attention", "sparse_index_ref:latent_sparse_attention", """
+Rotary-free MLA over latent pages where query t sees the keys `selected[t]` marks -> o [T, H, v_dim]
+(torch on every device; decode steps without a host sync).""")
+block_mean_index_select = declare(
+    "block_mean_index_select(q, index_cache, query_start_loc, seq_lens, block_table, ratio, budget, key_fn,"
+    " max_query_len=None)",
+    "qsa_ref:block_mean_index_select", "qsa_ref:block_mean_index_select", """
 Qwen4-Exp's QSA indexer over its latent pages of raw keys -> selected [T, table width x bs] bool
 (torch; decode steps without a host sync; see qsa_ref).""")
-paged_sparse_attention = Op("paged_sparse_attention", "qsa_ref:paged_sparse_attention",
-                            "qsa_ref:paged_sparse_attention", """
-(q, kv_cache, query_start_loc, seq_lens, block_table, scale, selected, max_query_len=None): GQA
-attention over paged KV where query t sees the keys `selected[t]` marks -> o [T, Hq, D] (torch on
-every device; decode steps without a host sync).""")
+paged_sparse_attention = declare(
+    "paged_sparse_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale, selected,"
+    " max_query_len=None)",
+    "qsa_ref:paged_sparse_attention", "qsa_ref:paged_sparse_attention", """
+GQA attention over paged KV where query t sees the keys `selected[t]` marks -> o [T, Hq, D] (torch
+on every device; decode steps without a host sync).""")
 
 # --- convolution and recurrent layers ----------------------------------------------------------
-causal_conv1d = Op("causal_conv1d", "causal_conv_cpu:causal_conv1d_cpu", "ops:_causal_conv1d_triton",
-                   """
-(x, conv_state, weight, bias, query_start_loc, slot_idx, has_initial_state, activation="silu"):
-varlen prefill conv, x [T, dim], conv_state [S, dim, k-1], weight [dim, k] -> [T, dim].""")
-conv1d_update = Op("conv1d_update", "causal_conv_cpu:conv1d_update_cpu", "conv1d:conv1d_update_triton", """
-(x, conv_state, weight, bias, slot_idx, activation="silu"): decode conv, one token per request,
-x [B, dim] -> [B, dim]; conv_state updated in place.""")
-mamba1_state_update = Op("mamba1_state_update", "mamba1_cpu:mamba1_state_update_cpu",
-                         "mamba1:mamba1_state_update_triton", """
-(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, dt_softplus=True): selective-scan step,
-ssm_state [S, d_inner, N]; x, dt, z [B, d_inner]; B, C [B, N] -> y [B, d_inner].""")
-mamba1_scan = Op("mamba1_scan", "mamba1_ref:mamba1_scan_ref", "mamba1_prefill:mamba1_scan_triton", """
-(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_loc, slot_idx, has_initial_state,
-dt_softplus=True, return_states_at=None): varlen selective scan from each slot's state; leaves
-the final state in the slot.""")
-mamba2_state_update = Op("mamba2_state_update", "mamba2_cpu:mamba2_state_update_cpu",
-                         "mamba2:mamba2_state_update_triton", """
-(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, dt_softplus=True, dt_limit=None): SSD step,
-ssm_state [S, H, P, N]; x [B, H, P]; dt [B, H]; B, C [B, G, N] -> y [B, H, P].""")
-mamba2_chunk_scan = Op("mamba2_chunk_scan", "mamba2_cpu:mamba2_chunk_scan_cpu",
-                       "ssd_prefill:mamba2_chunk_scan_triton", """
-(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_loc, slot_idx, has_initial_state,
-chunk_size=256, dt_softplus=True, return_states_at=None, dt_limit=None): varlen chunked SSD from
-each slot's state; leaves the final state in the slot.""")
-mamba2_mixer_decode = Op("mamba2_mixer_decode", "mamba2_native:mamba2_mixer_decode", None, """
-(proj, slot_idx, *, conv_state, ssm_state, ..., cache, plan_cache=None): a Mamba2 layer's whole decode between
-in_proj and out_proj in one C call (see mamba2_native.mamba2_mixer_decode) -> y [B, H P], or None
-(the caller runs conv1d_update, mamba2_state_update and its norm).""")
-gdn_state_update = Op("gdn_state_update", "gdn_cpu:gdn_state_update_cpu", "gdn:gdn_state_update_triton", """
-(state, q, k, v, g, beta, slot_idx, scale=None, use_qk_l2norm=True): gated delta rule step,
-state [S, HV, K, V]; q, k [B, H, K]; v [B, HV, V]; g, beta [B, HV] -> o [B, HV, V].""")
-gdn_chunk_scan = Op("gdn_chunk_scan", "gdn_cpu:gdn_chunk_scan_cpu", "gdn_prefill:gdn_chunk_scan_triton", """
-(state, q, k, v, g, beta, query_start_loc, slot_idx, has_initial_state, scale=None,
-use_qk_l2norm=True, chunk_size=64, return_states_at=None): varlen chunked gated delta rule.""")
-kda_state_update = Op("kda_state_update", "kda_ref:kda_state_update_ref", "kda:kda_state_update_triton", """
-(state, q, k, v, g, beta, slot_idx, scale=None, use_qk_l2norm=True): Kimi delta attention step,
-state [S, H, K, V]; q, k, g [B, H, K]; v [B, H, V]; beta [B, H].""")
-kda_chunk_scan = Op("kda_chunk_scan", "kda_ref:kda_chunk_scan_ref", "kda_prefill:kda_chunk_scan_triton", """
-(state, q, k, v, g, beta, query_start_loc, slot_idx, has_initial_state, scale=None,
-use_qk_l2norm=True, chunk_size=16, return_states_at=None): varlen chunked Kimi delta attention.""")
-lightning_state_update = Op("lightning_state_update", "lightning_ref:lightning_state_update_ref",
-                            "lightning:lightning_state_update_triton", """
-(state, q, k, v, slope, slot_idx): lightning-attention step, state [S, H, K, V]; q, k [B, H, K];
-v [B, H, V]; slope [H].""")
-lightning_chunk_scan = Op("lightning_chunk_scan", "lightning_ref:lightning_chunk_scan_ref",
-                          "lightning_prefill:lightning_chunk_scan_triton", """
-(state, q, k, v, slope, query_start_loc, slot_idx, has_initial_state, chunk_size=64,
-return_states_at=None): varlen chunked lightning attention.""")
-rg_lru_state_update = Op("rg_lru_state_update", "rg_lru_ref:rg_lru_state_update_ref",
-                         "rg_lru_kernel:rg_lru_state_update_triton", """
-(state, x, input_gate, recurrent_gate, recurrent_param, slot_idx): one RG-LRU decode token per
-request; state [S, W] updated in place at slot_idx [B] -> y [B, W].""")
-rg_lru_scan = Op("rg_lru_scan", "rg_lru_ref:rg_lru_scan_ref", "rg_lru_ref:rg_lru_scan_ref", """
-(state, x, input_gate, recurrent_gate, recurrent_param, query_start_loc, slot_idx,
-has_initial_state, return_states_at=None): varlen RG-LRU scan (torch on every device).""")
-rwkv4_state_update = Op("rwkv4_state_update", "rwkv4_ref:rwkv4_state_update_ref",
-                        "rwkv4_ref:rwkv4_state_update_ref", """
-(state, key, value, time_decay, time_first, slot_idx): one RWKV-4 WKV decode token per request;
-state [S, 3, C] float32 (num, den, max) updated in place at slot_idx [B]; key, value [B, C] ->
-wkv [B, C] (torch on every device).""")
-rwkv4_scan = Op("rwkv4_scan", "rwkv4_ref:rwkv4_scan_ref", "rwkv4_ref:rwkv4_scan_ref", """
-(state, key, value, time_decay, time_first, query_start_loc, slot_idx, has_initial_state): varlen
-RWKV-4 WKV recurrence, key, value [T, C] -> wkv [T, C] (torch on every device).""")
+causal_conv1d = declare(
+    "causal_conv1d(x, conv_state, weight, bias, query_start_loc, slot_idx, has_initial_state, activation='silu')",
+    "causal_conv_cpu:causal_conv1d_cpu", "ops:_causal_conv1d_triton", """
+Varlen prefill conv, x [T, dim], conv_state [S, dim, k-1], weight [dim, k] -> [T, dim].""")
+conv1d_update = declare("conv1d_update(x, conv_state, weight, bias, slot_idx, activation='silu')",
+                        "causal_conv_cpu:conv1d_update_cpu", "conv1d:conv1d_update_triton", """
+Decode conv, one token per request, x [B, dim] -> [B, dim]; conv_state updated in place.""")
+mamba1_state_update = declare(
+    "mamba1_state_update(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, dt_softplus=True)",
+    "mamba1_cpu:mamba1_state_update_cpu", "mamba1:mamba1_state_update_triton", """
+Selective-scan step, ssm_state [S, d_inner, N]; x, dt, z [B, d_inner]; B, C [B, N] -> y [B, d_inner].""")
+mamba1_scan = declare(
+    "mamba1_scan(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_loc, slot_idx, has_initial_state,"
+    " dt_softplus=True, return_states_at=None)",
+    "mamba1_ref:mamba1_scan_ref", "mamba1_prefill:mamba1_scan_triton", """
+Varlen selective scan from each slot's state; leaves the final state in the slot.""")
+mamba2_state_update = declare(
+    "mamba2_state_update(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, dt_softplus=True, dt_limit=None)",
+    "mamba2_cpu:mamba2_state_update_cpu", "mamba2:mamba2_state_update_triton", """
+SSD step, ssm_state [S, H, P, N]; x [B, H, P]; dt [B, H]; B, C [B, G, N] -> y [B, H, P].""")
+mamba2_chunk_scan = declare(
+    "mamba2_chunk_scan(ssm_state, x, dt, A, B, C, D, z, dt_bias, query_start_loc, slot_idx, has_initial_state,"
+    " chunk_size=256, dt_softplus=True, return_states_at=None, dt_limit=None)",
+    "mamba2_cpu:mamba2_chunk_scan_cpu", "ssd_prefill:mamba2_chunk_scan_triton", """
+Varlen chunked SSD from each slot's state; leaves the final state in the slot.""")
+mamba2_mixer_decode = declare(
+    "mamba2_mixer_decode(proj, slot_idx, *, conv_state, ssm_state, num_heads, head_dim, n_groups, conv_weight,"
+    " conv_bias, A_log, dt_bias, D, norm_weight, norm_group, eps, norm_mode, cache, plan_cache=None)",
+    "mamba2_native:mamba2_mixer_decode", None, """
+A Mamba2 layer's whole decode between in_proj and out_proj in one C call (see
+mamba2_native.mamba2_mixer_decode) -> y [B, H P], or None (the caller runs conv1d_update,
+mamba2_state_update and its norm).""")
+gdn_state_update = declare(
+    "gdn_state_update(state, q, k, v, g, beta, slot_idx, scale=None, use_qk_l2norm=True)",
+    "gdn_cpu:gdn_state_update_cpu", "gdn:gdn_state_update_triton", """
+Gated delta rule step, state [S, HV, K, V]; q, k [B, H, K]; v [B, HV, V]; g, beta [B, HV] -> o [B, HV, V].""")
+gdn_chunk_scan = declare(
+    "gdn_chunk_scan(state, q, k, v, g, beta, query_start_loc, slot_idx, has_initial_state, scale=None,"
+    " use_qk_l2norm=True, chunk_size=64, return_states_at=None)",
+    "gdn_cpu:gdn_chunk_scan_cpu", "gdn_prefill:gdn_chunk_scan_triton", """
+Varlen chunked gated delta rule.""")
+kda_state_update = declare(
+    "kda_state_update(state, q, k, v, g, beta, slot_idx, scale=None, use_qk_l2norm=True)",
+    "kda_ref:kda_state_update_ref", "kda:kda_state_update_triton", """
+Kimi delta attention step, state [S, H, K, V]; q, k, g [B, H, K]; v [B, H, V]; beta [B, H].""")
+kda_chunk_scan = declare(
+    "kda_chunk_scan(state, q, k, v, g, beta, query_start_loc, slot_idx, has_initial_state, scale=None,"
+    " use_qk_l2norm=True, chunk_size=16, return_states_at=None)",
+    "kda_ref:kda_chunk_scan_ref", "kda_prefill:kda_chunk_scan_triton", """
+Varlen chunked Kimi delta attention.""")
+lightning_state_update = declare("lightning_state_update(state, q, k, v, slope, slot_idx)",
+                                 "lightning_ref:lightning_state_update_ref",
+                                 "lightning:lightning_state_update_triton", """
+Lightning-attention step, state [S, H, K, V]; q, k [B, H, K]; v [B, H, V]; slope [H].""")
+lightning_chunk_scan = declare(
+    "lightning_chunk_scan(state, q, k, v, slope, query_start_loc, slot_idx, has_initial_state, chunk_size=64,"
+    " return_states_at=None)",
+    "lightning_ref:lightning_chunk_scan_ref", "lightning_prefill:lightning_chunk_scan_triton", """
+Varlen chunked lightning attention.""")
+rg_lru_state_update = declare(
+    "rg_lru_state_update(state, x, input_gate, recurrent_gate, recurrent_param, slot_idx)",
+    "rg_lru_ref:rg_lru_state_update_ref", "rg_lru_kernel:rg_lru_state_update_triton", """
+One RG-LRU decode token per request; state [S, W] updated in place at slot_idx [B] -> y [B, W].""")
+rg_lru_scan = declare(
+    "rg_lru_scan(state, x, input_gate, recurrent_gate, recurrent_param, query_start_loc, slot_idx,"
+    " has_initial_state, return_states_at=None)",
+    "rg_lru_ref:rg_lru_scan_ref", "rg_lru_ref:rg_lru_scan_ref", """
+Varlen RG-LRU scan (torch on every device).""")
+rwkv4_state_update = declare(
+    "rwkv4_state_update(state, key, value, time_decay, time_first, slot_idx)",
+    "rwkv4_ref:rwkv4_state_update_ref", "rwkv4_ref:rwkv4_state_update_ref", """
+One RWKV-4 WKV decode token per request; state [S, 3, C] float32 (num, den, max) updated in place at
+slot_idx [B]; key, value [B, C] -> wkv [B, C] (torch on every device).""")
+rwkv4_scan = declare(
+    "rwkv4_scan(state, key, value, time_decay, time_first, query_start_loc, slot_idx, has_initial_state)",
+    "rwkv4_ref:rwkv4_scan_ref", "rwkv4_ref:rwkv4_scan_ref", """
+Varlen RWKV-4 WKV recurrence, key, value [T, C] -> wkv [T, C] (torch on every device).""")
 
 # --- dense ------------------------------------------------------------------------------------
-fused_moe = Op("fused_moe", "fused_moe_cpu:fused_moe_torch", "ops:_fused_moe_triton", """
-(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation="silu", gated=True,
-gate_up_bias=None, down_bias=None, swiglu=None, glu=None): hidden [T, H], w_gate_up [E, 2I, H] (gated)
-or [E, I, H], w_down [E, H, I], topk [T, k] -> [T, H]. Biases and swiglu (GPT-OSS) and glu (a callable
-(gate, up) -> inner, Inkling 2) run the torch path on every device: the Triton kernel has none yet.""")
-rms_norm = Op("rms_norm", "rms_norm:rms_norm", "rms_norm:rms_norm", """
-(x, weight, eps, plus_one=False): x [..., d], weight [d], float32 -> x / rms(x) * w (w = 1 + weight
-when plus_one); a C row loop on CPU, torch elsewhere.""")
-add_rms_norm = Op("add_rms_norm", "rms_norm:add_rms_norm", "rms_norm:add_rms_norm", """
-(h, delta, weight, eps, plus_one=False): h, delta [T, d] float32 -> (h + delta, its rms_norm); one
-pass on CPU.""")
-gated_rms_norm = Op("gated_rms_norm", "rms_norm:gated_rms_norm", "rms_norm:gated_rms_norm", """
-(y, z, weight, eps, group_size, norm_before_gate): y, z [..., d] float32 -> the gated group norm
-in C on CPU, or None (other devices, prefill-sized inputs: the caller runs the torch formula,
-GatedRMSNorm).""")
+fused_moe = declare(
+    "fused_moe(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation='silu', gated=True,"
+    " gate_up_bias=None, down_bias=None, swiglu=None, glu=None)",
+    "fused_moe_cpu:fused_moe_torch", "ops:_fused_moe_triton", """
+hidden [T, H], w_gate_up [E, 2I, H] (gated) or [E, I, H], w_down [E, H, I], topk [T, k] -> [T, H].
+Biases and swiglu (GPT-OSS) and glu (a callable (gate, up) -> inner, Inkling 2) run the torch path
+on every device: the Triton kernel has none yet.""")
+rms_norm = declare("rms_norm(x, weight, eps, plus_one=False)", "rms_norm:rms_norm", "rms_norm:rms_norm", """
+x [..., d], weight [d], float32 -> x / rms(x) * w (w = 1 + weight when plus_one); a C row loop on
+CPU, torch elsewhere.""")
+add_rms_norm = declare("add_rms_norm(h, delta, weight, eps, plus_one=False)",
+                       "rms_norm:add_rms_norm", "rms_norm:add_rms_norm", """
+h, delta [T, d] float32 -> (h + delta, its rms_norm); one pass on CPU.""")
+gated_rms_norm = declare("gated_rms_norm(y, z, weight, eps, group_size, norm_before_gate)",
+                         "rms_norm:gated_rms_norm", "rms_norm:gated_rms_norm", """
+y, z [..., d] float32 -> the gated group norm in C on CPU, or None (other devices, prefill-sized
+inputs: the caller runs the torch formula, GatedRMSNorm).""")
 
 OPS = {op.name: op for op in globals().values() if isinstance(op, Op)}
 

@@ -19,11 +19,25 @@ def _params(fn):
 @pytest.mark.parametrize("name", sorted(ops.OPS))
 def test_both_implementations_take_the_ops_arguments(name):
     op = ops.OPS[name]
+    own = _params(op)  # the call written from the op's signature (dispatch.declare)
     cpu = op.impl("torch")
     assert cpu is not None and op.__doc__.strip()
+    assert _params(cpu) == own, f"{name}: {op.cpu} does not take the op's parameters {op.signature}"
     cuda = op.impl("triton")  # imports the Triton module (no kernel runs)
     if cuda is not None:
-        assert _params(cuda) == _params(cpu), f"{name}: {op.cuda} and {op.cpu} differ in their parameters"
+        assert _params(cuda) == own, f"{name}: {op.cuda} does not take the op's parameters {op.signature}"
+
+
+def test_an_op_hands_its_arguments_on_as_given(monkeypatch):
+    from hybridkv.kernels import rms_norm
+
+    seen = []
+    monkeypatch.setattr(rms_norm, "rms_norm", lambda *a: seen.append(a) or "out")
+    x, w = torch.zeros(1, 4), torch.ones(4)
+    assert ops.rms_norm(x, w, eps=1e-6) == "out" and ops.rms_norm(x, w, 1e-5, True) == "out"
+    assert seen == [(x, w, 1e-6, False), (x, w, 1e-5, True)]  # defaults filled, keywords by position
+    with pytest.raises(TypeError):
+        ops.rms_norm(x, w)  # a missing argument fails at the op, as a def does
 
 
 def test_backend_follows_the_device_and_the_override(monkeypatch):
