@@ -124,12 +124,13 @@ class Mamba2MixerDecode:
         a.xbc, a.A = self._xbc.data_ptr(), self._A.data_ptr()
 
     @staticmethod
-    def key_of(*tensors) -> tuple:
+    def key_of(*tensors) -> list:
         """What a built call depends on: each tensor's address, shape, strides and dtype. It keeps
         no reference to them (a pool freed by its engine is not held here); the caller passes the
         live tensors and rebuilds the call when their key differs, so a pointer it keeps is used
-        only while a tensor with that very layout lives there."""
-        return tuple(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors)
+        only while a tensor with that very layout lives there. (~0.5 us a tensor: the four reads;
+        a list comprehension, ~10% under a tuple of a generator.)"""
+        return [None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors]
 
     def __call__(self, proj: torch.Tensor, slot_idx: torch.Tensor) -> torch.Tensor | None:
         """proj [B, H P + conv_dim + H] (in_proj's rows [z | xBC | dt]); slot_idx [B] ->
@@ -169,11 +170,12 @@ def mamba2_mixer_decode(proj, slot_idx, *, conv_state, ssm_state, num_heads, hea
     step's (the op's backend)."""
     if not native_cpu.enabled():
         return None
-    tensors = (conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_bias, D, norm_weight)
-    key = Mamba2MixerDecode.key_of(*tensors)
-    if cache.get("key") != key:
-        cache["key"], cache["call"] = key, Mamba2MixerDecode(
+    key = Mamba2MixerDecode.key_of(conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_bias, D, norm_weight)
+    call = cache.get("call")
+    if call is None or cache["key"] != key:
+        call = cache["call"] = Mamba2MixerDecode(
             conv_state, ssm_state, num_heads, head_dim, n_groups,
             conv_weight.squeeze(1) if conv_weight.dim() == 3 else conv_weight,  # a view: its address is kept
             conv_bias, A_log, dt_bias, D, norm_weight, norm_group, eps, norm_mode)
-    return cache["call"](proj, slot_idx)
+        cache["key"] = key
+    return call(proj, slot_idx)
