@@ -59,11 +59,12 @@ class HybridCacheManager:
                  num_slots: int = 0, *, device: torch.device | str = "cpu", enable_prefix_caching: bool = True,
                  checkpoint_policy: str = DEFAULT_POLICY, checkpoint_every_n: int = 4,
                  checkpoint_eviction: str = DEFAULT_EVICTION, fingerprint: str = "",
-                 flops_per_token: Optional[float] = None, max_num_batched_tokens: Optional[int] = None):
+                 flops_per_token: Optional[float] = None, max_num_batched_tokens: Optional[int] = None,
+                 draft_slots: int = 0):
         if not isinstance(block_size, int) or block_size <= 0:
             raise MemoryBudgetError(f"block_size={block_size!r} must be a positive integer (e.g. 16)")
         kinds = make_kinds(specs, block_size, num_blocks, num_slots, device, checkpoint_eviction,
-                           flops_per_token, max_num_batched_tokens)
+                           flops_per_token, max_num_batched_tokens, draft_slots)
         self.specs = dict(specs)
         self.block_size = block_size
         self.fingerprint = fingerprint
@@ -93,8 +94,8 @@ class HybridCacheManager:
             off = kwargs.get("checkpoint_policy", DEFAULT_POLICY) == "none" or not kwargs.get("enable_prefix_caching", True)
             checkpoint_share = 0.0 if off else 0.1
         p = plan(specs, budget_bytes, block_size, max_num_seqs, checkpoint_share,
-                 max_chunk_tokens=kwargs.get("max_num_batched_tokens"))
-        mgr = cls(specs, block_size, p.group_blocks or p.num_blocks, p.num_slots, **kwargs)
+                 max_chunk_tokens=kwargs.get("max_num_batched_tokens"), draft_slots=kwargs.pop("draft_slots", 0))
+        mgr = cls(specs, block_size, p.group_blocks or p.num_blocks, p.num_slots, draft_slots=p.draft_slots, **kwargs)
         mgr.memory_plan = p
         return mgr
 

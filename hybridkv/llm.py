@@ -124,7 +124,8 @@ class LLM:
             device=self.model.device, enable_prefix_caching=enable_prefix_caching,
             checkpoint_policy=c.checkpoint_policy, checkpoint_every_n=c.checkpoint_every_n,
             checkpoint_eviction=c.checkpoint_eviction, fingerprint=self.model.fingerprint,
-            flops_per_token=2.0 * params, max_num_batched_tokens=max_num_batched_tokens)
+            flops_per_token=2.0 * params, max_num_batched_tokens=max_num_batched_tokens,
+            draft_slots=Speculation.draft_slots(c.speculative_config, block_size, max_num_seqs))
         policy = PreemptionPolicy(preemption_mode, specs, block_size, self.profile, enable_prefix_caching)
         scheduler = Scheduler(self.manager, policy, max_num_batched_tokens, max_num_seqs)
         if c.speculative_config is not None:  # decodes verify drafts (scheduler/speculation.py)

@@ -85,8 +85,9 @@ class MemoryPlan:
     """How a byte budget splits into KV blocks and state slots.
 
     num_slots counts the null slot 0; live_slots = max_num_seqs (or fewer if the budget is small);
-    checkpoint_slots is the share reserved for prefix-cache checkpoints. Slots are one pool:
-    the split only sizes it.
+    checkpoint_slots is the share reserved for prefix-cache checkpoints; draft_slots the slots kept
+    free for speculative decoding's per-position states (checkpoints never take them). Slots are
+    one pool: the split only sizes it.
     """
 
     block_size: int
@@ -97,6 +98,7 @@ class MemoryPlan:
     live_slots: int
     checkpoint_slots: int
     budget_bytes: int
+    draft_slots: int = 0
     # {window (None: full): blocks} when attention layers form several groups (full and windows);
     # num_blocks is then the lead group's (lead_group()). Empty with one group.
     group_blocks: Mapping[Optional[int], int] = field(default_factory=dict)
@@ -124,12 +126,14 @@ def plan(
     max_num_seqs: int = 256,
     checkpoint_share: float = 0.1,
     max_chunk_tokens: Optional[int] = None,
+    draft_slots: int = 0,
 ) -> MemoryPlan:
     """Split `budget_bytes` into KV blocks and state slots.
 
     Recurrent models get 1 null slot, `min(max_num_seqs, what fits)` live slots (each running
     request needs one slot and at least one block) and `checkpoint_share x budget` worth of
-    checkpoint slots; every byte left goes to KV blocks. Pure-attention models get no slots;
+    checkpoint slots, and `draft_slots` more (speculative decoding) when at least one live slot
+    and block still fit; every byte left goes to KV blocks. Pure-attention models get no slots;
     pure-recurrent models get no blocks. Raises MemoryBudgetError when the budget cannot hold
     one block and one live slot (plus the null slot).
 
@@ -164,13 +168,16 @@ def plan(
     rest = budget_bytes - (1 + ckpt_slots) * slot_bytes
     if rest < slot_bytes + block_bytes:  # checkpoints never squeeze out the first live request
         ckpt_slots, rest = 0, budget_bytes - slot_bytes
+    if draft_slots and rest - draft_slots * slot_bytes < slot_bytes + block_bytes:
+        draft_slots = 0  # neither do draft slots: speculation then finds none and stays off
+    rest -= draft_slots * slot_bytes
     live = min(max_num_seqs, rest // (slot_bytes + block_bytes))
     rest -= live * slot_bytes
     if not attn:  # no KV pool to feed: the remainder holds more checkpoints
         ckpt_slots += rest // slot_bytes
     groups, num_blocks = _split_kv(specs, rest, block_size, live, max_chunk_tokens) if attn else (({}, {}), 0)
-    return MemoryPlan(block_size, block_bytes, slot_bytes, num_blocks, 1 + live + ckpt_slots, live,
-                      ckpt_slots, budget_bytes, *groups)
+    return MemoryPlan(block_size, block_bytes, slot_bytes, num_blocks, 1 + live + ckpt_slots + draft_slots, live,
+                      ckpt_slots, budget_bytes, draft_slots, *groups)
 
 
 def _split_kv(specs, kv_budget: int, block_size: int, seqs: int, max_chunk_tokens: Optional[int]):

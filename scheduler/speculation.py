@@ -15,7 +15,7 @@ Counters (the engine's stats and /metrics): verification runs, drafted and accep
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Hashable, Optional
 
 from hybridkv.request import Request
 from hybridkv.speculative.config import SpeculativeConfig
@@ -41,12 +41,25 @@ class Speculation:
 
     def __init__(self, config: SpeculativeConfig, block_size: int):
         self.config = config
-        self.k_max = min(config.num_speculative_tokens, block_size - 1)
-        if self.k_max < 1:
-            raise ValueError(f"speculative decoding needs block_size >= 2, got {block_size}")
+        self.k_max = self.max_draft(config, block_size)
         self.drafter = NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
         self._pace: dict[Hashable, DraftPace] = {}
         self.counters = {"spec_verify_runs": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
+
+    @staticmethod
+    def max_draft(config: SpeculativeConfig, block_size: int) -> int:
+        """The most tokens a request drafts: num_speculative_tokens, below block_size."""
+        if block_size < 2:
+            raise ValueError(f"speculative decoding needs block_size >= 2, got {block_size}")
+        return min(config.num_speculative_tokens, block_size - 1)
+
+    @staticmethod
+    def draft_slots(config: Optional[SpeculativeConfig], block_size: int, max_num_seqs: int) -> int:
+        """State slots the memory plan keeps for draft runs: k + 1 for each request that may
+        verify a draft in one step (0 with speculation off)."""
+        if config is None:
+            return 0
+        return (Speculation.max_draft(config, block_size) + 1) * min(max_num_seqs, config.max_speculating_seqs)
 
     def draft(self, seq: Request, budget: int) -> list[int]:
         """The draft seq verifies this step ([] for none): at most its k, the budget's tokens, and

@@ -43,6 +43,7 @@ class RecurrentMemory(LayerMemory):
 
     reachable(h): whether the attention kinds still hold the KV a checkpoint keyed h needs.
     saved_flops(p): prefill FLOPs a checkpoint at position p saves (for the 'flop' eviction rule).
+    draft_reserve: free slots a checkpoint never takes (speculative decoding's draft slots).
     """
 
     name = "recurrent"
@@ -55,7 +56,7 @@ class RecurrentMemory(LayerMemory):
                  device: torch.device | str = "cpu", eviction: str = "lru",
                  saved_flops: Optional[Callable[[int], float]] = None,
                  reachable: Callable[[bytes], bool] = lambda h: True, flop_weight: float = 1.0,
-                 branches: Callable[[bytes], int] = lambda h: 0):
+                 branches: Callable[[bytes], int] = lambda h: 0, draft_reserve: int = 0):
         super().__init__(layers, block_size)
         check_rule(eviction)
         self.states = StatePool(self.layers, num_slots, device)
@@ -64,6 +65,7 @@ class RecurrentMemory(LayerMemory):
         self.flop_weight = flop_weight
         self.reachable = reachable
         self.branches = branches
+        self.draft_reserve = draft_reserve
         self.checkpoints: OrderedDict[bytes, Checkpoint] = OrderedDict()  # least recently used first
         self._slot: dict[Hashable, int] = {}
         self._rolling: dict[Hashable, bytes] = {}  # rid -> key of its output checkpoint
@@ -95,19 +97,20 @@ class RecurrentMemory(LayerMemory):
 
     def _take_slot(self, kind: str, protect: Optional[bytes] = None, only_output: bool = False) -> Optional[int]:
         """A free slot marked `kind`, evicting checkpoints (unreachable first, then by the rule)
-        if needed; never the one keyed `protect`. None when none can be freed."""
-        slot = self.states.allocate(kind)
-        if slot is not None or not self.checkpoints:
-            return slot
+        if needed; never the one keyed `protect`. None when none can be freed. A checkpoint never
+        takes one of the last `draft_reserve` free slots (less those drafts hold now)."""
+        keep = max(0, self.draft_reserve - sum(map(len, self._draft.values()))) if kind == CHECKPOINT else 0
+        if self.states.num_free > keep or not self.checkpoints:
+            return self.states.allocate(kind) if self.states.num_free > keep else None
         for h in [h for h in self.checkpoints if h != protect and not self.reachable(h)]:
             self._drop(h)
-        if self.states.num_free == 0:
+        if self.states.num_free <= keep:
             keys = [h for h, c in self.checkpoints.items() if h != protect and (c.output or not only_output)]
             if keys:
                 i = choose_victim(self.eviction, [self.checkpoints[h].position for h in keys], self.saved_flops,
                                   self.flop_weight, branches=[self.branches(h) for h in keys])
                 self._drop(keys[i])
-        return self.states.allocate(kind)
+        return self.states.allocate(kind) if self.states.num_free > keep else None
 
     def _can_take_slot(self) -> bool:
         return self.states.num_free > 0 or bool(self.checkpoints)

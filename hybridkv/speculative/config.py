@@ -16,13 +16,17 @@ class SpeculativeConfig:
     request's last n tokens; no model). num_speculative_tokens: the most tokens drafted per step
     for a request (its k; adaptive below that, scheduler/speculation.py). prompt_lookup_max /
     prompt_lookup_min: the longest and shortest n-gram matched. model: the draft checkpoint
-    (method 'draft_model')."""
+    (method 'draft_model'). max_speculating_seqs (ours): how many running requests of a model
+    with recurrent layers can verify a draft in the same step: the memory plan keeps
+    (num_speculative_tokens + 1) state slots free for each (the state after each drafted position).
+    """
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     model: Optional[str] = None
+    max_speculating_seqs: int = 8
 
     @classmethod
     def of(cls, value: Union[None, str, Mapping, "SpeculativeConfig"]) -> Optional["SpeculativeConfig"]:
@@ -49,7 +53,7 @@ class SpeculativeConfig:
         if self.method not in BUILT:
             raise ValueError(f"speculative_config method {self.method!r} is not available in this version; "
                              f"available: {BUILT}")
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_speculating_seqs"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"speculative_config {name}={v!r} must be an integer >= 1")

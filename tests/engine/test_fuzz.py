@@ -32,12 +32,34 @@ def ckpt(tmp_path_factory):
     return path, kv_bytes_per_block(specs, 16), state_bytes_per_slot(specs)
 
 
-def tight(ckpt, mode, policy, blocks=9, seqs=4, ckpt_slots=2):
+SPEC = {"num_speculative_tokens": 3, "max_speculating_seqs": 2}  # 2 x 4 draft slots
+
+
+def tight(ckpt, mode, policy, blocks=9, seqs=4, ckpt_slots=2, speculative=False):
     path, kv, slot = ckpt
-    budget = kv * blocks + slot * (1 + seqs + ckpt_slots)
-    return LLM(path, memory_budget_bytes=budget, max_num_seqs=seqs, preemption_mode=mode,
-               max_num_batched_tokens=32, checkpoint_policy=policy, checkpoint_every_n=1,
-               checkpoint_share=(slot * ckpt_slots + 0.5) / budget)
+    budget = kv * blocks + slot * (1 + seqs + ckpt_slots + (8 if speculative else 0))
+    llm = LLM(path, memory_budget_bytes=budget, max_num_seqs=seqs, preemption_mode=mode,
+              max_num_batched_tokens=32, checkpoint_policy=policy, checkpoint_every_n=1,
+              checkpoint_share=(slot * ckpt_slots + 0.5) / budget, speculative_config=SPEC if speculative else None)
+    if speculative:
+        llm.engine.scheduler.speculation.drafter = TargetDrafter(path)
+    return llm
+
+
+class TargetDrafter:
+    """The target as its own draft: the greedy continuation of a roomy engine of the same checkpoint
+    (always right for greedy requests, mostly wrong for sampled ones)."""
+
+    def __init__(self, path):
+        self.llm = LLM(path, memory_budget_bytes=32 << 20)
+
+    def propose(self, request_id, tokens, k):
+        out = self.llm.generate([list(tokens)], SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True),
+                                use_tqdm=False)
+        return list(out[0].outputs[0].token_ids)
+
+    def forget(self, request_id):
+        pass
 
 
 def valid_params(rng, i):
@@ -73,11 +95,15 @@ def junk_snapshot(rng, snap, vocab):
     return dataclasses.replace(snap, sampling_state={"params": "junk"})
 
 
-@pytest.mark.parametrize("policy", [p if p == "junctions" else pytest.param(p, marks=pytest.mark.slow)
-                                    for p in POLICIES])  # long: one policy in the fast tier
-def test_lifecycle_fuzz(ckpt, policy):
+@pytest.mark.parametrize("policy, speculative",
+                         [(p, False) if p == "junctions" else pytest.param(p, False, marks=pytest.mark.slow)
+                          for p in POLICIES] + [pytest.param("junctions", True, marks=pytest.mark.slow)])
+def test_lifecycle_fuzz(ckpt, policy, speculative):
+    """(One policy in the fast tier: each case is long.) With `speculative`, both engines verify
+    drafts from TargetDrafter; every comparison and leak check is the same."""
     rng = random.Random(POLICIES.index(policy))
-    engines = [tight(ckpt, "recompute", policy), tight(ckpt, "swap", policy)]
+    engines = [tight(ckpt, "recompute", policy, speculative=speculative),
+               tight(ckpt, "swap", policy, speculative=speculative)]
     vocab = engines[0].model.vocab_size
     systems = [[rng.randrange(4, vocab) for _ in range(rng.randint(16, 40))] for _ in range(2)] + [[]]
     owner, pending, requests, done, aborted = {}, [], {}, {}, set()
@@ -143,6 +169,8 @@ def test_lifecycle_fuzz(ckpt, policy):
     assert refusals > 20
     assert stats[0]["preemptions"]["recompute"] > 0 and stats[1]["preemptions"]["swap"] > 0
     assert stats[0]["migrations"]["in"] > 0 and stats[1]["migrations"]["in"] > 0
+    if speculative:
+        assert all(s["spec_accepted_tokens"] > 20 and s["spec_draft_tokens"] > s["spec_accepted_tokens"] for s in stats)
     errors = {rid: [c.error for c in o.outputs] for rid, o in done.items()
               if any(c.finish_reason == "error" for c in o.outputs)}
     assert not errors

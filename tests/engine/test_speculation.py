@@ -114,15 +114,16 @@ def test_speculative_tokens_are_transformers_greedy_tokens(bamba):
 # ---- the memory around a run ----------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_in_both_modes_between_runs(bamba, mode):
-    """A budget of 7 blocks and 4 slots for 5 requests of 40 tokens: requests are preempted while
-    others verify drafts, resume, and end with the plain engine's tokens."""
+    """A budget of 7 blocks, 3 live slots and 3 x 6 draft slots for 5 requests of 40 tokens:
+    requests are preempted while others verify drafts, resume, and end with the plain engine's
+    tokens."""
     prompts = [prompt(n, 90 + n) for n in (3, 17, 30, 9, 22)]
     params = greedy(40)
     plain = LLM(str(bamba), memory_budget_bytes=16 << 20).generate(prompts, params, use_tqdm=False)
     specs = LLM(str(bamba), memory_budget_bytes=16 << 20).model.cache_specs()
     llm = speculating(bamba, full_runs(prompts, plain), 0.3, preemption_mode=mode, max_num_seqs=3,
                       max_num_batched_tokens=24, checkpoint_share=0.0,
-                      memory_budget_bytes=tight_budget(specs, 16, blocks=7, slots=1 + 3 + 6))
+                      memory_budget_bytes=tight_budget(specs, 16, blocks=7, slots=1 + 3 + 18))
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert tokens(outs) == tokens(plain)
     s = llm.stats()
@@ -266,7 +267,7 @@ def test_seeded_sampling_and_n_forks_draw_the_plain_tokens(bamba):
 
 @pytest.mark.slow  # 2 x 300 requests
 def test_unseeded_sampling_keeps_the_plain_distribution(bamba):
-    """300 unseeded requests of 3 tokens at temperature 0.5, drafting the greedy continuation: the
+    """300 unseeded requests of 3 tokens at temperature 0.1, drafting the greedy continuation: the
     pairs (2nd, 3rd token) follow the same distribution with and without speculation (two-sample
     chi-square over the 12 most common pairs and the rest, p > 0.001), and drafts were accepted."""
     from collections import Counter
@@ -274,12 +275,12 @@ def test_unseeded_sampling_keeps_the_plain_distribution(bamba):
     from scipy.stats import chi2_contingency
 
     p = prompt(12, 13)
-    params = SamplingParams(max_tokens=3, temperature=0.5, ignore_eos=True)
+    params = SamplingParams(max_tokens=3, temperature=0.1, ignore_eos=True)
     greedy_run = LLM(str(bamba), memory_budget_bytes=16 << 20).generate([p], greedy(3), use_tqdm=False)
     counts = []
     for spec in (False, True):
-        llm = (speculating(bamba, full_runs([p], greedy_run), 0.0, memory_budget_bytes=16 << 20, seed=5) if spec
-               else LLM(str(bamba), memory_budget_bytes=16 << 20, seed=5))
+        kw = dict(memory_budget_bytes=16 << 20, seed=5, max_num_seqs=8)
+        llm = speculating(bamba, full_runs([p], greedy_run), 0.0, **kw) if spec else LLM(str(bamba), **kw)
         outs = llm.generate([p] * 300, params, use_tqdm=False)
         counts.append(Counter(tuple(o.outputs[0].token_ids[1:]) for o in outs))
         if spec:

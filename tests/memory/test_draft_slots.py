@@ -115,3 +115,29 @@ def test_a_draft_needs_one_token_left_and_at_least_one_draft_token():
     r.token_ids.append(98)
     with pytest.raises(RequestStateError, match="exactly one token left"):
         m.allocate_draft("a", 2)
+
+
+def test_checkpoints_leave_the_draft_reserve_free():
+    """draft_slots=3 of 6 slots (null, live "a", 4 free): checkpoints take at most one free slot,
+    evicting an older checkpoint rather than a reserved slot; the reserve stays for drafts."""
+    m, r = decoding(prompt_len=8, slots=6, checkpoint_policy="every_n_blocks", checkpoint_every_n=1,
+                    draft_slots=3)
+    rec = m.recurrent
+    for n in range(4):  # checkpoint at each block boundary, then compute the next block
+        m.checkpoint("a")
+        assert rec.states.num_free >= 3
+        r.token_ids.extend([60 + n] * 4)
+        m.allocate("a", 4)
+        m.commit("a", 4)
+    assert len(rec.checkpoints) == 1
+    assert m.allocate_draft("a", 2) is not None  # the reserve holds a run of 2 drafted tokens
+
+
+def test_the_plan_keeps_draft_slots_only_beside_a_first_request():
+    from hybridkv.plan import plan, state_bytes_per_slot, kv_bytes_per_block
+
+    slot, block = state_bytes_per_slot(HYBRID), kv_bytes_per_block(HYBRID, BS)
+    p = plan(HYBRID, 100 * slot + 100 * block, BS, max_num_seqs=4, checkpoint_share=0.0, draft_slots=12)
+    assert (p.draft_slots, p.live_slots, p.num_slots) == (12, 4, 1 + 4 + 12)
+    small = plan(HYBRID, 3 * slot + block, BS, max_num_seqs=4, checkpoint_share=0.0, draft_slots=12)
+    assert small.draft_slots == 0 and small.live_slots == 1
