@@ -163,7 +163,7 @@ def plan(
         )
     if not rec:
         groups, lead = _split_kv(specs, budget_bytes, block_size, max_num_seqs, max_chunk_tokens)
-        return MemoryPlan(block_size, block_bytes, 0, lead, 0, 0, 0, budget_bytes, *groups)
+        return MemoryPlan(block_size, block_bytes, 0, lead, 0, 0, 0, budget_bytes, 0, *groups)
     ckpt_slots = int(budget_bytes * checkpoint_share) // slot_bytes
     rest = budget_bytes - (1 + ckpt_slots) * slot_bytes
     if rest < slot_bytes + block_bytes:  # checkpoints never squeeze out the first live request

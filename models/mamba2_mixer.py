@@ -130,9 +130,19 @@ class Mamba2Mixer(nn.Module):
                                       dt_limit=self.dt_limit)
             return y.reshape(-1, self.d_inner)
 
-        # xBC and dt are adjacent columns of proj: one view, no copy
-        y = split.run(proj[:, self.d_inner:], decode, prefill, out_dim=self.d_inner, states=(conv_state, ssm_state))
-        y = self.norm(y, z) if self.norm is not None else y * F.silu(z)
+        # draft runs position by position through the fused decode (the plain decode's arithmetic)
+        verified = split.verify_each(proj, lambda rows, step: self._decode_fused(
+            rows, conv_state, ssm_state, step.split.decode_slots, batch.kernel_plans), (conv_state, ssm_state)) \
+            if split.verify else []
+        y = None
+        if split.has_plain_rows or not verified:  # xBC and dt are adjacent columns of proj: one view, no copy
+            y = split.run(proj[:, self.d_inner:], decode, prefill, out_dim=self.d_inner, states=(conv_state, ssm_state),
+                          skip_verify=bool(verified))
+            y = self.norm(y, z) if self.norm is not None else y * F.silu(z)
+        if verified:
+            y = y if y is not None else proj.new_zeros((proj.shape[0], self.d_inner), dtype=verified[0][1].dtype)
+            for rows, yv in verified:
+                y[rows] = yv.to(y.dtype)
         return self.out_proj(y.to(hidden.dtype))
 
     def _decode_fused(self, proj, conv_state, ssm_state, slots, plans):

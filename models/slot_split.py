@@ -21,6 +21,8 @@ import torch
 
 from .forward_batch import ForwardBatch
 
+_NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64)
+
 
 @dataclass
 class SlotSplit:
@@ -46,14 +48,21 @@ class SlotSplit:
     all_decode: bool
     verify: Sequence["VerifyStep"] = ()
 
+    @property
+    def has_plain_rows(self) -> bool:
+        """Whether some rows decode or prefill (not only verify drafts)."""
+        return self.all_decode or self.all_prefill or self.decode_rows is not None or self.prefill_rows is not None
+
     def run(self, x: torch.Tensor, decode: Callable, prefill: Callable,
-            out_dim: Optional[int] = None, states: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+            out_dim: Optional[int] = None, states: Sequence[torch.Tensor] = (),
+            skip_verify: bool = False) -> torch.Tensor:
         """Apply `decode(x_rows, self)` / `prefill(x_rows, self)` to their rows of x [T, ...].
 
         Returns [T, out_dim] (out_dim defaults to x's last dim; trailing dims of the outputs are
         kept as the callables return them). Rows of zero-length requests stay zero.
         states: the pool tensors [S, ...] that `decode` writes at its slots; needed (and only
         read) when some requests verify drafts, whose rows run `decode` position by position.
+        skip_verify: leave the verifying rows zero (the caller ran them: `verify_each`).
         """
         if self.all_decode:
             return decode(x, self)
@@ -64,18 +73,38 @@ class SlotSplit:
             parts.append((self.decode_rows, decode(x[self.decode_rows], self)))
         if self.prefill_rows is not None:
             parts.append((self.prefill_rows, prefill(x[self.prefill_rows], self)))
-        if self.verify and not states:
-            raise ValueError("this layer's split.run names no state tensors (states=...), so its decode "
-                             "cannot verify drafts position by position")
-        for step in self.verify:
-            for t in states:  # the state before this position: the previous position's
-                t[step.dst] = t[step.src]
-            parts.append((step.rows, decode(x[step.rows], step.split)))
+        if not skip_verify:
+            parts += self.verify_each(x, lambda rows, step: decode(rows, step.split), states)
         trailing = parts[0][1].shape[1:] if parts else ((out_dim or x.shape[-1]),)
         out = x.new_zeros((self.num_tokens, *trailing), dtype=parts[0][1].dtype if parts else x.dtype)
         for rows, y in parts:
             out[rows] = y
         return out
+
+    def verify_each(self, x: torch.Tensor, step_fn: Callable, states: Sequence[torch.Tensor]) -> list:
+        """The verifying rows of x position by position: before each VerifyStep, `states` (the
+        pool tensors step_fn writes) are copied from the slots of the position before into the
+        step's; then step_fn(x[rows], step) runs the one-token decode at step.dst. Returns [(rows,
+        output)]; [] when step_fn returns None at the first step (it cannot run here: nothing of
+        it stays, the caller runs the rows another way)."""
+        if self.verify and not states:
+            raise ValueError("this layer's split.run names no state tensors (states=...), so its decode "
+                             "cannot verify drafts position by position")
+        parts = []
+        host = [t.numpy() for t in states] if all(t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES
+                                                   for t in states) else None
+        for step in self.verify:
+            if host is not None:  # the state before this position: the previous position's
+                for a in host:  # (numpy on the CPU: ~1 us a copy, against ~15 through torch's indexing)
+                    a[step.dst_list] = a[step.src_list]
+            else:
+                for t in states:
+                    t[step.dst] = t[step.src]
+            y = step_fn(x[step.rows], step)
+            if y is None:
+                return []
+            parts.append((step.rows, y))
+        return parts
 
 
 @dataclass
@@ -88,6 +117,8 @@ class VerifyStep:
     src: torch.Tensor
     dst: torch.Tensor
     split: SlotSplit
+    src_list: list[int]
+    dst_list: list[int]
 
 
 def _verify_steps(verify: list[tuple[int, int, list[int]]], dev) -> list[VerifyStep]:
@@ -100,7 +131,7 @@ def _verify_steps(verify: list[tuple[int, int, list[int]]], dev) -> list[VerifyS
         dst_t = torch.tensor(dst, dtype=torch.int32, device=dev)
         view = SlotSplit(len(rows), None, dst_t, None, None, None, None, all_prefill=False, all_decode=True)
         steps.append(VerifyStep(torch.tensor(rows, device=dev), torch.tensor(src, device=dev).long(),
-                                dst_t.long(), view))
+                                dst_t.long(), view, list(src), list(dst)))
     return steps
 
 

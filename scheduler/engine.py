@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 import uuid
 from typing import Callable, Hashable, Optional
 
@@ -180,6 +181,7 @@ class Engine:
         `generate_done`."""
         with self.inbox.step():
             sched = self.scheduler
+            started, generated = time.perf_counter(), sched.counters["generated_tokens"]
             out = sched.schedule()
             self._counts["swaps_out"] += sum(1 for _, m in out.preempted if m == "swap")
             if out.decodes is not None or out.chunks:
@@ -190,6 +192,9 @@ class Engine:
             else:
                 result = RunnerOutput()
             reported = sched.update_from_output(out, result, finished_only)
+            if sched.speculation is not None:  # what the step cost, for its cost model
+                sched.speculation.step_done(out, sched.counters["generated_tokens"] - generated,
+                                            time.perf_counter() - started)
             return self._outputs(reported, finished_only)
 
     def _outputs(self, reported: dict, finished_only: bool) -> list[RequestOutput]:

@@ -10,6 +10,11 @@ k adapts per request: it starts at num_speculative_tokens, grows by one after a 
 every drafted token, and falls to one more than the tokens taken after one that did not; a run
 that took none makes the request skip drafting for 1, 2, 4, ... 64 steps (drafts that never
 match then cost one verification every 64 steps).
+Whether it pays at all is measured (`StepCosts`, with `off_when_slower`): per batch size (1, 2-3,
+4-7, ...), the generated tokens per second of decode-only steps with draft runs and without; where
+the drafts' rate is the lower, the step drafts nothing, but for a probe every 32 steps (on a CPU,
+verifying k + 1 positions costs nearly k + 1 times a decode once the weights' arithmetic, not
+their reading, bounds a step: BENCHMARKS.md, "Speculative decoding").
 Counters (the engine's stats and /metrics): verification runs, drafted and accepted tokens.
 """
 from __future__ import annotations
@@ -24,6 +29,33 @@ from hybridkv.speculative.ngram import NgramDrafter
 from .step_plan import DecodeBatch, ScheduledChunk, SchedulerOutput
 
 MAX_SKIP = 64
+PROBE_EVERY = 32  # steps of a batch size between probes of the way the cost model does not choose
+EMA = 0.25  # weight of a new step in the measured rates
+
+
+class StepCosts:
+    """Measured generated tokens per second of decode-only steps, with draft runs and without,
+    per batch-size bucket (n.bit_length(): 1, 2-3, 4-7, ...)."""
+
+    def __init__(self):
+        self.rate: dict[tuple[int, bool], float] = {}
+        self.steps: dict[int, int] = {}
+
+    def choose(self, bucket: int) -> bool:
+        """Whether a step with this many decodes drafts: first measure both ways; then the faster,
+        and the other every PROBE_EVERY steps."""
+        n = self.steps[bucket] = self.steps.get(bucket, 0) + 1
+        on, off = self.rate.get((bucket, True)), self.rate.get((bucket, False))
+        if on is None or off is None:
+            return on is None
+        return (on >= off) != (n % PROBE_EVERY == 0)
+
+    def record(self, bucket: int, drafted: bool, tokens: int, seconds: float) -> None:
+        if seconds <= 0 or tokens <= 0:
+            return
+        key, r = (bucket, drafted), tokens / seconds
+        old = self.rate.get(key)
+        self.rate[key] = r if old is None else old + EMA * (r - old)
 
 
 @dataclass
@@ -43,6 +75,8 @@ class Speculation:
         self.config = config
         self.k_max = self.max_draft(config, block_size)
         self.drafter = NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.costs = StepCosts() if config.off_when_slower else None
+        self._step: Optional[tuple[int, bool]] = None  # this step's (bucket, drafted), for the costs
         self._pace: dict[Hashable, DraftPace] = {}
         self.counters = {"spec_verify_runs": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
 
@@ -77,8 +111,12 @@ class Speculation:
     def take_drafts(self, mgr, out: SchedulerOutput, budget: int) -> int:
         """Turn rows of the step's decode batch that have a draft into draft chunks (appended to
         out.chunks) where the pools can take them; returns the token budget left."""
-        batch = out.decodes
+        batch, self._step = out.decodes, None
         if batch is None:
+            return budget
+        bucket = len(batch).bit_length()
+        if self.costs is not None and not self.costs.choose(bucket):
+            self._step = (bucket, False)
             return budget
         keep, chunks = [], []
         for i, seq in enumerate(batch.seqs):
@@ -94,7 +132,15 @@ class Speculation:
         if chunks:
             out.decodes = batch.without(keep)
             out.chunks[:0] = chunks  # before the prefills, as decodes
+        self._step = (bucket, bool(chunks))
         return budget
+
+    def step_done(self, out: SchedulerOutput, tokens: int, seconds: float) -> None:
+        """The engine's step (`out`) ended: `tokens` generated in `seconds`. A decode-only step
+        counts towards the costs of its batch size."""
+        if self.costs is None or self._step is None or any(not c.draft for c in out.chunks):
+            return
+        self.costs.record(*self._step, tokens, seconds)
 
     def observe(self, seq: Request, drafted: int, accepted: int) -> None:
         """A verification run of `drafted` tokens took `accepted` of them."""

@@ -19,6 +19,8 @@ class SpeculativeConfig:
     (method 'draft_model'). max_speculating_seqs (ours): how many running requests of a model
     with recurrent layers can verify a draft in the same step: the memory plan keeps
     (num_speculative_tokens + 1) state slots free for each (the state after each drafted position).
+    off_when_slower (ours): measure tokens per second per batch size with drafts and without, and
+    draft only where it is the faster (scheduler/speculation.py, StepCosts).
     """
 
     method: str = "ngram"
@@ -27,6 +29,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     model: Optional[str] = None
     max_speculating_seqs: int = 8
+    off_when_slower: bool = True
 
     @classmethod
     def of(cls, value: Union[None, str, Mapping, "SpeculativeConfig"]) -> Optional["SpeculativeConfig"]:
@@ -57,6 +60,8 @@ class SpeculativeConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"speculative_config {name}={v!r} must be an integer >= 1")
+        if not isinstance(self.off_when_slower, bool):
+            raise ValueError(f"speculative_config off_when_slower={self.off_when_slower!r} must be true or false")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config prompt_lookup_min={self.prompt_lookup_min} is above "
                              f"prompt_lookup_max={self.prompt_lookup_max}")

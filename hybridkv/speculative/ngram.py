@@ -1,6 +1,7 @@
 """Prompt-lookup drafting: the request's last n tokens (n from `max_n` down to `min_n`) are looked
 up among its earlier tokens, prompt and output; the tokens that followed their latest earlier
-occurrence are the proposal. No model runs. Each request's n-grams are indexed once as its tokens
+occurrence are the proposal, read on through the proposal itself where they reach the end of the
+sequence (a loop of period p continues as that loop: p tokens back is the same text). No model runs. Each request's n-grams are indexed once as its tokens
 grow (a dict lookup per n a step, not a scan of the sequence)."""
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ class NgramDrafter:
         self._index: dict[Hashable, NgramIndex] = {}
 
     def propose(self, request_id: Hashable, tokens: Sequence[int], k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the longest suffix n-gram
-        of `tokens` ([] when none recurs)."""
+        """k tokens that followed the latest earlier occurrence of the longest suffix n-gram of
+        `tokens`, continued as a repeat where they reach its end ([] when none recurs)."""
         if k < 1 or len(tokens) <= self.min_n:
             return []
         index = self._index.get(request_id)
@@ -49,7 +50,10 @@ class NgramDrafter:
                 continue
             at = m.get(tuple(tokens[end - n:end]))
             if at is not None:
-                return list(tokens[at:at + k])
+                out = list(tokens[at:at + k])
+                while len(out) < k:  # the match runs into the end: its period repeats
+                    out.append(out[len(out) - (end - at)])
+                return out
         return []
 
     def forget(self, request_id: Hashable) -> None:

@@ -296,7 +296,8 @@ def test_drafts_that_never_match_back_off(bamba):
     a handful of runs verify, none accepts, and the output is the plain one."""
     p = prompt(8, 14)
     plain = LLM(str(bamba), memory_budget_bytes=16 << 20).generate([p], greedy(60), use_tqdm=False)[0]
-    llm = speculating(bamba, full_runs([p], [plain]), 1.0, memory_budget_bytes=16 << 20)
+    llm = speculating(bamba, full_runs([p], [plain]), 1.0, memory_budget_bytes=16 << 20,
+                      speculative_config={**SPEC, "off_when_slower": False})  # the back-off alone
     out = llm.generate([p], greedy(60), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == plain.outputs[0].token_ids
     s = llm.stats()
@@ -339,3 +340,21 @@ def test_a_pure_attention_model_drops_the_kv_of_rejected_tokens(tmp_path):
             assert len(llm.manager.block_ids(rid)) == -(-r.num_computed_tokens // 16), r
     assert llm.stats()["spec_verify_runs"] > 3
     assert_no_leaks(llm)
+
+
+def test_the_cost_model_drafts_where_measured_faster():
+    """StepCosts: both ways measured first, then the faster way, and the other every 32 steps."""
+    from hybridkv.scheduler.speculation import PROBE_EVERY, StepCosts
+
+    costs = StepCosts()
+    assert costs.choose(1) is True  # nothing measured: drafts first
+    costs.record(1, True, 30, 1.0)
+    assert costs.choose(1) is False  # then a plain step
+    costs.record(1, False, 10, 1.0)
+    picks = [costs.choose(1) for _ in range(2 * PROBE_EVERY)]
+    assert picks.count(False) == 2 and picks.count(True) == 2 * PROBE_EVERY - 2
+    for _ in range(20):
+        costs.record(1, True, 5, 1.0)  # drafts became slower
+    picks = [costs.choose(1) for _ in range(2 * PROBE_EVERY)]
+    assert picks.count(True) == 2
+    assert costs.choose(4) is True  # another batch size measures afresh

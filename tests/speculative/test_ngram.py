@@ -12,7 +12,10 @@ def brute(tokens, k, min_n, max_n):
         suffix = tokens[-n:]
         for end in range(len(tokens) - 1, n - 1, -1):  # latest first, ending before the last token
             if tokens[end - n:end] == suffix:
-                return tokens[end:end + k]
+                out = tokens[end:end + k]
+                while len(out) < k:
+                    out.append(out[len(out) - (len(tokens) - end)])
+                return out
     return []
 
 
@@ -33,6 +36,12 @@ def test_a_repeated_phrase_is_continued_and_a_fresh_one_is_not():
     code = [10, 11, 12, 13, 14, 15, 16]
     assert d.propose("a", code + [90, 10, 11, 12], 3) == [13, 14, 15]
     assert d.propose("b", [1, 2, 3, 4, 5], 3) == []
+
+
+def test_a_loop_continues_past_the_end_of_the_sequence():
+    d = NgramDrafter(2, 3)
+    assert d.propose("a", [9, 7, 8, 7, 8], 5) == [7, 8, 7, 8, 7]  # period 2
+    assert d.propose("b", [1, 5, 5, 5], 3) == [5, 5, 5]  # period 1
 
 
 def test_forget_and_a_shorter_list_start_the_index_again():
