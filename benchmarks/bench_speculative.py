@@ -8,7 +8,11 @@ Workloads, on the built-in trained model (hybridkv/tiny-code, a small Bamba):
 - wrong: the same requests with drafts that are never right (a drafter proposing tokens the
   model does not choose): what verification costs when it never pays, after adaptive k backs off.
 - batch: 8 copy prompts at once.
-Prints one table; `--json PATH` also writes the figures.
+- draft model (batch 1): the copy prompt with the built-in draft (hybridkv/tiny-code-draft, 2 layers
+  of 128) proposing num_speculative_tokens = 4 greedily from an engine of its own.
+Each row also gives what a step costs (CPU ms): a plain decode step, a step that verifies drafts
+(without drafting), and drafting per step, from which the arithmetic of where speculation pays
+follows (BENCHMARKS.md). Prints one table; `--json PATH` also writes the figures.
 
     python benchmarks/bench_speculative.py --repeats 5
 """
@@ -25,6 +29,7 @@ import torch
 
 MODEL = "hybridkv/tiny-code"
 SPEC = {"method": "ngram", "num_speculative_tokens": 12, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+DRAFT = {"method": "draft_model", "model": "hybridkv/tiny-code-draft", "num_speculative_tokens": 4}
 
 
 def copy_prompts(n: int) -> list[str]:
@@ -47,17 +52,36 @@ def copy_prompts(n: int) -> list[str]:
 class NeverRight:
     """Drafts k copies of a token the model never chose at this point (the last token + 1)."""
 
-    def propose(self, request_id, tokens, k):
-        return [(tokens[-1] + 1) % 96 + 4] * k
+    def propose_many(self, asks):
+        return [[(tokens[-1] + 1) % 96 + 4] * k for _, tokens, k in asks]
 
     def forget(self, request_id):
         pass
 
 
-def run(llm, prompts, params) -> tuple[float, int]:
+class Timed:
+    """A drafter whose proposals' CPU time is summed in `seconds`."""
+
+    def __init__(self, drafter):
+        self.drafter, self.seconds = drafter, 0.0
+
+    def propose_many(self, asks):
+        t = time.process_time()
+        try:
+            return self.drafter.propose_many(asks)
+        finally:
+            self.seconds += time.process_time() - t
+
+    def forget(self, request_id):
+        self.drafter.forget(request_id)
+
+
+def run(llm, prompts, params) -> tuple[float, int, int]:
+    """(CPU seconds, generated tokens, engine steps) of one generate."""
+    steps = llm.stats()["steps"]
     t = time.process_time()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return time.process_time() - t, sum(len(o.outputs[0].token_ids) for o in outs)
+    return time.process_time() - t, sum(len(o.outputs[0].token_ids) for o in outs), llm.stats()["steps"] - steps
 
 
 def main(argv=None) -> int:
@@ -74,19 +98,31 @@ def main(argv=None) -> int:
     on = LLM(MODEL, device="cpu", memory_budget_bytes=64 << 20, speculative_config=SPEC)
     wrong = LLM(MODEL, device="cpu", memory_budget_bytes=64 << 20, speculative_config=SPEC)
     wrong.engine.scheduler.speculation.drafter = NeverRight()
+    drafted = LLM(MODEL, device="cpu", memory_budget_bytes=64 << 20, speculative_config=DRAFT)
+    for llm in (on, wrong, drafted):
+        spec = llm.engine.scheduler.speculation
+        spec.drafter = Timed(spec.drafter)
     workloads = {"copy (batch 1)": (copy_prompts(1), on), "wrong drafts (batch 1)": (copy_prompts(1), wrong),
-                 "copy (batch 8)": (copy_prompts(8), on)}
+                 "copy (batch 8)": (copy_prompts(8), on), "draft model (batch 1)": (copy_prompts(1), drafted)}
     rows = {}
     for name, (prompts, spec) in workloads.items():
         for llm in (off, spec):  # warm up: kernels built, prefix cache of the prompts filled alike
             run(llm, prompts, params)
         ratios, rates, same = [], [], True
         before = dict(spec.stats())
+        timer = spec.engine.scheduler.speculation.drafter
+        cost = {"plain": [0.0, 0], "spec": [0.0, 0], "draft": 0.0}
         for _ in range(args.repeats):
-            t_off, n_off = run(off, prompts, params)
-            t_on, n_on = run(spec, prompts, params)
+            t_off, n_off, s_off = run(off, prompts, params)
+            d0 = timer.seconds
+            t_on, n_on, s_on = run(spec, prompts, params)
             ratios.append((n_on / t_on) / (n_off / t_off))
             rates.append((n_off / t_off, n_on / t_on))
+            cost["plain"][0] += t_off
+            cost["plain"][1] += s_off
+            cost["spec"][0] += t_on - (timer.seconds - d0)
+            cost["spec"][1] += s_on
+            cost["draft"] += timer.seconds - d0
         s = spec.stats()
         drafted = s["spec_draft_tokens"] - before["spec_draft_tokens"]
         accepted = s["spec_accepted_tokens"] - before["spec_accepted_tokens"]
@@ -97,12 +133,16 @@ def main(argv=None) -> int:
         rows[name] = dict(ratio=statistics.median(ratios), min=min(ratios), max=max(ratios),
                           off_tok_s=statistics.median(r[0] for r in rates), on_tok_s=statistics.median(r[1] for r in rates),
                           acceptance=accepted / drafted if drafted else 0.0,
-                          mean_run=(accepted + runs) / runs if runs else 0.0, identical=same)
+                          mean_run=(accepted + runs) / runs if runs else 0.0, identical=same,
+                          plain_step_ms=1e3 * cost["plain"][0] / max(1, cost["plain"][1]),
+                          spec_step_ms=1e3 * cost["spec"][0] / max(1, cost["spec"][1]),
+                          draft_ms_per_step=1e3 * cost["draft"] / max(1, cost["spec"][1]))
     print(f"{'workload':24} {'off tok/s':>10} {'on tok/s':>10} {'ratio (min-max)':>20} {'accept':>7} "
-          f"{'tok/run':>7} identical")
+          f"{'tok/run':>7} {'plain ms':>9} {'spec ms':>8} {'draft ms':>9} identical")
     for name, r in rows.items():
         print(f"{name:24} {r['off_tok_s']:10.0f} {r['on_tok_s']:10.0f} {r['ratio']:8.2f}x ({r['min']:.2f}-{r['max']:.2f})"
-              f" {r['acceptance']:7.2f} {r['mean_run']:7.2f} {r['identical']}")
+              f" {r['acceptance']:7.2f} {r['mean_run']:7.2f} {r['plain_step_ms']:9.2f} {r['spec_step_ms']:8.2f}"
+              f" {r['draft_ms_per_step']:9.2f} {r['identical']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

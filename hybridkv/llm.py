@@ -27,6 +27,7 @@ from hybridkv.scheduler.decode_graphs import DecodeGraphs
 from hybridkv.scheduler.decode_graphs import check_option as check_graphs_option
 from hybridkv.scheduler.engine import Engine
 from hybridkv.scheduler.speculation import Speculation
+from hybridkv.speculative.draft_model import DRAFT_BUDGET_SHARE, DRAFT_CHECKPOINT_POLICY, DraftModelDrafter
 from hybridkv.scheduler.preemption import PreemptionPolicy
 from hybridkv.scheduler.profiler import Profile, profile_model
 from hybridkv.scheduler.scheduler import Scheduler
@@ -119,6 +120,9 @@ class LLM:
         c = self.config
         params = sum(p.numel() for p in self.model.parameters())
         budget = self._budget(self.profile)
+        spec = c.speculative_config
+        draft_budget = budget // DRAFT_BUDGET_SHARE if spec is not None and spec.method == "draft_model" else 0
+        budget -= draft_budget  # the draft engine's pools come out of the same budget
         self.manager = HybridCacheManager.from_budget(
             specs, budget, block_size, max_num_seqs, c.checkpoint_share,
             device=self.model.device, enable_prefix_caching=enable_prefix_caching,
@@ -128,8 +132,13 @@ class LLM:
             draft_slots=Speculation.draft_slots(c.speculative_config, block_size, max_num_seqs))
         policy = PreemptionPolicy(preemption_mode, specs, block_size, self.profile, enable_prefix_caching)
         scheduler = Scheduler(self.manager, policy, max_num_batched_tokens, max_num_seqs)
-        if c.speculative_config is not None:  # decodes verify drafts (scheduler/speculation.py)
-            scheduler.speculation = Speculation(c.speculative_config, block_size)
+        if spec is not None:  # decodes verify drafts (scheduler/speculation.py)
+            drafter = None
+            if draft_budget:  # an engine of its own for the draft
+                draft = LLM(spec.model, device=str(device), block_size=block_size, memory_budget_bytes=draft_budget,
+                            max_num_seqs=max_num_seqs, checkpoint_policy=DRAFT_CHECKPOINT_POLICY)
+                drafter = DraftModelDrafter(draft, self.model.vocab_size)
+            scheduler.speculation = Speculation(spec, block_size, drafter)
         tp = self.tensor_parallel  # its executor sends each step to ranks 1..N-1, then runs rank 0's
         self.engine = Engine(self.model, self.manager, scheduler, seed=seed, executor=tp.executor if tp else None)
         if graph_mode is not None:  # decode steps replay graphs (scheduler/decode_graphs.py)

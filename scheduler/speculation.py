@@ -71,10 +71,14 @@ class Speculation:
     """Drafts for a scheduler's decodes (see the module doc); `block_size` caps k (a run crosses
     at most one block boundary, where a state checkpoint may be due)."""
 
-    def __init__(self, config: SpeculativeConfig, block_size: int):
+    def __init__(self, config: SpeculativeConfig, block_size: int, drafter=None):
+        """drafter: what proposes (None: the n-gram drafter; LLM passes a DraftModelDrafter for
+        method 'draft_model'); any object with `propose_many([(request id, token ids, k)]) ->
+        [draft]` (a draft may be shorter than k, or empty) and `forget(request id)`."""
         self.config = config
         self.k_max = self.max_draft(config, block_size)
-        self.drafter = NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.drafter = drafter if drafter is not None else NgramDrafter(config.prompt_lookup_min,
+                                                                         config.prompt_lookup_max)
         self.costs = StepCosts() if config.off_when_slower else None
         self._step: Optional[tuple[int, bool]] = None  # this step's (bucket, drafted), for the costs
         self._pace: dict[Hashable, DraftPace] = {}
@@ -95,18 +99,17 @@ class Speculation:
             return 0
         return (Speculation.max_draft(config, block_size) + 1) * min(max_num_seqs, config.max_speculating_seqs)
 
-    def draft(self, seq: Request, budget: int) -> list[int]:
-        """The draft seq verifies this step ([] for none): at most its k, the budget's tokens, and
-        what its max_tokens / max_model_len leave after the token the run always yields."""
+    def wanted(self, seq: Request, budget: int) -> int:
+        """How many tokens seq drafts this step (0: none): its k, within the budget and what its
+        max_tokens / max_model_len leave after the token the run always yields."""
         pace = self._pace.get(seq.request_id)
         if pace is None:
             pace = self._pace[seq.request_id] = DraftPace(self.k_max)
         if pace.skip:
             pace.skip -= 1
-            return []
+            return 0
         room = seq.num_prompt_tokens + seq.max_tokens - len(seq.token_ids) - 1
-        k = min(pace.k, budget, room)
-        return self.drafter.propose(seq.request_id, seq.token_ids, k) if k > 0 else []
+        return max(0, min(pace.k, budget, room))
 
     def take_drafts(self, mgr, out: SchedulerOutput, budget: int) -> int:
         """Turn rows of the step's decode batch that have a draft into draft chunks (appended to
@@ -118,9 +121,12 @@ class Speculation:
         if self.costs is not None and not self.costs.choose(bucket):
             self._step = (bucket, False)
             return budget
+        asks = [(i, seq, k) for i, seq in enumerate(batch.seqs) for k in [self.wanted(seq, budget)] if k]
+        drafts = dict(zip((i for i, _, _ in asks), self.drafter.propose_many(
+            [(seq.request_id, seq.token_ids, k) for _, seq, k in asks]))) if asks else {}
         keep, chunks = [], []
         for i, seq in enumerate(batch.seqs):
-            draft = self.draft(seq, budget) if budget > 0 else []
+            draft = drafts.get(i, [])[:budget]
             got = mgr.allocate_draft(seq.request_id, len(draft)) if draft else None
             if got is None:
                 keep.append(i)

@@ -7,13 +7,14 @@ from dataclasses import dataclass, fields
 from typing import Mapping, Optional, Union
 
 METHODS = ("ngram", "draft_model", "mtp")
-BUILT = ("ngram",)
+BUILT = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """method: 'ngram' (prompt lookup: the proposal continues an earlier occurrence of the
-    request's last n tokens; no model). num_speculative_tokens: the most tokens drafted per step
+    request's last n tokens; no model) or 'draft_model' (`model`, a checkpoint with the target's
+    vocabulary, proposes greedily; draft_model.py). num_speculative_tokens: the most tokens drafted per step
     for a request (its k; adaptive below that, scheduler/speculation.py). prompt_lookup_max /
     prompt_lookup_min: the longest and shortest n-gram matched. model: the draft checkpoint
     (method 'draft_model'). max_speculating_seqs (ours): how many running requests of a model
@@ -62,6 +63,10 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config {name}={v!r} must be an integer >= 1")
         if not isinstance(self.off_when_slower, bool):
             raise ValueError(f"speculative_config off_when_slower={self.off_when_slower!r} must be true or false")
+        if self.method == "draft_model" and not isinstance(self.model, str):
+            raise ValueError("speculative_config method 'draft_model' needs 'model': the draft checkpoint's path or name")
+        if self.method != "draft_model" and self.model is not None:
+            raise ValueError(f"speculative_config 'model' is for method 'draft_model', not {self.method!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config prompt_lookup_min={self.prompt_lookup_min} is above "
                              f"prompt_lookup_max={self.prompt_lookup_max}")

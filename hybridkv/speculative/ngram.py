@@ -56,5 +56,9 @@ class NgramDrafter:
                 return out
         return []
 
+    def propose_many(self, asks) -> list[list[int]]:
+        """asks: (request id, its tokens, k) -> a proposal for each."""
+        return [self.propose(rid, tokens, k) for rid, tokens, k in asks]
+
     def forget(self, request_id: Hashable) -> None:
         self._index.pop(request_id, None)

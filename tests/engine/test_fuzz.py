@@ -54,10 +54,11 @@ class TargetDrafter:
     def __init__(self, path):
         self.llm = LLM(path, memory_budget_bytes=32 << 20)
 
-    def propose(self, request_id, tokens, k):
-        out = self.llm.generate([list(tokens)], SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True),
-                                use_tqdm=False)
-        return list(out[0].outputs[0].token_ids)
+    def propose_many(self, asks):
+        outs = self.llm.generate([list(tokens) for _, tokens, _ in asks],
+                                 [SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True) for _, _, k in asks],
+                                 use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
 
     def forget(self, request_id):
         pass

@@ -40,6 +40,9 @@ class ScriptedDrafter:
                         for t in run[n:n + k]]
         return []
 
+    def propose_many(self, asks):
+        return [self.propose(*ask) for ask in asks]
+
     def forget(self, request_id):
         pass
 
@@ -358,3 +361,47 @@ def test_the_cost_model_drafts_where_measured_faster():
     picks = [costs.choose(1) for _ in range(2 * PROBE_EVERY)]
     assert picks.count(True) == 2
     assert costs.choose(4) is True  # another batch size measures afresh
+
+
+@pytest.mark.slow  # tensor-parallel workers are processes
+def test_tensor_parallel_ranks_verify_the_same_drafts(tmp_path):
+    """TP = 2 (gloo): rank 1 runs each draft run's per-position state slots from the batch it is
+    sent, so the tokens are TP = 1's and no draft slot is left."""
+    from family_checks import mamba2_scans_that_matter
+    from hybridkv.models.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint("bamba", tmp_path)
+    mamba2_scans_that_matter(path, seed=0)  # a wrong state shard changes the tokens
+    prompts = [prompt(n, 70 + n) for n in (6, 23)]
+    plain = LLM(str(path), memory_budget_bytes=16 << 20).generate(prompts, greedy(24), use_tqdm=False)
+    llm = speculating(path, full_runs(prompts, plain), 0.3, memory_budget_bytes=16 << 20, tensor_parallel_size=2)
+    try:
+        outs = llm.generate(prompts, greedy(24), use_tqdm=False)
+        assert tokens(outs) == tokens(plain)
+        assert llm.stats()["spec_accepted_tokens"] > 0
+        assert_no_leaks(llm)
+    finally:
+        llm.close()
+
+
+def test_a_draft_model_proposes_from_an_engine_of_its_own():
+    """method 'draft_model': the built-in draft proposes for the built-in code model from its own
+    pools; the output is the plain engine's, drafts were accepted, and neither engine leaks."""
+    prompts = ["def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n", "import os\nimport sys\n\n"]
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    plain = LLM("hybridkv/tiny-code", memory_budget_bytes=32 << 20).generate(prompts, params, use_tqdm=False)
+    llm = LLM("hybridkv/tiny-code", memory_budget_bytes=32 << 20, speculative_config={
+        "method": "draft_model", "model": "hybridkv/tiny-code-draft", "num_speculative_tokens": 4,
+        "off_when_slower": False})
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert tokens(outs) == tokens(plain)
+    s = llm.stats()
+    assert s["spec_accepted_tokens"] > 10
+    assert_no_leaks(llm)
+    assert_no_leaks(llm.engine.scheduler.speculation.drafter.llm)
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused_by_name(bamba):
+    with pytest.raises(ValueError, match="vocabulary of 4096 tokens; the target's has 128"):
+        LLM(str(bamba), memory_budget_bytes=16 << 20,
+            speculative_config={"method": "draft_model", "model": "hybridkv/tiny-code-draft"})

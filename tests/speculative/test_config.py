@@ -16,7 +16,10 @@ def test_a_dict_or_its_json_gives_the_config():
 
 @pytest.mark.parametrize("value, words", [
     ({"method": "eagle"}, "method 'eagle'"),
-    ({"method": "draft_model", "model": "x"}, "not available"),
+    ({"method": "mtp"}, "not available"),
+    ({"method": "draft_model"}, "needs 'model'"),
+    ({"method": "ngram", "model": "x"}, "'model' is for method 'draft_model'"),
+    ({"off_when_slower": 1}, "off_when_slower=1"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens=0"),
     ({"num_speculative_tokens": True}, "num_speculative_tokens=True"),
     ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min=4"),
