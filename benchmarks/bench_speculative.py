@@ -10,9 +10,11 @@ Workloads, on the built-in trained model (hybridkv/tiny-code, a small Bamba):
 - batch: 8 copy prompts at once.
 - draft model (batch 1): the copy prompt with the built-in draft (hybridkv/tiny-code-draft, 2 layers
   of 128) proposing num_speculative_tokens = 4 greedily from an engine of its own.
-Each row also gives what a step costs (CPU ms): a plain decode step, a step that verifies drafts
-(without drafting), and drafting per step, from which the arithmetic of where speculation pays
-follows (BENCHMARKS.md). Prints one table; `--json PATH` also writes the figures.
+Each row also gives what a step costs (CPU ms): a plain decode step, a step of the speculating
+engine (without drafting; probes and steps without a draft included), and drafting per step.
+`--part costs` measures what verifying k drafted tokens costs against a plain decode step (drafts
+that are always right: every step of that engine verifies k + 1 positions), from which the
+arithmetic of where speculation pays follows (BENCHMARKS.md). `--json PATH` also writes the figures.
 
     python benchmarks/bench_speculative.py --repeats 5
 """
@@ -76,6 +78,55 @@ class Timed:
         self.drafter.forget(request_id)
 
 
+class Known:
+    """Drafts the continuation a plain run produced (`runs`: full token lists): always right."""
+
+    def __init__(self, runs):
+        self.runs = [list(r) for r in runs]
+
+    def propose_many(self, asks):
+        out = []
+        for _, tokens, k in asks:
+            n = len(tokens)
+            out.append(next((r[n:n + k] for r in self.runs if len(r) > n and r[:n] == list(tokens)), []))
+        return out
+
+    def forget(self, request_id):
+        pass
+
+
+def verify_costs(args, params) -> dict:
+    """CPU ms per step of an engine whose every decode verifies k always-right drafted tokens, as a
+    ratio to a plain decode step, for k in 1, 3, 7, 12 (batch 1 and 8; the same repeats)."""
+    from hybridkv import LLM
+
+    out = {}
+    for batch in (1, 8):
+        prompts = copy_prompts(batch)
+        off = LLM(MODEL, device="cpu", memory_budget_bytes=64 << 20)
+        plain = off.generate(prompts, params, use_tqdm=False)
+        runs = [off.engine.tokenizer(p)["input_ids"] + list(o.outputs[0].token_ids) for p, o in zip(prompts, plain)]
+        engines = {}
+        for k in (1, 3, 7, 12):
+            llm = LLM(MODEL, device="cpu", memory_budget_bytes=64 << 20, speculative_config={
+                "num_speculative_tokens": k, "off_when_slower": False})
+            llm.engine.scheduler.speculation.drafter = Known(runs)
+            engines[k] = llm
+        for llm in (off, *engines.values()):
+            run(llm, prompts, params)
+        per = {k: [] for k in engines}
+        for _ in range(args.repeats):
+            t_off, _, s_off = run(off, prompts, params)
+            for k, llm in engines.items():
+                t, _, s = run(llm, prompts, params)
+                per[k].append((t / s) / (t_off / s_off))
+        out[batch] = {k: (statistics.median(v), min(v), max(v)) for k, v in per.items()}
+    print("CPU time of a step verifying k drafted tokens / a plain decode step (median, min-max):")
+    for batch, row in out.items():
+        print(f"  batch {batch}: " + "; ".join(f"k={k} {m:.2f}x ({lo:.2f}-{hi:.2f})" for k, (m, lo, hi) in row.items()))
+    return out
+
+
 def run(llm, prompts, params) -> tuple[float, int, int]:
     """(CPU seconds, generated tokens, engine steps) of one generate."""
     steps = llm.stats()["steps"]
@@ -89,11 +140,18 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--part", choices=["workloads", "costs"], default="workloads")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     from hybridkv import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    if args.part == "costs":
+        costs = verify_costs(args, params)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(costs, f, indent=1)
+        return 0
     off = LLM(MODEL, device="cpu", memory_budget_bytes=64 << 20)
     on = LLM(MODEL, device="cpu", memory_budget_bytes=64 << 20, speculative_config=SPEC)
     wrong = LLM(MODEL, device="cpu", memory_budget_bytes=64 << 20, speculative_config=SPEC)

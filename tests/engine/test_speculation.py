@@ -405,3 +405,46 @@ def test_a_draft_model_of_another_vocabulary_is_refused_by_name(bamba):
     with pytest.raises(ValueError, match="vocabulary of 4096 tokens; the target's has 128"):
         LLM(str(bamba), memory_budget_bytes=16 << 20,
             speculative_config={"method": "draft_model", "model": "hybridkv/tiny-code-draft"})
+
+
+@pytest.mark.slow  # interpreted Triton: ~30-70 s a family
+@pytest.mark.parametrize("name", ["bamba", "qwen3_next"])
+def test_the_triton_kernels_verify_drafts_as_they_decode(name, tmp_path, monkeypatch):
+    """HYBRIDKV_BACKEND=triton (the CUDA kernels, interpreted here): the per-position draft runs go
+    through the same one-token Triton kernels as plain decodes (Mamba2 / GDN state, conv window,
+    paged attention), and the tokens are the Triton engine's without speculation."""
+    monkeypatch.setenv("HYBRIDKV_BACKEND", "triton")
+    fam = FAMILIES[name]
+    path = fam.make(fam.name, tmp_path, seed=fam.seed, **fam.overrides)
+    prompts = [prompt(n, 3 + n) for n in (5, 17)]
+    plain = LLM(str(path), memory_budget_bytes=16 << 20).generate(prompts, greedy(8), use_tqdm=False)
+    llm = speculating(path, full_runs(prompts, plain), 0.4, memory_budget_bytes=16 << 20,
+                      speculative_config={**SPEC, "num_speculative_tokens": 3, "off_when_slower": False})
+    outs = llm.generate(prompts, greedy(8), use_tqdm=False)
+    assert tokens(outs) == tokens(plain)
+    assert llm.stats()["spec_accepted_tokens"] > 0
+    assert_no_leaks(llm)
+
+
+def test_the_cli_flag_and_metrics_carry_speculation(bamba):
+    """`--speculative-config JSON` reaches LLM(...) as given; `/metrics` renders the counters."""
+    import argparse
+
+    from hybridkv.cli import add_llm_args, llm_kwargs
+    from hybridkv.server.metrics import ServerMetrics
+
+    ap = argparse.ArgumentParser()
+    add_llm_args(ap)
+    kw = llm_kwargs(ap.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']))
+    assert kw["speculative_config"] == '{"method": "ngram", "num_speculative_tokens": 3}'
+    llm = LLM(str(bamba), memory_budget_bytes=16 << 20, speculative_config=kw["speculative_config"])
+    assert llm.config.speculative_config.num_speculative_tokens == 3
+    p = prompt(9, 17) * 3
+    llm.generate([p], greedy(12), use_tqdm=False)
+    text = ServerMetrics("m").render(llm.stats()).decode()
+    s = llm.stats()
+    for name, key in (("spec_decode_num_drafts_total", "spec_verify_runs"),
+                      ("spec_decode_num_draft_tokens_total", "spec_draft_tokens"),
+                      ("spec_decode_num_accepted_tokens_total", "spec_accepted_tokens")):
+        assert f'hybridkv:{name}{{model_name="m"}} {float(s[key])}' in text, name
+    assert "hybridkv:spec_decode_acceptance_rate" in text

@@ -108,6 +108,16 @@ def stream_until_end(url: str, max_tokens: int, got: dict) -> None:
         got["error"] = repr(e)
 
 
+def _requests_in(url: str) -> float:
+    """Requests the server runs or queues, from its /metrics (0 when it does not answer)."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return 0
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(("hybridkv:num_requests_running{", "hybridkv:num_requests_waiting{")))
+
+
 def wait_for_json(url: str, max_tokens: int, got: dict) -> None:
     """A non-streamed request; records its status, finish reason and tokens."""
     try:
@@ -150,6 +160,8 @@ def test_signal_drains_then_stops_every_process(extra, sig, expect_procs, ctrl_c
         while streamed.get("chunks", 0) < 3 and time.monotonic() < deadline and readers[0].is_alive():
             time.sleep(0.02)
         assert streamed.get("chunks", 0) >= 3, streamed
+        while _requests_in(url) < 2 and time.monotonic() < deadline:  # the non-streamed one arrived too
+            time.sleep(0.02)  # (on a loaded machine its POST can lag the stream's first chunks)
         kids = descendants(proc.pid)
         if ctrl_c:
             os.killpg(proc.pid, sig)
