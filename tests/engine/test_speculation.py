@@ -448,3 +448,70 @@ def test_the_cli_flag_and_metrics_carry_speculation(bamba):
                       ("spec_decode_num_accepted_tokens_total", "spec_accepted_tokens")):
         assert f'hybridkv:{name}{{model_name="m"}} {float(s[key])}' in text, name
     assert "hybridkv:spec_decode_acceptance_rate" in text
+
+
+# ---- every family under pressure, and through a prefix hit and a migration ------------------
+def _pressure_rows():
+    return [pytest.param(n, marks=pytest.mark.slow) for n, f in FAMILIES.items() if f.pressure is not None]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("name", _pressure_rows())
+def test_every_pressure_family_speculates_through_preemption(name, mode, tmp_path):
+    """The family table's memory-pressure case (6 KV blocks, 3 live slots, 3 seats, 24 tokens a
+    step; tests/family_checks.py) with speculation on (drafts right 70% of the time, 3 x 5 draft
+    slots more): requests are preempted in `mode` between runs and end with the roomy plain
+    engine's tokens; nothing leaks."""
+    from engine_fixtures import ragged_prompts
+
+    fam = FAMILIES[name]
+    case = fam.pressure
+    path = fam.make(fam.name, tmp_path, seed=fam.seed, **fam.overrides)
+    roomy = LLM(str(path), memory_budget_bytes=16 << 20)
+    prompts = (ragged_prompts(6, roomy.model.vocab_size, seed=5) if case.lengths is None
+               else [prompt(n, 50 + n) for n in case.lengths])
+    params = greedy(case.max_tokens + 8)
+    plain = roomy.generate(prompts, params, use_tqdm=False)
+    budget = tight_budget(roomy.model.cache_specs(), 16, blocks=case.blocks + 2, slots=1 + 3 + 3 * 5)
+    llm = speculating(path, full_runs(prompts, plain), 0.3, memory_budget_bytes=budget, max_num_seqs=3,
+                      max_num_batched_tokens=24, preemption_mode=mode, checkpoint_share=0.0,
+                      speculative_config={**SPEC, "num_speculative_tokens": 4, "max_speculating_seqs": 3,
+                                          "off_when_slower": False})
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert tokens(outs) == tokens(plain)
+    s = llm.stats()
+    assert s["preemptions"][mode] > 0 and s["spec_accepted_tokens"] > 0, s
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) for n, f in FAMILIES.items()
+                                  if f.prefix_migration or f.prefix_hit])
+def test_every_family_speculates_through_a_prefix_hit_and_a_migration(name, tmp_path):
+    """Two prompts sharing 40 tokens: the second hits the first's checkpoint, verifies drafts, is
+    exported mid-answer and imported into an engine with block size 8 that speculates on; both end
+    with the plain engine's tokens, and neither engine leaks."""
+    fam = FAMILIES[name]
+    path = fam.make(fam.name, tmp_path, seed=fam.seed, **fam.overrides)
+    shared = prompt(40, 61)
+    first, second = shared + prompt(3, 62), shared + prompt(6, 63)
+    plain = LLM(str(path), memory_budget_bytes=16 << 20).generate([first, second], greedy(20), use_tqdm=False)
+    runs = full_runs([first, second], plain)
+    kw = dict(memory_budget_bytes=16 << 20, speculative_config={**SPEC, "num_speculative_tokens": 3,
+                                                                "off_when_slower": False})
+    src = speculating(path, runs, 0.3, checkpoint_policy="prompt_end", max_num_batched_tokens=32, **kw)
+    a = src.generate([first], greedy(20), use_tqdm=False)[0]
+    rid = src.add_request(second, greedy(20))
+    for _ in range(4):
+        src.step()
+    snap = src.export_request(rid)
+    assert snap.num_computed_tokens > snap.num_prompt_tokens
+    dst = speculating(path, runs, 0.3, block_size=8, **kw)
+    dst.import_request(snap)
+    out = None
+    while dst.has_unfinished_requests():
+        out = next((o for o in dst.step() if o.finished), out)
+    assert src.stats()["prefix_hit_tokens"] >= 32
+    assert [a.outputs[0].token_ids, out.outputs[0].token_ids] == [c.token_ids for o in plain for c in o.outputs]
+    assert src.stats()["spec_accepted_tokens"] > 0 and dst.stats()["spec_verify_runs"] > 0
+    assert_no_leaks(src)
+    assert_no_leaks(dst)
