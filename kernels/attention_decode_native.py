@@ -62,6 +62,16 @@ class NativeDecodes:
                              block_table.to(torch.int32).contiguous(),
                              seq_lens.to(torch.int32).contiguous())
 
+    @staticmethod
+    def build_rows(rows: list[int], seq_lens: list[int], table_rows: list[int],
+                   block_table: torch.Tensor) -> "NativeDecodes":
+        """One entry per query row: rows[i] attends to the first seq_lens[i] keys of request
+        table_rows[i] (a short chunk's token j sees its context and the chunk's first j + 1 keys:
+        exactly what its decode would)."""
+        return NativeDecodes(torch.arange(len(rows), dtype=torch.int32), torch.tensor(rows, dtype=torch.int32),
+                             block_table.index_select(0, torch.tensor(table_rows)).to(torch.int32).contiguous(),
+                             torch.tensor(seq_lens, dtype=torch.int32))
+
 
 def attend_decodes(q, kv_cache, dec: NativeDecodes, scale: float, soft_cap: Optional[float],
                    sliding_window: Optional[int], sinks: Optional[torch.Tensor], out: torch.Tensor):

@@ -235,7 +235,10 @@ RAGGED = [(5, 21), (1, 9), (16, 16), (9, 41), (1, 33), (3, 3), (24, 56), (7, 23)
 def test_chunks_over_cached_context_merge_two_pieces(group, dtype, decode_path):
     """Causal chunks with cached context attend as cached-unmasked + own-causal pieces merged by
     their log-sum-exp; chunks from 0 keep the causal kernel and one-token rows the decode path.
-    Unwritten tails and unowned blocks hold NaN."""
+    With the C decode kernel, a chunk of up to SHORT_CHUNK queries after a context runs there too,
+    each query as the decode at its position. Unwritten tails and unowned blocks hold NaN."""
+    from hybridkv.kernels.attention_cpu import SHORT_CHUNK
+
     q, kv, qsl, seq_lens, table = paged_batch(RAGGED, 8, 2, group, 32, dtype=dtype, seed=20 + group)
     poison_unread(kv, table, RAGGED, 8)
     want = paged_attention_ref(q, kv, qsl, seq_lens, table, 0.25)
@@ -244,11 +247,22 @@ def test_chunks_over_cached_context_merge_two_pieces(group, dtype, decode_path):
     assert torch.isfinite(got).all()
     assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 2e-3)
     (plan,) = plans.values()
+    native = decode_path == "native" and dtype == torch.float32
+
+    def as_decodes(ql, s):
+        return native and 1 < ql <= SHORT_CHUNK and s > ql
+
     prefill = [(grp.cached, grp.causal_only, grp.hidden is None) for grp in plan.groups if grp.lmax > 1]
-    assert prefill == [(s - ql, s == ql, True) for ql, s in RAGGED if ql > 1]
+    assert prefill == [(s - ql, s == ql, True) for ql, s in RAGGED if ql > 1 and not as_decodes(ql, s)]
     decodes = [grp for grp in plan.groups if grp.lmax == 1]
-    if decode_path == "native" and dtype == torch.float32:  # one C call; no torch decode group
-        assert not decodes and plan.decodes.reqs.tolist() == [r for r, (ql, _) in enumerate(RAGGED) if ql == 1]
+    if native:  # one C call; no torch decode group
+        starts = [0]
+        for ql, _ in RAGGED:
+            starts.append(starts[-1] + ql)
+        rows = [starts[r] for r, (ql, _) in enumerate(RAGGED) if ql == 1]
+        rows += [starts[r] + j for r, (ql, s) in enumerate(RAGGED) if as_decodes(ql, s) for j in range(ql)]
+        assert not decodes and plan.decodes.rows.tolist() == rows
+        assert sum(as_decodes(ql, s) for ql, s in RAGGED) == 4  # (5, 21), (9, 41), (7, 23), (2, 18)
     else:
         assert decodes and all(not grp.sdpa and grp.cached == 0 for grp in decodes) and plan.decodes is None
 
@@ -265,13 +279,16 @@ def test_chunks_over_context_keep_the_old_path_outside_plain_causal(opts):
 
 
 def test_without_the_flash_lse_op_chunks_keep_the_mask(monkeypatch):
-    """Older torch (no _scaled_dot_product_flash_attention_for_cpu): the boolean-mask SDPA call."""
+    """Older torch (no _scaled_dot_product_flash_attention_for_cpu): the boolean-mask SDPA call
+    (the C kernel off, which would take the short chunks)."""
     import hybridkv.kernels.attention_cpu as mod
 
     monkeypatch.setattr(mod, "_FLASH_WITH_LSE", None)
     q, kv, qsl, seq_lens, table = paged_batch(RAGGED, 8, 2, 2, 32, seed=32)
     want = paged_attention_ref(q, kv, qsl, seq_lens, table, 0.25)
     plans = {}
-    assert rel_err(paged_attention_cpu(q, kv, qsl, seq_lens, table, 0.25, plan_cache=plans), want) < 1e-5
+    with native_cpu.forced_off():
+        got = paged_attention_cpu(q, kv, qsl, seq_lens, table, 0.25, plan_cache=plans)
+    assert rel_err(got, want) < 1e-5
     masked = [grp for plan in plans.values() for grp in plan.groups if grp.sdpa and not grp.causal_only]
     assert len(masked) == 5 and all(grp.cached == 0 and grp.hidden is not None for grp in masked)

@@ -121,7 +121,8 @@ def test_shared_blocks_and_strided_inputs(path):
 
 @pytest.mark.parametrize("window", [None, 12])
 def test_mixed_batch_splits_decodes_from_chunks(window):
-    """Decodes go to C in one call, prefill chunks (from 0 and over context) keep SDPA."""
+    """Decodes and a short chunk over context (each of its queries as the decode at its position)
+    go to C in one call; a chunk from 0 keeps SDPA."""
     qlens, lens = [1, 9, 1, 6, 1, 0, 1], [40, 9, 3, 30, 17, 5, 64]
     q, kv, qsl, seq_lens, table = decode_batch(lens, 8, 2, 2, 32, seed=12, pad_rows=2, qlens=qlens)
     want = paged_attention_ref(q, kv, qsl, seq_lens, table, 0.2, sliding_window=window)
@@ -129,9 +130,10 @@ def test_mixed_batch_splits_decodes_from_chunks(window):
     assert rel_err(got, want) < 1e-5
     assert torch.equal(got[qsl[-1]:], torch.zeros_like(got[qsl[-1]:]))
     (plan,) = plans.values()
-    assert plan.decodes.reqs.tolist() == [0, 2, 4, 6]
-    assert plan.decodes.rows.tolist() == [int(qsl[r]) for r in (0, 2, 4, 6)]
-    assert [grp.lmax for grp in plan.groups] == [9, 6]
+    rows = [int(qsl[r]) for r in (0, 2, 4, 6)] + [int(qsl[3]) + j for j in range(6)]
+    assert plan.decodes.rows.tolist() == rows and plan.decodes.reqs.tolist() == list(range(len(rows)))
+    assert plan.decodes.seq_lens.tolist() == [40, 3, 17, 64] + [25 + j for j in range(6)]
+    assert [grp.lmax for grp in plan.groups] == [9]
 
 
 def test_half_precision_takes_the_torch_path():
