@@ -60,11 +60,11 @@ class HybridCacheManager:
                  checkpoint_policy: str = DEFAULT_POLICY, checkpoint_every_n: int = 4,
                  checkpoint_eviction: str = DEFAULT_EVICTION, fingerprint: str = "",
                  flops_per_token: Optional[float] = None, max_num_batched_tokens: Optional[int] = None,
-                 draft_slots: int = 0):
+                 draft_slots: int = 0, host_cache_bytes: int = 0):
         if not isinstance(block_size, int) or block_size <= 0:
             raise MemoryBudgetError(f"block_size={block_size!r} must be a positive integer (e.g. 16)")
         kinds = make_kinds(specs, block_size, num_blocks, num_slots, device, checkpoint_eviction,
-                           flops_per_token, max_num_batched_tokens, draft_slots)
+                           flops_per_token, max_num_batched_tokens, draft_slots, host_cache_bytes)
         self.specs = dict(specs)
         self.block_size = block_size
         self.fingerprint = fingerprint

@@ -55,6 +55,8 @@ def add_llm_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-every-n", type=int, default=4)
     g.add_argument("--checkpoint-eviction", default=DEFAULT_EVICTION, choices=list(EVICTION_RULES))
     g.add_argument("--checkpoint-share", type=float, default=None)
+    g.add_argument("--host-cache-mb", type=int, default=0,
+                   help="host memory (MiB) for state checkpoints evicted from the device pool (default 0: none)")
     g.add_argument("--cuda-graphs", action="store_true",
                    help="replay decode steps as CUDA graphs (GPU only; never run on a GPU yet, so off by default)")
     g.add_argument("--speculative-config", default=None,
@@ -72,7 +74,8 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
                 max_model_len=args.max_model_len, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
                 checkpoint_policy=args.checkpoint_policy, checkpoint_every_n=args.checkpoint_every_n,
                 checkpoint_eviction=args.checkpoint_eviction, checkpoint_share=args.checkpoint_share,
-                cuda_graphs=args.cuda_graphs, speculative_config=args.speculative_config)
+                cuda_graphs=args.cuda_graphs, speculative_config=args.speculative_config,
+                host_cache_bytes=args.host_cache_mb << 20)
 
 
 # ---- hybridkv demo ---------------------------------------------------------------------------

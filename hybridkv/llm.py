@@ -70,7 +70,7 @@ class LLM:
     Keyword arguments beyond the vLLM ones: `checkpoint_policy` ('junctions' (default) | 'none' |
     'prompt_end' | 'every_n_blocks' | 'branch_points'), `checkpoint_every_n`, `checkpoint_eviction`
     ('utility' (default) | 'lru' | 'flop'), `checkpoint_share` (share of the budget for state
-    checkpoints). docs/design.md and BENCHMARKS.md say what each does.
+    checkpoints), `host_cache_bytes` (a host tier for checkpoints evicted from the device). docs/design.md and BENCHMARKS.md say what each does.
     `tensor_parallel_size` N > 1 shards the model and its pools over N ranks (this process is rank
     0; hybridkv/parallel/); `close()` stops the other ranks.
     `cuda_graphs=True` replays decode steps as CUDA graphs (scheduler/decode_graphs.py; off by
@@ -128,6 +128,7 @@ class LLM:
             device=self.model.device, enable_prefix_caching=enable_prefix_caching,
             checkpoint_policy=c.checkpoint_policy, checkpoint_every_n=c.checkpoint_every_n,
             checkpoint_eviction=c.checkpoint_eviction, fingerprint=self.model.fingerprint,
+            host_cache_bytes=c.host_cache_bytes,
             flops_per_token=2.0 * params, max_num_batched_tokens=max_num_batched_tokens,
             draft_slots=Speculation.draft_slots(c.speculative_config, block_size, max_num_seqs))
         policy = PreemptionPolicy(preemption_mode, specs, block_size, self.profile, enable_prefix_caching)

@@ -15,6 +15,8 @@ class ManagerStats:
     preemptions: by mode ('recompute', 'swap').
     fragmentation: unused token slots in requests' partially filled last blocks / token slots in used blocks.
     The kv_* and slots_* fields sum the attention kind and the recurrent kind; `kinds` has each one.
+    tiers: the state checkpoints per tier, {"device": {...}, "host": {...}} (host only with a host
+    tier): entries, bytes, hits, evictions; the host's also promotions, demotions, refusals.
     """
 
     kv_blocks_used: int
@@ -34,6 +36,7 @@ class ManagerStats:
     running_requests: int = 0
     burst_waits: int = 0    # times a request waited a step for a burst leader (memory/burst.py)
     kinds: dict[str, dict] = field(default_factory=dict)  # each kind of memory's own counters
+    tiers: dict[str, dict] = field(default_factory=dict)
 
     @classmethod
     def of(cls, mgr) -> "ManagerStats":
@@ -55,7 +58,7 @@ class ManagerStats:
             slots_total=s.get("slots_total", 0), prefix_hit_tokens=hits.hit_tokens,
             prefix_query_tokens=hits.query_tokens, prefix_queries=hits.queries, prefix_misses=dict(hits.misses),
             preemptions=dict(mgr.preemptions), fragmentation=max(0.0, waste / (used * bs)) if used else 0.0,
-            running_requests=len(running), burst_waits=mgr.bursts.waits, kinds=kinds)
+            running_requests=len(running), burst_waits=mgr.bursts.waits, kinds=kinds, tiers=s.get("tiers", {}))
 
     @property
     def prefix_hit_rate(self) -> float:

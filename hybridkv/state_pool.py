@@ -147,7 +147,10 @@ class StatePool:
                     t[dst].copy_(t[src])
 
     def to_host(self, slot: int, device: torch.device | str = "cpu", pin: bool = False) -> tuple[dict, dict]:
-        """Copy one slot out: `({layer: conv[conv_shape]}, {layer: ssm[state_shape]})` on `device`."""
+        """Copy one slot out: `({layer: conv[conv_shape]}, {layer: ssm[state_shape]})` on `device`.
+        Inside `deferred_copies()` a slot that a pending copy fills is read from that copy's source."""
+        if self._pending:
+            slot = self._pending.get(slot, slot)
         if self.mirror is not None:  # every rank's channels
             return self.mirror.gathered(slot, self._slot_out(slot, "cpu", False), device, pin)
         return self._slot_out(slot, device, pin)
@@ -159,6 +162,8 @@ class StatePool:
 
     def from_host(self, slot: int, conv: Mapping[int, torch.Tensor], ssm: Mapping[int, torch.Tensor]) -> None:
         """Write one slot's conv and ssm tensors (shapes as `to_host` returns them) into `slot`."""
+        if self._pending:  # a pending copy into this slot (made for its previous owner) must not overwrite it
+            self._pending.pop(slot, None)
         if self.mirror is not None:  # every rank's channels: this pool keeps its own
             conv, ssm = self.mirror.scattered(slot, conv, ssm, (tuple(self.conv), tuple(self.ssm)))
         for i, t in self.conv.items():

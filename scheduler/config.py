@@ -21,7 +21,8 @@ class EngineConfig:
     decode steps replay CUDA graphs (decode_graphs.py; never run on a GPU yet, so off by default);
     "dry_run" (tests) runs that path on a CPU with a direct call in place of capture and replay.
     speculative_config: None (off), or a dict / JSON text in vLLM's shape (hybridkv/speculative/
-    config.py), kept as a SpeculativeConfig."""
+    config.py), kept as a SpeculativeConfig. host_cache_bytes: the host tier's budget for state
+    checkpoints evicted from the device (0: off; hybridkv/memory/host_tier.py)."""
 
     block_size: int = 16
     max_num_batched_tokens: int = 2048
@@ -33,6 +34,7 @@ class EngineConfig:
     checkpoint_every_n: int = 4
     checkpoint_eviction: str = DEFAULT_EVICTION
     checkpoint_share: Optional[float] = None
+    host_cache_bytes: int = 0
     preemption_mode: str = "auto"
     max_model_len: Optional[int] = None
     seed: int = 0
@@ -53,5 +55,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if isinstance(self.host_cache_bytes, bool) or not isinstance(self.host_cache_bytes, int) \
+                or self.host_cache_bytes < 0:
+            raise ValueError(f"host_cache_bytes={self.host_cache_bytes!r} must be an integer >= 0 (0: no host tier)")
         if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
             raise ValueError(f"memory_budget_bytes={self.memory_budget_bytes} must be > 0")

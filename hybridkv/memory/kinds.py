@@ -40,9 +40,10 @@ class ModelKinds:
 def make_kinds(specs: Mapping[int, LayerSpec], block_size: int, num_blocks: int | Mapping[Optional[int], int],
                num_slots: int, device: torch.device | str, checkpoint_eviction: str,
                flops_per_token: Optional[float], max_num_batched_tokens: Optional[int],
-               draft_slots: int = 0) -> ModelKinds:
+               draft_slots: int = 0, host_cache_bytes: int = 0) -> ModelKinds:
     """num_blocks: one count for every attention group, or {window: count}; num_slots: state slots
-    including the null slot 0, `draft_slots` of them kept from checkpoints (speculative decoding).
+    including the null slot 0, `draft_slots` of them kept from checkpoints (speculative decoding);
+    host_cache_bytes: the recurrent kind's host tier (memory/host_tier.py; 0: none).
     Raises MemoryBudgetError naming the pool that is too small."""
     if not specs:
         raise MemoryBudgetError("specs are empty: the model declares no attention and no recurrent layer")
@@ -74,5 +75,6 @@ def make_kinds(specs: Mapping[int, LayerSpec], block_size: int, num_blocks: int 
             recurrent_layers, block_size, num_slots, device, eviction=checkpoint_eviction,
             saved_flops=lambda p: lin * p + quad * p * p + p,
             reachable=lead.is_cached if lead else (lambda h: True),
-            branches=lead.num_children if lead else (lambda h: 0), draft_reserve=draft_slots)
+            branches=lead.num_children if lead else (lambda h: 0), draft_reserve=draft_slots,
+            host_cache_bytes=host_cache_bytes)
     return ModelKinds(groups, lead, recurrent)

@@ -12,6 +12,9 @@ A request verifying a draft of k tokens holds k + 1 draft slots for one step (th
 each token of the run; the kernels never write its live slot then): accepting j tokens makes
 draft slot j - 1 its live slot and frees the rest (`take_draft_slots`, `accept_draft`). Draft
 slots come only from free slots: speculation never evicts a checkpoint.
+With a host tier (`host_cache_bytes` > 0; memory/host_tier.py) a checkpoint evicted by the rule is
+demoted to host memory instead of dropped when it is worth its bytes there; a prefix match sees
+host entries as checkpoints, and an admission that hits one promotes it into its live slot.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from hybridkv.eviction import check_rule, choose_victim
 from hybridkv.specs import RecurrentSpec
 from hybridkv.state_pool import CHECKPOINT, DRAFT, LIVE, StatePool
 
+from .host_tier import HostStateTier
 from .layer_memory import LayerMemory
 
 
@@ -44,6 +48,7 @@ class RecurrentMemory(LayerMemory):
     reachable(h): whether the attention kinds still hold the KV a checkpoint keyed h needs.
     saved_flops(p): prefill FLOPs a checkpoint at position p saves (for the 'flop' eviction rule).
     draft_reserve: free slots a checkpoint never takes (speculative decoding's draft slots).
+    host_cache_bytes: the host tier's budget (0: no host tier; evicted checkpoints are dropped).
     """
 
     name = "recurrent"
@@ -56,7 +61,8 @@ class RecurrentMemory(LayerMemory):
                  device: torch.device | str = "cpu", eviction: str = "lru",
                  saved_flops: Optional[Callable[[int], float]] = None,
                  reachable: Callable[[bytes], bool] = lambda h: True, flop_weight: float = 1.0,
-                 branches: Callable[[bytes], int] = lambda h: 0, draft_reserve: int = 0):
+                 branches: Callable[[bytes], int] = lambda h: 0, draft_reserve: int = 0,
+                 host_cache_bytes: int = 0):
         super().__init__(layers, block_size)
         check_rule(eviction)
         self.states = StatePool(self.layers, num_slots, device)
@@ -71,6 +77,11 @@ class RecurrentMemory(LayerMemory):
         self._rolling: dict[Hashable, bytes] = {}  # rid -> key of its output checkpoint
         self._draft: dict[Hashable, list[int]] = {}  # rid -> its draft slots while it verifies a draft
         self._clock = 0
+        self.host: Optional[HostStateTier] = None
+        if host_cache_bytes:
+            self.host = HostStateTier(host_cache_bytes, eviction, self.saved_flops, branches, reachable, flop_weight)
+        self._slot_bytes = sum(t[0].numel() * t.element_size() for t in self.states._tensors())
+        self.device_counts = {"hits": 0, "evictions": 0}  # the device tier's (the host's: host.counters)
 
     @property
     def num_slots(self) -> int:
@@ -91,6 +102,8 @@ class RecurrentMemory(LayerMemory):
     def _add(self, h: bytes, position: int, slot: int, output: bool = False) -> None:
         self._clock += 1
         self.checkpoints[h] = Checkpoint(slot, position, self._clock, output)
+        if self.host is not None:  # a key is never in two tiers: the device copy supersedes
+            self.host.discard(h)
 
     def _drop(self, h: bytes) -> None:
         self.states.free(self.checkpoints.pop(h).slot)
@@ -109,8 +122,23 @@ class RecurrentMemory(LayerMemory):
             if keys:
                 i = choose_victim(self.eviction, [self.checkpoints[h].position for h in keys], self.saved_flops,
                                   self.flop_weight, branches=[self.branches(h) for h in keys])
-                self._drop(keys[i])
+                self._evict(keys[i])
         return self.states.allocate(kind) if self.states.num_free > keep else None
+
+    def _evict(self, h: bytes) -> None:
+        """Evict the checkpoint keyed h from the device for room: demoted to the host tier when
+        it is worth its bytes there, else dropped."""
+        self.device_counts["evictions"] += 1
+        self._demote(h)
+        self._drop(h)
+
+    def _demote(self, h: bytes) -> None:
+        """Copy the checkpoint keyed h to the host tier if it is worth its bytes there (the caller
+        then removes it from the device: a key is never in two tiers)."""
+        c = self.checkpoints[h]
+        if self.host is not None and self.host.worth(c.position, c.last_used, self._slot_bytes):
+            conv, ssm = self.states.to_host(c.slot, "cpu", pin=any(t.is_cuda for t in self.states._tensors()))
+            self.host.put(h, c.position, c.last_used, conv, ssm)
 
     def _can_take_slot(self) -> bool:
         return self.states.num_free > 0 or bool(self.checkpoints)
@@ -129,6 +157,8 @@ class RecurrentMemory(LayerMemory):
                     self._clock += 1
                     c.position, c.last_used, c.output = position, self._clock, True
                     self.checkpoints[h] = c
+                    if self.host is not None:
+                        self.host.discard(h)
                     return True
                 self._drop(old)
         if h in self.checkpoints:
@@ -182,8 +212,9 @@ class RecurrentMemory(LayerMemory):
     # ---- prefix reuse ----------------------------------------------------------------------
     def usable_prefix(self, hashes: Sequence[bytes], limit: int) -> int:
         m = min(limit, len(hashes))
-        while m > 0 and hashes[m - 1] not in self.checkpoints:
-            m -= 1
+        while m > 0 and hashes[m - 1] not in self.checkpoints and not (
+                self.host is not None and self.host.usable(hashes[m - 1], m * self.block_size)):
+            m -= 1  # a host entry counts once its check passes (a failing one is dropped)
         return m
 
     # ---- admission -------------------------------------------------------------------------
@@ -195,9 +226,17 @@ class RecurrentMemory(LayerMemory):
             self._slot[rid] = self._take_slot(LIVE)
             return
         key = hashes[hit - 1]
+        if key not in self.checkpoints:  # a host-tier hit (the match checked it): promote it
+            self._clock += 1
+            conv, ssm = self.host.promote(key, self._clock)
+            self._slot[rid] = slot = self._take_slot(LIVE)
+            self.states.from_host(slot, conv, ssm)
+            return
+        self.device_counts["hits"] += 1
         src = self.checkpoints[key]
         slot = self._take_slot(LIVE, protect=key)
         if slot is None:  # the hit's checkpoint is the only slot left: it becomes the live slot
+            self._demote(key)  # (a host copy of it stays findable, when worth its bytes)
             del self.checkpoints[key]
             self.states.mark(src.slot, LIVE)
             self._slot[rid] = src.slot
@@ -278,5 +317,9 @@ class RecurrentMemory(LayerMemory):
 
     def stats(self) -> dict:
         st = self.states
-        return {"slots_live": st.count(LIVE), "slots_checkpoint": st.count(CHECKPOINT),
-                "slots_free": st.num_free, "slots_total": max(0, st.num_slots - 1)}
+        n = st.count(CHECKPOINT)
+        tiers = {"device": {"entries": n, "bytes": n * self._slot_bytes, **self.device_counts}}
+        if self.host is not None:
+            tiers["host"] = self.host.stats()
+        return {"slots_live": st.count(LIVE), "slots_checkpoint": n,
+                "slots_free": st.num_free, "slots_total": max(0, st.num_slots - 1), "tiers": tiers}

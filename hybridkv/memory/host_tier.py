@@ -1,0 +1,175 @@
+"""The host tier of recurrent-state checkpoints: states evicted from the device slots, kept in host
+memory under a byte budget of their own, still usable for prefix hits.
+
+When the device slots must evict a checkpoint (memory/recurrent.py), the state is DEMOTED here
+instead of dropped if it is worth its bytes: it competes with the host entries under the same
+eviction rule as the device (hybridkv/eviction.py; unreachable entries first, then the lowest
+score), and it is refused when it would be the victim itself. A prefix match sees a host entry as
+a checkpoint; the admission that uses it PROMOTES it: the state is copied into the new live slot
+(the host entry stays, as a device checkpoint stays after a copy-on-hit). Before an entry is used
+its key, position, tensor shapes, dtypes and a CRC-32 of its bytes are checked; an entry that fails
+is dropped and counted (`refused_corrupt`), never used. A key is never in both tiers: a device
+checkpoint made under a key this tier holds supersedes the host copy (`discard`).
+"""
+from __future__ import annotations
+
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional
+
+import torch
+
+from hybridkv.eviction import choose_victim
+
+
+def _bytes_of(t: torch.Tensor):
+    """A uint8 numpy view of a contiguous host tensor's bytes (any dtype, bfloat16 included)."""
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def checksum(conv: Mapping[int, torch.Tensor], ssm: Mapping[int, torch.Tensor]) -> int:
+    """CRC-32 over every tensor's bytes, conv layers then ssm layers in layer order."""
+    crc = 0
+    for part in (conv, ssm):
+        for i in sorted(part):
+            crc = zlib.crc32(_bytes_of(part[i]), crc)
+    return crc
+
+
+@dataclass
+class HostEntry:
+    """A demoted state: `conv` / `ssm` {layer: tensor} on the host, the key and position it was
+    kept under, `layout` {(part, layer): (shape, dtype)} and the CRC-32 taken when it came here."""
+
+    key: bytes
+    position: int
+    last_used: int
+    conv: dict
+    ssm: dict
+    layout: dict
+    crc: int
+    nbytes: int
+
+
+@dataclass
+class TierCounters:
+    hits: int = 0              # admissions that used a host entry (each one a promotion)
+    promotions: int = 0        # states copied from here into a device slot
+    demotions: int = 0         # states taken in from the device
+    refused_demotions: int = 0 # device evictions not worth their host bytes (dropped)
+    evictions: int = 0         # entries dropped for room (or unreachable)
+    refused_corrupt: int = 0   # entries that failed the check and were dropped unused
+
+
+class HostStateTier:
+    """Host copies of state checkpoints under `budget_bytes`.
+
+    rule / saved_flops / branches / reachable / flop_weight: the device's eviction rule and its
+    inputs (memory/recurrent.py), applied to the host entries."""
+
+    def __init__(self, budget_bytes: int, rule: str, saved_flops: Callable[[int], float],
+                 branches: Callable[[bytes], int], reachable: Callable[[bytes], bool], flop_weight: float = 1.0):
+        if budget_bytes < 0:
+            raise ValueError(f"host_cache_bytes={budget_bytes}; it must be >= 0 (0 turns the host tier off)")
+        self.budget_bytes = budget_bytes
+        self.rule, self.saved_flops, self.branches, self.reachable = rule, saved_flops, branches, reachable
+        self.flop_weight = flop_weight
+        self.entries: OrderedDict[bytes, HostEntry] = OrderedDict()  # least recently used first
+        self.used_bytes = 0
+        self.counters = TierCounters()
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    # ---- demotion ----------------------------------------------------------------------------
+    def _victims(self, position: int, last_used: int, nbytes: int) -> Optional[list[bytes]]:
+        """The entries to evict so that a state of `nbytes` at `position` fits, or None when it is
+        not worth its bytes (the rule would evict it first, or it exceeds the budget)."""
+        if nbytes > self.budget_bytes:
+            return None
+        free = self.budget_bytes - self.used_bytes
+        gone = [k for k in self.entries if not self.reachable(k)]  # useless: their KV is gone
+        free += sum(self.entries[k].nbytes for k in gone)
+        if free >= nbytes:
+            return gone
+        new = object()  # the candidate itself, ranked with the others by when it was last used
+        rest = sorted([k for k in self.entries if k not in gone] + [new],
+                      key=lambda k: last_used if k is new else self.entries[k].last_used)
+        while free < nbytes:
+            positions = [position if k is new else self.entries[k].position for k in rest]
+            branches = [self.branches(k) if k is not new else 0 for k in rest]
+            i = choose_victim(self.rule, positions, self.saved_flops, self.flop_weight, branches=branches)
+            if rest[i] is new:
+                return None
+            free += self.entries[rest[i]].nbytes
+            gone.append(rest.pop(i))
+        return gone
+
+    def worth(self, position: int, last_used: int, nbytes: int) -> bool:
+        """Whether put() would keep a state of these bytes now (no change; to skip a useless copy)."""
+        return self._victims(position, last_used, nbytes) is not None
+
+    def put(self, key: bytes, position: int, last_used: int, conv: dict, ssm: dict) -> bool:
+        """Keep a host copy (tensors on the host, owned by the tier from now) under `key`,
+        evicting entries for room; False (nothing changed) when it is not worth its bytes."""
+        if key in self.entries:
+            raise RuntimeError("a state demoted twice under one key: a key is never in two tiers")
+        nbytes = sum(t.numel() * t.element_size() for part in (conv, ssm) for t in part.values())
+        victims = self._victims(position, last_used, nbytes)
+        if victims is None:
+            self.counters.refused_demotions += 1
+            return False
+        for k in victims:
+            self._remove(k)
+            self.counters.evictions += 1
+        layout = {(p, i): (tuple(t.shape), t.dtype) for p, part in (("conv", conv), ("ssm", ssm))
+                  for i, t in part.items()}
+        self.entries[key] = HostEntry(key, position, last_used, conv, ssm, layout, checksum(conv, ssm), nbytes)
+        self.entries.move_to_end(key)
+        self.used_bytes += nbytes
+        self.counters.demotions += 1
+        return True
+
+    # ---- use ---------------------------------------------------------------------------------
+    def usable(self, key: bytes, position: int) -> bool:
+        """Whether the entry under `key` exists and passes the check (key, position, layout,
+        CRC-32); one that fails is dropped and counted, and False returned."""
+        e = self.entries.get(key)
+        if e is None:
+            return False
+        layout = {(p, i): (tuple(t.shape), t.dtype) for p, part in (("conv", e.conv), ("ssm", e.ssm))
+                  for i, t in part.items()}
+        if e.key != key or e.position != position or layout != e.layout or checksum(e.conv, e.ssm) != e.crc:
+            self._remove(key)
+            self.counters.refused_corrupt += 1
+            return False
+        return True
+
+    def promote(self, key: bytes, clock: int) -> tuple[dict, dict]:
+        """The entry's (conv, ssm) to copy into a device slot (checked by usable() in the same
+        admission); the entry stays and becomes the most recently used."""
+        e = self.entries[key]
+        e.last_used = clock
+        self.entries.move_to_end(key)
+        self.counters.hits += 1
+        self.counters.promotions += 1
+        return e.conv, e.ssm
+
+    def discard(self, key: bytes) -> None:
+        """Forget the host copy under `key` (a device checkpoint now holds that state)."""
+        if key in self.entries:
+            self._remove(key)
+
+    def _remove(self, key: bytes) -> None:
+        self.used_bytes -= self.entries.pop(key).nbytes
+
+    def stats(self) -> dict:
+        c = self.counters
+        return {"entries": len(self.entries), "bytes": self.used_bytes, "budget_bytes": self.budget_bytes,
+                "hits": c.hits, "promotions": c.promotions, "demotions": c.demotions,
+                "refused_demotions": c.refused_demotions, "evictions": c.evictions,
+                "refused_corrupt": c.refused_corrupt}

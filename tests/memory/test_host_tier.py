@@ -1,0 +1,157 @@
+"""The host tier of state checkpoints (hybridkv/memory/host_tier.py) behind RecurrentMemory:
+demotion of evicted checkpoints, promotion on a hit with the state's bytes intact, the check
+that refuses a corrupted entry, the host budget and its eviction, and a key never in two tiers."""
+import pytest
+import torch
+
+from hybridkv.memory.host_tier import HostStateTier
+from hybridkv.memory.recurrent import RecurrentMemory
+from hybridkv.specs import RecurrentSpec
+
+BS = 4
+SPECS = {0: RecurrentSpec((2, 3), (2, 2), torch.float32), 1: RecurrentSpec((2, 1), (), torch.float32)}
+SLOT_BYTES = (6 + 4 + 2) * 4
+H = [b"h1", b"h2", b"h3", b"h4"]  # H[i] keys the checkpoint at position (i + 1) * BS
+
+
+def memory(checkpoint_slots=1, host_entries=4, rule="lru", live=1):
+    return RecurrentMemory(SPECS, BS, 1 + live + checkpoint_slots, eviction=rule,
+                           host_cache_bytes=host_entries * SLOT_BYTES)
+
+
+def fill(mem, rid, value):
+    for t in mem.states._tensors():
+        t[mem.live_slot(rid)] = value
+
+
+def live_value(mem, rid):
+    vals = {float(v) for t in mem.states._tensors() for v in t[mem.live_slot(rid)].reshape(-1)}
+    assert len(vals) == 1, vals
+    return vals.pop()
+
+
+def keep(mem, rid, i, value):
+    """A request that computed (i + 1) blocks with state `value`, checkpointed there, finished."""
+    mem.admit(rid, [], 0)
+    fill(mem, rid, value)
+    assert mem.checkpoint(rid, H[i], (i + 1) * BS, False)
+    mem.release(rid)
+
+
+def check_conservation(mem):
+    assert not set(mem.checkpoints) & set(mem.host.entries), "a key in two tiers"
+    assert mem.host.used_bytes == sum(e.nbytes for e in mem.host.entries.values()) <= mem.host.budget_bytes
+
+
+def test_eviction_demotes_and_a_hit_promotes_the_same_bytes():
+    mem = memory()
+    keep(mem, "a", 0, 1.5)
+    keep(mem, "b", 1, 2.5)  # one device checkpoint slot: H[0] goes to the host
+    assert list(mem.checkpoints) == [H[1]] and list(mem.host.entries) == [H[0]]
+    check_conservation(mem)
+    assert mem.usable_prefix(H, 1) == 1 and mem.usable_prefix([H[0], b"x"], 2) == 1
+    mem.admit("c", H, 1)
+    assert live_value(mem, "c") == 1.5
+    tiers = mem.stats()["tiers"]
+    assert tiers["host"] | {"budget_bytes": 0} == {
+        "entries": 1, "bytes": SLOT_BYTES, "budget_bytes": 0, "hits": 1, "promotions": 1, "demotions": 1,
+        "refused_demotions": 0, "evictions": 0, "refused_corrupt": 0}
+    assert tiers["device"] == {"entries": 1, "bytes": SLOT_BYTES, "hits": 0, "evictions": 1}
+    mem.admit("d", H, 2)  # a device hit still copies from the device
+    assert live_value(mem, "d") == 2.5 and mem.stats()["tiers"]["device"]["hits"] == 1
+
+
+@pytest.mark.parametrize("corrupt", ["bit", "dtype", "shape", "position"])
+def test_a_corrupted_entry_is_refused_and_dropped(corrupt):
+    mem = memory()
+    keep(mem, "a", 0, 1.5)
+    keep(mem, "b", 1, 2.5)
+    e = mem.host.entries[H[0]]
+    if corrupt == "bit":
+        e.ssm[0].view(-1).view(torch.int32)[0] ^= 1
+    elif corrupt == "dtype":
+        e.conv[0] = e.conv[0].to(torch.float64)
+    elif corrupt == "shape":
+        e.conv[1] = e.conv[1].reshape(1, 2)
+    else:
+        e.position = 2 * BS
+    assert mem.usable_prefix(H, 1) == 0
+    assert H[0] not in mem.host and mem.stats()["tiers"]["host"]["refused_corrupt"] == 1
+    check_conservation(mem)
+
+
+def test_host_budget_evicts_by_the_rule():
+    mem = memory(host_entries=2)
+    for i, rid in enumerate("abcd"):
+        keep(mem, rid, i, float(i + 1))
+        check_conservation(mem)
+    # H[0], H[1], H[2] were demoted in turn; two fit, so LRU evicted H[0]
+    assert list(mem.checkpoints) == [H[3]] and list(mem.host.entries) == [H[1], H[2]]
+    assert mem.stats()["tiers"]["host"]["evictions"] == 1
+    mem.admit("e", H, 3)
+    assert live_value(mem, "e") == 3.0
+
+
+def test_not_worth_its_bytes_is_dropped():
+    tier = HostStateTier(SLOT_BYTES, "flop", saved_flops=float, branches=lambda h: 0, reachable=lambda h: True)
+    conv = {0: torch.ones(2, 3), 1: torch.ones(2, 1)}
+    ssm = {0: torch.ones(2, 2)}
+    assert tier.put(b"deep", 16, last_used=5, conv=conv, ssm=ssm)
+    # older and shallower than what the host holds: the rule would evict it first
+    assert not tier.worth(4, 1, SLOT_BYTES)
+    assert not tier.put(b"shallow", 4, last_used=1, conv=conv, ssm=ssm)
+    assert list(tier.entries) == [b"deep"] and tier.counters.refused_demotions == 1
+    assert tier.put(b"deeper", 32, last_used=6, conv=conv, ssm=ssm)  # better: the old one goes
+    assert list(tier.entries) == [b"deeper"] and tier.counters.evictions == 1
+
+
+def test_unreachable_entries_go_first():
+    gone = set()
+    tier = HostStateTier(2 * SLOT_BYTES, "lru", float, lambda h: 0, lambda h: h not in gone)
+    conv, ssm = {0: torch.ones(2, 3), 1: torch.ones(2, 1)}, {0: torch.ones(2, 2)}
+    tier.put(b"a", 4, 1, conv, ssm)
+    tier.put(b"b", 8, 2, conv, ssm)
+    gone.add(b"b")  # its KV left the cache: the newer entry is useless
+    assert tier.put(b"c", 12, 3, conv, ssm)
+    assert list(tier.entries) == [b"a", b"c"]
+
+
+def test_a_device_checkpoint_supersedes_the_host_copy():
+    mem = memory()
+    keep(mem, "a", 0, 1.5)
+    keep(mem, "b", 1, 2.5)
+    assert H[0] in mem.host
+    keep(mem, "c", 0, 1.5)  # the same prefix checkpointed again on the device
+    assert H[0] in mem.checkpoints and H[0] not in mem.host and H[1] in mem.host
+    check_conservation(mem)
+
+
+def test_demotion_inside_deferred_copies_reads_the_pending_state():
+    # a step's checkpoints copy at the exit; one evicted before then must be demoted with its
+    # state (the live slot it is a copy of), not the stale bytes of its slot
+    mem = memory(live=2)
+    mem.admit("a", [], 0)
+    mem.admit("b", [], 0)
+    fill(mem, "a", 1.5)
+    fill(mem, "b", 2.5)
+    with mem.states.deferred_copies():
+        assert mem.checkpoint("a", H[0], BS, False)
+        assert mem.checkpoint("b", H[1], 2 * BS, False)  # evicts H[0] while its copy is pending
+    assert H[0] in mem.host
+    mem.release("a")
+    mem.admit("c", H, 1)
+    assert live_value(mem, "c") == 1.5
+
+
+def test_the_hit_checkpoint_as_the_last_slot_keeps_a_host_copy():
+    mem = RecurrentMemory(SPECS, BS, 3, eviction="lru", host_cache_bytes=4 * SLOT_BYTES)  # null, live, one more
+    keep(mem, "a", 0, 1.5)
+    mem.admit("b", [], 0)  # takes the last free slot
+    mem.admit("c", H, 1)  # no slot but the checkpoint's: it becomes c's live slot, a copy stays on the host
+    assert live_value(mem, "c") == 1.5 and H[0] not in mem.checkpoints and H[0] in mem.host
+    check_conservation(mem)
+
+
+def test_negative_budget_is_refused():
+    with pytest.raises(ValueError, match="host_cache_bytes=-1"):
+        RecurrentMemory(SPECS, BS, 3, host_cache_bytes=-1)
