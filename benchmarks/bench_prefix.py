@@ -5,6 +5,7 @@ memory budget; and the burst figure (prefill tokens a cold shared prompt costs).
 
     python benchmarks/bench_prefix.py --out bench_prefix_out          # a few minutes on 2 CPU cores
     python benchmarks/bench_prefix.py --small --out /tmp/bp           # what the test runs
+    python benchmarks/bench_prefix.py --tiers-only --out bench_tiers  # the memory-tier table alone
 
 Traces (benchmarks/traces.py): agent, few_shot, short_prefix (shared prefixes < 528 tokens),
 burst (32 requests sharing a cold 512-token system prompt, all arriving at once) and chat
@@ -29,6 +30,11 @@ Memory is reported for Bamba-9B (examples/configs/bamba-9b.json): one state chec
 Bamba-9B state slot. The KV pool is large enough that no trace evicts KV blocks: only checkpoint
 memory is scarce. "prefill chunks" counts the chunks that compute prompt tokens: every checkpoint
 cut inside a prompt adds one step to that request's prefill (the replay does not charge it).
+
+Memory tiers (issue 26): the default policy at 2 and 4 device checkpoint slots, with and without
+a host tier of `--host-x` (default 8) times the device checkpoint bytes (memory/host_tier.py),
+beside the ceiling; and the ceiling again with 4x the KV pool, which is equal when no trace is
+limited by KV eviction.
 """
 from __future__ import annotations
 
@@ -95,18 +101,21 @@ def flops_saved_fn(cfg: dict, n_params: int):
     return lambda h: 2.0 * n_params * h + quad * h * h
 
 
-def make_manager(policy: str, checkpoint_slots: int, max_num_seqs: int = MAX_NUM_SEQS) -> HybridCacheManager:
+def make_manager(policy: str, checkpoint_slots: int, max_num_seqs: int = MAX_NUM_SEQS,
+                 host_entries: int = 0) -> HybridCacheManager:
     """A hybrid manager for `policy` (a key of POLICIES or EVICTION_VARIANTS): 1 null + one live
-    slot per running request + `checkpoint_slots` state slots."""
+    slot per running request + `checkpoint_slots` state slots, and a host tier holding
+    `host_entries` states (0: none)."""
     bs, name, n, eviction = {**POLICIES, **EVICTION_VARIANTS}[policy]
     return HybridCacheManager(STAND_IN, bs, KV_TOKENS // bs, 1 + max_num_seqs + checkpoint_slots,
                               checkpoint_policy=name, checkpoint_every_n=n, checkpoint_eviction=eviction,
-                              fingerprint="bench_prefix")
+                              fingerprint="bench_prefix",
+                              host_cache_bytes=host_entries * state_bytes_per_slot(STAND_IN))
 
 
-def ceiling_manager() -> HybridCacheManager:
+def ceiling_manager(kv_tokens: int = KV_TOKENS) -> HybridCacheManager:
     """The attention-only ceiling: the same KV pool and block size, no recurrent layer."""
-    return HybridCacheManager({0: STAND_IN[0]}, 16, KV_TOKENS // 16, 0, fingerprint="bench_prefix")
+    return HybridCacheManager({0: STAND_IN[0]}, 16, kv_tokens // 16, 0, fingerprint="bench_prefix")
 
 
 def traces(small: bool) -> dict:
@@ -157,6 +166,41 @@ def run(small: bool = False, budgets=None, max_num_seqs: int = MAX_NUM_SEQS) -> 
     return {"model": cfg["_source"], "state_bytes_per_slot": slot_bytes, "max_num_seqs": max_num_seqs,
             "kv_tokens": KV_TOKENS, "budgets": budgets, "default_policy": DEFAULT_POLICY,
             "default_eviction": DEFAULT_EVICTION, "ceilings": ceilings, "rows": rows}
+
+
+def run_tiers(small: bool = False, budgets=(2, 4), host_x: int = 8, max_num_seqs: int = MAX_NUM_SEQS) -> dict:
+    """The default policy at each device checkpoint budget, one tier and with a host tier of
+    host_x times the device checkpoint bytes, per trace, as shares of the attention-only ceiling
+    (and of the ceiling with 4x the KV pool)."""
+    rows = []
+    for trace_name, (trace, max_active) in traces(small).items():
+        ceil = replay(ceiling_manager(), trace, max_num_seqs=max_num_seqs, max_active=max_active)
+        big = replay(ceiling_manager(4 * KV_TOKENS), trace, max_num_seqs=max_num_seqs, max_active=max_active)
+        for slots in budgets:
+            one = replay(make_manager(DEFAULT_POLICY, slots, max_num_seqs), trace, max_num_seqs=max_num_seqs,
+                         max_active=max_active)
+            mgr = make_manager(DEFAULT_POLICY, slots, max_num_seqs, host_entries=host_x * slots)
+            two = replay(mgr, trace, max_num_seqs=max_num_seqs, max_active=max_active)
+            host = mgr.stats().tiers["host"]
+            rows.append({"trace": trace_name, "checkpoint_slots": slots, "host_entries": host_x * slots,
+                         "ceiling": ceil.hit_rate, "ceiling_4x_kv": big.hit_rate,
+                         "one_tier": one.hit_rate, "host_tier": two.hit_rate,
+                         "one_tier_of_ceiling": one.hit_rate / ceil.hit_rate if ceil.hit_rate else 0.0,
+                         "host_tier_of_ceiling": two.hit_rate / ceil.hit_rate if ceil.hit_rate else 0.0,
+                         "host": host, "device": mgr.stats().tiers["device"]})
+    return {"host_x": host_x, "budgets": list(budgets), "rows": rows}
+
+
+def tiers_markdown(report: dict) -> str:
+    x = report["host_x"]
+    head = (f"| trace | device ckpt slots | ceiling (4x KV) | one tier: hit rate (% of ceiling) | + host tier "
+            f"{x}x: hit rate (% of ceiling) | host hits | demotions (refused) | host evictions |\n"
+            "|---|---|---|---|---|---|---|---|\n")
+    lines = [f"| {r['trace']} | {r['checkpoint_slots']} | {r['ceiling']:.1%} ({r['ceiling_4x_kv']:.1%}) "
+             f"| {r['one_tier']:.1%} ({r['one_tier_of_ceiling']:.0%}) | {r['host_tier']:.1%} "
+             f"(**{r['host_tier_of_ceiling']:.0%}**) | {r['host']['hits']} | {r['host']['demotions']} "
+             f"({r['host']['refused_demotions']}) | {r['host']['evictions']} |" for r in report["rows"]]
+    return head + "\n".join(lines) + "\n"
 
 
 def _name(policy: str) -> str:
@@ -232,11 +276,24 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default="bench_prefix_out", help="folder for results.md, results.json, hit_rate.png")
     ap.add_argument("--small", action="store_true", help="small traces and budgets (the test)")
     ap.add_argument("--table-slots", type=int, default=16, help="checkpoint slots of the printed table")
+    ap.add_argument("--host-x", type=int, default=8,
+                    help="the memory-tier table's host tier, in device checkpoint bytes (default 8)")
+    ap.add_argument("--tiers-only", action="store_true", help="only the memory-tier table (tiers.md, tiers.json)")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    tiers = run_tiers(a.small, host_x=a.host_x)
+    tier_table = tiers_markdown(tiers)
+    (out / "tiers.md").write_text(f"Memory tiers: {DEFAULT_POLICY}, host tier {a.host_x}x the device checkpoint "
+                                  f"bytes\n\n{tier_table}")
+    (out / "tiers.json").write_text(json.dumps(tiers, indent=1))
+    print(tier_table)
+    if a.tiers_only:
+        print(f"wrote {out}/tiers.md, tiers.json in {time.perf_counter() - t0:.1f} s")
+        return tiers
     report = run(a.small)
+    report["tiers"] = tiers
     report["seconds"] = time.perf_counter() - t0
     report["machine"] = f"{platform.machine()}, {os.cpu_count()} CPUs, python {platform.python_version()}"
     at = a.table_slots

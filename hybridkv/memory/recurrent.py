@@ -111,19 +111,31 @@ class RecurrentMemory(LayerMemory):
     def _take_slot(self, kind: str, protect: Optional[bytes] = None, only_output: bool = False) -> Optional[int]:
         """A free slot marked `kind`, evicting checkpoints (unreachable first, then by the rule)
         if needed; never the one keyed `protect`. None when none can be freed. A checkpoint never
-        takes one of the last `draft_reserve` free slots (less those drafts hold now)."""
+        takes one of the last `draft_reserve` free slots (less those drafts hold now). only_output
+        (an output state asks): only output checkpoints may go, unless the host tier keeps the
+        victim (then it is demoted, not lost)."""
         keep = max(0, self.draft_reserve - sum(map(len, self._draft.values()))) if kind == CHECKPOINT else 0
         if self.states.num_free > keep or not self.checkpoints:
             return self.states.allocate(kind) if self.states.num_free > keep else None
         for h in [h for h in self.checkpoints if h != protect and not self.reachable(h)]:
             self._drop(h)
         if self.states.num_free <= keep:
-            keys = [h for h, c in self.checkpoints.items() if h != protect and (c.output or not only_output)]
-            if keys:
-                i = choose_victim(self.eviction, [self.checkpoints[h].position for h in keys], self.saved_flops,
-                                  self.flop_weight, branches=[self.branches(h) for h in keys])
-                self._evict(keys[i])
+            victim = self._victim([h for h in self.checkpoints if h != protect])
+            if only_output and victim is not None and not self.checkpoints[victim].output and not (
+                    self.host is not None and self.host.worth(self.checkpoints[victim].position,
+                                                              self.checkpoints[victim].last_used, self._slot_bytes)):
+                victim = self._victim([h for h, c in self.checkpoints.items() if h != protect and c.output])
+            if victim is not None:
+                self._evict(victim)
         return self.states.allocate(kind) if self.states.num_free > keep else None
+
+    def _victim(self, keys: list[bytes]) -> Optional[bytes]:
+        """The checkpoint the eviction rule gives up first among `keys` (least recently used first)."""
+        if not keys:
+            return None
+        i = choose_victim(self.eviction, [self.checkpoints[h].position for h in keys], self.saved_flops,
+                          self.flop_weight, branches=[self.branches(h) for h in keys])
+        return keys[i]
 
     def _evict(self, h: bytes) -> None:
         """Evict the checkpoint keyed h from the device for room: demoted to the host tier when

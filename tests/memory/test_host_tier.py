@@ -155,3 +155,16 @@ def test_the_hit_checkpoint_as_the_last_slot_keeps_a_host_copy():
 def test_negative_budget_is_refused():
     with pytest.raises(ValueError, match="host_cache_bytes=-1"):
         RecurrentMemory(SPECS, BS, 3, host_cache_bytes=-1)
+
+
+@pytest.mark.parametrize("host_entries", [0, 4])
+def test_an_output_state_displaces_a_prompt_state_only_into_the_host(host_entries):
+    mem = memory(host_entries=host_entries) if host_entries else RecurrentMemory(SPECS, BS, 3, eviction="lru")
+    keep(mem, "a", 0, 1.5)  # a prompt state in the one checkpoint slot
+    mem.admit("b", [], 0)
+    fill(mem, "b", 2.5)
+    kept = mem.checkpoint("b", H[1], 2 * BS, True)  # an output (rolling) state
+    if host_entries:
+        assert kept and list(mem.checkpoints) == [H[1]] and list(mem.host.entries) == [H[0]]
+    else:  # without a host it may displace only output states: refused, the prompt state stays
+        assert not kept and list(mem.checkpoints) == [H[0]]

@@ -12,6 +12,9 @@ request: those of its window), and a sliding-window request holds at most ceil(w
 Every chunk's batch (scheduler/batch_builder.py) derives the same write slots from the block tables
 as allocate() and each group's memory hand out; a prefix probe answers the largest position every
 kind accepts (a brute-force search over positions, against prefix_match.py's iteration).
+With a host tier of checkpoints (memory/host_tier.py; some runs, and every run of the host-tier
+machine): a key is in one tier at most, host bytes stay within the budget and equal the entries',
+every host entry holds the state of its prefix, and hits promoted from the host read it back.
 """
 from collections import Counter
 
@@ -30,6 +33,7 @@ from hybridkv.memory.full_attention import NO_BLOCK
 from hybridkv.scheduler.batch_builder import BatchBuilder
 from hybridkv.scheduler.scheduler import ScheduledChunk
 from hybridkv.request import Request
+from hybridkv.plan import state_bytes_per_slot
 from hybridkv.specs import AttentionSpec, RecurrentSpec
 from hybridkv.state_pool import CHECKPOINT, FREE, LIVE, NULL
 
@@ -150,16 +154,23 @@ def check_conservation(mgr):
         want_kind = NULL if s == 0 else LIVE if s in live else CHECKPOINT if s in ckpt else FREE
         assert kind == want_kind, f"slot {s} is {kind}, expected {want_kind}"
     assert states.num_free == states.kind.count(FREE)
+    host = mgr.recurrent.host
+    if host is not None:  # conservation per tier: one tier per key, the host's bytes within budget
+        assert not set(mgr.recurrent.checkpoints) & set(host.entries), "a checkpoint in two tiers"
+        assert host.used_bytes == sum(e.nbytes for e in host.entries.values()) <= host.budget_bytes
 
 
 class ManagerMachine(RuleBasedStateMachine):
-    @initialize(kind=st.sampled_from(["hybrid", "hybrid", "attention", "recurrent", "sliding", "sliding hybrid",
+    force_host_tier = False
+
+    @initialize(host_entries=st.sampled_from([0, 0, 0, 1, 4]),
+                kind=st.sampled_from(["hybrid", "hybrid", "attention", "recurrent", "sliding", "sliding hybrid",
                                       "mixed", "mixed hybrid"]),
                 window=st.sampled_from([1, 3, 5, 8]), bs=st.sampled_from([2, 4]),
                 num_blocks=st.integers(6, 24), num_slots=st.integers(2, 6), caching=st.booleans(),
                 policy=st.sampled_from(["none", "prompt_end", "every_n_blocks", "branch_points"]),
                 eviction=st.sampled_from(["lru", "flop"]), other_bs=st.sampled_from([1, 3, 4]))
-    def setup(self, kind, window, bs, num_blocks, num_slots, caching, policy, eviction, other_bs):
+    def setup(self, host_entries, kind, window, bs, num_blocks, num_slots, caching, policy, eviction, other_bs):
         specs = {}
         if kind != "recurrent":
             specs[1] = AttentionSpec(1, 2, torch.float32, window if kind.startswith(("sliding", "mixed")) else None)
@@ -170,7 +181,11 @@ class ManagerMachine(RuleBasedStateMachine):
             specs[2] = RecurrentSpec((2, 1), (), torch.float32)
         kw = dict(enable_prefix_caching=caching, checkpoint_policy=policy, checkpoint_eviction=eviction,
                   fingerprint="sm", checkpoint_every_n=2)
-        self.mgr = HybridCacheManager(specs, bs, num_blocks, num_slots, **kw)
+        if self.force_host_tier:
+            host_entries, caching = max(host_entries, 1), True
+            kw["enable_prefix_caching"] = True
+        host = host_entries * state_bytes_per_slot(specs)
+        self.mgr = HybridCacheManager(specs, bs, num_blocks, num_slots, host_cache_bytes=host, **kw)
         self.other = HybridCacheManager(specs, other_bs, num_blocks * bs, 3, **kw)
         self.batches = BatchBuilder(self.mgr, "cpu")
         self.next_id = 0
@@ -413,10 +428,26 @@ class ManagerMachine(RuleBasedStateMachine):
         for h, c in (self.mgr.recurrent.checkpoints.items() if self.mgr.recurrent else ()):  # never change
             for t in list(self.mgr.conv_states.values()) + list(self.mgr.ssm_states.values()):
                 assert bool((t[c.slot] == self.expected_ckpt[h]).all()), "a checkpoint's state changed"
+        host = self.mgr.recurrent.host if self.mgr.recurrent else None
+        for h, e in (host.entries.items() if host is not None else ()):  # a host copy is its prefix's state
+            for t in list(e.conv.values()) + list(e.ssm.values()):
+                assert bool((t == self.expected_ckpt[h]).all()), "a host entry's state differs"
+            EVENTS["host entry checked"] += 1
 
     def teardown(self):
         if hasattr(self, "mgr"):
+            host = self.mgr.stats().tiers.get("host")
+            if host:
+                EVENTS["host promotion"] += host["promotions"]
+                EVENTS["host demotion"] += host["demotions"]
+                EVENTS["host eviction"] += host["evictions"]
             self.finish_all()
+
+
+class HostTierMachine(ManagerMachine):
+    """The same machine with a host tier on every run (and prefix caching on)."""
+
+    force_host_tier = True
 
 
 @pytest.mark.slow  # long: 240 examples of 60 steps
@@ -432,4 +463,14 @@ def test_manager_state_machine():
                  "checked with two attention groups", "batch slots checked per group", "probe found a prefix",
                  "batched decode", "batched decode allocated a block", "checkpoint stored by a batched decode",
                  "batched decode left one to allocate alone"]:
+        assert EVENTS[what] > 0, f"the random runs never exercised {what}: {EVENTS}"
+
+
+def test_manager_state_machine_with_host_tier():
+    EVENTS.clear()
+    run_state_machine_as_test(HostTierMachine, settings=settings(
+        max_examples=100, stateful_step_count=50, deadline=None, derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow]))
+    print(dict(EVENTS))
+    for what in ["host demotion", "host promotion", "host eviction", "host entry checked", "prefix hit"]:
         assert EVENTS[what] > 0, f"the random runs never exercised {what}: {EVENTS}"
