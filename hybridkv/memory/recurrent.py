@@ -120,10 +120,11 @@ class RecurrentMemory(LayerMemory):
         for h in [h for h in self.checkpoints if h != protect and not self.reachable(h)]:
             self._drop(h)
         if self.states.num_free <= keep:
-            victim = self._victim([h for h in self.checkpoints if h != protect])
-            if only_output and victim is not None and not self.checkpoints[victim].output and not (
-                    self.host is not None and self.host.worth(self.checkpoints[victim].position,
-                                                              self.checkpoints[victim].last_used, self._slot_bytes)):
+            victim = None
+            if not only_output or self.host is not None:
+                victim = self._victim([h for h in self.checkpoints if h != protect])
+            if only_output and (victim is None or not self.checkpoints[victim].output and not self.host.worth(
+                    self.checkpoints[victim].position, self.checkpoints[victim].last_used, self._slot_bytes)):
                 victim = self._victim([h for h, c in self.checkpoints.items() if h != protect and c.output])
             if victim is not None:
                 self._evict(victim)
