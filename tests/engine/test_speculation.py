@@ -155,6 +155,32 @@ def test_a_checkpoint_inside_an_accepted_run_serves_the_next_turn(bamba):
     assert_no_leaks(llm)
 
 
+def test_a_burst_waits_for_its_leader_while_others_verify_drafts(bamba):
+    """A running request verifies drafts while three prompts sharing 40 tokens arrive together:
+    the followers wait for the leader's checkpoint at 32 and resume there (the burst rule), and
+    every output is the plain engine's."""
+    shared = prompt(40, 41)
+    burst = [shared + prompt(3 + i, 42 + i) for i in range(3)]
+    first = prompt(12, 40)
+    plain = LLM(str(bamba), memory_budget_bytes=16 << 20)
+    want = [plain.generate([p], greedy(16), use_tqdm=False)[0] for p in [first] + burst]  # one by one: no burst
+    llm = speculating(bamba, full_runs([first] + burst, want), 0.2, memory_budget_bytes=16 << 20)
+    early = llm.add_request(first, greedy(16))
+    for _ in range(3):
+        llm.step()
+    ids = [llm.add_request(p, greedy(16)) for p in burst]
+    done = {}
+    while llm.has_unfinished_requests():
+        for o in llm.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert [done[r].outputs[0].token_ids for r in [early] + ids] == [w.outputs[0].token_ids for w in want]
+    assert [done[r].num_cached_tokens for r in ids] == [0, 32, 32]
+    s = llm.stats()
+    assert s["burst_waits"] >= 2 and s["spec_accepted_tokens"] > 0
+    assert_no_leaks(llm)
+
+
 def test_migration_between_runs(bamba):
     """Exported after a few verification steps, imported into another speculating engine (block
     size 8): it finishes with the plain engine's tokens; the snapshot holds committed state only."""
