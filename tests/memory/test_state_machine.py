@@ -450,11 +450,11 @@ class HostTierMachine(ManagerMachine):
     force_host_tier = True
 
 
-@pytest.mark.slow  # long: 240 examples of 60 steps
+@pytest.mark.slow  # long: 300 examples of 60 steps
 def test_manager_state_machine():
     EVENTS.clear()
     run_state_machine_as_test(ManagerMachine, settings=settings(
-        max_examples=240, stateful_step_count=60, deadline=None, derandomize=True,
+        max_examples=300, stateful_step_count=60, deadline=None, derandomize=True,
         suppress_health_check=[HealthCheck.too_slow]))
     print(dict(EVENTS))
     assert EVENTS["rule"] >= 10_000, EVENTS
