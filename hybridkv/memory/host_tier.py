@@ -60,6 +60,7 @@ class TierCounters:
     refused_demotions: int = 0 # device evictions not worth their host bytes (dropped)
     evictions: int = 0         # entries dropped for room (or unreachable)
     refused_corrupt: int = 0   # entries that failed the check and were dropped unused
+    promotion_seconds: float = 0.0  # wall time of the promotions' copies into device slots
 
 
 class HostStateTier:
@@ -172,4 +173,4 @@ class HostStateTier:
         return {"entries": len(self.entries), "bytes": self.used_bytes, "budget_bytes": self.budget_bytes,
                 "hits": c.hits, "promotions": c.promotions, "demotions": c.demotions,
                 "refused_demotions": c.refused_demotions, "evictions": c.evictions,
-                "refused_corrupt": c.refused_corrupt}
+                "refused_corrupt": c.refused_corrupt, "promotion_seconds": c.promotion_seconds}

@@ -19,6 +19,7 @@ host entries as checkpoints, and an admission that hits one promotes it into its
 from __future__ import annotations
 
 import itertools
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Hashable, Mapping, Optional, Sequence
@@ -243,7 +244,9 @@ class RecurrentMemory(LayerMemory):
             self._clock += 1
             conv, ssm = self.host.promote(key, self._clock)
             self._slot[rid] = slot = self._take_slot(LIVE)
+            t0 = time.perf_counter()
             self.states.from_host(slot, conv, ssm)
+            self.host.counters.promotion_seconds += time.perf_counter() - t0
             return
         self.device_counts["hits"] += 1
         src = self.checkpoints[key]

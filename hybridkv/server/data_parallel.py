@@ -106,6 +106,12 @@ class DataParallelLLM(StreamingEngine):
             for k in _SUMMED_BY_KEY:
                 for key, v in s[k].items():
                     total[k][key] = total[k].get(key, 0) + v
+        total["checkpoint_tiers"] = tiers = {}  # per tier, every counter and gauge summed
+        for s in per.values():
+            for tier, st in s.get("checkpoint_tiers", {}).items():
+                t = tiers.setdefault(tier, {})
+                for key, v in st.items():
+                    t[key] = t.get(key, 0) + v
         q = total["prefix_query_tokens"]
         total["prefix_hit_rate"] = total["prefix_hit_tokens"] / q if q else 0.0
         total["fragmentation"] = max((s["fragmentation"] for s in per.values()), default=0.0)

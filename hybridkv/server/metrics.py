@@ -1,7 +1,8 @@
 """Prometheus metrics in vLLM's style, under the `hybridkv:` prefix.
 
 Engine gauges and counters (requests running / waiting / swapped, KV blocks, state slots, prefix
-cache, preemptions by mode, swaps, migrations) are read from `LLM.stats()` at each scrape; the
+cache, preemptions by mode, swaps, migrations, state checkpoints per tier as
+`checkpoint_tier_*{tier=...}`) are read from `LLM.stats()` at each scrape; the
 request-level ones (token counters, time to first token, inter-token and end-to-end latency)
 are observed by the server as requests stream.
 """
@@ -18,6 +19,20 @@ _P = "hybridkv:"
 disable_created_metrics()  # no *_created series (as vLLM): they double the text for nothing
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)
+
+# (kind, metric name after "checkpoint_tier_", key in stats["checkpoint_tiers"][tier], help)
+_TIER_SERIES = (
+    ("gauge", "entries", "entries", "State checkpoints held, per tier."),
+    ("gauge", "bytes", "bytes", "Bytes of the state checkpoints held, per tier."),
+    ("gauge", "budget_bytes", "budget_bytes", "Byte budget of the tier (host only)."),
+    ("counter", "hits", "hits", "Admissions that used a checkpoint of the tier."),
+    ("counter", "promotions", "promotions", "States copied from the tier into a device slot."),
+    ("counter", "promotion_seconds", "promotion_seconds", "Seconds spent copying promoted states."),
+    ("counter", "demotions", "demotions", "States taken into the tier from the device."),
+    ("counter", "refused_demotions", "refused_demotions", "Evicted states not worth the tier's bytes (dropped)."),
+    ("counter", "evictions", "evictions", "Checkpoints evicted from the tier for room."),
+    ("counter", "refused_corrupt", "refused_corrupt", "Entries that failed the key/layout/CRC check (dropped unused)."),
+)
 
 
 class _EngineCollector:
@@ -77,8 +92,21 @@ class _EngineCollector:
                           s["spec_acceptance_rate"])
         yield self._gauge("spec_decode_mean_accepted_length", "Tokens a verification run yields on average "
                           "(accepted + 1).", s["spec_mean_accepted_length"])
+        yield from self._tiers(s.get("checkpoint_tiers", {}))
         if "replicas" in s:  # data-parallel replicas (server/replicas.py): the sums above, and each one
             yield from self._per_replica(s["replicas"])
+
+    def _tiers(self, tiers: dict[str, dict]):
+        """State checkpoints per tier ("device", "host"), labelled `tier`; a series only for the
+        tiers whose stats carry that key (promotions, demotions... are the host's)."""
+        for kind, name, key, doc in _TIER_SERIES:
+            fam = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+                _P + "checkpoint_tier_" + name, doc, labels=["model_name", "tier"])
+            for tier, st in tiers.items():
+                if key in st:
+                    fam.add_metric([self.model_name, tier], st[key])
+            if fam.samples:
+                yield fam
 
     def _per_replica(self, replicas: list[dict]):
         lab = ["model_name", "replica"]

@@ -76,3 +76,31 @@ def test_a_corrupted_host_entry_is_never_used(bamba):
     assert s["refused_corrupt"] == len(corrupted), s
     assert all(host.usable(k, e.position) for k, e in list(host.entries.items()))
     assert_no_leaks(llm)
+
+
+def test_the_cli_flag_and_metrics_carry_the_tiers(bamba):
+    """`--host-cache-mb` reaches LLM(...); `/metrics` renders every tier's stats as
+    `checkpoint_tier_*{tier=...}`, each value the one in `stats()["checkpoint_tiers"]`."""
+    import argparse
+
+    from hybridkv.cli import add_llm_args, llm_kwargs
+    from hybridkv.server.metrics import ServerMetrics
+
+    ap = argparse.ArgumentParser()
+    add_llm_args(ap)
+    assert llm_kwargs(ap.parse_args(["--host-cache-mb", "3"]))["host_cache_bytes"] == 3 << 20
+    specs = LLM(str(bamba), memory_budget_bytes=16 << 20).model.cache_specs()
+    llm = LLM(str(bamba), host_cache_bytes=8 * 2 * state_bytes_per_slot(specs), max_num_seqs=2,
+              checkpoint_share=0.1, memory_budget_bytes=tight_budget(specs, 16, blocks=64, slots=1 + 2 + 2))
+    rng = random.Random(0)
+    two_passes(llm, [[rng.randrange(4, 128) for _ in range(48)] for _ in range(6)])
+    s = llm.stats()
+    text = ServerMetrics("m").render(s).decode()
+    tiers = s["checkpoint_tiers"]
+    assert tiers["host"]["promotions"] >= 4 and tiers["host"]["promotion_seconds"] > 0, tiers
+    for tier, st in tiers.items():
+        for key, v in st.items():
+            gauge = key in ("entries", "bytes", "budget_bytes")
+            name = f"checkpoint_tier_{key}" + ("" if gauge else "_total")
+            assert f'hybridkv:{name}{{model_name="m",tier="{tier}"}} {float(v)}' in text, (name, tier, v)
+    assert 'hybridkv:checkpoint_tier_demotions_total{model_name="m",tier="device"}' not in text

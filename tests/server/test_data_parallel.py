@@ -83,9 +83,13 @@ def test_two_replicas_answer_as_one_engine(dp, one_engine):
     before = _stats(dp)["replicas"]
     got = _run(dp, prompts, params, "same")
     assert [g[0] for g in got] == _offline(one_engine, prompts, params)
-    after = _stats(dp)["replicas"]
+    after_all = _stats(dp)
+    after = after_all["replicas"]
     served = [a["generated_tokens"] - b["generated_tokens"] for a, b in zip(after, before)]
     assert all(s > 0 for s in served), f"the least-loaded rule should use both replicas: {served}"
+    # per-tier checkpoint stats are summed over the replicas (server/data_parallel.py)
+    assert after_all["checkpoint_tiers"]["device"]["entries"] == sum(
+        r["checkpoint_tiers"]["device"]["entries"] for r in after_all["replicas"]), after_all["checkpoint_tiers"]
 
 
 def test_shared_prefix_lands_on_one_replica_with_one_engines_hit_rate(dp, one_engine):
