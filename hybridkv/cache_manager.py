@@ -431,6 +431,11 @@ class HybridCacheManager:
         output = position > r.num_prompt_tokens and self.policy.rolling_output
         return self.recurrent.checkpoint(r.request_id, h, position, output, source)
 
+    def invalidate_checkpoint(self, key: bytes) -> bool:
+        """Drop the state checkpoint keyed `key` (a block hash) from every tier, so no later match
+        uses it (the prefix-hit guard found it wrong); False when no tier held it."""
+        return self.recurrent is not None and self.recurrent.invalidate(key)
+
     def batched_checkpoints(self):
         """A context in which checkpoint() calls keep their bookkeeping but copy the states at the
         exit, one gather and scatter per tensor (a step's checkpoints together)."""

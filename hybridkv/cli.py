@@ -57,6 +57,8 @@ def add_llm_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-share", type=float, default=None)
     g.add_argument("--host-cache-mb", type=int, default=0,
                    help="host memory (MiB) for state checkpoints evicted from the device pool (default 0: none)")
+    g.add_argument("--verify-cache-hits", type=float, default=0.0,
+                   help="fraction of prefix hits recomputed cold in the background and compared (default 0: off)")
     g.add_argument("--cuda-graphs", action="store_true",
                    help="replay decode steps as CUDA graphs (GPU only; never run on a GPU yet, so off by default)")
     g.add_argument("--speculative-config", default=None,
@@ -75,7 +77,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
                 checkpoint_policy=args.checkpoint_policy, checkpoint_every_n=args.checkpoint_every_n,
                 checkpoint_eviction=args.checkpoint_eviction, checkpoint_share=args.checkpoint_share,
                 cuda_graphs=args.cuda_graphs, speculative_config=args.speculative_config,
-                host_cache_bytes=args.host_cache_mb << 20)
+                host_cache_bytes=args.host_cache_mb << 20, verify_cache_hits=args.verify_cache_hits)
 
 
 # ---- hybridkv demo ---------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from hybridkv.scheduler.config import EngineConfig
 from hybridkv.scheduler.decode_graphs import DecodeGraphs
 from hybridkv.scheduler.decode_graphs import check_option as check_graphs_option
 from hybridkv.scheduler.engine import Engine
+from hybridkv.scheduler.hit_guard import HitGuard
 from hybridkv.scheduler.speculation import Speculation
 from hybridkv.speculative.draft_model import DRAFT_BUDGET_SHARE, DRAFT_CHECKPOINT_POLICY, DraftModelDrafter
 from hybridkv.scheduler.preemption import PreemptionPolicy
@@ -70,7 +71,8 @@ class LLM:
     Keyword arguments beyond the vLLM ones: `checkpoint_policy` ('junctions' (default) | 'none' |
     'prompt_end' | 'every_n_blocks' | 'branch_points'), `checkpoint_every_n`, `checkpoint_eviction`
     ('utility' (default) | 'lru' | 'flop'), `checkpoint_share` (share of the budget for state
-    checkpoints), `host_cache_bytes` (a host tier for checkpoints evicted from the device). docs/design.md and BENCHMARKS.md say what each does.
+    checkpoints), `host_cache_bytes` (a host tier for checkpoints evicted from the device),
+    `verify_cache_hits` (the fraction of prefix hits recomputed cold and compared). docs/design.md and BENCHMARKS.md say what each does.
     `tensor_parallel_size` N > 1 shards the model and its pools over N ranks (this process is rank
     0; hybridkv/parallel/); `close()` stops the other ranks.
     `cuda_graphs=True` replays decode steps as CUDA graphs (scheduler/decode_graphs.py; off by
@@ -140,6 +142,9 @@ class LLM:
                             max_num_seqs=max_num_seqs, checkpoint_policy=DRAFT_CHECKPOINT_POLICY)
                 drafter = DraftModelDrafter(draft, self.model.vocab_size)
             scheduler.speculation = Speculation(spec, block_size, drafter)
+        if c.verify_cache_hits > 0:  # a sampled fraction of prefix hits recomputed cold (scheduler/hit_guard.py)
+            scheduler.hit_guard = HitGuard(c.verify_cache_hits, seed, self.manager.invalidate_checkpoint,
+                                           next(self.model.parameters()).dtype)
         tp = self.tensor_parallel  # its executor sends each step to ranks 1..N-1, then runs rank 0's
         self.engine = Engine(self.model, self.manager, scheduler, seed=seed, executor=tp.executor if tp else None)
         if graph_mode is not None:  # decode steps replay graphs (scheduler/decode_graphs.py)
@@ -374,7 +379,8 @@ class LLM:
                                                     salt if salt is not None else cache_salt, for_generate=True))
             pending, done = set(keys), {}
             with tqdm(total=len(keys), desc="generate", disable=not use_tqdm, unit="req") as bar:
-                while pending and self.engine.has_unfinished():
+                guard = self.engine.scheduler.hit_guard  # its checks finish inside the call that made them
+                while (pending or guard is not None and guard.busy) and self.engine.has_unfinished():
                     self._finished_in_generate.extend(self.engine.step(finished_only=True))
                     self._check_ranks()
                     for key in [k for k in self.engine.generate_done if k in pending]:

@@ -22,7 +22,8 @@ class EngineConfig:
     "dry_run" (tests) runs that path on a CPU with a direct call in place of capture and replay.
     speculative_config: None (off), or a dict / JSON text in vLLM's shape (hybridkv/speculative/
     config.py), kept as a SpeculativeConfig. host_cache_bytes: the host tier's budget for state
-    checkpoints evicted from the device (0: off; hybridkv/memory/host_tier.py)."""
+    checkpoints evicted from the device (0: off; hybridkv/memory/host_tier.py). verify_cache_hits:
+    the fraction of prefix hits recomputed cold and compared (0: off; scheduler/hit_guard.py)."""
 
     block_size: int = 16
     max_num_batched_tokens: int = 2048
@@ -35,6 +36,7 @@ class EngineConfig:
     checkpoint_eviction: str = DEFAULT_EVICTION
     checkpoint_share: Optional[float] = None
     host_cache_bytes: int = 0
+    verify_cache_hits: float = 0.0
     preemption_mode: str = "auto"
     max_model_len: Optional[int] = None
     seed: int = 0
@@ -58,5 +60,8 @@ class EngineConfig:
         if isinstance(self.host_cache_bytes, bool) or not isinstance(self.host_cache_bytes, int) \
                 or self.host_cache_bytes < 0:
             raise ValueError(f"host_cache_bytes={self.host_cache_bytes!r} must be an integer >= 0 (0: no host tier)")
+        if isinstance(self.verify_cache_hits, bool) or not isinstance(self.verify_cache_hits, (int, float)) \
+                or not 0.0 <= self.verify_cache_hits <= 1.0:
+            raise ValueError(f"verify_cache_hits={self.verify_cache_hits!r} must be a fraction in [0, 1] (0: off)")
         if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
             raise ValueError(f"memory_budget_bytes={self.memory_budget_bytes} must be > 0")

@@ -72,8 +72,9 @@ class Engine:
     @property
     def counters(self) -> dict:
         """The engine's, the scheduler's and the runner's counters in one dict (a copy)."""
-        spec = self.scheduler.speculation
+        spec, guard = self.scheduler.speculation, self.scheduler.hit_guard
         return {**self._counts, **self.scheduler.counters, **(spec.counters if spec is not None else {}),
+                **(guard.counters if guard is not None else {}),
                 "model_seconds": self.runner.model_seconds}
 
     # ---- requests --------------------------------------------------------------------------
@@ -212,6 +213,8 @@ class Engine:
             if out.finished:
                 with self.inbox.lock:
                     self.groups.pop(g.key, None)
+            if g.background:
+                continue
             if g.for_generate:
                 if out.finished:
                     self.generate_done[g.key] = out

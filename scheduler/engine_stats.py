@@ -27,6 +27,8 @@ def engine_stats(m: ManagerStats, counters: dict, scheduler: Scheduler) -> dict:
         "generated_tokens": c["generated_tokens"],
         "tokens_per_second": c["processed_tokens"] / secs if secs else 0.0,  # prompt + decode
         "generated_tokens_per_second": c["generated_tokens"] / secs if secs else 0.0,
+        "cache_hit_checks": c.get("cache_hit_checks", 0),  # the hit guard's (hit_guard.py)
+        "cache_hit_mismatches": c.get("cache_hit_mismatches", 0),
         **speculation_stats(c),
     }
 

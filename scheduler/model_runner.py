@@ -49,6 +49,8 @@ class RunnerOutput:
         in order, then the first token that differs from the draft (or follows all of it).
     prompt_logprobs: {chunk index: (first position, per prompt position from there {token id:
         Logprob})} for the chunks that collect prompt logprobs.
+    kept_logits: {request id: raw logits [vocab], float32} of the sampled row of each chunk marked
+        `keep_logits` that reached its sequence's end (the prefix-hit guard, hit_guard.py).
     batch_tokens: the decode batch's tokens, one per row (list of ints, or of ints and
         exceptions when not greedy; None for a row whose logits are not finite), with
         `batch_logprobs`; `batch_finite`: per row whether its logits are finite (None: all);
@@ -62,6 +64,7 @@ class RunnerOutput:
     tokens: dict[int, list] = field(default_factory=dict)
     logprobs: dict[int, list] = field(default_factory=dict)
     prompt_logprobs: dict[int, tuple] = field(default_factory=dict)
+    kept_logits: dict = field(default_factory=dict)
     batch_tokens: Optional[list] = None
     batch_logprobs: Optional[list] = None
     batch_finite: Optional[list[bool]] = None
@@ -194,7 +197,8 @@ class ModelRunner:
         split = RunnerOutput(chunks=out.chunks, finite=both.finite[r:],
                              tokens={i - r: t for i, t in both.tokens.items() if i >= r},
                              logprobs={i - r: t for i, t in both.logprobs.items() if i >= r},
-                             prompt_logprobs={i - r: t for i, t in both.prompt_logprobs.items() if i >= r})
+                             prompt_logprobs={i - r: t for i, t in both.prompt_logprobs.items() if i >= r},
+                             kept_logits=both.kept_logits)
         split.batch_tokens = [both.tokens[i][0] if i in both.tokens else None for i in range(r)]
         split.batch_logprobs = [both.logprobs[i][0] if i in both.logprobs else None for i in range(r)]
         if not all(both.finite[:r]):
@@ -226,6 +230,8 @@ class ModelRunner:
             if c.start + c.num_tokens < len(seq.token_ids):
                 continue  # a prefill chunk short of the end: nothing to sample yet
             these = [seq] if c.decode else [seq, *fork_rows(seq)]
+            if c.keep_logits:
+                out.kept_logits[seq.request_id] = logits[rows.last[i]].float().clone()
             idx.extend([rows.last[i]] * len(these))
             sample_rows.extend(these)
             owners.extend([i] * len(these))

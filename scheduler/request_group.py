@@ -27,6 +27,7 @@ class RequestGroup:
         self.request_id = request_id
         self.key = request_id if key is None else key
         self.for_generate = False     # added by LLM.generate, which takes its finished output
+        self.background = False       # the engine's own work (hit_guard.py's shadows): no output
         self.failed = False           # ended with "error": its pending forks will never be made
         self.prompt = prompt          # the text, when the prompt came as text
         # with params.prompt_logprobs: per prompt position {token id: Logprob}, None for position 0

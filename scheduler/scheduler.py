@@ -26,6 +26,8 @@ from .model_runner import RunnerOutput
 from .preemption import PreemptionPolicy
 from .request_group import RequestGroup
 from .sequence_queue import SequenceQueue
+from .hit_guard import HitGuard
+from .request_group import RequestGroup
 from .speculation import Speculation
 from .step_plan import DecodeBatch, ScheduledChunk, SchedulerOutput
 from .stopping import decoded_logprobs
@@ -55,6 +57,7 @@ class Scheduler:
                          "decode_batch_steps": 0, "carried_decode_batches": 0}
         self.appender: Optional[TokenAppender] = None  # the model's stop rules (set by the engine)
         self.speculation: Optional[Speculation] = None  # drafts for the decodes (speculation.py), or off
+        self.hit_guard: Optional[HitGuard] = None  # verify_cache_hits > 0 (hit_guard.py), or off
 
     # ---- queues ----------------------------------------------------------------------------
     def add(self, seq: Request) -> None:
@@ -80,6 +83,8 @@ class Scheduler:
         seq.status, seq.finish_reason = RequestStatus.FINISHED, reason
         if self.speculation is not None:
             self.speculation.forget(seq.request_id)
+        if self.hit_guard is not None:
+            self.hit_guard.forget(seq.request_id)
 
     def fail(self, seq: Request, error: BaseException | str, discard: bool = False) -> None:
         """End `seq` with finish_reason "error" and free its memory. discard: its live memory ran
@@ -104,6 +109,13 @@ class Scheduler:
 
     # ---- the step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        out = self._plan()
+        if self.hit_guard is not None:  # the runner keeps the logits the guard compares
+            for c in out.chunks:
+                c.keep_logits = self.hit_guard.wants_logits(c.seq.request_id)
+        return out
+
+    def _plan(self) -> SchedulerOutput:
         out, budget = SchedulerOutput(), self.max_tokens
         last, self._advanced = self._advanced, None  # a kept batch serves the very next step only
         batch, rest = None, []
@@ -234,12 +246,22 @@ class Scheduler:
             start = self.mgr.admit(seq, num_new_tokens=want)
             if start is not None:
                 seq.num_cached_tokens = start
+                if start and self.hit_guard is not None and seq.num_tokens == seq.num_prompt_tokens:
+                    self._shadow(self.hit_guard.on_hit(seq, start, self.mgr.block_size))
         if start is None:
             return None
         n, ckpt = self._cut(seq, start, min(seq.num_tokens - start, budget))
         slots = self.mgr.allocate(rid, n)
         assert slots is not None, "admit/resume promised room for this chunk"
         return ScheduledChunk(seq, start, n, slots, ckpt)
+
+    def _shadow(self, shadow: Optional[Request]) -> None:
+        """Queue the hit guard's cold recompute of a hit (a group of its own that reports nothing)."""
+        if shadow is not None:
+            g = RequestGroup(str(shadow.request_id), None, shadow.params, [shadow], key=shadow.request_id)
+            g.background = True
+            self.groups[g.key] = g
+            self.waiting.add(shadow)
 
     # ---- after the forward pass: the manager's commits, forks and the sampled tokens ----------
     def update_from_output(self, out: SchedulerOutput, result: RunnerOutput, finished_only: bool = False
@@ -257,6 +279,8 @@ class Scheduler:
                 self.fail_request(seq, f"the forward pass of its batch failed: {type(e).__name__}: {e}",
                                   reported, discard=True)
             return reported
+        if result.kept_logits:
+            self.hit_guard.observe(result.kept_logits)
         checkpoints = out.chunks or (out.decodes is not None and out.decodes.checkpoints)
         with self.mgr.batched_checkpoints() if checkpoints else nullcontext():  # they copy together
             if out.decodes is not None:

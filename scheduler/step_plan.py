@@ -36,7 +36,8 @@ class ScheduledChunk:
     the prompt: no prompt logprobs, no forks to make). `draft`: a decode that verifies these
     proposed tokens (speculation.py): its tokens are its last one then the draft, every position
     is sampled, and `verify_slots` is its state slot chain (live slot, then one per token; []
-    without recurrent layers)."""
+    without recurrent layers). `keep_logits`: the runner returns the raw logits of its sampled row
+    (the prefix-hit guard, hit_guard.py)."""
 
     seq: Request
     start: int
@@ -46,6 +47,7 @@ class ScheduledChunk:
     decode: bool = False
     draft: Sequence[int] = ()
     verify_slots: Sequence[int] = ()
+    keep_logits: bool = False
 
 
 @dataclass(slots=True)

@@ -185,6 +185,16 @@ class RecurrentMemory(LayerMemory):
         self._add(h, position, slot, output)
         return True
 
+    def invalidate(self, h: bytes) -> bool:
+        """Drop the checkpoint keyed h from the device and the host tier (never demoted: it is
+        wrong); False when neither held it."""
+        held = h in self.checkpoints or (self.host is not None and h in self.host)
+        if h in self.checkpoints:
+            self._drop(h)
+        if self.host is not None:
+            self.host.discard(h)
+        return held
+
     # ---- drafts (speculative decoding) -----------------------------------------------------
     def can_take_draft_slots(self, n: int) -> bool:
         return self.states.num_free >= n

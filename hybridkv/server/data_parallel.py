@@ -37,7 +37,8 @@ log = logging.getLogger("hybridkv.replicas")
 _SUMMED = ("kv_blocks_used", "kv_blocks_cached", "kv_blocks_total", "state_slots_live", "state_slots_checkpoint",
            "state_slots_total", "prefix_hit_tokens", "prefix_query_tokens", "burst_waits", "swaps", "forks",
            "aborted", "failed", "running", "waiting", "swapped", "steps", "generated_tokens", "tokens_per_second",
-           "generated_tokens_per_second", "spec_verify_runs", "spec_draft_tokens", "spec_accepted_tokens")
+           "generated_tokens_per_second", "spec_verify_runs", "spec_draft_tokens", "spec_accepted_tokens",
+           "cache_hit_checks", "cache_hit_mismatches")
 _SUMMED_BY_KEY = ("prefix_misses", "preemptions", "migrations")
 
 

@@ -2,7 +2,7 @@
 
 Engine gauges and counters (requests running / waiting / swapped, KV blocks, state slots, prefix
 cache, preemptions by mode, swaps, migrations, state checkpoints per tier as
-`checkpoint_tier_*{tier=...}`) are read from `LLM.stats()` at each scrape; the
+`checkpoint_tier_*{tier=...}`, the prefix-hit guard's checks and mismatches) are read from `LLM.stats()` at each scrape; the
 request-level ones (token counters, time to first token, inter-token and end-to-end latency)
 are observed by the server as requests stream.
 """
@@ -92,6 +92,10 @@ class _EngineCollector:
                           s["spec_acceptance_rate"])
         yield self._gauge("spec_decode_mean_accepted_length", "Tokens a verification run yields on average "
                           "(accepted + 1).", s["spec_mean_accepted_length"])
+        yield self._counter("cache_hit_checks", "Prefix hits recomputed cold and compared (verify_cache_hits).",
+                            {"": s["cache_hit_checks"]})
+        yield self._counter("cache_hit_mismatches", "Checked prefix hits whose logits differed from the cold "
+                            "recompute (the entry was invalidated).", {"": s["cache_hit_mismatches"]})
         yield from self._tiers(s.get("checkpoint_tiers", {}))
         if "replicas" in s:  # data-parallel replicas (server/replicas.py): the sums above, and each one
             yield from self._per_replica(s["replicas"])
