@@ -53,9 +53,10 @@ def test_eviction_demotes_and_a_hit_promotes_the_same_bytes():
     mem.admit("c", H, 1)
     assert live_value(mem, "c") == 1.5
     tiers = mem.stats()["tiers"]
-    assert tiers["host"] | {"budget_bytes": 0} == {
+    assert tiers["host"]["promotion_seconds"] > 0  # the copy's wall time
+    assert tiers["host"] | {"budget_bytes": 0, "promotion_seconds": 0} == {
         "entries": 1, "bytes": SLOT_BYTES, "budget_bytes": 0, "hits": 1, "promotions": 1, "demotions": 1,
-        "refused_demotions": 0, "evictions": 0, "refused_corrupt": 0}
+        "refused_demotions": 0, "evictions": 0, "refused_corrupt": 0, "promotion_seconds": 0}
     assert tiers["device"] == {"entries": 1, "bytes": SLOT_BYTES, "hits": 0, "evictions": 1}
     mem.admit("d", H, 2)  # a device hit still copies from the device
     assert live_value(mem, "d") == 2.5 and mem.stats()["tiers"]["device"]["hits"] == 1
