@@ -27,7 +27,6 @@ from .preemption import PreemptionPolicy
 from .request_group import RequestGroup
 from .sequence_queue import SequenceQueue
 from .hit_guard import HitGuard
-from .request_group import RequestGroup
 from .speculation import Speculation
 from .step_plan import DecodeBatch, ScheduledChunk, SchedulerOutput
 from .stopping import decoded_logprobs
