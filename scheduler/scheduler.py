@@ -22,11 +22,11 @@ import numpy as np
 from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.request import Request, RequestStatus, run_order
 
+from .hit_guard import HitGuard
 from .model_runner import RunnerOutput
 from .preemption import PreemptionPolicy
 from .request_group import RequestGroup
 from .sequence_queue import SequenceQueue
-from .hit_guard import HitGuard
 from .speculation import Speculation
 from .step_plan import DecodeBatch, ScheduledChunk, SchedulerOutput
 from .stopping import decoded_logprobs
