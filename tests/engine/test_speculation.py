@@ -81,15 +81,16 @@ FAST = {"llama", "bamba", "rwkv", "qwen3_next", "lfm2", "gpt_oss"}  # one of eac
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow)
                                   for n in FAMILIES])
 def test_every_family_decodes_the_tokens_of_plain_decoding(name, tmp_path):
-    """Drafts always right, right 60% of the time, always wrong: the same greedy tokens as the
-    engine without speculation, for prompts of 1, 15, 17 and 53 tokens; drafts were verified and
-    (but for the always-wrong ones) accepted; nothing leaks."""
+    """Drafts always right, right 60% of the time, always wrong (the slow rows: right 60% of the
+    time alone, which both accepts and rejects): the same greedy tokens as the engine without
+    speculation, for prompts of 1, 15, 17 and 53 tokens; drafts were verified and (but for the
+    always-wrong ones) accepted; nothing leaks."""
     fam = FAMILIES[name]
     path = fam.make(fam.name, tmp_path, seed=fam.seed, **fam.overrides)
     prompts = [prompt(n, 40 + n) for n in (1, 15, 17, 53)]
     params = greedy(30)
     plain = LLM(str(path), memory_budget_bytes=16 << 20).generate(prompts, params, use_tqdm=False)
-    for p_wrong in (0.0, 0.4, 1.0):
+    for p_wrong in (0.0, 0.4, 1.0) if name in FAST else (0.4,):
         llm = speculating(path, full_runs(prompts, plain), p_wrong, memory_budget_bytes=16 << 20)
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert tokens(outs) == tokens(plain), p_wrong
