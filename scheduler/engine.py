@@ -181,8 +181,9 @@ class Engine:
         those that finished, with `finished_only`). Owned requests' finished outputs go to
         `generate_done`."""
         with self.inbox.step():
-            sched = self.scheduler
-            started, generated = time.perf_counter(), sched.counters["generated_tokens"]
+            sched, spec = self.scheduler, self.scheduler.speculation
+            if spec is not None:  # what the step costs, for speculation's cost model (off: not measured)
+                started, generated = time.perf_counter(), sched.counters["generated_tokens"]
             out = sched.schedule()
             self._counts["swaps_out"] += sum(1 for _, m in out.preempted if m == "swap")
             if out.decodes is not None or out.chunks:
@@ -193,9 +194,8 @@ class Engine:
             else:
                 result = RunnerOutput()
             reported = sched.update_from_output(out, result, finished_only)
-            if sched.speculation is not None:  # what the step cost, for its cost model
-                sched.speculation.step_done(out, sched.counters["generated_tokens"] - generated,
-                                            time.perf_counter() - started)
+            if spec is not None:
+                spec.step_done(out, sched.counters["generated_tokens"] - generated, time.perf_counter() - started)
             return self._outputs(reported, finished_only)
 
     def _outputs(self, reported: dict, finished_only: bool) -> list[RequestOutput]:
