@@ -67,7 +67,7 @@ def one_run(num_reqs: int, steps: int, real: bool) -> dict:
         for rid in range(num_reqs):
             mgr.allocate(rid, 1)
         t0 = clock()
-        due = [rid for rid in at_boundary if mgr.checkpoint_due(rid, starts[rid], starts[rid] + 1) is not None]
+        due = [rid for rid in at_boundary if mgr.prefix_cache.checkpoint_due(rid, starts[rid], starts[rid] + 1) is not None]
         t1 = clock()
         for rid in at_boundary:
             mgr.commit(rid, 1)
@@ -75,10 +75,10 @@ def one_run(num_reqs: int, steps: int, real: bool) -> dict:
         for rid in range(num_reqs):
             if (starts[rid] + 1) % 16:
                 mgr.commit(rid, 1)
-        with mgr.batched_checkpoints():
+        with mgr.prefix_cache.batched_checkpoints():
             t3 = clock()
             for rid in due:
-                mgr.checkpoint(rid)
+                mgr.prefix_cache.checkpoint(rid)
             t4 = clock()
         t5 = clock()
         for rid in range(num_reqs):

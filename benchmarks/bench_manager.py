@@ -65,13 +65,13 @@ def bench_cycles(prompt_len: int, shared: int, cycles: int, block_size: int, cac
         prompt = system + [(c * 31 + j) % 50_000 for j in range(prompt_len - shared)]
         hit = m.admit(Request(c, prompt))
         end = len(prompt)
-        due = m.checkpoint_due(c, hit, end)
+        due = m.prefix_cache.checkpoint_due(c, hit, end)
         for stop in ([due] if due else []) + [end]:
             n = stop - m.request(c).num_computed_tokens
             m.allocate(c, n)
             m.commit(c, n)
             if stop == due:
-                m.checkpoint(c)
+                m.prefix_cache.checkpoint(c)
         m.finish(c)
     return cycles / (time.perf_counter() - t0)
 

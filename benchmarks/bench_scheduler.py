@@ -72,7 +72,7 @@ def step(sched: Scheduler) -> int:
     for c in chunks:
         mgr.commit(c.seq.request_id, c.num_tokens)
         if c.checkpoint:
-            mgr.checkpoint(c.seq.request_id)
+            mgr.prefix_cache.checkpoint(c.seq.request_id)
     for c in chunks:
         seq = c.seq
         if c.start + c.num_tokens < seq.num_tokens:

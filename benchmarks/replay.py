@@ -64,7 +64,7 @@ def replay(mgr: HybridCacheManager, trace: Sequence[TraceRequest], max_num_seqs:
     starts, in trace order, when an open one ends, so later sessions arrive while earlier ones
     run. A session's next turn is queued when its previous turn ends. Raises RuntimeError if the
     pools deadlock."""
-    policy = PreemptionPolicy("recompute", mgr.specs, mgr.block_size, None, mgr.enable_prefix_caching)
+    policy = PreemptionPolicy("recompute", mgr.specs, mgr.block_size, None, mgr.prefix_cache.enabled)
     sched = Scheduler(mgr, policy, max_num_batched_tokens, max_num_seqs)
     sessions: dict[Optional[str], deque] = {}
     order: list[TraceRequest] = []
@@ -113,7 +113,7 @@ def replay(mgr: HybridCacheManager, trace: Sequence[TraceRequest], max_num_seqs:
             res.prefill_chunks += c.start < len(req.prompt_token_ids)
             mgr.commit(rid, c.num_tokens)
             if c.checkpoint:
-                mgr.checkpoint(rid)
+                mgr.prefix_cache.checkpoint(rid)
         held, reserved = pool_utilization(mgr)
         res.held_tokens += held
         res.reserved_tokens += reserved

@@ -3,47 +3,42 @@
 A model's layers fall into kinds of memory (hybridkv/memory/): full-attention KV, sliding-window
 KV, recurrent state. Each kind implements the same verbs for its own pool; this class runs each
 verb over the model's kinds and is the one place that says how their answers combine:
-- a prefix is usable only as far as EVERY kind can resume it: the hit is the largest m that all
-  kinds accept (the minimum, iterated until no kind lowers it further; prefix_match.py);
 - a verb that can be refused (admit, allocate, fork, resume, import) asks every kind first and
   changes nothing unless all agree; kinds that can refuse for lack of a slot are asked first;
+- a prefix is usable only as far as EVERY kind can resume it (its `prefix_cache`, prefix_cache.py,
+  which also hashes blocks and keeps state checkpoints);
 - one budget is planned across kinds (`plan()`), each pool sized exactly, none padded.
 Attention layers form one group per window (full attention, each sliding window): a group is
 one memory object with its own pool share and block tables (`attention_groups`, keyed by the
 window, None for full attention); the model gets one block table and slot mapping per group.
 Its verbs take the scheduler's own `Request` objects (hybridkv/request.py) and change their
 memory fields (num_computed_tokens, block hashes, status); it keeps them by id, never a copy.
-The kinds are made from the specs in memory/kinds.py; snapshots are checked and gathered in
-snapshot_transfer.py.
+The kinds are made in memory/kinds.py; a draft run's verbs are in draft_runs.py (`drafts`), a
+decode batch's in decode_rows.py, snapshots are checked and placed in snapshot_transfer.py.
 Invariant at every step boundary: every kind holds the request's memory of exactly
 `num_computed_tokens` tokens (a live state after them; KV covering them, or the window of them).
-
-Its verbs, in docs/design.md ("The manager's verbs"): request ids are any hashable; "not now"
-is None / False, never an exception; a request that can never fit raises RequestTooLargeError.
-The semantics of each verb over each kind: docs/design.md.
+Its verbs and their semantics over each kind: docs/design.md ("The manager's verbs").
 """
 from __future__ import annotations
 
-import contextlib
 import types
 from typing import Hashable, Mapping, Optional, Sequence
 
 import torch
 
 from hybridkv import snapshot_transfer
-from hybridkv.block_hash import extend_hashes, extra_key
 from hybridkv.checkpoint_policy import DEFAULT_POLICY, CheckpointPolicy
 from hybridkv.decode_rows import DecodeRows
+from hybridkv.draft_runs import DraftRuns
 from hybridkv.eviction import DEFAULT_EVICTION
 from hybridkv.errors import MemoryBudgetError, RequestStateError, RequestTooLargeError, SnapshotMismatchError
 from hybridkv.manager_stats import ManagerStats
-from hybridkv.memory.burst import BurstRule
 from hybridkv.memory.full_attention import FullAttentionMemory
 from hybridkv.memory.kinds import make_kinds
 from hybridkv.memory.layer_memory import LayerMemory
 from hybridkv.memory.recurrent import RecurrentMemory
 from hybridkv.plan import plan
-from hybridkv.prefix_match import NO_MATCH, PrefixHitCounter, PrefixMatch, match_prefix
+from hybridkv.prefix_cache import PrefixCache
 from hybridkv.request import Request, RequestStatus
 from hybridkv.snapshot import RequestSnapshot
 from hybridkv.specs import LayerSpec
@@ -68,8 +63,6 @@ class HybridCacheManager:
         self.specs = dict(specs)
         self.block_size = block_size
         self.fingerprint = fingerprint
-        self.enable_prefix_caching = enable_prefix_caching
-        self.policy = CheckpointPolicy(checkpoint_policy, block_size, checkpoint_every_n)
         self.attention_groups: dict[Optional[int], FullAttentionMemory] = kinds.attention_groups
         self.attention: Optional[FullAttentionMemory] = kinds.attention  # the lead attention group
         self.recurrent: Optional[RecurrentMemory] = kinds.recurrent
@@ -79,9 +72,11 @@ class HybridCacheManager:
         self.allocating_kinds = [k for k in self.kinds if type(k).allocate is not LayerMemory.allocate]
         self.committing_kinds = [k for k in self.kinds if type(k).commit is not LayerMemory.commit]
         self.commit_checking_kinds = [k for k in self.committing_kinds if not k.decode_commit_always_idle]
-        self.bursts = BurstRule(block_size, self._prompt_hashes, lambda hashes, n: self._match(hashes, n).blocks)
         self._reqs: dict[Hashable, Request] = {}
-        self.hits = PrefixHitCounter()
+        self.prefix_cache = PrefixCache(kinds, block_size, self._reqs,
+                                        CheckpointPolicy(checkpoint_policy, block_size, checkpoint_every_n),
+                                        enabled=enable_prefix_caching, fingerprint=fingerprint)
+        self.drafts = DraftRuns(self)  # speculative decoding's verbs (draft_runs.py)
         self.preemptions = {"recompute": 0, "swap": 0}  # requests preempted, by mode
 
     @classmethod
@@ -150,21 +145,12 @@ class HybridCacheManager:
         """The request's KV block per table position (-1 where a block left the window)."""
         return self.attention.block_ids(req_id) if self.attention else []
 
-    def _running(self, req_id: Hashable) -> Request:
+    def running(self, req_id: Hashable) -> Request:
+        """The request, which must be RUNNING (else RequestStateError)."""
         r = self.request(req_id)
         if r.status is not RUNNING:
             raise RequestStateError(f"request {req_id!r} is {r.status}, not running")
         return r
-
-    # ---- prefix match ----------------------------------------------------------------------
-    def _hashes(self, r: Request) -> list[bytes]:
-        extend_hashes(r.block_hashes, r.token_ids, len(r.token_ids) // self.block_size, r.extra_key,
-                      self.block_size)
-        return r.block_hashes
-
-    def _match(self, hashes: Sequence[bytes], num_tokens: int) -> PrefixMatch:
-        """The hit every kind accepts (prefix_match.py); one token is always left to compute."""
-        return match_prefix(self.kinds, self.attention, hashes, num_tokens, self.block_size)
 
     # ---- admission -------------------------------------------------------------------------
     def check_fits(self, num_tokens: int, max_tokens: int = 0) -> None:
@@ -178,19 +164,11 @@ class HybridCacheManager:
                     f"request of {num_tokens} prompt + {max_tokens} max_tokens {why}: shorten the prompt "
                     f"or max_tokens, or raise the memory budget")
 
-    def _keyed(self, r: Request) -> Request:
-        """`r` with its blocks' hash key (hashes made under another key are dropped)."""
-        key = extra_key(self.fingerprint, r.adapter_id, r.mm_hashes, r.cache_salt)
-        if key != r.extra_key:
-            r.extra_key = key
-            r.block_hashes.clear()
-        return r
-
     def can_admit(self, request: Request, num_new_tokens: Optional[int] = None) -> bool:
         """Whether admit() would succeed now (it may extend request.block_hashes). Raises
         RequestTooLargeError if it never could."""
         self.check_fits(len(request.token_ids), request.max_tokens)
-        return self._start(self._keyed(request), num_new_tokens, dry_run=True) is not None
+        return self._start(self.prefix_cache.keyed(request), num_new_tokens, dry_run=True) is not None
 
     def admit(self, request: Request, num_new_tokens: Optional[int] = None) -> Optional[int]:
         """Register and start a request the manager does not know: prefix match over every kind,
@@ -201,71 +179,24 @@ class HybridCacheManager:
         if rid in self._reqs:
             raise RequestStateError(f"request id {rid!r} is already known to the manager")
         self.check_fits(len(request.token_ids), request.max_tokens)
-        hit = self._start(self._keyed(request), num_new_tokens)
+        hit = self._start(self.prefix_cache.keyed(request), num_new_tokens)
         if hit is not None:
             self._reqs[rid] = request
         return hit
 
     def _start(self, r: Request, num_new_tokens: Optional[int], dry_run: bool = False) -> Optional[int]:
-        bs, n_tok = self.block_size, len(r.token_ids)
-        match = self._match(self._hashes(r), n_tok) if self.enable_prefix_caching else NO_MATCH
-        m, hit = match.blocks, match.blocks * bs
-        end = n_tok if num_new_tokens is None else hit + num_new_tokens
+        match = self.prefix_cache.match(r)
+        m, hit = match.blocks, match.blocks * self.block_size
+        end = len(r.token_ids) if num_new_tokens is None else hit + num_new_tokens
         if not all(k.can_admit(r.block_hashes, m, end) for k in self.kinds):
             return None
         if dry_run:
             return hit
         for kind in self.kinds:
             kind.admit(r.request_id, r.block_hashes, m)
-        r.num_computed_tokens, r.num_hashed_blocks, r.resumed_from = hit, m, hit
-        r.shared.clear()
-        # Only a real junction (another cached continuation), not the end of a cached sequence.
-        r.branch_point = match.kv_blocks * bs if match.kv_blocks > m and match.branches else None
-        r.status = RUNNING
-        self.hits.record(n_tok, hit, match.miss)
-        if self.enable_prefix_caching:  # this request now computes its prompt's uncached blocks
-            planned = self.bursts.admitted(r.request_id, r.block_hashes[m:(r.num_prompt_tokens - 1) // bs], hit)
-            if self.recurrent is not None:
-                r.shared.extend(planned)
+        r.num_computed_tokens, r.status = hit, RUNNING
+        self.prefix_cache.admitted(r, match)
         return hit
-
-    def plan_bursts(self, candidates: Sequence[tuple[Hashable, Sequence[int], Optional[str]]]) -> None:
-        """Before a step admits new requests: the next not-yet-admitted ones in queue order, as
-        (req_id, token_ids, cache_salt). A leader of a burst learns where to checkpoint before
-        its first chunk is cut (memory/burst.py)."""
-        if self.enable_prefix_caching and len(candidates) > 1:
-            self.bursts.plan(candidates)
-
-    def waits_for_shared_prefix(self, req_id: Hashable, token_ids: Sequence[int], *,
-                                cache_salt: Optional[str] = None) -> bool:
-        """The burst rule: True when a not-yet-admitted request shares blocks beyond its usable
-        hit with a running request that has not computed them yet; that request is asked to
-        checkpoint at the deepest shared boundary. Hold this one a step. Changes nothing else;
-        False whenever waiting would not save work."""
-        if not self.enable_prefix_caching or req_id in self._reqs or len(token_ids) <= self.block_size:
-            return False
-        leader, boundary = self.bursts.leader_for(req_id, token_ids, cache_salt)
-        lead = self._reqs.get(leader)
-        if lead is None or lead.status is not RUNNING or lead.num_computed_tokens >= boundary:
-            return False
-        if self.recurrent is not None and boundary not in lead.shared:
-            lead.shared.append(boundary)
-        self.bursts.waits += 1
-        return True
-
-    def usable_prefix_tokens(self, token_ids: Sequence[int], cache_salt: Optional[str] = None) -> int:
-        """Tokens of a prompt admitted now would take from cache under the hybrid hit rule (KV of
-        every kind and a state checkpoint at the same position); block-aligned. Changes nothing
-        (no stats, no LRU touch): the data-parallel router asks every replica this."""
-        if not self.enable_prefix_caching or len(token_ids) <= self.block_size:
-            return 0
-        return self._match(self._prompt_hashes(token_ids, cache_salt), len(token_ids)).blocks * self.block_size
-
-    def _prompt_hashes(self, token_ids: Sequence[int], cache_salt: Optional[str]) -> list[bytes]:
-        hashes: list[bytes] = []
-        extend_hashes(hashes, token_ids, (len(token_ids) - 1) // self.block_size,
-                      extra_key(self.fingerprint, None, (), cache_salt), self.block_size)
-        return hashes
 
     # ---- the step --------------------------------------------------------------------------
     def append_tokens(self, req_id: Hashable, token_ids: Sequence[int]) -> None:
@@ -293,54 +224,12 @@ class HybridCacheManager:
             return [-1] * num_new_tokens
         return self.attention.slot_mapping(req_id, start, end)
 
-    def allocate_draft(self, req_id: Hashable, num_draft: int) -> Optional[tuple[list[int], list[int]]]:
-        """For a running request to verify a draft of num_draft tokens in one step: KV write slots
-        for its num_draft + 1 positions from num_computed_tokens, and its state slot chain [live
-        slot, then a draft slot per position] ([] without recurrent layers; memory/recurrent.py).
-        None when a pool cannot give them without evicting (speculation never preempts, never
-        evicts a checkpoint); then nothing changed. `commit_draft` ends the run."""
-        r = self._running(req_id)
-        n = num_draft + 1
-        if len(r.token_ids) - r.num_computed_tokens != 1 or num_draft < 1:
-            raise RequestStateError(f"draft of {num_draft} tokens for {req_id!r}: it must have exactly one "
-                                    f"token left to compute and a draft of at least one")
-        start = r.num_computed_tokens
-        rec = self.recurrent
-        if rec is not None and not rec.can_take_draft_slots(n):
-            return None
-        if not all(kind.can_allocate(req_id, start, start + n) for kind in self.allocating_kinds):
-            return None
-        for kind in self.allocating_kinds:
-            kind.allocate(req_id, start, start + n)
-        chain = [rec.live_slot(req_id), *rec.take_draft_slots(req_id, n)] if rec is not None else []
-        kv = self.attention.slot_mapping(req_id, start, start + n) if self.attention is not None else [-1] * n
-        return kv, chain
-
-    def commit_draft(self, req_id: Hashable, num_tokens: int) -> None:
-        """A verified draft run keeps its first num_tokens positions (the token before the draft,
-        then the accepted draft tokens; its token list holds them): commit() them, keep the state
-        checkpoints due inside the run from the draft slot of their position, make the state after
-        the last kept token the live one (a slot move), and let go of the KV and draft slots of the
-        rejected positions. On a raise, `finish(req_id, failed=True)` frees what is left."""
-        r = self._running(req_id)
-        start = r.num_computed_tokens
-        end = start + num_tokens
-        self.commit(req_id, num_tokens)
-        rec = self.recurrent
-        if rec is not None:
-            slots, b = rec.draft_slots(req_id), start
-            while (b := self.checkpoint_due(req_id, b, end)) is not None:  # the states of the run's boundaries
-                self._checkpoint_at(r, b, slots[b - start - 1])
-            rec.accept_draft(req_id, num_tokens)
-        for kind in self.kinds:
-            kind.trim(req_id, end)
-
     def decode_rows(self, requests: Sequence[Request]) -> DecodeRows:
         """The handle of the batched one-token verbs for these running requests, in this order
         (decode_rows.py: valid while they run and get blocks only through its `allocate`)."""
         req_ids = [r.request_id for r in requests]
         for rid in req_ids:
-            self._running(rid)
+            self.running(rid)
         return DecodeRows.of(self, req_ids, list(requests), self.live_slots(req_ids))
 
     def commit(self, req_id: Hashable, num_new_tokens: int) -> None:
@@ -355,7 +244,7 @@ class HybridCacheManager:
                 f"{len(r.token_ids)} known tokens or {held} allocated token slots: allocate() first")
         self.advance(req_id, r, new)
         if new >= r.num_prompt_tokens:  # its prompt is computed: no follower can wait for it now
-            self.bursts.drop(req_id)
+            self.prefix_cache.bursts.drop(req_id)
 
     def advance(self, req_id: Hashable, r: Request, new: int) -> None:
         """commit() past its checks (the caller made them): num_computed_tokens becomes `new`,
@@ -369,19 +258,14 @@ class HybridCacheManager:
         """advance() of requests `rows` (indices into req_ids and states, in this order) to new[i]
         tokens, in one loop (a decode step's tokens that fill blocks); {row: error} of those
         that raised, each left at the tokens it had."""
-        bs, kinds, failed = self.block_size, self.committing_kinds, {}
-        caching = self.enable_prefix_caching
+        kinds, hash_blocks, failed = self.committing_kinds, self.prefix_cache.hash_blocks, {}
         for i in rows:
             r, n = states[i], new[i]
             before = r.num_computed_tokens
             try:
                 r.num_computed_tokens = n
                 hashed = r.num_hashed_blocks
-                full = n // bs if caching else 0
-                if full > hashed:
-                    extend_hashes(r.block_hashes, r.token_ids, full, r.extra_key, bs)
-                else:
-                    full = hashed
+                full = hash_blocks(r, n)
                 for kind in kinds:
                     kind.commit(req_ids[i], r.block_hashes, hashed, full, n)
                 r.num_hashed_blocks = full
@@ -402,67 +286,12 @@ class HybridCacheManager:
         attention group, each as wide as its longest row; {} without attention layers."""
         return {w: group.block_table(req_ids) for w, group in self.attention_groups.items()}
 
-    # ---- checkpoints -----------------------------------------------------------------------
-    def checkpoint_due(self, req_id: Hashable, start: int, end: int) -> Optional[int]:
-        """The first block boundary in (start, end] where the policy wants the state kept, else None."""
-        if self.recurrent is None or not self.enable_prefix_caching or end // self.block_size == start // self.block_size:
-            return None  # every checkpoint sits at a block boundary: none in (start, end] here
-        r = self._reqs[req_id]
-        return self.policy.due(start, end, r.num_prompt_tokens, r.branch_point, r.shared, r.resumed_from)
-
-    def checkpoint(self, req_id: Hashable) -> bool:
-        """Copy the live state into a checkpoint keyed by the hash of the block ending at
-        num_computed_tokens (a block boundary). False if one exists already, caching is off, or
-        no slot can be freed."""
-        r = self._running(req_id)
-        if self.recurrent is None or not self.enable_prefix_caching:
-            return False
-        nc, bs = r.num_computed_tokens, self.block_size
-        if nc == 0 or nc % bs:
-            raise RequestStateError(
-                f"checkpoint of {req_id!r} at num_computed_tokens={nc}, not a block boundary (block_size "
-                f"{bs}): cut the chunk where checkpoint_due() says")
-        return self._checkpoint_at(r, nc)
-
-    def _checkpoint_at(self, r: Request, position: int, source: Optional[int] = None) -> bool:
-        """Keep the state after `position` (a block boundary) tokens of r from slot `source`
-        (None: the live state, after num_computed_tokens)."""
-        h = self._boundary(r, position)
-        output = position > r.num_prompt_tokens and self.policy.rolling_output
-        return self.recurrent.checkpoint(r.request_id, h, position, output, source)
-
-    def invalidate_checkpoint(self, key: bytes) -> bool:
-        """Drop the state checkpoint keyed `key` (a block hash) from every tier, so no later match
-        uses it (the prefix-hit guard found it wrong); False when no tier held it."""
-        return self.recurrent is not None and self.recurrent.invalidate(key)
-
-    def batched_checkpoints(self):
-        """A context in which checkpoint() calls keep their bookkeeping but copy the states at the
-        exit, one gather and scatter per tensor (a step's checkpoints together)."""
-        if self.recurrent is None:
-            return contextlib.nullcontext()
-        return self.recurrent.states.deferred_copies()
-
-    def _boundary(self, r: Request, position: Optional[int] = None) -> bytes:
-        """Hash of the block ending at `position` (None: num_computed_tokens), made findable in every kind."""
-        i = (r.num_computed_tokens if position is None else position) // self.block_size - 1
-        for kind in self.kinds:
-            kind.mark_boundary(r.request_id, i, r.block_hashes[i])
-        return r.block_hashes[i]
-
-    def _donation(self, r: Request) -> Optional[tuple[bytes, int]]:
-        """Where a released live state can stay as a checkpoint: (hash, position), or None."""
-        nc = r.num_computed_tokens
-        if self.recurrent is None or not self.enable_prefix_caching or not nc or nc % self.block_size:
-            return None
-        return self._boundary(r), nc
-
     # ---- a request's life ------------------------------------------------------------------
     def fork(self, parent_id: Hashable, child: Request) -> bool:
         """Start `child` (a request the manager does not know, its tokens equal to the parent's
         now: `parent.fork(...)`) as a copy of a running parent: blocks shared (a partial one
         copied on first write), state copied. False if a kind cannot take it now."""
-        p = self._running(parent_id)
+        p = self.running(parent_id)
         child_id = child.request_id
         if child_id in self._reqs:
             raise RequestStateError(f"request id {child_id!r} is already known to the manager")
@@ -486,12 +315,13 @@ class HybridCacheManager:
         committed) stay findable."""
         r = self.request(req_id)
         if r.status is RUNNING:
-            donate = self._donation(r) if self.policy.keeps_final_state and not failed else None
+            keep = self.prefix_cache.policy.keeps_final_state and not failed
+            donate = self.prefix_cache.donation(r) if keep else None
             for kind in self.kinds:
                 kind.release(req_id, donate)
         for kind in self.kinds:
             kind.forget(req_id)
-        self.bursts.drop(req_id)
+        self.prefix_cache.bursts.drop(req_id)
         r.swapped = None
         r.shared.clear()
         del self._reqs[req_id]
@@ -499,9 +329,9 @@ class HybridCacheManager:
     def preempt(self, req_id: Hashable, mode: str = "recompute") -> None:
         """recompute: every kind lets go (the state at the last block boundary is kept as a
         checkpoint); resume() re-matches the prefix. swap: every kind copies to host, then lets go."""
-        r = self._running(req_id)
+        r = self.running(req_id)
         if mode == "recompute":
-            donate = self._donation(r)
+            donate = self.prefix_cache.donation(r)
             for kind in self.kinds:
                 kind.release(req_id, donate)
             r.num_computed_tokens = r.num_hashed_blocks = 0
@@ -512,7 +342,7 @@ class HybridCacheManager:
             r.status = SWAPPED
         else:
             raise ValueError(f"preemption mode {mode!r}; choose 'recompute' or 'swap'")
-        self.bursts.drop(req_id)
+        self.prefix_cache.bursts.drop(req_id)
         self.preemptions[mode] += 1
 
     def resume(self, req_id: Hashable, num_new_tokens: Optional[int] = None) -> Optional[int]:
@@ -526,7 +356,7 @@ class HybridCacheManager:
         end = len(r.token_ids) if num_new_tokens is None else nc + num_new_tokens
         if not all(k.can_swap_in(r.swapped[k.name], end) for k in self.kinds):
             return None
-        hashes = r.block_hashes if self.enable_prefix_caching else []
+        hashes = r.block_hashes if self.prefix_cache.enabled else []
         for kind in self.kinds:
             kind.swap_in(req_id, r.swapped[kind.name], hashes, nc)
         r.swapped = None
@@ -538,7 +368,7 @@ class HybridCacheManager:
                         sampling_state=None) -> RequestSnapshot:
         """Copy a running request's memory of [0, num_computed_tokens) (KV, or the window of it,
         and the live state) to `device`."""
-        return snapshot_transfer.export_snapshot(self._running(req_id), self.kinds, self.fingerprint,
+        return snapshot_transfer.export_snapshot(self.running(req_id), self.kinds, self.fingerprint,
                                                  self.block_size, device, sampling_state)
 
     def import_snapshot(self, snap: RequestSnapshot, request: Request,
@@ -549,32 +379,13 @@ class HybridCacheManager:
         it was taken on another model or is malformed (checked before anything is allocated;
         nothing changes). A transaction: when a kind fails while placing its part, every kind lets
         go of what it took and the error is raised with nothing held."""
-        snapshot_transfer.check_snapshot(snap, self.kinds, self.fingerprint, self.check_fits)
+        snapshot_transfer.check_snapshot(snap, request, self.kinds, self.fingerprint, self.check_fits)
         rid = request.request_id
-        if request.token_ids != list(snap.token_ids):
-            raise SnapshotMismatchError(f"request {rid!r} to import has other tokens than its snapshot")
         if rid in self._reqs:
             raise RequestStateError(f"request id {rid!r} is already known to the manager")
-        nc, part = snap.num_computed_tokens, snapshot_transfer.snapshot_parts(snap)
-        end = len(snap.token_ids) if num_new_tokens is None else nc + num_new_tokens
-        if not all(k.can_import(part, nc, end) for k in self.kinds):
+        if not snapshot_transfer.place_snapshot(snap, request, self.kinds, self.prefix_cache, num_new_tokens):
             return False
-        r = self._keyed(request)
-        r.num_computed_tokens = r.resumed_from = nc
-        r.num_hashed_blocks = 0
-        hashes: list[bytes] = []
-        if self.enable_prefix_caching:
-            hashes = self._hashes(r)
-            r.num_hashed_blocks = nc // self.block_size
-        r.status = RUNNING
-        self._reqs[rid] = r
-        try:
-            for kind in self.kinds:
-                kind.import_(rid, part, hashes, nc)
-        except BaseException:
-            self.finish(rid, failed=True)  # every kind lets go; nothing of it is cached
-            r.status, r.num_computed_tokens, r.num_hashed_blocks = WAITING, 0, 0
-            raise
+        self._reqs[rid] = request
         return True
 
     # ---- statistics ------------------------------------------------------------------------

@@ -224,15 +224,15 @@ class DecodeRows:
     def _due(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """Bools: whether a state checkpoint is due after each row's token; ends: the rows whose
         token fills a block (checkpoints sit at block boundaries)."""
-        mgr = self.mgr
+        pc = self.mgr.prefix_cache
         due = np.zeros(len(self), dtype=bool)
-        if mgr.recurrent is None or not mgr.enable_prefix_caching or not ends.size:
+        if pc.recurrent is None or not pc.enabled or not ends.size:
             return due
         at = starts[ends]
-        due[ends] = mgr.policy.decodes_due(at + 1)  # past the prompt: the policy's own rule
+        due[ends] = pc.policy.decodes_due(at + 1)  # past the prompt: the policy's own rule
         for i in ends[at < self.num_prompt[ends]].tolist():  # inside it: the request's own boundaries
             s = int(starts[i])
-            due[i] = mgr.checkpoint_due(self.req_ids[i], s, s + 1) is not None
+            due[i] = pc.checkpoint_due(self.req_ids[i], s, s + 1) is not None
         return due
 
     # ---- commit and checkpoint -------------------------------------------------------------
@@ -287,16 +287,14 @@ class DecodeRows:
         return failed
 
     def checkpoint(self, i: int) -> bool:
-        """The manager's checkpoint() of row i right after `commit` committed its token at a block
-        boundary that `allocate` said was due: that commit hashed the block and made it findable
-        in every kind, so only the state is kept."""
-        mgr = self.mgr
-        if mgr.recurrent is None or not mgr.enable_prefix_caching:
+        """The prefix cache's checkpoint() of row i right after `commit` committed its token at a
+        block boundary that `allocate` said was due: that commit hashed the block and made it
+        findable in every kind, so only the state is kept."""
+        pc = self.mgr.prefix_cache
+        if pc.recurrent is None or not pc.enabled:
             return False
         r = self.states[i]
-        nc = r.num_computed_tokens
-        output = nc > r.num_prompt_tokens and mgr.policy.rolling_output
-        return mgr.recurrent.checkpoint(self.req_ids[i], r.block_hashes[nc // mgr.block_size - 1], nc, output)
+        return pc.store(r, r.num_computed_tokens, mark=False)
 
 
 _num_prompt = attrgetter("num_prompt_tokens")

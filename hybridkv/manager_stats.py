@@ -50,7 +50,7 @@ class ManagerStats:
         used, bs = a.get("blocks_used", 0), mgr.block_size
         waste = sum(len(g.block_ids(r.request_id)) * bs - r.num_computed_tokens  # past the last token
                     for g in mgr.attention_groups.values() for r in running)
-        hits = mgr.hits
+        hits = mgr.prefix_cache.hits
         return cls(
             kv_blocks_used=used, kv_blocks_cached=a.get("blocks_cached", 0), kv_blocks_free=a.get("blocks_free", 0),
             kv_blocks_total=a.get("blocks_total", 0), slots_live=s.get("slots_live", 0),
@@ -58,7 +58,7 @@ class ManagerStats:
             slots_total=s.get("slots_total", 0), prefix_hit_tokens=hits.hit_tokens,
             prefix_query_tokens=hits.query_tokens, prefix_queries=hits.queries, prefix_misses=dict(hits.misses),
             preemptions=dict(mgr.preemptions), fragmentation=max(0.0, waste / (used * bs)) if used else 0.0,
-            running_requests=len(running), burst_waits=mgr.bursts.waits, kinds=kinds, tiers=s.get("tiers", {}))
+            running_requests=len(running), burst_waits=mgr.prefix_cache.bursts.waits, kinds=kinds, tiers=s.get("tiers", {}))
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -4,8 +4,9 @@ Export gathers each kind's share of `[0, num_computed_tokens)` (the KV, or the w
 the live state). Import is refused with SnapshotMismatchError, before anything is allocated, when
 a field is malformed (`snapshot.check_fields`), the snapshot was taken on another model
 (fingerprint, or the same fingerprint with other layer shapes), it carries tensors for layers this
-model's kinds do not keep, it could never fit, or a kind finds its part malformed (shape, dtype,
-finite values, where a window starts: `check_import`).
+model's kinds do not keep, it could never fit, a kind finds its part malformed (shape, dtype,
+finite values, where a window starts: `check_import`), or the request to import it as has other tokens.
+Then `place_snapshot` puts each kind's part in place; the manager registers the request.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Callable, Hashable, Optional, Sequence
 import torch
 
 from hybridkv.errors import SnapshotMismatchError
-from hybridkv.request import Request
+from hybridkv.request import Request, RequestStatus
 from hybridkv.snapshot import RequestSnapshot, check_fields
 
 
@@ -53,10 +54,10 @@ def layers_by_part(shapes: dict[int, tuple]) -> dict[str, set[int]]:
             "ssm": {i for i, v in rec.items() if v[2]}}
 
 
-def check_snapshot(snap: RequestSnapshot, kinds: Sequence, fingerprint: str,
+def check_snapshot(snap: RequestSnapshot, request: Request, kinds: Sequence, fingerprint: str,
                    check_fits: Callable[[int, int], None]) -> None:
     """Raise SnapshotMismatchError (or RequestTooLargeError from check_fits) when `snap` cannot
-    continue on a manager of these kinds, whatever is free; changes nothing."""
+    continue as `request` on a manager of these kinds, whatever is free; changes nothing."""
     check_fields(snap)
     if snap.fingerprint != fingerprint:
         raise SnapshotMismatchError(
@@ -77,6 +78,41 @@ def check_snapshot(snap: RequestSnapshot, kinds: Sequence, fingerprint: str,
     check_fits(snap.num_prompt_tokens, snap.max_tokens)
     for kind in kinds:
         kind.check_import(part, snap.num_computed_tokens)
+    if request.token_ids != list(snap.token_ids):
+        raise SnapshotMismatchError(f"request {request.request_id!r} to import has other tokens than its snapshot")
+
+
+def place_snapshot(snap: RequestSnapshot, r: Request, kinds: Sequence, prefix_cache,
+                   num_new_tokens: Optional[int] = None) -> bool:
+    """Place a checked snapshot's memory (`check_snapshot`) in every kind for `r`, which becomes
+    RUNNING at snap.num_computed_tokens, with room up to num_new_tokens more (None: its whole
+    token list). False when a kind cannot take its part now (nothing changed). A transaction: when
+    a kind fails while placing its part, every kind lets go of what it took for r (nothing of it
+    is cached), r is left WAITING at 0 tokens, and the error is raised.
+    prefix_cache: the manager's (prefix_cache.py), which keys and hashes r's blocks."""
+    nc, part = snap.num_computed_tokens, snapshot_parts(snap)
+    end = len(snap.token_ids) if num_new_tokens is None else nc + num_new_tokens
+    if not all(k.can_import(part, nc, end) for k in kinds):
+        return False
+    rid = prefix_cache.keyed(r).request_id
+    r.num_computed_tokens = r.resumed_from = nc
+    r.num_hashed_blocks = 0
+    hashes: list[bytes] = []
+    if prefix_cache.enabled:
+        hashes = prefix_cache.hashes(r)
+        r.num_hashed_blocks = nc // prefix_cache.block_size
+    r.status = RequestStatus.RUNNING
+    try:
+        for kind in kinds:
+            kind.import_(rid, part, hashes, nc)
+    except BaseException:
+        for kind in kinds:  # as the manager's finish(failed=True): no state kept, no new block findable
+            kind.release(rid)
+        for kind in kinds:
+            kind.forget(rid)
+        r.status, r.num_computed_tokens, r.num_hashed_blocks = RequestStatus.WAITING, 0, 0
+        raise
+    return True
 
 
 def request_of(snap: RequestSnapshot, request_id: Optional[Hashable] = None, params=None) -> Request:

@@ -142,8 +142,9 @@ class Scheduler:
         room = self.max_seqs - len(self.running)
         if room > 1 and len(self.waiting) > 1:  # burst rule: leaders learn where to checkpoint first
             try:
-                self.mgr.plan_bursts([(s.request_id, s.token_ids, s.cache_salt) for s in self.waiting.head(room)
-                                      if s.request_id not in self.mgr.requests])
+                self.mgr.prefix_cache.plan_bursts([(s.request_id, s.token_ids, s.cache_salt)
+                                                   for s in self.waiting.head(room)
+                                                   if s.request_id not in self.mgr.requests])
             except Exception as e:  # an optimisation: a step without it is still correct
                 log.error("burst planning failed, skipped this step: %r", e)
         for queue in (self.swapped, self.waiting):
@@ -178,8 +179,8 @@ class Scheduler:
                     return -1
                 known = seq.request_id in self.mgr.requests  # swapped, or preempted by recompute
                 try:
-                    if not known and self.mgr.waits_for_shared_prefix(seq.request_id, seq.token_ids,
-                                                                      cache_salt=seq.cache_salt):
+                    if not known and self.mgr.prefix_cache.waits_for_shared_prefix(
+                            seq.request_id, seq.token_ids, cache_salt=seq.cache_salt):
                         held.append(queue.pop())
                         if len(held) >= self.max_seqs:
                             return -1  # bound the scan: a burst must not make a step cost the queue
@@ -201,7 +202,7 @@ class Scheduler:
                 queue.add(seq)
 
     def _cut(self, seq: Request, start: int, n: int) -> tuple[int, bool]:
-        due = self.mgr.checkpoint_due(seq.request_id, start, start + n)  # a chunk ends at a checkpoint
+        due = self.mgr.prefix_cache.checkpoint_due(seq.request_id, start, start + n)  # a chunk ends at a checkpoint
         return (due - start, True) if due is not None else (n, False)
 
     def _fit_running(self, seq: Request, start: int, n: int, out: SchedulerOutput) -> Optional[ScheduledChunk]:
@@ -281,7 +282,7 @@ class Scheduler:
         if result.kept_logits:
             self.hit_guard.observe(result.kept_logits)
         checkpoints = out.chunks or (out.decodes is not None and out.decodes.checkpoints)
-        with self.mgr.batched_checkpoints() if checkpoints else nullcontext():  # they copy together
+        with self.mgr.prefix_cache.batched_checkpoints() if checkpoints else nullcontext():  # they copy together
             if out.decodes is not None:
                 self._update_batch(out.decodes, result, reported, finished_only, bool(out.failed))
             if out.chunks:
@@ -362,7 +363,7 @@ class Scheduler:
                 continue
             try:
                 if c.checkpoint:
-                    mgr.checkpoint(seq.request_id)
+                    mgr.prefix_cache.checkpoint(seq.request_id)
                 if i in result.prompt_logprobs:
                     pos0, entries = result.prompt_logprobs[i]
                     tok = self.appender.tokenizer
@@ -383,7 +384,7 @@ class Scheduler:
     def _update_drafts(self, chunks: list[ScheduledChunk], result: RunnerOutput, reported: dict,
                        finished_only: bool) -> None:
         """The chunks that verified a draft: each keeps the positions its accepted run computed
-        (the token before the draft and the draft tokens accepted: `commit_draft` with the
+        (the token before the draft and the draft tokens accepted: `mgr.drafts.commit` with the
         accepted tokens in its list for the call), then appends the run, stopping where a stop
         rule says (a stop inside the run ends it there)."""
         for i, c in enumerate(chunks):
@@ -397,7 +398,7 @@ class Scheduler:
             accepted, ids = len(run) - 1, seq.token_ids
             ids.extend(c.draft[:accepted])
             try:
-                self.mgr.commit_draft(seq.request_id, accepted + 1)
+                self.mgr.drafts.commit(seq.request_id, accepted + 1)
             except Exception as e:
                 self.fail_request(seq, e, reported, discard=True)
                 continue

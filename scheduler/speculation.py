@@ -5,7 +5,7 @@ and how many tokens each drafts (hybridkv/speculative/ has the drafters; docs/de
 A running request with one token left to compute asks the drafter for up to k tokens. With a
 proposal it becomes a chunk of k + 1 tokens (its last token, then the draft) instead of a row of
 the decode batch, when the step's token budget and the pools can take it without preempting or
-evicting anything (`HybridCacheManager.allocate_draft`); otherwise it decodes as usual.
+evicting anything (`HybridCacheManager.drafts`, hybridkv/draft_runs.py); otherwise it decodes as usual.
 k adapts per request: it starts at num_speculative_tokens, grows by one after a run that took
 every drafted token, and falls to one more than the tokens taken after one that did not; a run
 that took none makes the request skip drafting for 1, 2, 4, ... 64 steps (drafts that never
@@ -127,7 +127,7 @@ class Speculation:
         keep, chunks = [], []
         for i, seq in enumerate(batch.seqs):
             draft = drafts.get(i, [])[:budget]
-            got = mgr.allocate_draft(seq.request_id, len(draft)) if draft else None
+            got = mgr.drafts.allocate(seq.request_id, len(draft)) if draft else None
             if got is None:
                 keep.append(i)
                 continue

@@ -72,8 +72,8 @@ def requests_free_to_leave(llm, ours: Collection[str], waiting: bool) -> list:
     free = [q for q in llm.queued() if q.status == ("waiting" if waiting else "running")
             and isinstance(q.request_id, str) and q.request_id in ours and q.num_seqs == 1 and not q.finished]
     if waiting:
-        return [q for q in free if mgr.usable_prefix_tokens(q.token_ids, q.cache_salt) == 0
-                and mgr.bursts.leader_for(q.request_id, q.token_ids, q.cache_salt)[0] is None]
+        return [q for q in free if mgr.prefix_cache.usable_tokens(q.token_ids, q.cache_salt) == 0
+                and mgr.prefix_cache.bursts.leader_for(q.request_id, q.token_ids, q.cache_salt)[0] is None]
     return sorted(free, key=lambda q: -q.tokens_left)
 
 
@@ -82,6 +82,6 @@ def probe(llm, token_ids, cache_salt) -> ReplicaProbe:
     load, from `LLM.queued()` (swapped requests count as waiting)."""
     queued = llm.queued()
     running = sum(q.status == "running" for q in queued)
-    return ReplicaProbe(llm.manager.usable_prefix_tokens(token_ids, cache_salt),
+    return ReplicaProbe(llm.manager.prefix_cache.usable_tokens(token_ids, cache_salt),
                         sum(len(q.token_ids) for q in queued), running, len(queued) - running,
                         llm.config.max_num_seqs)

@@ -2,7 +2,7 @@
 least loaded replica.
 
 Two sources of "this replica has the prefix", the larger wins:
-- the replicas' own answers (`HybridCacheManager.usable_prefix_tokens`, asked at routing time):
+- the replicas' own answers (`PrefixCache.usable_tokens`, asked at routing time):
   exact under the hybrid hit rule (KV of every kind AND a state checkpoint at the same position)
   and aware of evictions, which a router-side copy of block hashes could not be without a
   message per eviction;

@@ -101,7 +101,7 @@ def test_batch_matches_per_chunk_reference(model):
         for c in chunks:
             mgr.commit(c.seq.request_id, c.num_tokens)
             if c.checkpoint:
-                mgr.checkpoint(c.seq.request_id)
+                mgr.prefix_cache.checkpoint(c.seq.request_id)
             if c.start + c.num_tokens == c.seq.num_tokens:
                 c.seq.append_token(rng.randrange(4, 500))
                 if c.seq.num_output_tokens >= c.seq.params.max_tokens:

@@ -400,13 +400,13 @@ def test_a_fault_in_a_decode_batch_step_ends_what_it_hit(checkpoints, stage, mon
     for name, llm in (("fast", fast), ("slow", slow)):
         mgr = llm.engine.mgr
         if stage == "checkpoint":  # the victim's first output checkpoint (a block boundary at 16)
-            real = mgr.checkpoint
+            real = mgr.prefix_cache.checkpoint
 
             def checkpoint(rid, name=name, mgr=mgr, real=real):
                 if (rid == "v" or rid[0] == "v") and mgr.request(rid).num_computed_tokens > 13 and hit(name):
                     raise Injected("injected fault in checkpoint")
                 return real(rid)
-            monkeypatch.setattr(mgr, "checkpoint", checkpoint)
+            monkeypatch.setattr(mgr.prefix_cache, "checkpoint", checkpoint)
             twin_of_mgr[id(mgr)] = name
         elif stage == "forward":  # once every request is well into its decodes
             real = llm.model.forward

@@ -121,7 +121,7 @@ def install(stage, llm, monkeypatch, hits):
         monkeypatch.setattr(mgr, "commit", fail_on(
             mgr, "commit", lambda r, n: victim(mgr, r) and mgr.request(r).num_computed_tokens > 0, hits))
     elif stage == "checkpoint":
-        monkeypatch.setattr(mgr, "checkpoint", fail_on(mgr, "checkpoint", lambda r: victim(mgr, r), hits))
+        monkeypatch.setattr(mgr.prefix_cache, "checkpoint", fail_on(mgr.prefix_cache, "checkpoint", lambda r: victim(mgr, r), hits))
     elif stage == "swap_out":
         monkeypatch.setattr(mgr, "preempt", fail_on(
             mgr, "preempt", lambda r, mode="recompute": victim(mgr, r) and not hits, hits))

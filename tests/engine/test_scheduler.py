@@ -40,7 +40,7 @@ def advance(sched: Scheduler, out) -> None:
     for c in out.all_chunks():
         sched.mgr.commit(c.seq.request_id, c.num_tokens)
         if c.checkpoint:
-            sched.mgr.checkpoint(c.seq.request_id)
+            sched.mgr.prefix_cache.checkpoint(c.seq.request_id)
         if c.start + c.num_tokens == c.seq.num_tokens:
             c.seq.append_token(7)
 
@@ -107,7 +107,7 @@ def test_a_request_held_for_a_shared_prefix_is_skipped_not_a_stop(monkeypatch):
         asked.append(req_id)
         return req_id == "held"
 
-    monkeypatch.setattr(sched.mgr, "waits_for_shared_prefix", waits)
+    monkeypatch.setattr(sched.mgr.prefix_cache, "waits_for_shared_prefix", waits)
     held, later = seq("held", 20, 1.0), seq("later", 20, 2.0)
     sched.add(held)
     sched.add(later)
@@ -116,7 +116,7 @@ def test_a_request_held_for_a_shared_prefix_is_skipped_not_a_stop(monkeypatch):
     assert held in sched.waiting and held.status is RequestStatus.WAITING and "held" not in sched.mgr.requests
     assert sched.waiting.peek() is held  # still first in line
     advance(sched, out)
-    monkeypatch.setattr(sched.mgr, "waits_for_shared_prefix", lambda *a, **k: False)
+    monkeypatch.setattr(sched.mgr.prefix_cache, "waits_for_shared_prefix", lambda *a, **k: False)
     assert scheduled(sched.schedule()) == ["later", "held"]  # running prefill first, then the queue
     assert asked == ["held", "later"]
 
@@ -124,7 +124,7 @@ def test_a_request_held_for_a_shared_prefix_is_skipped_not_a_stop(monkeypatch):
 def test_the_burst_hold_scans_a_bounded_number_of_requests(monkeypatch):
     sched = make(num_blocks=40, max_num_seqs=4)
     calls = []
-    monkeypatch.setattr(sched.mgr, "waits_for_shared_prefix", lambda rid, *a, **k: calls.append(rid) or True)
+    monkeypatch.setattr(sched.mgr.prefix_cache, "waits_for_shared_prefix", lambda rid, *a, **k: calls.append(rid) or True)
     for i in range(100):
         sched.add(seq(f"w{i}", 20, float(i)))
     assert scheduled(sched.schedule()) == []
@@ -135,7 +135,7 @@ def test_the_burst_hold_scans_a_bounded_number_of_requests(monkeypatch):
 def test_a_preempted_request_returns_to_the_head_of_its_queue_and_is_not_held(monkeypatch):
     sched = make(num_blocks=6, num_slots=8)
     asked = []
-    monkeypatch.setattr(sched.mgr, "waits_for_shared_prefix", lambda rid, *a, **k: asked.append(rid) or False)
+    monkeypatch.setattr(sched.mgr.prefix_cache, "waits_for_shared_prefix", lambda rid, *a, **k: asked.append(rid) or False)
     a, b = seq("a", 48, 1.0, max_tokens=20), seq("b", 48, 2.0, max_tokens=20)  # 3 blocks each: all 6
     sched.add(a)
     sched.add(b)

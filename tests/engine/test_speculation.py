@@ -1,5 +1,5 @@
 """Speculative decoding through the engine (scheduler/speculation.py; the draft rows of the model
-runner; the manager's allocate_draft / commit_draft; the per-position state slots of
+runner; the manager's drafts.allocate / drafts.commit; the per-position state slots of
 models/slot_split.py): the output is token for token the engine's without speculation — with
 drafts always right, always wrong and right by chance; for every family in the table; through
 preemption in both modes, prefix hits on a checkpoint taken inside an accepted run, migration

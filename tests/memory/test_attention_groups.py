@@ -120,7 +120,7 @@ def test_hit_is_the_largest_position_every_group_accepts():
     m.admit(Request("a", prompt), num_new_tokens=4)  # chunks of 4: the small pool holds windows, not prompts
     for _ in range(6):
         step(m, "a", 4, rng)
-        assert m.checkpoint("a")
+        assert m.prefix_cache.checkpoint("a")
     step(m, "a", 1, rng)
     m.finish("a")
     assert m.admit(Request("b", prompt + [1]), num_new_tokens=2) == 24  # every group cached and a checkpoint at 24
@@ -130,10 +130,10 @@ def test_hit_is_the_largest_position_every_group_accepts():
     for n in (4, 4, 4, 4, 4, 1):
         step(m, "x", n, rng)
     m.finish("x")
-    hashes = m._prompt_hashes(prompt, None)
+    hashes = m.prefix_cache.prompt_hashes(prompt, None)
     full, small = m.attention_groups[None], m.attention_groups[W1]
     assert full.usable_prefix(hashes, 6) == 6 and small.usable_prefix(hashes, 6) < 6
-    hit = m.usable_prefix_tokens(prompt + [1])
+    hit = m.prefix_cache.usable_tokens(prompt + [1])
     assert hit == small.usable_prefix(hashes, 6) * BS  # checkpoints exist at every boundary
     assert m.admit(Request("c", prompt + [1]), num_new_tokens=4) == hit
     assert_conserved(m)
@@ -146,7 +146,7 @@ def test_preemption_goes_through_every_group(mode):
     m.admit(Request("a", list(range(40))))
     for _ in range(5):
         step(m, "a", 4, rng)
-        m.checkpoint("a")
+        m.prefix_cache.checkpoint("a")
     kv = window_kv(m, "a")
     m.preempt("a", mode)
     assert m.stats().kv_blocks_used == 0 and all(g.block_ids("a") == [] for g in m.attention_groups.values())

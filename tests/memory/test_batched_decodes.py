@@ -43,14 +43,14 @@ def model_writes(m, rid, slot, pos, value):
 def decode_one_by_one(m, rids, values):
     for rid, v in zip(rids, values):
         s = m.request(rid).num_computed_tokens
-        due = m.checkpoint_due(rid, s, s + 1)
+        due = m.prefix_cache.checkpoint_due(rid, s, s + 1)
         slots = m.allocate(rid, 1)
         if slots is None:
             continue
         model_writes(m, rid, slots[0], s, v)
         m.commit(rid, 1)
         if due is not None:
-            m.checkpoint(rid)
+            m.prefix_cache.checkpoint(rid)
 
 
 def decode_batched(m, rids, values, handle=None, continued=None):
@@ -67,7 +67,7 @@ def decode_batched(m, rids, values, handle=None, continued=None):
             continued[0] += 1
     slots, due, done = (handle if handle is not None else m.decode_rows([m.request(r) for r in rids])).allocate(given)
     ready = [i for i, ok in enumerate(done) if ok]
-    with m.batched_checkpoints():
+    with m.prefix_cache.batched_checkpoints():
         for i in ready:
             model_writes(m, rids[i], slots[i], starts[i], values[i])
         if handle is not None and all(done):
@@ -79,7 +79,7 @@ def decode_batched(m, rids, values, handle=None, continued=None):
             assert m.decode_rows([m.request(rids[i]) for i in ready]).commit() == {}
             for i in ready:
                 if due[i]:
-                    m.checkpoint(rids[i])
+                    m.prefix_cache.checkpoint(rids[i])
     decode_one_by_one(m, [r for r, ok in zip(rids, done) if not ok], [v for v, ok in zip(values, done) if not ok])
     return len(ready) < len(rids)
 

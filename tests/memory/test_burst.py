@@ -18,24 +18,24 @@ def step(m, rid, n):
     """allocate + commit n tokens, checkpoint where the chunk was cut for one; returns the cut."""
     r = m.request(rid)
     start = r.num_computed_tokens
-    due = m.checkpoint_due(rid, start, start + n)
+    due = m.prefix_cache.checkpoint_due(rid, start, start + n)
     end = due or start + n
     assert m.allocate(rid, end - start) is not None
     m.commit(rid, end - start)
     if due is not None:
-        m.checkpoint(rid)
+        m.prefix_cache.checkpoint(rid)
     return end
 
 
 def test_followers_wait_for_the_leaders_checkpoint_then_hit():
     m = mgr()
     a, b, c = SHARED + [1, 2, 3], SHARED + [4, 5, 6, 7, 8], SHARED + [9]
-    m.plan_bursts([("a", a, None), ("b", b, None), ("c", c, None)])
+    m.prefix_cache.plan_bursts([("a", a, None), ("b", b, None), ("c", c, None)])
     assert m.admit(Request("a", a)) == 0
-    assert m.waits_for_shared_prefix("b", b) and m.waits_for_shared_prefix("c", c)
+    assert m.prefix_cache.waits_for_shared_prefix("b", b) and m.prefix_cache.waits_for_shared_prefix("c", c)
     assert m.request("a").shared == [20]  # the deepest boundary they share
     assert step(m, "a", len(a)) == 20  # the leader's chunk is cut at the shared boundary
-    assert not m.waits_for_shared_prefix("b", b)
+    assert not m.prefix_cache.waits_for_shared_prefix("b", b)
     assert m.admit(Request("b", b)) == 20 and m.admit(Request("c", c)) == 20
     assert m.stats().burst_waits == 2 and m.stats().prefix_hit_tokens == 40
 
@@ -45,7 +45,7 @@ def test_without_a_plan_the_leader_is_told_before_it_passes_the_boundary():
     a, b = SHARED + [1, 2], SHARED + [3, 4, 5]
     assert m.admit(Request("a", a), num_new_tokens=8) == 0
     step(m, "a", 8)
-    assert m.waits_for_shared_prefix("b", b) and 20 in m.request("a").shared
+    assert m.prefix_cache.waits_for_shared_prefix("b", b) and 20 in m.request("a").shared
     assert step(m, "a", 100) == 20 and m.admit(Request("b", b)) == 20
 
 
@@ -55,9 +55,9 @@ def test_the_wait_ends_when_the_leader_is_preempted_or_finishes():
         a, b = SHARED + [1], SHARED + [2, 3]
         m.admit(Request("a", a), num_new_tokens=4)
         step(m, "a", 4)
-        assert m.waits_for_shared_prefix("b", b)
+        assert m.prefix_cache.waits_for_shared_prefix("b", b)
         m.preempt("a") if end == "preempt" else m.finish("a")
-        assert not m.waits_for_shared_prefix("b", b)
+        assert not m.prefix_cache.waits_for_shared_prefix("b", b)
 
 
 def test_no_wait_once_the_leader_passed_the_boundary_without_a_checkpoint():
@@ -65,15 +65,15 @@ def test_no_wait_once_the_leader_passed_the_boundary_without_a_checkpoint():
     a, b = SHARED + [1], SHARED + [2, 3]
     m.admit(Request("a", a))
     step(m, "a", len(a))
-    assert not m.waits_for_shared_prefix("b", b)
+    assert not m.prefix_cache.waits_for_shared_prefix("b", b)
 
 
 def test_pure_attention_followers_wait_for_the_blocks():
     m = mgr(specs={1: AttentionSpec(2, 4, torch.float32)})
     a, b = SHARED + [1], SHARED + [2, 3]
-    m.plan_bursts([("a", a, None), ("b", b, None)])
+    m.prefix_cache.plan_bursts([("a", a, None), ("b", b, None)])
     m.admit(Request("a", a))
-    assert m.waits_for_shared_prefix("b", b)
+    assert m.prefix_cache.waits_for_shared_prefix("b", b)
     assert m.request("a").shared == []  # no state to checkpoint: the blocks are enough
     step(m, "a", len(a))
     assert m.admit(Request("b", b)) == 20
@@ -83,4 +83,4 @@ def test_other_tenants_never_wait_for_each_other():
     m = mgr()
     a, b = SHARED + [1], SHARED + [2, 3]
     m.admit(Request("a", a, cache_salt="t1"))
-    assert not m.waits_for_shared_prefix("b", b, cache_salt="t2")
+    assert not m.prefix_cache.waits_for_shared_prefix("b", b, cache_salt="t2")

@@ -53,10 +53,10 @@ def test_hybrid_hit_needs_checkpoint_and_copies_it():
     m = mgr()
     prompt = list(range(18))
     assert m.admit(Request("a", prompt)) == 0
-    due = m.checkpoint_due("a", 0, 18)
+    due = m.prefix_cache.checkpoint_due("a", 0, 18)
     assert due == 16  # prompt_end: (18 - 1) // 4 * 4
     run(m, "a", due)
-    assert m.checkpoint("a")
+    assert m.prefix_cache.checkpoint("a")
     at16 = state(m, "a")
     run(m, "a", 2)
     m.finish("a")
@@ -69,7 +69,7 @@ def test_hybrid_hit_needs_checkpoint_and_copies_it():
     s = m.stats()
     assert s.prefix_misses["kv_match_no_checkpoint"] == 1 and s.prefix_misses["no_kv_match"] == 1
     assert s.prefix_hit_tokens == 16 and s.prefix_queries == 3
-    assert m.checkpoint_due("c", 0, 15) == 12  # prompt_end of a 15-token prompt: (15 - 1) // 4 * 4
+    assert m.prefix_cache.checkpoint_due("c", 0, 15) == 12  # prompt_end of a 15-token prompt: (15 - 1) // 4 * 4
 
 
 def test_branch_point_policy_cuts_where_kv_match_runs_past_checkpoints():
@@ -79,7 +79,7 @@ def test_branch_point_policy_cuts_where_kv_match_runs_past_checkpoints():
     run(m, "a", 29)
     m.finish("a")
     assert m.admit(Request("b", list(range(10)) + [99] * 10)) == 0
-    assert m.request("b").branch_point == 8 and m.checkpoint_due("b", 0, 20) == 8
+    assert m.request("b").branch_point == 8 and m.prefix_cache.checkpoint_due("b", 0, 20) == 8
 
 
 def test_pure_attention_hit_never_covers_whole_prompt_and_salt_isolates():
@@ -97,7 +97,7 @@ def test_pure_recurrent_manager():
     assert m.admit(Request("a", list(range(10)))) == 0
     assert m.allocate("a", 8) == [-1] * 8
     m.commit("a", 8)
-    assert m.checkpoint("a")
+    assert m.prefix_cache.checkpoint("a")
     m.finish("a")
     assert m.admit(Request("b", list(range(10)))) == 8
 
@@ -197,7 +197,7 @@ def test_admission_errors_and_not_now():
         m.admit(Request("a", [1]))
     with pytest.raises(RequestStateError, match="not a block boundary"):
         run(m, "a", 3)
-        m.checkpoint("a")
+        m.prefix_cache.checkpoint("a")
     with pytest.raises(MemoryBudgetError, match="num_slots=1"):
         mgr(slots=1)
     with pytest.raises(MemoryBudgetError, match="block_size=0"):
@@ -208,7 +208,7 @@ def test_checkpoints_give_way_to_live_slots():
     m = mgr(slots=3)  # 2 usable slots
     m.admit(Request("a", list(range(9))))
     run(m, "a", 8)
-    assert m.checkpoint("a") and m.stats().slots_free == 0
+    assert m.prefix_cache.checkpoint("a") and m.stats().slots_free == 0
     m.admit(Request("b", [7] * 9))  # no free slot: the checkpoint is evicted for a live request
     assert m.stats().slots_checkpoint == 0 and m.stats().slots_live == 2
     m.finish("b")

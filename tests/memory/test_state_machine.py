@@ -204,7 +204,7 @@ class ManagerMachine(RuleBasedStateMachine):
         r = mgr.request(rid)
         start = r.num_computed_tokens
         end = min(start + n, len(r.token_ids))
-        due = mgr.checkpoint_due(rid, start, end)
+        due = mgr.prefix_cache.checkpoint_due(rid, start, end)
         end = due or end
         def memory():
             return [(list(g.block_ids(rid)), g.pool.num_free, list(g.pool.refcount))
@@ -225,7 +225,7 @@ class ManagerMachine(RuleBasedStateMachine):
         mgr.commit(rid, end - start)
         self.record_prefix_states(r)
         if due is not None:
-            EVENTS["checkpoint stored"] += mgr.checkpoint(rid)
+            EVENTS["checkpoint stored"] += mgr.prefix_cache.checkpoint(rid)
         return True
 
     def check_batch(self, rid, start, end, slots):
@@ -244,14 +244,14 @@ class ManagerMachine(RuleBasedStateMachine):
                 EVENTS["batch slots checked per group"] += 1
 
     def probe_prefix(self, prompt, salt):
-        """usable_prefix_tokens is the largest block count every kind accepts, and changes nothing."""
+        """prefix_cache.usable_tokens is the largest block count every kind accepts, and changes nothing."""
         mgr = self.mgr
         before = mgr.stats()
-        got = mgr.usable_prefix_tokens(prompt, salt)
+        got = mgr.prefix_cache.usable_tokens(prompt, salt)
         assert mgr.stats() == before
         want = 0
-        if mgr.enable_prefix_caching and len(prompt) > mgr.block_size:
-            hashes = mgr._prompt_hashes(prompt, salt)
+        if mgr.prefix_cache.enabled and len(prompt) > mgr.block_size:
+            hashes = mgr.prefix_cache.prompt_hashes(prompt, salt)
             limit = min(len(hashes), (len(prompt) - 1) // mgr.block_size)
             want = max(m for m in range(limit + 1) if all(k.usable_prefix(hashes, m) == m for k in mgr.kinds))
             want *= mgr.block_size
@@ -303,8 +303,8 @@ class ManagerMachine(RuleBasedStateMachine):
     def decode_all(self, tok):
         """The engine's decode step: every running request one token short samples `tok` and
         decodes it through the batched verbs of a DecodeRows (one allocate, the model's writes, one
-        commit, the checkpoints due under batched_checkpoints); those its allocate leaves go one
-        by one. Its answers equal the per-request verbs' (checkpoint_due, allocate)."""
+        commit, the checkpoints due under prefix_cache.batched_checkpoints); those its allocate leaves go one
+        by one. Its answers equal the per-request verbs' (prefix_cache.checkpoint_due, allocate)."""
         mgr = self.mgr
         rids = []
         for rid in self.ids(RequestStatus.RUNNING):
@@ -316,11 +316,11 @@ class ManagerMachine(RuleBasedStateMachine):
         if not rids:
             return
         starts = [mgr.request(rid).num_computed_tokens for rid in rids]
-        want_due = [mgr.checkpoint_due(rid, s, s + 1) is not None for rid, s in zip(rids, starts)]
+        want_due = [mgr.prefix_cache.checkpoint_due(rid, s, s + 1) is not None for rid, s in zip(rids, starts)]
         before = {rid: [list(g.block_ids(rid)) for g in mgr.attention_groups.values()] for rid in rids}
         slots, due, done = mgr.decode_rows([mgr.request(r) for r in rids]).allocate(starts)
         ready = [i for i, ok in enumerate(done) if ok]
-        with mgr.batched_checkpoints():
+        with mgr.prefix_cache.batched_checkpoints():
             for i in ready:
                 rid, s = rids[i], starts[i]
                 assert due[i] == want_due[i]
@@ -333,7 +333,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert r.num_computed_tokens == starts[i] + 1
                 self.record_prefix_states(r)
                 if due[i]:
-                    EVENTS["checkpoint stored by a batched decode"] += mgr.checkpoint(rids[i])
+                    EVENTS["checkpoint stored by a batched decode"] += mgr.prefix_cache.checkpoint(rids[i])
         EVENTS["batched decode"] += len(ready)
         EVENTS["batched decode allocated a block"] += sum(
             1 for i in ready if [len(b) for b in before[rids[i]]] != [len(g.block_ids(rids[i]))
@@ -363,7 +363,7 @@ class ManagerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(self.ids(RequestStatus.RUNNING)))
         nc = self.mgr.request(rid).num_computed_tokens
         if nc and nc % self.mgr.block_size == 0:
-            self.mgr.checkpoint(rid)
+            self.mgr.prefix_cache.checkpoint(rid)
 
     @precondition(lambda self: self.mgr.requests)
     @rule(data=st.data())

@@ -30,8 +30,8 @@ def test_a_follower_of_a_running_leader_stays_while_an_unrelated_waiting_request
     assert [s.request_id for s in sched.running] == ["leader"]
     follower = next(s for s in sched.waiting if s.request_id == "follower")
     # no cached prefix serves the follower yet: only the burst rule keeps it here
-    assert mgr.usable_prefix_tokens(follower.token_ids, None) == 0
-    assert mgr.bursts.leader_for("follower", follower.token_ids, None)[0] == "leader"
+    assert mgr.prefix_cache.usable_tokens(follower.token_ids, None) == 0
+    assert mgr.prefix_cache.bursts.leader_for("follower", follower.token_ids, None)[0] == "leader"
     ours = {"leader", "follower", "stranger"}
     assert [s.request_id for s in requests_free_to_leave(llm, ours, waiting=True)] == ["stranger"]
     assert [s.request_id for s in requests_free_to_leave(llm, ours - {"stranger"}, waiting=True)] == []
@@ -42,7 +42,7 @@ def test_a_follower_of_a_running_leader_stays_while_an_unrelated_waiting_request
         [(s.request_id, "running") for s in sched.running] + [(s.request_id, "waiting") for s in sched.waiting]
         + [(s.request_id, "swapped") for s in sched.swapped])
     assert probe(llm, prefix, None) == ReplicaProbe(
-        mgr.usable_prefix_tokens(prefix, None), sum(len(s.token_ids) for s in queued), len(sched.running),
+        mgr.prefix_cache.usable_tokens(prefix, None), sum(len(s.token_ids) for s in queued), len(sched.running),
         len(sched.waiting) + len(sched.swapped), sched.max_seqs)
     llm.close()
 

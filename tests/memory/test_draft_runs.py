@@ -1,6 +1,6 @@
-"""The manager's draft verbs (speculative decoding): `allocate_draft` hands out KV slots for the
-k + 1 positions and a state slot chain, refusing (nothing changed) when a pool cannot give them
-without evicting; `commit_draft` keeps the accepted positions — the state after the last one
+"""The manager's draft verbs (hybridkv/draft_runs.py, speculative decoding): `drafts.allocate` hands
+out KV slots for the k + 1 positions and a state slot chain, refusing (nothing changed) when a pool
+cannot give them without evicting; `drafts.commit` keeps the accepted positions — the state after the last one
 becomes the live state by a slot move, a checkpoint due inside the run comes from its position's
 draft slot, the KV blocks and slots of rejected positions go back — and `finish` / `preempt`
 free a chain that was never committed."""
@@ -40,21 +40,21 @@ def slot_value(m, slot):
 def test_a_run_gives_kv_slots_and_a_chain_of_free_state_slots():
     m, r = decoding()
     live = m.live_slot("a")
-    kv, chain = m.allocate_draft("a", 3)
+    kv, chain = m.drafts.allocate("a", 3)
     assert kv == m.attention.slot_mapping("a", 6, 10)
     assert chain[0] == live and len(chain) == 5 and len(set(chain)) == 5
     assert [m.recurrent.states.kind[s] for s in chain[1:]] == [DRAFT] * 4
 
 
 @pytest.mark.parametrize("accepted", [0, 1, 3])
-def test_commit_draft_moves_the_state_of_the_last_kept_position_into_place(accepted):
+def test_drafts_commit_moves_the_state_of_the_last_kept_position_into_place(accepted):
     m, r = decoding()
     old_live = m.live_slot("a")
-    _, chain = m.allocate_draft("a", 3)
+    _, chain = m.drafts.allocate("a", 3)
     for j, s in enumerate(chain[1:]):  # the forward: the state after position j in slot j
         fill(m, s, float(j + 1))
     r.token_ids.extend([50, 51, 52][:accepted])
-    m.commit_draft("a", accepted + 1)
+    m.drafts.commit("a", accepted + 1)
     assert r.num_computed_tokens == 6 + accepted + 1
     live = m.live_slot("a")
     assert live == chain[1 + accepted] and slot_value(m, live) == accepted + 1
@@ -66,11 +66,11 @@ def test_commit_draft_moves_the_state_of_the_last_kept_position_into_place(accep
 
 def test_a_checkpoint_due_inside_the_run_comes_from_that_positions_slot():
     m, r = decoding(prompt_len=6, checkpoint_policy="every_n_blocks", checkpoint_every_n=2)
-    _, chain = m.allocate_draft("a", 3)  # positions 6..9; 8 = 2 blocks is due
+    _, chain = m.drafts.allocate("a", 3)  # positions 6..9; 8 = 2 blocks is due
     for j, s in enumerate(chain[1:]):
         fill(m, s, float(j + 1))
     r.token_ids.extend([50, 51, 52])
-    m.commit_draft("a", 4)  # computed 10 tokens: the boundary 8 lies inside the run
+    m.drafts.commit("a", 4)  # computed 10 tokens: the boundary 8 lies inside the run
     h = r.block_hashes[1]
     ck = m.recurrent.checkpoints[h]
     assert ck.position == 8 and slot_value(m, ck.slot) == 2.0  # the state after position 7 (token 8)
@@ -80,23 +80,23 @@ def test_a_checkpoint_due_inside_the_run_comes_from_that_positions_slot():
 def test_no_free_slot_refuses_and_changes_nothing():
     m, r = decoding(slots=3)  # null, live, one free: a chain of 3 does not fit
     free_before, blocks_before = m.recurrent.states.num_free, list(m.block_ids("a"))
-    assert m.allocate_draft("a", 2) is None
+    assert m.drafts.allocate("a", 2) is None
     assert m.recurrent.states.num_free == free_before and m.block_ids("a") == blocks_before
-    assert m.allocate_draft("a", 1) is None  # two draft slots, one free
+    assert m.drafts.allocate("a", 1) is None  # two draft slots, one free
 
 
 def test_no_free_block_refuses_and_changes_nothing():
     m, r = decoding(blocks=2, max_tokens=2)  # positions 0..7 fit; a draft of 3 reaches position 9
     free_before = m.recurrent.states.num_free
-    assert m.allocate_draft("a", 3) is None
+    assert m.drafts.allocate("a", 3) is None
     assert m.recurrent.states.num_free == free_before and len(m.block_ids("a")) == 2
-    assert m.allocate_draft("a", 1) is not None  # positions 6, 7: inside the blocks held
+    assert m.drafts.allocate("a", 1) is not None  # positions 6, 7: inside the blocks held
 
 
 @pytest.mark.parametrize("end", ["finish", "recompute", "swap", "failed"])
 def test_a_chain_never_committed_is_freed_with_the_request(end):
     m, r = decoding()
-    m.allocate_draft("a", 3)
+    m.drafts.allocate("a", 3)
     if end == "finish":
         m.finish("a")
     elif end == "failed":
@@ -111,10 +111,10 @@ def test_a_chain_never_committed_is_freed_with_the_request(end):
 def test_a_draft_needs_one_token_left_and_at_least_one_draft_token():
     m, r = decoding()
     with pytest.raises(RequestStateError, match="exactly one token left"):
-        m.allocate_draft("a", 0)
+        m.drafts.allocate("a", 0)
     r.token_ids.append(98)
     with pytest.raises(RequestStateError, match="exactly one token left"):
-        m.allocate_draft("a", 2)
+        m.drafts.allocate("a", 2)
 
 
 def test_checkpoints_leave_the_draft_reserve_free():
@@ -124,13 +124,13 @@ def test_checkpoints_leave_the_draft_reserve_free():
                     draft_slots=3)
     rec = m.recurrent
     for n in range(4):  # checkpoint at each block boundary, then compute the next block
-        m.checkpoint("a")
+        m.prefix_cache.checkpoint("a")
         assert rec.states.num_free >= 3
         r.token_ids.extend([60 + n] * 4)
         m.allocate("a", 4)
         m.commit("a", 4)
     assert len(rec.checkpoints) == 1
-    assert m.allocate_draft("a", 2) is not None  # the reserve holds a run of 2 drafted tokens
+    assert m.drafts.allocate("a", 2) is not None  # the reserve holds a run of 2 drafted tokens
 
 
 def test_the_plan_keeps_draft_slots_only_beside_a_first_request():

@@ -1,0 +1,197 @@
+"""The prefix cache: how a request's computed memory becomes findable by later requests, and how a
+new request finds it (docs/design.md, "Prefix hits", "Checkpoint policy", "The burst rule").
+
+A block is known by its chained hash under the request's key (block_hash.py: model fingerprint,
+adapter, multimodal hashes, cache_salt). A committed full block's KV is findable once its hash is
+given to each kind (`hash_blocks`); a recurrent state only where a checkpoint keeps it: the policy
+says at which block boundary (`checkpoint_due`, checkpoint_policy.py), `checkpoint` / `store`
+copy the state there, and a live state let go at a boundary can stay as one (`donation`). A hit
+is usable only as far as every kind can resume it (prefix_match.py). The burst rule
+(memory/burst.py) holds a new request back a step for a running one computing the prefix they share.
+
+Owned by the HybridCacheManager (`mgr.prefix_cache`), whose verbs call it; it reads the manager's
+requests by id and changes only their hash and checkpoint fields (extra_key, block_hashes,
+shared). The scheduler asks it where to cut a chunk and about bursts; the data-parallel router
+asks `usable_tokens`; the prefix-hit guard calls `invalidate`.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Hashable, Mapping, Optional, Sequence
+
+from hybridkv.block_hash import extend_hashes, extra_key
+from hybridkv.checkpoint_policy import CheckpointPolicy
+from hybridkv.errors import RequestStateError
+from hybridkv.memory.burst import BurstRule
+from hybridkv.memory.kinds import ModelKinds
+from hybridkv.prefix_match import NO_MATCH, PrefixHitCounter, PrefixMatch, match_prefix
+from hybridkv.request import Request, RequestStatus
+
+RUNNING = RequestStatus.RUNNING
+
+
+class PrefixCache:
+    """enabled: prefix caching on (off: nothing is hashed, matched or checkpointed); requests: the
+    manager's requests by id (read here, never added or removed)."""
+
+    def __init__(self, kinds: ModelKinds, block_size: int, requests: Mapping[Hashable, Request],
+                 policy: CheckpointPolicy, *, enabled: bool = True, fingerprint: str = ""):
+        self.enabled = enabled
+        self.fingerprint = fingerprint
+        self.block_size = block_size
+        self.policy = policy
+        self.kinds = kinds.all
+        self.attention = kinds.attention  # the lead attention group
+        self.recurrent = kinds.recurrent
+        self._requests = requests
+        self.hits = PrefixHitCounter()
+        self.bursts = BurstRule(block_size, self.prompt_hashes, lambda hashes, n: self._match(hashes, n).blocks)
+
+    # ---- hashes ----------------------------------------------------------------------------
+    def keyed(self, r: Request) -> Request:
+        """`r` with its blocks' hash key (hashes made under another key are dropped)."""
+        key = extra_key(self.fingerprint, r.adapter_id, r.mm_hashes, r.cache_salt)
+        if key != r.extra_key:
+            r.extra_key = key
+            r.block_hashes.clear()
+        return r
+
+    def hashes(self, r: Request) -> list[bytes]:
+        """r.block_hashes, extended to every full block of its token list."""
+        extend_hashes(r.block_hashes, r.token_ids, len(r.token_ids) // self.block_size, r.extra_key,
+                      self.block_size)
+        return r.block_hashes
+
+    def prompt_hashes(self, token_ids: Sequence[int], cache_salt: Optional[str]) -> list[bytes]:
+        """The hashes of the full blocks strictly inside a prompt not yet admitted."""
+        hashes: list[bytes] = []
+        extend_hashes(hashes, token_ids, (len(token_ids) - 1) // self.block_size,
+                      extra_key(self.fingerprint, None, (), cache_salt), self.block_size)
+        return hashes
+
+    def hash_blocks(self, r: Request, num_computed: int) -> int:
+        """Hash r's blocks that are full at num_computed tokens (none with caching off); returns
+        how many of its blocks are hashed then (never fewer than before)."""
+        full = num_computed // self.block_size if self.enabled else 0
+        if full > r.num_hashed_blocks:
+            extend_hashes(r.block_hashes, r.token_ids, full, r.extra_key, self.block_size)
+            return full
+        return r.num_hashed_blocks
+
+    # ---- lookup ----------------------------------------------------------------------------
+    def match(self, r: Request) -> PrefixMatch:
+        """The hit every kind accepts for r's tokens (NO_MATCH with caching off)."""
+        return self._match(self.hashes(r), len(r.token_ids)) if self.enabled else NO_MATCH
+
+    def _match(self, hashes: Sequence[bytes], num_tokens: int) -> PrefixMatch:
+        """One token is always left to compute (prefix_match.py)."""
+        return match_prefix(self.kinds, self.attention, hashes, num_tokens, self.block_size)
+
+    def usable_tokens(self, token_ids: Sequence[int], cache_salt: Optional[str] = None) -> int:
+        """Tokens of a prompt admitted now would take from cache under the hybrid hit rule (KV of
+        every kind and a state checkpoint at the same position); block-aligned. Changes nothing
+        (no stats, no LRU touch): the data-parallel router asks every replica this."""
+        if not self.enabled or len(token_ids) <= self.block_size:
+            return 0
+        return self._match(self.prompt_hashes(token_ids, cache_salt), len(token_ids)).blocks * self.block_size
+
+    def admitted(self, r: Request, match: PrefixMatch) -> None:
+        """r started at `match`: its hit is counted, its hints set (num_hashed_blocks,
+        resumed_from, branch_point), and it now computes its prompt's uncached blocks, learning the
+        boundaries the burst plan wants its state at (r.shared)."""
+        bs, m = self.block_size, match.blocks
+        hit = m * bs
+        r.num_hashed_blocks, r.resumed_from = m, hit
+        r.shared.clear()
+        # Only a real junction (another cached continuation), not the end of a cached sequence.
+        r.branch_point = match.kv_blocks * bs if match.kv_blocks > m and match.branches else None
+        self.hits.record(len(r.token_ids), hit, match.miss)
+        if self.enabled:
+            planned = self.bursts.admitted(r.request_id, r.block_hashes[m:(r.num_prompt_tokens - 1) // bs], hit)
+            if self.recurrent is not None:
+                r.shared.extend(planned)
+
+    # ---- bursts ----------------------------------------------------------------------------
+    def plan_bursts(self, candidates: Sequence[tuple[Hashable, Sequence[int], Optional[str]]]) -> None:
+        """Before a step admits new requests: the next not-yet-admitted ones in queue order, as
+        (req_id, token_ids, cache_salt). A leader of a burst learns where to checkpoint before
+        its first chunk is cut (memory/burst.py)."""
+        if self.enabled and len(candidates) > 1:
+            self.bursts.plan(candidates)
+
+    def waits_for_shared_prefix(self, req_id: Hashable, token_ids: Sequence[int], *,
+                                cache_salt: Optional[str] = None) -> bool:
+        """The burst rule: True when a not-yet-admitted request shares blocks beyond its usable
+        hit with a running request that has not computed them yet; that request is asked to
+        checkpoint at the deepest shared boundary. Hold this one a step. Changes nothing else;
+        False whenever waiting would not save work."""
+        if not self.enabled or req_id in self._requests or len(token_ids) <= self.block_size:
+            return False
+        leader, boundary = self.bursts.leader_for(req_id, token_ids, cache_salt)
+        lead = self._requests.get(leader)
+        if lead is None or lead.status is not RUNNING or lead.num_computed_tokens >= boundary:
+            return False
+        if self.recurrent is not None and boundary not in lead.shared:
+            lead.shared.append(boundary)
+        self.bursts.waits += 1
+        return True
+
+    # ---- state checkpoints -----------------------------------------------------------------
+    def checkpoint_due(self, req_id: Hashable, start: int, end: int) -> Optional[int]:
+        """The first block boundary in (start, end] where the policy wants the state kept, else None."""
+        if self.recurrent is None or not self.enabled or end // self.block_size == start // self.block_size:
+            return None  # every checkpoint sits at a block boundary: none in (start, end] here
+        r = self._requests[req_id]
+        return self.policy.due(start, end, r.num_prompt_tokens, r.branch_point, r.shared, r.resumed_from)
+
+    def checkpoint(self, req_id: Hashable) -> bool:
+        """Copy a running request's live state into a checkpoint keyed by the hash of the block
+        ending at num_computed_tokens (a block boundary). False if one exists already, caching is
+        off, or no slot can be freed."""
+        r = self._requests.get(req_id)
+        if r is None or r.status is not RUNNING:
+            raise RequestStateError(f"checkpoint of {req_id!r}: it is {'unknown' if r is None else r.status}, "
+                                    f"not running")
+        if self.recurrent is None or not self.enabled:
+            return False
+        nc, bs = r.num_computed_tokens, self.block_size
+        if nc == 0 or nc % bs:
+            raise RequestStateError(
+                f"checkpoint of {req_id!r} at num_computed_tokens={nc}, not a block boundary (block_size "
+                f"{bs}): cut the chunk where checkpoint_due() says")
+        return self.store(r, nc)
+
+    def store(self, r: Request, position: int, source: Optional[int] = None, mark: bool = True) -> bool:
+        """Keep the state after `position` (a block boundary) tokens of r from slot `source` (None:
+        the live state, after num_computed_tokens) under the hash of the block ending there.
+        mark: first make that block findable in every kind (False: the commit that hashed it did)."""
+        h = self._boundary(r, position) if mark else r.block_hashes[position // self.block_size - 1]
+        output = position > r.num_prompt_tokens and self.policy.rolling_output
+        return self.recurrent.checkpoint(r.request_id, h, position, output, source)
+
+    def donation(self, r: Request) -> Optional[tuple[bytes, int]]:
+        """Where r's live state, about to be let go, can stay as a checkpoint: (hash, position) at
+        num_computed_tokens when that is a block boundary, else None."""
+        nc = r.num_computed_tokens
+        if self.recurrent is None or not self.enabled or not nc or nc % self.block_size:
+            return None
+        return self._boundary(r, nc), nc
+
+    def _boundary(self, r: Request, position: int) -> bytes:
+        """Hash of the block ending at `position`, made findable in every kind."""
+        i = position // self.block_size - 1
+        for kind in self.kinds:
+            kind.mark_boundary(r.request_id, i, r.block_hashes[i])
+        return r.block_hashes[i]
+
+    def invalidate(self, key: bytes) -> bool:
+        """Drop the state checkpoint keyed `key` (a block hash) from every tier, so no later match
+        uses it (the prefix-hit guard found it wrong); False when no tier held it."""
+        return self.recurrent is not None and self.recurrent.invalidate(key)
+
+    def batched_checkpoints(self):
+        """A context in which checkpoints keep their bookkeeping but copy the states at the exit,
+        one gather and scatter per tensor (a step's checkpoints together)."""
+        if self.recurrent is None:
+            return contextlib.nullcontext()
+        return self.recurrent.states.deferred_copies()
