@@ -307,15 +307,15 @@ class HybridCacheManager:
         self._reqs[child_id] = child
         return True
 
-    def finish(self, req_id: Hashable, failed: bool = False) -> None:
-        """Forget the request: every kind lets its memory go (full blocks stay cached; the state
-        stays as a checkpoint when the policy keeps final states and it ends at a block boundary).
-        failed: its memory may have run past num_computed_tokens (its step failed): nothing is
-        kept — no state becomes a checkpoint, and only the blocks hashed before (complete,
-        committed) stay findable."""
+    def finish(self, req_id: Hashable, discard: bool = False) -> None:
+        """The request ends, whatever its status: every kind releases its memory (full blocks
+        stay cached; the state stays as a checkpoint when the policy keeps final states and it
+        ends at a block boundary), then forgets it; the manager drops it. discard: its memory may
+        have run past num_computed_tokens (its step failed): nothing of that run is kept — no state
+        becomes a checkpoint, and only the blocks hashed before (complete, committed) stay findable."""
         r = self.request(req_id)
         if r.status is RUNNING:
-            keep = self.prefix_cache.policy.keeps_final_state and not failed
+            keep = self.prefix_cache.policy.keeps_final_state and not discard
             donate = self.prefix_cache.donation(r) if keep else None
             for kind in self.kinds:
                 kind.release(req_id, donate)

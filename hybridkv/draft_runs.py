@@ -53,7 +53,7 @@ class DraftRuns:
     def commit(self, req_id: Hashable, num_tokens: int) -> None:
         """The verified run keeps its first num_tokens positions (the token before the draft, then
         the accepted draft tokens; its token list holds them now). On a raise,
-        `finish(req_id, failed=True)` frees what is left."""
+        `finish(req_id, discard=True)` frees what is left."""
         mgr = self.mgr
         r = mgr.running(req_id)
         start = r.num_computed_tokens

@@ -106,7 +106,7 @@ def place_snapshot(snap: RequestSnapshot, r: Request, kinds: Sequence, prefix_ca
         for kind in kinds:
             kind.import_(rid, part, hashes, nc)
     except BaseException:
-        for kind in kinds:  # as the manager's finish(failed=True): no state kept, no new block findable
+        for kind in kinds:  # as the manager's finish(discard=True): no state kept, no new block findable
             kind.release(rid)
         for kind in kinds:
             kind.forget(rid)

@@ -98,5 +98,5 @@ def import_request(sched, snap: RequestSnapshot, params: SamplingParams,
         if sched.groups.get(g.key) is g:
             del sched.groups[g.key]
         if rid in mgr.requests:
-            mgr.finish(rid, failed=True)
+            mgr.finish(rid, discard=True)
         raise

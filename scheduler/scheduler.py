@@ -94,7 +94,7 @@ class Scheduler:
         log.warning("request %r failed: %s", rid, error)
         try:
             if discard and rid in self.mgr.requests:
-                self.mgr.finish(rid, failed=True)  # frees without keeping the (advanced) state or new blocks
+                self.mgr.finish(rid, discard=True)  # frees without keeping the (advanced) state or new blocks
             self.finish(seq, "error")
         except Exception as e:  # the manager could not free it: say so, never raise from here
             log.error("request %r: freeing its memory failed too: %r", rid, e)

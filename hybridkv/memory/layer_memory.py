@@ -94,11 +94,15 @@ class LayerMemory(ABC):
 
     @abstractmethod
     def release(self, rid: Hashable, donate: Optional[tuple[bytes, int]] = None) -> None:
-        """Let go of rid's memory (preempt by recompute, finish). donate=(hash, position): a state
-        kind keeps the live state as a checkpoint there instead of freeing it."""
+        """Let go of rid's memory in this pool (blocks, live and draft slots; full blocks stay
+        findable by hash). rid may come back (preempt by recompute, swap out) or be ending (the
+        manager's finish, which then calls forget). donate=(hash, position): a state kind keeps
+        the live state as a checkpoint there instead of freeing it. Holding nothing: a no-op."""
 
     def forget(self, rid: Hashable) -> None:
-        """rid is gone for good (finished or aborted): drop whatever the kind still keeps for it."""
+        """rid has ended for good (finished, aborted, failed; released first if it held memory):
+        drop what the kind keeps about it beyond its memory (the recurrent kind: which checkpoint
+        is its rolling output state). Frees no pool memory."""
 
     @abstractmethod
     def swap_out(self, rid: Hashable, num_computed: int) -> Any:

@@ -174,8 +174,8 @@ def test_fork_export_import_and_discard_go_through_every_group():
             start = snap.kv_start.get(i, 0)
             for p in range(g.first_needed_token(n), n):
                 assert torch.equal(t[ids[p // 8], :, p % 8], snap.kv[i][:, p - start]), (w, i, p)
-    m.finish("c", failed=True)
-    m.finish("p", failed=True)
+    m.finish("c", discard=True)
+    m.finish("p", discard=True)
     assert m.stats().kv_blocks_used == 0 and m.stats().slots_live == 0
     assert_conserved(m)
 

@@ -276,7 +276,7 @@ def test_discard_keeps_nothing_of_a_failed_step():
     slots = m.allocate("a", 2)  # the step that fails: KV written past num_computed, never committed
     assert slots is not None
     before = m.stats()
-    m.finish("a", failed=True)
+    m.finish("a", discard=True)
     s = m.stats()
     assert "a" not in m.requests and s.kv_blocks_used == 0 and s.slots_live == 0
     assert s.slots_checkpoint == before.slots_checkpoint  # the advanced live state is not kept

@@ -100,7 +100,7 @@ def test_a_chain_never_committed_is_freed_with_the_request(end):
     if end == "finish":
         m.finish("a")
     elif end == "failed":
-        m.finish("a", failed=True)
+        m.finish("a", discard=True)
     else:
         m.preempt("a", end)
     kinds = m.recurrent.states.kind
