@@ -113,11 +113,13 @@ class PrefixCache:
 
     # ---- bursts ----------------------------------------------------------------------------
     def plan_bursts(self, candidates: Sequence[tuple[Hashable, Sequence[int], Optional[str]]]) -> None:
-        """Before a step admits new requests: the next not-yet-admitted ones in queue order, as
-        (req_id, token_ids, cache_salt). A leader of a burst learns where to checkpoint before
-        its first chunk is cut (memory/burst.py)."""
+        """Before a step admits new requests: the next waiting ones in queue order, as (req_id,
+        token_ids, cache_salt); those the manager holds (preempted) are left out. A leader of a
+        burst learns where to checkpoint before its first chunk is cut (memory/burst.py)."""
         if self.enabled and len(candidates) > 1:
-            self.bursts.plan(candidates)
+            candidates = [c for c in candidates if c[0] not in self._requests]
+            if len(candidates) > 1:
+                self.bursts.plan(candidates)
 
     def waits_for_shared_prefix(self, req_id: Hashable, token_ids: Sequence[int], *,
                                 cache_salt: Optional[str] = None) -> bool:

@@ -35,6 +35,9 @@ from .step_plan import DecodeBatch, ScheduledChunk, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
+# Why a request whose logits row is not finite fails (its new KV and state are suspect).
+NONFINITE = "the model gave non-finite logits (NaN or inf) for this request"
+
 
 @dataclass
 class RunnerOutput:

@@ -12,6 +12,7 @@ from hybridkv.request import Request, RequestStatus
 from hybridkv.sampling_params import SamplingParams
 
 from .sampler import SampleRow
+from .stopping import decoded_logprobs
 
 
 class RequestGroup:
@@ -70,9 +71,10 @@ class RequestGroup:
     def collects_prompt_logprobs(self, seq: Request) -> bool:
         return self.prompt_logprobs is not None and seq.seq_index == 0
 
-    def record_prompt_logprobs(self, pos0: int, entries: list) -> None:
-        """Keep the prompt logprobs of positions pos0 + 1, pos0 + 2, ... ({token id: Logprob} each)."""
-        self.prompt_logprobs[pos0 + 1:pos0 + 1 + len(entries)] = entries
+    def record_prompt_logprobs(self, pos0: int, entries: list, tokenizer) -> None:
+        """Keep the prompt logprobs of positions pos0 + 1, pos0 + 2, ... (the runner's entries,
+        decoded with `tokenizer`: {token id: Logprob} each)."""
+        self.prompt_logprobs[pos0 + 1:pos0 + 1 + len(entries)] = [decoded_logprobs(tokenizer, e) for e in entries]
 
     @property
     def finished(self) -> bool:

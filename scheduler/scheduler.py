@@ -1,15 +1,16 @@
 """Continuous batching over the dual memory manager (docs/design.md, "Scheduling").
 
-Each step: the running plain decodes as one DecodeBatch (step_plan.py), then running chunked
-prefills, then swapped-out requests, then waiting ones (priority, then arrival), under a token
-budget and a cap on running requests. FCFS: nobody overtakes the head of the swapped or waiting
-queue, except a new request the manager holds back for a running one computing the prefix they
-share (burst rule). Prefill chunks are cut where the manager wants a state checkpoint. When a
-pool is short after eviction, the lowest-priority, latest-arriving running request is preempted
-(recompute or swap, per PreemptionPolicy). A verb that raises for one request ends it alone
-with "error" (`fail`); the scan goes on. After the forward pass, `update_from_output` applies
-what the model runner computed: commits, state checkpoints, forks (n > 1), the sampled tokens
-and the stops. The scheduler is the only caller that changes the memory manager.
+Each step: the running decodes as one DecodeBatch (step_plan.py: it allocates and commits its
+rows in one manager call each), then running chunked prefills, then swapped-out requests, then
+waiting ones (priority, then arrival), under a token budget and a cap on running requests.
+FCFS: nobody overtakes the head of the swapped or waiting queue, except a new request the
+prefix cache holds back for a running one computing the prefix they share (burst rule). Prefill
+chunks are cut where a state checkpoint is due. When a pool is short after eviction, the
+lowest-priority, latest-arriving running request is preempted (recompute or swap, per
+PreemptionPolicy). A verb that raises for one request ends it alone with "error" (`fail`); the
+scan goes on. After the forward pass, `update_from_output` applies what the model runner
+computed: commits, state checkpoints, forks (n > 1), draft runs (speculation.py), the sampled
+tokens and the stops. The scheduler is the only caller that changes the memory manager.
 """
 from __future__ import annotations
 
@@ -23,18 +24,15 @@ from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.request import Request, RequestStatus, run_order
 
 from .hit_guard import HitGuard
-from .model_runner import RunnerOutput
+from .model_runner import NONFINITE, RunnerOutput
 from .preemption import PreemptionPolicy
 from .request_group import RequestGroup
 from .sequence_queue import SequenceQueue
 from .speculation import Speculation
 from .step_plan import DecodeBatch, ScheduledChunk, SchedulerOutput
-from .stopping import decoded_logprobs
 from .token_append import TokenAppender
 
 log = logging.getLogger(__name__)
-
-NONFINITE = "the model gave non-finite logits (NaN or inf) for this request"
 
 
 class Scheduler:
@@ -124,7 +122,7 @@ class Scheduler:
         if batch is not None:
             self.counters["carried_decode_batches"] += batch.carried
             self.batches_cut += batch.cut
-            out.decodes = self._allocate_batch(batch, out)
+            out.decodes = batch.allocate(lambda: self._preempt(max(self.running, key=run_order), out))
             budget -= len(out.decodes) if out.decodes is not None else 0
             if self.speculation is not None:  # rows with a draft verify it as chunks
                 budget = self.speculation.take_drafts(self.mgr, out, budget)
@@ -143,8 +141,7 @@ class Scheduler:
         if room > 1 and len(self.waiting) > 1:  # burst rule: leaders learn where to checkpoint first
             try:
                 self.mgr.prefix_cache.plan_bursts([(s.request_id, s.token_ids, s.cache_salt)
-                                                   for s in self.waiting.head(room)
-                                                   if s.request_id not in self.mgr.requests])
+                                                   for s in self.waiting.head(room)])
             except Exception as e:  # an optimisation: a step without it is still correct
                 log.error("burst planning failed, skipped this step: %r", e)
         for queue in (self.swapped, self.waiting):
@@ -152,22 +149,6 @@ class Scheduler:
             if budget < 0:
                 break
         return out
-
-    def _allocate_batch(self, batch: DecodeBatch, out: SchedulerOutput) -> Optional[DecodeBatch]:
-        """KV slots and due checkpoints for the decode batch in one call. When a pool is short, the
-        last running request in run order is preempted (a decode or a prefill) and the rest asked
-        again, until every decode left has its slot; None when none is left."""
-        while True:
-            slots, due, done = batch.rows.allocate(batch.positions)
-            if done.all():
-                batch.kv_slots, batch.checkpoints = slots, np.flatnonzero(due).tolist()
-                return batch
-            self._preempt(max(self.running, key=run_order), out)
-            keep = [i for i, seq in enumerate(batch.seqs) if seq.status is RequestStatus.RUNNING]
-            if len(keep) < len(batch):
-                batch = batch.without(keep)
-                if batch is None:
-                    return None
 
     def _admit_from(self, queue: SequenceQueue, budget: int, out: SchedulerOutput) -> int:
         """Start sequences from the head of `queue` while they fit; the budget left, or -1 when
@@ -222,9 +203,7 @@ class Scheduler:
             return None
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
-        out.chunks = [c for c in out.chunks if c.seq is not victim]
-        if out.decodes is not None and any(seq is victim for seq in out.decodes.seqs):
-            out.decodes = out.decodes.without([i for i, seq in enumerate(out.decodes.seqs) if seq is not victim])
+        out.drop(victim)
         try:
             mode = self.policy.choose(victim.num_computed_tokens)
             self.mgr.preempt(victim.request_id, mode)
@@ -288,7 +267,9 @@ class Scheduler:
             if out.chunks:
                 self._update_chunks(out.chunks, result, reported, finished_only)
         if self.speculation is not None and out.chunks:  # outside: their checkpoints read draft slots
-            self._update_drafts(out.chunks, result, reported, finished_only)
+            self.speculation.commit_runs(
+                self.mgr, out.chunks, result, lambda seq, e: self.fail_request(seq, e, reported, discard=True),
+                lambda seqs, tokens, lps: self._append(seqs, tokens, lps, reported, finished_only))
         if not (out.decodes or out.chunks or out.preempted or out.failed) and self.has_unfinished():
             self._fail_stuck(reported)
         return reported
@@ -306,26 +287,10 @@ class Scheduler:
             for j in np.flatnonzero(~np.asarray(finite)).tolist():
                 if not seqs[j].finished:  # (a sibling's failure may have ended it)
                     self.fail_request(seqs[j], NONFINITE, reported, discard=True)  # its new KV and state are suspect
-        ended = finite is not None or some_failed
-        if ended:  # those left commit through a handle of their own
-            keep = [j for j, seq in enumerate(seqs) if not seq.finished]
-            errors = {keep[k]: e for k, e in
-                      batch.rows.kept(keep).commit(batch.positions[keep]).items()} if keep else {}
-        else:
-            errors = batch.rows.commit(batch.positions)
-        for j, e in errors.items():
-            self.fail_request(seqs[j], e, reported, discard=True)
-        failed = False
-        for i in batch.checkpoints:
-            if (ended or errors or failed) and seqs[i].finished:
-                continue
-            try:
-                batch.rows.checkpoint(i)
-            except Exception as e:
-                self.fail_request(seqs[i], e, reported)
-                failed = True
+        ran_whole = batch.commit(finite is not None or some_failed,
+                                 lambda j, e, discard: self.fail_request(seqs[j], e, reported, discard=discard))
         tokens = result.batch_tokens
-        if ended or errors or failed:  # those left append one by one; the batch ends here
+        if not ran_whole:  # those left append one by one; the batch ends here
             keep = [j for j, seq in enumerate(seqs) if not seq.finished]
             lps = result.batch_logprobs or [None] * len(seqs)
             self._append([seqs[j] for j in keep], [tokens[j] for j in keep], [lps[j] for j in keep],
@@ -352,7 +317,7 @@ class Scheduler:
         for i, c in enumerate(chunks):
             seq = c.seq
             if seq.finished or c.draft:
-                continue  # its group failed earlier in this step; a draft run: _update_drafts
+                continue  # its group failed earlier in this step; a draft run: Speculation.commit_runs
             if not result.finite[i]:
                 self.fail_request(seq, NONFINITE, reported, discard=True)  # its new KV and state are suspect
                 continue
@@ -365,10 +330,8 @@ class Scheduler:
                 if c.checkpoint:
                     mgr.prefix_cache.checkpoint(seq.request_id)
                 if i in result.prompt_logprobs:
-                    pos0, entries = result.prompt_logprobs[i]
-                    tok = self.appender.tokenizer
-                    self.groups[seq.group_id].record_prompt_logprobs(
-                        pos0, [decoded_logprobs(tok, e) for e in entries])
+                    self.groups[seq.group_id].record_prompt_logprobs(*result.prompt_logprobs[i],
+                                                                     self.appender.tokenizer)
                 if i not in result.tokens:
                     continue  # a prefill chunk short of the end: nothing sampled yet
                 children = self._fork(seq)
@@ -380,32 +343,6 @@ class Scheduler:
                 tokens.append(result.tokens[i][j])
                 lps.append(result.logprobs[i][j])
         self._append(seqs, tokens, lps, reported, finished_only)
-
-    def _update_drafts(self, chunks: list[ScheduledChunk], result: RunnerOutput, reported: dict,
-                       finished_only: bool) -> None:
-        """The chunks that verified a draft: each keeps the positions its accepted run computed
-        (the token before the draft and the draft tokens accepted: `mgr.drafts.commit` with the
-        accepted tokens in its list for the call), then appends the run, stopping where a stop
-        rule says (a stop inside the run ends it there)."""
-        for i, c in enumerate(chunks):
-            seq = c.seq
-            if not c.draft or seq.finished:
-                continue
-            if not result.finite[i]:
-                self.fail_request(seq, NONFINITE, reported, discard=True)
-                continue
-            run, lps = result.tokens[i], result.logprobs[i]
-            accepted, ids = len(run) - 1, seq.token_ids
-            ids.extend(c.draft[:accepted])
-            try:
-                self.mgr.drafts.commit(seq.request_id, accepted + 1)
-            except Exception as e:
-                self.fail_request(seq, e, reported, discard=True)
-                continue
-            finally:
-                del ids[len(ids) - accepted:]
-            self.speculation.observe(seq, len(c.draft), accepted)
-            self._append([seq] * len(run), run, lps, reported, finished_only)
 
     def _append(self, seqs: list[Request], tokens: list, lps: list, reported: dict, finished_only: bool) -> None:
         appended, stopped = self.appender(seqs, tokens, lps, lambda seq, e: self.fail_request(seq, e, reported))

@@ -1,6 +1,6 @@
 """The scheduler's side of speculative decoding: which running decodes verify a draft this step,
-and how many tokens each drafts (hybridkv/speculative/ has the drafters; docs/design.md,
-"Speculative decoding", the semantics).
+how many tokens each drafts, and, after the forward pass, what each run keeps (`commit_runs`)
+(hybridkv/speculative/ has the drafters; docs/design.md, "Speculative decoding", the semantics).
 
 A running request with one token left to compute asks the drafter for up to k tokens. With a
 proposal it becomes a chunk of k + 1 tokens (its last token, then the draft) instead of a row of
@@ -20,12 +20,13 @@ Counters (the engine's stats and /metrics): verification runs, drafted and accep
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Optional
+from typing import Callable, Hashable, Optional
 
 from hybridkv.request import Request
 from hybridkv.speculative.config import SpeculativeConfig
 from hybridkv.speculative.ngram import NgramDrafter
 
+from .model_runner import NONFINITE, RunnerOutput
 from .step_plan import DecodeBatch, ScheduledChunk, SchedulerOutput
 
 MAX_SKIP = 64
@@ -140,6 +141,35 @@ class Speculation:
             out.chunks[:0] = chunks  # before the prefills, as decodes
         self._step = (bucket, bool(chunks))
         return budget
+
+    def commit_runs(self, mgr, chunks: list[ScheduledChunk], result: RunnerOutput,
+                    fail: Callable[[Request, object], None],
+                    append: Callable[[list[Request], list, list], None]) -> None:
+        """After the forward pass, the chunks that verified a draft: each keeps the positions its
+        accepted run computed (the token before the draft and the draft tokens accepted:
+        `mgr.drafts.commit` with the accepted tokens in its list for the call), then appends the
+        run, stopping where a stop rule says (a stop inside the run ends it there). A run whose
+        logits are not finite, or whose commit raised, ends its request: fail(seq, error), its
+        memory discarded. append(seqs, tokens, logprobs): the scheduler's token appending."""
+        for i, c in enumerate(chunks):
+            seq = c.seq
+            if not c.draft or seq.finished:
+                continue
+            if not result.finite[i]:
+                fail(seq, NONFINITE)
+                continue
+            run, lps = result.tokens[i], result.logprobs[i]
+            accepted, ids = len(run) - 1, seq.token_ids
+            ids.extend(c.draft[:accepted])
+            try:
+                mgr.drafts.commit(seq.request_id, accepted + 1)
+            except Exception as e:
+                fail(seq, e)
+                continue
+            finally:
+                del ids[len(ids) - accepted:]
+            self.observe(seq, len(c.draft), accepted)
+            append([seq] * len(run), run, lps)
 
     def step_done(self, out: SchedulerOutput, tokens: int, seconds: float) -> None:
         """The engine's step (`out`) ended: `tokens` generated in `seconds`. A decode-only step

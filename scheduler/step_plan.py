@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -159,6 +159,50 @@ class DecodeBatch:
                            stops=self.stops.keep(idx) if self.stops is not None else None,
                            input_ids=sampled, added=self.added, cut=True, carried=True)
 
+    def allocate(self, preempt_last: Callable[[], None]) -> Optional["DecodeBatch"]:
+        """KV slots and due checkpoints for every row in one manager call (sets kv_slots and
+        checkpoints). When a pool is short, preempt_last() preempts the last running request in
+        run order (a decode or a prefill) and the rows still running ask again, until every row
+        left has its slot; returns the batch of those rows, or None when none is left."""
+        batch = self
+        while True:
+            slots, due, done = batch.rows.allocate(batch.positions)
+            if done.all():
+                batch.kv_slots, batch.checkpoints = slots, np.flatnonzero(due).tolist()
+                return batch
+            preempt_last()
+            keep = [i for i, seq in enumerate(batch.seqs) if seq.status is _RUNNING]
+            if len(keep) < len(batch):
+                batch = batch.without(keep)
+                if batch is None:
+                    return None
+
+    def commit(self, ended: bool, fail: Callable[[int, BaseException, bool], None]) -> bool:
+        """After the forward pass: every row's token committed in one manager call, then the
+        checkpoints due taken. ended: some rows ended this step (failed, or their logits were not
+        finite): those left commit through a handle of their own. fail(row, error, discard) ends
+        the request of a row whose commit (discard: True) or checkpoint (False) raised. Returns
+        whether the batch ran whole (no row ended, failed or raised)."""
+        seqs = self.seqs
+        if ended:
+            keep = [j for j, seq in enumerate(seqs) if not seq.finished]
+            errors = {keep[k]: e for k, e in
+                      self.rows.kept(keep).commit(self.positions[keep]).items()} if keep else {}
+        else:
+            errors = self.rows.commit(self.positions)
+        for j, e in errors.items():
+            fail(j, e, True)
+        failed = False
+        for i in self.checkpoints:
+            if (ended or errors or failed) and seqs[i].finished:
+                continue
+            try:
+                self.rows.checkpoint(i)
+            except Exception as e:
+                fail(i, e, False)
+                failed = True
+        return not (ended or errors or failed)
+
     def chunks(self) -> list[ScheduledChunk]:
         """The general path's chunks for these decodes (allocated: kv_slots set)."""
         due = set(self.checkpoints)
@@ -184,6 +228,12 @@ class SchedulerOutput:
     @property
     def num_seqs(self) -> int:
         return len(self.chunks) + (len(self.decodes) if self.decodes else 0)
+
+    def drop(self, seq: Request) -> None:
+        """The step without `seq` (preempted while the step is planned): its chunks, its decode row."""
+        self.chunks = [c for c in self.chunks if c.seq is not seq]
+        if self.decodes is not None and any(s is seq for s in self.decodes.seqs):
+            self.decodes = self.decodes.without([i for i, s in enumerate(self.decodes.seqs) if s is not seq])
 
     def seqs(self) -> list[Request]:
         """The step's sequences in batch order."""
