@@ -10,7 +10,6 @@ import dataclasses
 import inspect
 import itertools
 import logging
-import numbers
 from typing import Any, Hashable, Mapping, Optional, Sequence, Union
 
 import torch
@@ -20,6 +19,7 @@ from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.chat_template import Conversation, chat_prompt_ids
 from hybridkv.cpu_threads import configure_cpu_threads
 from hybridkv.outputs import RequestOutput
+from hybridkv.prompts import Prompt, is_one_prompt, parse_prompt
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.models import load_model
 from hybridkv.scheduler.config import EngineConfig
@@ -34,14 +34,8 @@ from hybridkv.scheduler.profiler import Profile, profile_model
 from hybridkv.scheduler.scheduler import Scheduler
 from hybridkv.snapshot import RequestSnapshot
 
-# A prompt: text, token ids, or a vLLM-style dict {"prompt": text} / {"prompt_token_ids": ids}
-# (optionally with "cache_salt", and "prompt" beside the ids as the text they came from).
-Prompt = Union[str, Sequence[int], Mapping[str, object]]
-# A chat: [{"role": ..., "content": ...}, ...]
 log = logging.getLogger("hybridkv.llm")
 _CPU_DEFAULT_BUDGET = 1 << 30
-_PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
-_MULTIMODAL_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids")
 
 
 @dataclasses.dataclass
@@ -172,68 +166,7 @@ class LLM:
                              f"and peak activations ({profile.peak_activation_bytes}) is {budget}")
         return budget
 
-    # ---- requests --------------------------------------------------------------------------
-    def _parse(self, prompt: Prompt) -> tuple[list[int], Optional[str], Optional[str]]:
-        """(token ids, prompt text or None, the prompt's own cache_salt or None). Raises
-        ValueError / TypeError for a prompt of another shape; nothing changes."""
-        salt = None
-        if isinstance(prompt, Mapping):
-            unknown = sorted(set(prompt) - set(_PROMPT_KEYS) - set(_MULTIMODAL_KEYS))
-            if unknown:
-                raise ValueError(f"prompt dict has unknown key(s) {unknown}; accepted keys: {list(_PROMPT_KEYS)}")
-            mm = [k for k in _MULTIMODAL_KEYS if k in prompt]
-            if mm:
-                raise ValueError(f"prompt dict key(s) {mm}: multi-modal input is not supported; give text "
-                                 "or token ids")
-            if "prompt_token_ids" not in prompt and "prompt" not in prompt:
-                raise ValueError(f"prompt dict {dict(prompt)!r} has neither 'prompt' (text) nor "
-                                 "'prompt_token_ids' (a list of ints); give one of them")
-            salt = prompt.get("cache_salt")
-            if salt is not None and not isinstance(salt, str):
-                raise TypeError(f"prompt dict 'cache_salt' must be a string, got {type(salt).__name__}")
-            text = prompt.get("prompt")
-            if text is not None and not isinstance(text, str):
-                raise TypeError(f"prompt dict 'prompt' must be a string, got {type(text).__name__}")
-            if "prompt_token_ids" in prompt:
-                return self._as_token_ids(prompt["prompt_token_ids"], "'prompt_token_ids'"), text, salt
-            return self._encode(text), text, salt
-        if isinstance(prompt, str):
-            return self._encode(prompt), prompt, None
-        return self._as_token_ids(prompt, "a prompt"), None, None
-
-    def _encode(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError("this checkpoint has no tokenizer: pass prompts as lists of token ids")
-        return list(self.tokenizer(text)["input_ids"])
-
-    @staticmethod
-    def _as_token_ids(ids, what: str) -> list[int]:
-        """A list of ints from a list / tuple of ints or a 1-D numpy or torch integer array;
-        floats, bools, bytes and strings (of digits too) are refused, naming the value."""
-        if isinstance(ids, (str, bytes, bytearray, Mapping)):
-            raise TypeError(f"{what} must be a list of token ids, got {type(ids).__name__}")
-        if hasattr(ids, "tolist") and getattr(ids, "ndim", 1) != 1:
-            raise TypeError(f"{what} must be a 1-D array of token ids, got shape {tuple(ids.shape)}")
-        try:
-            seq = ids.tolist() if hasattr(ids, "tolist") else list(ids)
-            bad = [t for t in seq if isinstance(t, bool) or not isinstance(t, numbers.Integral)][:1]
-        except TypeError:
-            seq, bad = None, [ids]
-        if bad:
-            bad = bad[0]
-            raise TypeError(f"{what} must be text, a list of integer token ids or a prompt dict; got "
-                            f"{ids!r:.80} (token id {bad!r} is not an integer)")
-        return [int(t) for t in seq]
-
-    @staticmethod
-    def _is_one_prompt(prompts) -> bool:
-        if isinstance(prompts, (str, Mapping)):
-            return True
-        if hasattr(prompts, "tolist") and hasattr(prompts, "ndim"):  # numpy / torch
-            return prompts.ndim == 1
-        return (isinstance(prompts, (list, tuple)) and len(prompts) > 0
-                and isinstance(prompts[0], numbers.Integral) and not isinstance(prompts[0], bool))
-
+    # ---- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
                     request_id: Optional[str] = None, priority: int = 0,
                     cache_salt: Optional[str] = None) -> str:
@@ -243,7 +176,7 @@ class LLM:
         thread may call this (and abort) while another steps."""
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string, got {request_id!r}")
-        ids, text, salt = self._parse(prompt)
+        ids, text, salt = parse_prompt(prompt, self.tokenizer)
         rid = request_id if request_id is not None else self._new_id()
         self.engine.add_request(rid, ids, params or self.get_default_sampling_params(), text, priority,
                                 salt if salt is not None else cache_salt)
@@ -355,7 +288,7 @@ class LLM:
         nothing, and a call that fails midway aborts what it queued. Its requests are its own (no
         request id of yours can reach them); a request of yours that finishes meanwhile is
         returned by your next step()."""
-        if self._is_one_prompt(prompts):
+        if is_one_prompt(prompts):
             prompts = [prompts]
         prompts = list(prompts)
         params = sampling_params or self.get_default_sampling_params()
@@ -369,7 +302,7 @@ class LLM:
         elif len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} values for {len(prompts)} prompts; give one "
                              "per prompt (or none)")
-        parsed = [self._parse(p) for p in prompts]
+        parsed = [parse_prompt(p, self.tokenizer) for p in prompts]
         for (tok, _, _), sp, prio in zip(parsed, params, priority):  # refuse a bad batch before any is queued
             self.engine.validate(tok, sp, prio)
         keys: list = []
