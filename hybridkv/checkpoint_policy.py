@@ -2,7 +2,7 @@
 
 A recurrent state exists only after a whole prefix, so a checkpoint at position p needs the
 prefill to stop exactly at p. The policy names p; the scheduler cuts its chunk there and calls
-`HybridCacheManager.checkpoint` once the chunk is committed.
+`PrefixCache.checkpoint` (prefix_cache.py) once the chunk is committed.
 """
 from __future__ import annotations
 
