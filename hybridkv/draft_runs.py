@@ -23,6 +23,8 @@ Manager = Any
 
 
 class DraftRuns:
+    """The draft-run verbs of one manager (`mgr.drafts`)."""
+
     def __init__(self, mgr: Manager):
         self.mgr = mgr
 

@@ -11,8 +11,9 @@ is usable only as far as every kind can resume it (prefix_match.py). The burst r
 
 Owned by the HybridCacheManager (`mgr.prefix_cache`), whose verbs call it; it reads the manager's
 requests by id and changes only their hash and checkpoint fields (extra_key, block_hashes,
-shared). The scheduler asks it where to cut a chunk and about bursts; the data-parallel router
-asks `usable_tokens`; the prefix-hit guard calls `invalidate`.
+num_hashed_blocks, resumed_from, branch_point, shared). The scheduler asks it where to cut a
+chunk, to checkpoint, and about bursts; the data-parallel router asks `usable_tokens`; the
+prefix-hit guard calls `invalidate`.
 """
 from __future__ import annotations
 

@@ -3,8 +3,9 @@ array-based `DecodeBatch`, and chunks of tokens to compute for everything else.
 
 Every running request past its prompt with one token left to compute (a plain decode) is a row
 of the step's `DecodeBatch`: positions, KV write slots and the rows due a state checkpoint as
-arrays, the manager's handle on their memory (`DecodeRows`). It is the only way a decode is
-scheduled and committed. When it held every running request, the next step carries it over
+arrays, the manager's handle on their memory (`DecodeRows`), through which it allocates (`allocate`)
+and commits (`commit`) every row in one call each. It is the only way a decode is scheduled and
+committed. When it held every running request, the next step carries it over
 (one token later, or cut to those left when some left and nobody joined) without a look at each
 request. A `ScheduledChunk` is one request's tokens from a position: a prefill chunk, or the
 last prompt token (it may collect prompt logprobs and make forks). `DecodeBatch.chunks()` is the
