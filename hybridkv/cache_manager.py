@@ -31,7 +31,7 @@ from hybridkv.checkpoint_policy import DEFAULT_POLICY, CheckpointPolicy
 from hybridkv.decode_rows import DecodeRows
 from hybridkv.draft_runs import DraftRuns
 from hybridkv.eviction import DEFAULT_EVICTION
-from hybridkv.errors import MemoryBudgetError, RequestStateError, RequestTooLargeError, SnapshotMismatchError
+from hybridkv.errors import MemoryBudgetError, RequestStateError, RequestTooLargeError
 from hybridkv.manager_stats import ManagerStats
 from hybridkv.memory.full_attention import FullAttentionMemory
 from hybridkv.memory.kinds import make_kinds
