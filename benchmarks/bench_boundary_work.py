@@ -48,6 +48,7 @@ def one_run(num_reqs: int, steps: int, real: bool) -> dict:
     import torch
     torch.set_num_threads(1)
     from hybridkv.cache_manager import HybridCacheManager
+    from hybridkv.request import Request
 
     rng = random.Random(1)
     mgr = HybridCacheManager(_specs(real), 16, num_reqs * 24, 2 * num_reqs + 64, fingerprint="bench")
