@@ -14,9 +14,19 @@ import torch
 from hybridkv.specs import AttentionSpec
 
 
+def _pages(s: AttentionSpec, num_blocks: int, block_size: int, device) -> torch.Tensor:
+    """A layer's pages: `[num_blocks, parts, block_size, kv_heads, head_dim]` of its dtype, or under a
+    quantized cache dtype `[..., kv_heads, layout.nbytes]` uint8 (codes and a scale per vector)."""
+    lead = (num_blocks, s.kv_parts, block_size, s.num_kv_heads)
+    if s.layout is not None:
+        return s.layout.empty(lead, device)
+    return torch.zeros(*lead, s.head_dim, dtype=s.dtype, device=device)
+
+
 class BlockPool:
     """KV tensors `kv[layer] : [num_blocks, parts, block_size, kv_heads, head_dim]` plus block
-    bookkeeping; parts = `AttentionSpec.kv_parts` (2: key and value, 1: a latent).
+    bookkeeping; parts = `AttentionSpec.kv_parts` (2: key and value, 1: a latent). A layer under a
+    quantized cache dtype keeps `[..., kv_heads, nbytes]` uint8 instead (`_pages`).
 
     `mirror` (None unless tensor-parallel: hybridkv/parallel/pool_mirror.py) is told of every data
     move: `copied(src, dst)`; `gathered(blocks, mine, device, pin)` turns this pool's copy into
@@ -27,11 +37,7 @@ class BlockPool:
                  device: torch.device | str = "cpu"):
         self.block_size = block_size
         self.num_blocks = num_blocks if specs else 0
-        self.kv: dict[int, torch.Tensor] = {
-            i: torch.zeros(self.num_blocks, s.kv_parts, block_size, s.num_kv_heads, s.head_dim, dtype=s.dtype,
-                           device=device)
-            for i, s in specs.items()
-        }
+        self.kv: dict[int, torch.Tensor] = {i: _pages(s, self.num_blocks, block_size, device) for i, s in specs.items()}
         self.refcount: list[int] = [0] * self.num_blocks
         self.block_hash: list[Optional[bytes]] = [None] * self.num_blocks
         self.cached: dict[bytes, int] = {}  # hash -> the one block that answers for it

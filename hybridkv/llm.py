@@ -15,6 +15,7 @@ from typing import Any, Hashable, Mapping, Optional, Sequence, Union
 import torch
 from tqdm.auto import tqdm
 
+from hybridkv.cache_dtype import check_cache_dtype
 from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.chat_template import Conversation, chat_prompt_ids
 from hybridkv.cpu_threads import configure_cpu_threads
@@ -33,6 +34,7 @@ from hybridkv.scheduler.preemption import PreemptionPolicy
 from hybridkv.scheduler.profiler import Profile, profile_model
 from hybridkv.scheduler.scheduler import Scheduler
 from hybridkv.snapshot import RequestSnapshot
+from hybridkv.specs import with_cache_dtypes
 
 log = logging.getLogger("hybridkv.llm")
 _CPU_DEFAULT_BUDGET = 1 << 30
@@ -96,6 +98,10 @@ class LLM:
                                    preemption_mode=preemption_mode, max_model_len=max_model_len,
                                    seed=seed, **kwargs)
         graph_mode = check_graphs_option(self.config.cuda_graphs, device, tensor_parallel_size)
+        quantized = (self.config.kv_cache_dtype, self.config.state_cache_dtype) != ("auto", "auto")
+        if quantized and (tensor_parallel_size != 1 or graph_mode is not None):
+            raise ValueError("kv_cache_dtype / state_cache_dtype other than 'auto' run without tensor parallelism "
+                             "and without CUDA graphs in this version; drop one of them")
         self.model_path = model
         shard = ShardLoad(0, tensor_parallel_size) if tensor_parallel_size != 1 else None  # rank 0's rows only
         self.model = load_model(model, device=device, dtype=_dtype(dtype), max_model_len=max_model_len,
@@ -112,8 +118,9 @@ class LLM:
         self.tokenizer = self.model.tokenizer
         self.profile = profile_model(self.model, block_size, num_tokens=min(256, max_num_batched_tokens),
                                      peak_tokens=max_num_batched_tokens)
-        specs = self.model.cache_specs()
         c = self.config
+        specs = with_cache_dtypes(self.model.cache_specs(), check_cache_dtype("kv_cache_dtype", c.kv_cache_dtype),
+                                  check_cache_dtype("state_cache_dtype", c.state_cache_dtype))
         params = sum(p.numel() for p in self.model.parameters())
         budget = self._budget(self.profile)
         spec = c.speculative_config
@@ -140,7 +147,8 @@ class LLM:
             scheduler.hit_guard = HitGuard(c.verify_cache_hits, seed, self.manager.prefix_cache.invalidate,
                                            next(self.model.parameters()).dtype)
         tp = self.tensor_parallel  # its executor sends each step to ranks 1..N-1, then runs rank 0's
-        self.engine = Engine(self.model, self.manager, scheduler, seed=seed, executor=tp.executor if tp else None)
+        self.engine = Engine(self.model, self.manager, scheduler, seed=seed, executor=tp.executor if tp else None,
+                             quantize_stochastic=c.quantize_stochastic)
         if graph_mode is not None:  # decode steps replay graphs (scheduler/decode_graphs.py)
             self.engine.runner.decode_graphs = DecodeGraphs.for_engine(self.engine, graph_mode)
         self._ids_counter = itertools.count()

@@ -54,6 +54,16 @@ def layers_by_part(shapes: dict[int, tuple]) -> dict[str, set[int]]:
             "ssm": {i for i, v in rec.items() if v[2]}}
 
 
+def _cache_dtypes(shapes: dict) -> dict[str, str]:
+    """{"attn" / "rec": the cache dtype its layers keep} from `layer_shapes` ("auto": the model's)."""
+    out: dict[str, str] = {}
+    for shape in shapes.values():
+        if isinstance(shape, tuple) and shape:
+            quant = shape[shape.index("cache") + 1] if "cache" in shape[:-1] else "auto"
+            out[str(shape[0])] = quant
+    return out
+
+
 def check_snapshot(snap: RequestSnapshot, request: Request, kinds: Sequence, fingerprint: str,
                    check_fits: Callable[[int, int], None]) -> None:
     """Raise SnapshotMismatchError (or RequestTooLargeError from check_fits) when `snap` cannot
@@ -64,6 +74,11 @@ def check_snapshot(snap: RequestSnapshot, request: Request, kinds: Sequence, fin
             f"snapshot fingerprint {snap.fingerprint!r} != this model's {fingerprint!r}: a request "
             f"can only move between engines serving the same model and weights")
     mine = layer_shapes(kinds)
+    theirs_dtypes, my_dtypes = _cache_dtypes(snap.layer_shapes), _cache_dtypes(mine)
+    if theirs_dtypes != my_dtypes:
+        raise SnapshotMismatchError(
+            f"snapshot was taken with cache dtypes {theirs_dtypes} and this engine keeps {my_dtypes} "
+            f"(kv_cache_dtype / state_cache_dtype): a request moves only between engines with the same ones")
     if snap.layer_shapes != mine:
         raise SnapshotMismatchError(
             f"snapshot layers {snap.layer_shapes} differ from this model's {mine}: same fingerprint, "

@@ -27,8 +27,17 @@ _ROWS_GATHER_MIN_SLOTS = 4
 _ROWS_GATHER_MAX_SLOT_BYTES = 8 << 10
 
 
+def _slots(num_slots: int, shape: tuple, dtype: torch.dtype, layout, device) -> torch.Tensor:
+    """[num_slots, *shape] of `dtype`, or under a quantized cache dtype [num_slots, layout.nbytes] uint8."""
+    if layout is not None:
+        return layout.empty((num_slots,), device)
+    return torch.zeros(num_slots, *shape, dtype=dtype, device=device)
+
+
 class StatePool:
-    """conv[layer]: [num_slots, *conv_shape]; ssm[layer]: [num_slots, *state_shape].
+    """conv[layer]: [num_slots, *conv_shape]; ssm[layer]: [num_slots, *state_shape]; under a
+    quantized cache dtype (RecurrentSpec.cache_dtype) each is [num_slots, nbytes] uint8 of codes and
+    scales (hybridkv/cache_dtype.py), which the model reads through scheduler/cache_staging.py.
 
     A layer whose conv_shape (or state_shape) is () has no conv (or ssm) tensor.
 
@@ -40,11 +49,11 @@ class StatePool:
     def __init__(self, specs: Mapping[int, RecurrentSpec], num_slots: int, device: torch.device | str = "cpu"):
         self.num_slots = num_slots if specs else 0
         self.conv: dict[int, torch.Tensor] = {
-            i: torch.zeros(self.num_slots, *s.conv_shape, dtype=s.dtype, device=device)
+            i: _slots(self.num_slots, s.conv_shape, s.dtype, s.conv_layout, device)
             for i, s in specs.items() if s.conv_shape
         }
         self.ssm: dict[int, torch.Tensor] = {
-            i: torch.zeros(self.num_slots, *s.state_shape, dtype=s.ssm_dtype, device=device)
+            i: _slots(self.num_slots, s.state_shape, s.ssm_dtype, s.ssm_layout, device)
             for i, s in specs.items() if s.state_shape
         }
         self.kind: list[str] = [NULL] + [FREE] * max(0, self.num_slots - 1)

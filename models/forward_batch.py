@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -30,6 +30,10 @@ class ForwardBatch:
                       that verify a draft (speculative decoding): their recurrent layers leave the
                       state after each token in that token's slot and never write the live one
                       (slot_split.py; token_shift.py). Empty: none verifies.
+    requantize:       None, or under a quantized state cache dtype `requantize(pool, slots)` -> the
+                      rows `pool[slots]` as the pool would keep them (scheduler/cache_staging.py):
+                      a verified draft token's state passes through it before the next token's
+                      decode reads it, as a plain decode's state passes through the pool.
     """
 
     input_ids: torch.Tensor
@@ -48,6 +52,7 @@ class ForwardBatch:
     kernel_plans: dict = field(default_factory=dict, repr=False, compare=False)
     kv_groups: dict = field(default_factory=dict)
     verify_slots: dict = field(default_factory=dict)
+    requantize: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
 
     def kv_tables(self, window: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """(block_table [R, W], slot_mapping [T], kernel plan dict) for attention layers of this

@@ -47,6 +47,7 @@ class SlotSplit:
     all_prefill: bool
     all_decode: bool
     verify: Sequence["VerifyStep"] = ()
+    requantize: Optional[Callable] = None  # ForwardBatch.requantize
 
     @property
     def has_plain_rows(self) -> bool:
@@ -91,12 +92,15 @@ class SlotSplit:
             raise ValueError("this layer's split.run names no state tensors (states=...), so its decode "
                              "cannot verify drafts position by position")
         parts = []
-        host = [t.numpy() for t in states] if all(t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES
-                                                   for t in states) else None
-        for step in self.verify:
+        host = [t.numpy() for t in states] if self.requantize is None and all(
+            t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES for t in states) else None
+        for j, step in enumerate(self.verify):
             if host is not None:  # the state before this position: the previous position's
                 for a in host:  # (numpy on the CPU: ~1 us a copy, against ~15 through torch's indexing)
                     a[step.dst_list] = a[step.src_list]
+            elif self.requantize is not None and j > 0:  # as the pool would have kept it
+                for t in states:
+                    t[step.dst] = self.requantize(t, step.src)
             else:
                 for t in states:
                     t[step.dst] = t[step.src]
@@ -181,4 +185,4 @@ def split_decode_prefill(batch: ForwardBatch) -> SlotSplit:
         prefill_has_init = batch.has_initial_state[idx]
     return SlotSplit(start, decode_rows, decode_slots, prefill_rows, prefill_qsl, prefill_slots,
                      prefill_has_init, all_prefill=all_prefill, all_decode=all_decode,
-                     verify=_verify_steps(verify, dev) if verify else ())
+                     verify=_verify_steps(verify, dev) if verify else (), requantize=batch.requantize)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from hybridkv.cache_dtype import check_cache_dtype
 from hybridkv.checkpoint_policy import DEFAULT_POLICY
 from hybridkv.eviction import DEFAULT_EVICTION
 from hybridkv.speculative.config import SpeculativeConfig
@@ -23,7 +24,10 @@ class EngineConfig:
     speculative_config: None (off), or a dict / JSON text in vLLM's shape (hybridkv/speculative/
     config.py), kept as a SpeculativeConfig. host_cache_bytes: the host tier's budget for state
     checkpoints evicted from the device (0: off; hybridkv/memory/host_tier.py). verify_cache_hits:
-    the fraction of prefix hits recomputed cold and compared (0: off; scheduler/hit_guard.py)."""
+    the fraction of prefix hits recomputed cold and compared (0: off; scheduler/hit_guard.py).
+    kv_cache_dtype / state_cache_dtype: "auto" (the model's dtype), "int8" or "fp8_e4m3": KV pages /
+    state slots kept as one-byte codes with a scale per row (hybridkv/cache_dtype.py);
+    quantize_stochastic: int8 codes rounded stochastically (seeded by `seed`)."""
 
     block_size: int = 16
     max_num_batched_tokens: int = 2048
@@ -37,6 +41,9 @@ class EngineConfig:
     checkpoint_share: Optional[float] = None
     host_cache_bytes: int = 0
     verify_cache_hits: float = 0.0
+    kv_cache_dtype: str = "auto"
+    state_cache_dtype: str = "auto"
+    quantize_stochastic: bool = False
     preemption_mode: str = "auto"
     max_model_len: Optional[int] = None
     seed: int = 0
@@ -63,5 +70,11 @@ class EngineConfig:
         if isinstance(self.verify_cache_hits, bool) or not isinstance(self.verify_cache_hits, (int, float)) \
                 or not 0.0 <= self.verify_cache_hits <= 1.0:
             raise ValueError(f"verify_cache_hits={self.verify_cache_hits!r} must be a fraction in [0, 1] (0: off)")
+        check_cache_dtype("kv_cache_dtype", self.kv_cache_dtype)
+        check_cache_dtype("state_cache_dtype", self.state_cache_dtype)
+        if not isinstance(self.quantize_stochastic, bool):
+            raise ValueError(f"quantize_stochastic={self.quantize_stochastic!r} must be True or False")
+        if self.quantize_stochastic and self.kv_cache_dtype != "int8" and self.state_cache_dtype != "int8":
+            raise ValueError("quantize_stochastic rounds int8 codes; set kv_cache_dtype or state_cache_dtype to 'int8'")
         if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
             raise ValueError(f"memory_budget_bytes={self.memory_budget_bytes} must be > 0")

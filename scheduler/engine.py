@@ -50,12 +50,13 @@ log = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, model, manager: HybridCacheManager, scheduler: Scheduler, seed: int = 0,
-                 executor: Optional[Callable[[ModelRunner], object]] = None):
+                 executor: Optional[Callable[[ModelRunner], object]] = None, quantize_stochastic: bool = False):
         """executor: given the model runner, what executes each step (`execute(output, groups)`;
-        tensor parallelism: hybridkv/parallel/executor.py); None: the runner itself."""
+        tensor parallelism: hybridkv/parallel/executor.py); None: the runner itself.
+        quantize_stochastic: quantized pools round int8 codes stochastically (ModelRunner)."""
         self.mgr = manager
         self.scheduler = scheduler
-        self.runner = ModelRunner(model, manager, seed)
+        self.runner = ModelRunner(model, manager, seed, quantize_stochastic)
         self.executor = executor(self.runner) if executor is not None else self.runner
         self.tokenizer = getattr(model, "tokenizer", None)
         self.max_model_len = model.max_model_len

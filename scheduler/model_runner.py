@@ -27,6 +27,7 @@ import torch
 
 from hybridkv.models.forward_batch import ForwardBatch, ModelCaches
 
+from .cache_staging import CacheStaging
 from .batch_builder import BatchBuilder
 from .decode_graphs import DecodeInputs
 from .logit_rows import LogitRows, plan_logit_rows, prompt_logprobs
@@ -97,7 +98,7 @@ class ModelRunner:
     unseeded rows. `decode_graphs`: a DecodeGraphs that replays decode-only steps (set after
     capture), or None."""
 
-    def __init__(self, model, manager, seed: int = 0):
+    def __init__(self, model, manager, seed: int = 0, quantize_stochastic: bool = False):
         self.model = model
         self.device = model.device
         self.mgr = manager  # read only: block tables and slots for the batch
@@ -105,6 +106,9 @@ class ModelRunner:
         self.batch_builder = BatchBuilder(manager, self.device)
         self.caches = ModelCaches(kv=manager.kv_caches, conv=manager.conv_states,
                                   state=manager.ssm_states, block_size=manager.block_size)
+        # Quantized pools: each step's rows decoded for the model and encoded back (cache_staging.py)
+        staging = CacheStaging(manager, quantize_stochastic, seed)
+        self.staging = staging if staging.active else None
         self.decode_graphs = None
         self.model_seconds = 0.0
 
@@ -149,6 +153,10 @@ class ModelRunner:
             with torch.inference_mode():  # no autograd graph (it would also chain the pools across steps)
                 if step.graph_inputs is not None:
                     logits = self.decode_graphs.run(step.graph_inputs)
+                elif self.staging is not None:
+                    batch, caches, store = self.staging.stage(step.batch, self.caches)
+                    logits = self.model(batch, caches)
+                    store()
                 else:
                     logits = self.model(step.batch, self.caches)
             if step.rows is None:

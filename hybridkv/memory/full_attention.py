@@ -290,17 +290,18 @@ class FullAttentionMemory(LayerMemory):
         needed = self.first_needed_token(num_computed)
         for i, s in self.layers.items():
             start = starts.get(i, 0)
-            want = (s.kv_parts, num_computed - start, s.num_kv_heads, s.head_dim)
+            vector, dtype = s.stored_vector()
+            want = (s.kv_parts, num_computed - start, s.num_kv_heads, *vector)
             t = kv.get(i)
             if t is None:
                 raise SnapshotMismatchError(f"snapshot has no KV for attention layer {i}")
             if not 0 <= start <= needed:
                 raise SnapshotMismatchError(
                     f"snapshot KV of layer {i} starts at token {start}; the next token needs keys from {needed}")
-            if tuple(t.shape) != want or t.dtype != s.dtype:
+            if tuple(t.shape) != want or t.dtype != dtype:
                 raise SnapshotMismatchError(
-                    f"snapshot KV of layer {i} is {tuple(t.shape)} {t.dtype}; expected {want} {s.dtype}")
-            if not bool(torch.isfinite(t).all()):
+                    f"snapshot KV of layer {i} is {tuple(t.shape)} {t.dtype}; expected {want} {dtype}")
+            if not bool(torch.isfinite(t if s.layout is None else s.layout.decode(t)).all()):
                 raise SnapshotMismatchError(f"snapshot KV of layer {i} holds NaN or infinite values")
 
     def can_import(self, part: dict, num_computed: int, end: int) -> bool:
@@ -323,7 +324,7 @@ class FullAttentionMemory(LayerMemory):
 
     def layer_shapes(self) -> dict[int, tuple]:
         return {i: ("attn", s.num_kv_heads, s.head_dim, str(s.dtype)) + (("latent",) if s.latent else ())
-                for i, s in self.layers.items()}
+                + (("cache", s.cache_dtype) if s.cache_dtype else ()) for i, s in self.layers.items()}
 
     def stats(self) -> dict:
         p = self.pool

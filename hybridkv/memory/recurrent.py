@@ -317,18 +317,19 @@ class RecurrentMemory(LayerMemory):
         return {"conv": conv, "ssm": ssm}
 
     def check_import(self, part: dict, num_computed: int) -> None:
-        for field, tensors, shape_of, dtype_of in (
-                ("conv", self.states.conv, lambda s: tuple(s.conv_shape), lambda s: s.dtype),
-                ("ssm", self.states.ssm, lambda s: tuple(s.state_shape), lambda s: s.ssm_dtype)):
+        for field, tensors, stored, layout_of in (
+                ("conv", self.states.conv, RecurrentSpec.stored_conv, lambda s: s.conv_layout),
+                ("ssm", self.states.ssm, RecurrentSpec.stored_ssm, lambda s: s.ssm_layout)):
             for i in tensors:
                 spec, t = self.layers[i], part.get(field, {}).get(i)
                 if t is None:
                     raise SnapshotMismatchError(f"snapshot has no {field} state for recurrent layer {i}")
-                if tuple(t.shape) != shape_of(spec) or t.dtype != dtype_of(spec):
+                shape, dtype = stored(spec)
+                if tuple(t.shape) != shape or t.dtype != dtype:
                     raise SnapshotMismatchError(
-                        f"snapshot {field} state of layer {i} is {tuple(t.shape)} {t.dtype}; expected "
-                        f"{shape_of(spec)} {dtype_of(spec)}")
-                if not bool(torch.isfinite(t).all()):
+                        f"snapshot {field} state of layer {i} is {tuple(t.shape)} {t.dtype}; expected {shape} {dtype}")
+                layout = layout_of(spec)
+                if not bool(torch.isfinite(t if layout is None else layout.decode(t)).all()):
                     raise SnapshotMismatchError(f"snapshot {field} state of layer {i} holds NaN or infinite values")
 
     def can_import(self, part: dict, num_computed: int, end: int) -> bool:
@@ -339,7 +340,7 @@ class RecurrentMemory(LayerMemory):
 
     def layer_shapes(self) -> dict[int, tuple]:
         return {i: ("rec", tuple(s.conv_shape), tuple(s.state_shape), str(s.dtype), str(s.ssm_dtype))
-                for i, s in self.layers.items()}
+                + (("cache", s.cache_dtype) if s.cache_dtype else ()) for i, s in self.layers.items()}
 
     def stats(self) -> dict:
         st = self.states

@@ -1,0 +1,233 @@
+"""Quantized pools seen by the model: each layer's rows a step touches, decoded before the layer runs
+and encoded back after it.
+
+Under a quantized cache dtype (hybridkv/cache_dtype.py) a pool holds codes and scales, which no
+kernel reads. For each step `CacheStaging.stage` gives the model a batch whose state slots and KV
+block ids are renumbered into small working tensors, and caches whose `kv[i]`, `conv[i]` and
+`state[i]` are those working tensors in the layer's compute dtype, made when the layer first asks
+for them (`_StagedLayers`): the rows of the step's slots, or the blocks its requests' tables name,
+decoded. When the model asks for another layer's tensors (and at the end of the step) the
+previous layer's are encoded back: every slot of the step (the kernels wrote them) and the KV
+vectors of the tokens the step wrote. Every kernel, mixer and attention variant runs unchanged, on
+values that are exactly what the pool keeps; the transient memory is one layer's rows of the
+step at full precision.
+
+The arithmetic is that of kernels which would dequantize on read and quantize on write: a state is
+quantized each time it is written to its slot (after each decoded token, at the end of each
+prefill chunk, after each verified draft token), a KV vector when its token is written. Within one
+prefill chunk the chunk's own keys and the state between its tokens stay at full precision, as in
+vLLM's fp8 KV cache; so quantized output depends on how the prompt was chunked and on prefix hits
+(docs/design.md, "Quantized caches").
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Iterator, Mapping, Optional
+
+import numpy as np
+import torch
+
+from hybridkv.cache_dtype import QuantLayout
+from hybridkv.models.forward_batch import ForwardBatch, KVGroupTables, ModelCaches
+
+
+class _StagedLayers(Mapping):
+    """{layer: working tensor} over one pool kind. `load(i)` -> the layer's working tensor; `store(i,
+    work)` encodes it back. Only one layer is staged at a time: asking for another stores the one
+    before (a model runs its layers one after the other, each reading its own tensors)."""
+
+    def __init__(self, keys, load: Callable[[int], torch.Tensor], store: Callable[[int, torch.Tensor], None],
+                 layout: Callable[[int], Optional[QuantLayout]]):
+        self._keys, self._load, self._store, self._layout = list(keys), load, store, layout
+        self._staged: dict[int, torch.Tensor] = {}
+
+    def layout_of(self, t: torch.Tensor) -> Optional[QuantLayout]:
+        """The layout of the staged layer whose working tensor `t` is (or views)."""
+        for i, work in self._staged.items():
+            if t.untyped_storage().data_ptr() == work.untyped_storage().data_ptr():
+                return self._layout(i)
+        return None
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        work = self._staged.get(i)
+        if work is None:
+            if i not in self._keys:
+                raise KeyError(i)
+            self.flush()
+            work = self._staged[i] = self._load(i)
+        return work
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def flush(self) -> None:
+        staged, self._staged = self._staged, {}
+        for i, work in staged.items():
+            self._store(i, work)
+
+
+class CacheStaging:
+    """The quantized pools of `manager`, staged step by step (`stage`). `seed`: of the stochastic
+    rounding of int8 codes when `stochastic` (None: round to nearest)."""
+
+    def __init__(self, manager, stochastic: bool = False, seed: int = 0):
+        self.block_size = manager.block_size
+        self.kv_layouts: dict[int, tuple[QuantLayout, torch.dtype, Optional[int]]] = {}
+        for window, group in manager.attention_groups.items():
+            for i, spec in group.layers.items():
+                if spec.layout is not None:
+                    self.kv_layouts[i] = (spec.layout, spec.dtype, window)
+        self.state_layouts: dict[str, dict[int, tuple[QuantLayout, torch.dtype]]] = {"conv": {}, "ssm": {}}
+        if manager.recurrent is not None:
+            for i, spec in manager.recurrent.layers.items():
+                if spec.conv_layout is not None:
+                    self.state_layouts["conv"][i] = (spec.conv_layout, spec.dtype)
+                if spec.ssm_layout is not None:
+                    self.state_layouts["ssm"][i] = (spec.ssm_layout, spec.ssm_dtype)
+        self.generator = None
+        if stochastic:
+            pools = list(manager.kv_caches.values()) + list(manager.conv_states.values())
+            self.generator = torch.Generator(device=pools[0].device if pools else "cpu")
+            self.generator.manual_seed(seed)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.kv_layouts or self.state_layouts["conv"] or self.state_layouts["ssm"])
+
+    def stage(self, batch: ForwardBatch, caches: ModelCaches) -> tuple[ForwardBatch, ModelCaches, Callable[[], None]]:
+        """(the batch renumbered into the working tensors, the caches the model reads, a call that
+        encodes what is still staged: run it after the forward)."""
+        changes: dict = {"kernel_plans": {}}
+        conv, state = caches.conv, caches.state
+        if self.state_layouts["conv"] or self.state_layouts["ssm"]:
+            rows, renumber = self._slot_rows(batch)
+            changes["state_slots"] = renumber(batch.state_slots)
+            changes["verify_slots"] = {r: renumber(torch.tensor(s)).tolist() for r, s in batch.verify_slots.items()}
+            conv = self._staged_slots(caches.conv, self.state_layouts["conv"], rows)
+            state = self._staged_slots(caches.state, self.state_layouts["ssm"], rows)
+            if batch.verify_slots:
+                changes["requantize"] = self._requantize([conv, state])
+        kv = caches.kv
+        if self.kv_layouts:
+            groups = self._kv_groups(batch)
+            if batch.kv_groups:
+                changes["kv_groups"] = {**batch.kv_groups,
+                                        **{w: KVGroupTables(g.table, g.slot_mapping) for w, g in groups.items()}}
+                lead = next((w for w, t in batch.kv_groups.items() if w in groups
+                             and torch.equal(t.block_table, batch.block_table)), None)
+                if lead is not None:  # the batch's own table is the lead group's
+                    changes["block_table"], changes["slot_mapping"] = groups[lead].table, groups[lead].slot_mapping
+            else:
+                changes["block_table"], changes["slot_mapping"] = groups[None].table, groups[None].slot_mapping
+            kv = self._staged_pages(caches.kv, groups, bool(batch.kv_groups))
+        staged = [m for m in (kv, conv, state) if isinstance(m, _StagedLayers)]
+
+        def finish() -> None:
+            for m in staged:
+                m.flush()
+        return dataclasses.replace(batch, **changes), ModelCaches(kv=kv, conv=conv, state=state,
+                                                                  block_size=caches.block_size), finish
+
+    # ---- recurrent slots -------------------------------------------------------------------
+    @staticmethod
+    def _slot_rows(batch: ForwardBatch):
+        """(the pool slots the step touches, null slot 0 first, as a long tensor; a function
+        renumbering slot ids into positions among them)."""
+        used = [batch.state_slots.cpu().numpy().astype(np.int64)]
+        used += [np.asarray(s, dtype=np.int64) for s in batch.verify_slots.values()]
+        rows = np.unique(np.concatenate([np.zeros(1, dtype=np.int64)] + used))  # sorted: slot 0 first
+        device = batch.state_slots.device
+
+        def renumber(slots: torch.Tensor) -> torch.Tensor:
+            pos = np.searchsorted(rows, slots.cpu().numpy().astype(np.int64))
+            return torch.from_numpy(pos.astype(np.int32)).to(device)
+        return torch.from_numpy(rows).to(device), renumber
+
+    @staticmethod
+    def _requantize(staged: list) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """ForwardBatch.requantize over the working tensors of `staged` (a layer may hand them on as
+        views: found by their storage)."""
+        def requantize(t: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+            for m in staged:
+                layout = m.layout_of(t) if isinstance(m, _StagedLayers) else None
+                if layout is not None:
+                    rows = t[slots]
+                    x = rows.reshape(rows.shape[0], *layout.shape)
+                    return layout.decode(layout.encode(x), t.dtype).reshape(rows.shape)
+            raise ValueError("requantize: a state tensor that is none of this step's working tensors")
+        return requantize
+
+    def _staged_slots(self, pools: Mapping[int, torch.Tensor], layouts: dict, rows: torch.Tensor):
+        if not layouts:
+            return pools
+        written = rows[1:]  # the null slot is never kept
+
+        def load(i: int) -> torch.Tensor:
+            layout, dtype = layouts[i]
+            return layout.decode(pools[i].index_select(0, rows), dtype)
+
+        def store(i: int, work: torch.Tensor) -> None:
+            if written.numel():
+                pools[i].index_copy_(0, written, layouts[i][0].encode(work[1:], self.generator))
+        return _StagedLayers(pools.keys(), load, store, lambda i: layouts[i][0])
+
+    # ---- KV pages --------------------------------------------------------------------------
+    def _kv_groups(self, batch: ForwardBatch) -> dict[Optional[int], "_PageRows"]:
+        """{window: its _PageRows} for each group of layers that keeps quantized pages (one, keyed
+        None, when the batch has one table for every layer)."""
+        bs = self.block_size
+        seq_lens = batch.seq_lens.cpu().numpy().astype(np.int64)
+        windows = {w for _, _, w in self.kv_layouts.values()} if batch.kv_groups else {None}
+        out = {}
+        for w in windows:
+            table, slots, _ = batch.kv_tables(w)
+            t = table.cpu().numpy().astype(np.int64)
+            valid = np.arange(t.shape[1])[None, :] < np.minimum(-(-seq_lens // bs), t.shape[1])[:, None]
+            valid &= t >= 0  # entries past a request's blocks may hold anything
+            blocks = np.unique(t[valid]) if valid.any() else np.zeros(1, dtype=np.int64)
+            renumbered = np.where(valid, np.searchsorted(blocks, np.where(valid, t, blocks[0])), 0)
+            s = slots.cpu().numpy().astype(np.int64)
+            keep = s >= 0
+            new_slots = np.full_like(s, -1)
+            new_slots[keep] = np.searchsorted(blocks, s[keep] // bs) * bs + s[keep] % bs
+            dev = table.device
+            out[w] = _PageRows(torch.from_numpy(blocks).to(dev), torch.from_numpy(renumbered.astype(np.int32)).to(dev),
+                               torch.from_numpy(new_slots).to(slots.device), torch.from_numpy(s[keep]).to(dev),
+                               torch.from_numpy(new_slots[keep]).to(dev))
+        return out
+
+    def _staged_pages(self, pools: Mapping[int, torch.Tensor], groups: dict, grouped: bool):
+        bs = self.block_size
+
+        def load(i: int) -> torch.Tensor:
+            if i not in self.kv_layouts:
+                return pools[i]
+            layout, dtype, window = self.kv_layouts[i]
+            return layout.decode(pools[i].index_select(0, groups[window if grouped else None].blocks), dtype)
+
+        def store(i: int, work: torch.Tensor) -> None:
+            if i not in self.kv_layouts:
+                return
+            layout, _, window = self.kv_layouts[i]
+            g = groups[window if grouped else None]
+            if g.pool_written.numel():
+                src, dst = g.work_written, g.pool_written
+                pools[i][dst // bs, :, dst % bs] = layout.encode(work[src // bs, :, src % bs], self.generator)
+        return _StagedLayers(pools.keys(), load, store, lambda i: self.kv_layouts[i][0] if i in self.kv_layouts else None)
+
+
+@dataclass
+class _PageRows:
+    """One KV group's part of a step: `blocks` the pool blocks its tables name (sorted), `table` and
+    `slot_mapping` renumbered into them, and the token slots the step writes, in the pool
+    (`pool_written`) and in the working pages (`work_written`)."""
+
+    blocks: torch.Tensor
+    table: torch.Tensor
+    slot_mapping: torch.Tensor
+    pool_written: torch.Tensor
+    work_written: torch.Tensor
