@@ -6,7 +6,7 @@ pre-allocation, at one fixed memory budget.
 
 1. Planner, published configs (examples/configs/*.json, no weights): bytes per request against
    context length and the most concurrent requests a budget holds (`--config`, `--baseline-config`,
-   `--budget-gib`).
+   `--budget-gib`); and how many fit at 32k tokens with KV and state kept in int8 / fp8_e4m3.
 2. Real runs on CPU: a tiny Bamba (Mamba2 + attention) and a tiny Llama of matched size (same hidden
    size, layer count and heads; attention in every layer), random weights, one budget, one
    workload (a shared system prompt plus distinct questions), each served twice through `LLM`:
@@ -37,6 +37,7 @@ from hybridkv.contiguous import (bytes_per_request, contiguous_llm_kwargs, max_c
                                  pool_utilization)
 from hybridkv.models.tiny import make_tiny_checkpoint  # noqa: E402
 from hybridkv.plan import kv_bytes_per_block, kv_bytes_per_token, state_bytes_per_slot  # noqa: E402
+from hybridkv.specs import with_cache_dtypes  # noqa: E402
 
 import compare_plots  # noqa: E402
 
@@ -52,10 +53,15 @@ def planner(config_paths: list[Path], budget_bytes: int, block_size: int = 16) -
     out = {}
     for path in config_paths:
         specs = load_specs(path)
+        quant = {name: with_cache_dtypes(specs, name, name) for name in ("int8", "fp8_e4m3")}
         out[path.stem] = {
             "kv_bytes_per_token": kv_bytes_per_token(specs), "state_bytes": state_bytes_per_slot(specs),
             "bytes_per_request": {c: bytes_per_request(specs, c, block_size) for c in CONTEXTS},
-            "max_concurrent": {c: max_concurrent_requests(specs, budget_bytes, c, block_size) for c in CONTEXTS}}
+            "max_concurrent": {c: max_concurrent_requests(specs, budget_bytes, c, block_size) for c in CONTEXTS},
+            # KV and state kept in one byte a value plus scales (kv_cache_dtype = state_cache_dtype)
+            "quantized": {name: {"kv_bytes_per_token": kv_bytes_per_token(q), "state_bytes": state_bytes_per_slot(q),
+                                 "max_concurrent_32k": max_concurrent_requests(q, budget_bytes, 32768, block_size)}
+                          for name, q in quant.items()}}
     return out
 
 
@@ -144,6 +150,15 @@ def markdown(plan: dict, budget_gib: float, real: dict) -> str:
         b, c = p["bytes_per_request"], p["max_concurrent"]
         lines.append(f"| {name} | {p['kv_bytes_per_token'] / 1024:.0f} KiB | {p['state_bytes'] / MiB:.1f} MiB "
                      f"| {b[4096] / MiB:.0f} MiB | {b[32768] / MiB:.0f} MiB | {c[4096]} | {c[32768]} |")
+    lines += ["", f"### Quantized caches (kv_cache_dtype = state_cache_dtype): requests that fit at 32k tokens, "
+              f"budget {budget_gib:g} GiB", "",
+              "| config | config dtype: state / request | int8: state / request | requests at 32k | int8 | ratio "
+              "| fp8_e4m3 | ratio |", "|---|---|---|---|---|---|---|---|"]
+    for name, p in plan.items():
+        base, q8, f8 = p["max_concurrent"][32768], p["quantized"]["int8"], p["quantized"]["fp8_e4m3"]
+        lines.append(f"| {name} | {p['state_bytes'] / MiB:.1f} MiB | {q8['state_bytes'] / MiB:.1f} MiB | {base} "
+                     f"| {q8['max_concurrent_32k']} | {q8['max_concurrent_32k'] / max(base, 1):.2f}x "
+                     f"| {f8['max_concurrent_32k']} | {f8['max_concurrent_32k'] / max(base, 1):.2f}x |")
     lines += ["", f"### Real runs on CPU: tiny models, {real['layers']} layers, budget {real['budget_bytes'] // 1024} KiB, "
               f"{real['requests']} requests ({real['prompt_tokens']} prompt tokens), max_model_len {real['max_model_len']}, "
               f"max_num_seqs 12, hybrid checkpoint policy {real['checkpoint_policy']}", "",

@@ -13,6 +13,7 @@ import tempfile
 import time
 from typing import Optional
 
+from hybridkv.cache_dtype import CACHE_DTYPES
 from hybridkv.checkpoint_policy import DEFAULT_POLICY, POLICIES
 from hybridkv.eviction import DEFAULT_EVICTION, EVICTION_RULES
 
@@ -59,6 +60,12 @@ def add_llm_args(ap: argparse.ArgumentParser) -> None:
                    help="host memory (MiB) for state checkpoints evicted from the device pool (default 0: none)")
     g.add_argument("--verify-cache-hits", type=float, default=0.0,
                    help="fraction of prefix hits recomputed cold in the background and compared (default 0: off)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(CACHE_DTYPES),
+                   help="KV pages: auto (the model's dtype) | int8 | fp8_e4m3 (a byte a value, a scale per token and head)")
+    g.add_argument("--state-cache-dtype", default="auto", choices=list(CACHE_DTYPES),
+                   help="recurrent state slots: auto | int8 | fp8_e4m3 (a byte a value, a scale per state row)")
+    g.add_argument("--quantize-stochastic", action="store_true",
+                   help="round int8 cache codes stochastically (seeded by --seed) instead of to nearest")
     g.add_argument("--cuda-graphs", action="store_true",
                    help="replay decode steps as CUDA graphs (GPU only; never run on a GPU yet, so off by default)")
     g.add_argument("--speculative-config", default=None,
@@ -77,7 +84,9 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
                 checkpoint_policy=args.checkpoint_policy, checkpoint_every_n=args.checkpoint_every_n,
                 checkpoint_eviction=args.checkpoint_eviction, checkpoint_share=args.checkpoint_share,
                 cuda_graphs=args.cuda_graphs, speculative_config=args.speculative_config,
-                host_cache_bytes=args.host_cache_mb << 20, verify_cache_hits=args.verify_cache_hits)
+                host_cache_bytes=args.host_cache_mb << 20, verify_cache_hits=args.verify_cache_hits,
+                kv_cache_dtype=args.kv_cache_dtype, state_cache_dtype=args.state_cache_dtype,
+                quantize_stochastic=args.quantize_stochastic)
 
 
 # ---- hybridkv demo ---------------------------------------------------------------------------

@@ -6,11 +6,12 @@ kernel reads. For each step `CacheStaging.stage` gives the model a batch whose s
 block ids are renumbered into small working tensors, and caches whose `kv[i]`, `conv[i]` and
 `state[i]` are those working tensors in the layer's compute dtype, made when the layer first asks
 for them (`_StagedLayers`): the rows of the step's slots, or the blocks its requests' tables name,
-decoded. When the model asks for another layer's tensors (and at the end of the step) the
-previous layer's are encoded back: every slot of the step (the kernels wrote them) and the KV
-vectors of the tokens the step wrote. Every kernel, mixer and attention variant runs unchanged, on
-values that are exactly what the pool keeps; the transient memory is one layer's rows of the
-step at full precision.
+decoded. When the model asks for a third entry of one kind while two are staged (and at the end
+of the step) the one asked for longest ago is encoded back: every slot of the step (the kernels
+wrote them) and the KV vectors of the tokens the step wrote. Every kernel, mixer and attention
+variant runs unchanged, on values that are exactly what the pool keeps; the transient memory is
+two entries' rows of the step at full precision. tests/engine/test_cache_staging.py holds every
+family to a reference that decodes the whole pools.
 
 The arithmetic is that of kernels which would dequantize on read and quantize on write: a state is
 quantized each time it is written to its slot (after each decoded token, at the end of each
@@ -34,8 +35,12 @@ from hybridkv.models.forward_batch import ForwardBatch, KVGroupTables, ModelCach
 
 class _StagedLayers(Mapping):
     """{layer: working tensor} over one pool kind. `load(i)` -> the layer's working tensor; `store(i,
-    work)` encodes it back. Only one layer is staged at a time: asking for another stores the one
-    before (a model runs its layers one after the other, each reading its own tensors)."""
+    work)` encodes it back. At most KEEP layers are staged at a time: asking for another stores the
+    one asked for longest ago (a model runs its layers one after the other; a layer may read two
+    entries of one kind at once: an attention layer's pages and its indexer's, GLM-5-Next and
+    Qwen4-Exp)."""
+
+    KEEP = 2
 
     def __init__(self, keys, load: Callable[[int], torch.Tensor], store: Callable[[int, torch.Tensor], None],
                  layout: Callable[[int], Optional[QuantLayout]]):
@@ -54,7 +59,9 @@ class _StagedLayers(Mapping):
         if work is None:
             if i not in self._keys:
                 raise KeyError(i)
-            self.flush()
+            while len(self._staged) >= self.KEEP:
+                oldest = next(iter(self._staged))
+                self._store(oldest, self._staged.pop(oldest))
             work = self._staged[i] = self._load(i)
         return work
 

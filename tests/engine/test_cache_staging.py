@@ -128,3 +128,18 @@ def test_options_are_checked(tmp_path):
         LLM(str(path), kv_cache_dtype="fp8_e4m3", quantize_stochastic=True)
     with pytest.raises(ValueError, match="without CUDA graphs"):
         LLM(str(path), kv_cache_dtype="int8", cuda_graphs="dry_run")
+
+
+def test_serve_flags_reach_llm():
+    import argparse
+
+    from hybridkv.cli import add_llm_args, llm_kwargs
+
+    ap = argparse.ArgumentParser()
+    add_llm_args(ap)
+    kw = llm_kwargs(ap.parse_args(["--kv-cache-dtype", "fp8_e4m3", "--state-cache-dtype", "int8",
+                                   "--quantize-stochastic"]))
+    assert (kw["kv_cache_dtype"], kw["state_cache_dtype"], kw["quantize_stochastic"]) == ("fp8_e4m3", "int8", True)
+    assert llm_kwargs(ap.parse_args([]))["kv_cache_dtype"] == "auto"
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--kv-cache-dtype", "int4"])

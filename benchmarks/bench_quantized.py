@@ -1,0 +1,207 @@
+"""Quantized caches (issue 27): what int8 / fp8_e4m3 KV pages and state slots cost in quality and speed,
+against the same engine with the model's dtype (float32), measured in one run.
+
+Parts (`--part`, default all):
+- quality: the built-in trained model (hybridkv/tiny-code, a small Bamba: Mamba2 + 2 attention layers).
+  * held-out bits per byte: the first `--windows` windows of 512 tokens of its held-out standard-library
+    files (examples/train_tiny.py), scored through the engine (prompt_logprobs) ONE TOKEN A STEP
+    (max_num_batched_tokens=1), so every position reads the KV and the state through the pools, as
+    decoding does (a one-chunk prefill would keep the chunk's own keys and states at full precision).
+  * greedy agreement: 16 held-out prompts of 64 tokens, 256 greedy tokens each; the share of
+    positions where the quantized engine's token equals the unquantized one's (compared position by
+    position, so one early divergence costs the rest), and the mean position of the first divergence.
+- kl: every family of the family table (random tiny checkpoints, tests/family_checks.py): a prompt of
+  24 tokens and its 40-token greedy continuation fed one token a step; mean KL(unquantized ||
+  quantized) of the next-token distributions over those positions, in nats.
+- speed: generated tokens per CPU second of tiny-code (8 prompts x 128 tokens), quantized / unquantized,
+  1 thread, alternating, median of `--repeats` with min-max.
+
+    python benchmarks/bench_quantized.py --windows 8 --repeats 5
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "hybridkv/tiny-code"
+CONFIGS = {"int8 KV + int8 state": ("int8", "int8"), "fp8 KV + fp8 state": ("fp8_e4m3", "fp8_e4m3"),
+           "int8 KV only": ("int8", "auto"), "int8 state only": ("auto", "int8")}
+CONTEXT = 512
+
+
+def llm(kv="auto", state="auto", **kw):
+    from hybridkv import LLM
+
+    return LLM(kw.pop("model", MODEL), kv_cache_dtype=kv, state_cache_dtype=state, memory_budget_bytes=64 << 20, **kw)
+
+
+def held_out_texts() -> list[str]:
+    sys.path.insert(0, str(ROOT / "examples"))
+    import train_tiny
+
+    _, _, held = train_tiny.stdlib_files()
+    return [train_tiny.read(p) for p in held]
+
+
+def held_out_windows(tokenizer, n: int) -> list[list[int]]:
+    stream = []
+    for text in held_out_texts():
+        stream += tokenizer.encode(text) + [tokenizer.eos_token_id]
+    return [stream[i:i + CONTEXT + 1] for i in range(0, CONTEXT * n, CONTEXT)]
+
+
+def bits_per_byte(engine, windows: list[list[int]]) -> float:
+    """Summed -log2 p of every token after a window's first, over the UTF-8 bytes of those tokens."""
+    from hybridkv import SamplingParams
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    nats = nbytes = 0
+    for w in windows:
+        out = engine.generate([{"prompt_token_ids": w}], params, use_tqdm=False)[0]
+        for tok, pos in zip(w[1:], out.prompt_logprobs[1:]):
+            nats -= pos[tok].logprob
+        nbytes += len(engine.tokenizer.decode(w[1:]).encode("utf-8"))
+    return nats / math.log(2) / nbytes
+
+
+def greedy_agreement(engines: dict, tokenizer, n_prompts=16, prompt_len=64, gen=256) -> dict:
+    from hybridkv import SamplingParams
+
+    prompts = [{"prompt_token_ids": tokenizer.encode(t)[:prompt_len]} for t in held_out_texts()[:n_prompts]]
+    params = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
+    runs = {name: [o.outputs[0].token_ids for o in e.generate(prompts, params, use_tqdm=False)]
+            for name, e in engines.items()}
+    base = runs.pop("float32")
+    out = {}
+    for name, toks in runs.items():
+        same = sum(a == b for x, y in zip(base, toks) for a, b in zip(x, y))
+        first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), gen) for x, y in zip(base, toks)]
+        out[name] = {"agreement": same / sum(len(x) for x in base), "mean_first_divergence": statistics.mean(first)}
+    return out
+
+
+def part_quality(windows: int) -> dict:
+    engines = {"float32": llm(max_num_batched_tokens=1)}
+    engines.update({name: llm(kv, st, max_num_batched_tokens=1) for name, (kv, st) in CONFIGS.items()})
+    tok = engines["float32"].tokenizer
+    wins = held_out_windows(tok, windows)
+    bpb = {name: bits_per_byte(e, wins) for name, e in engines.items()}
+    agree = greedy_agreement({n: llm(*CONFIGS[n]) if n in CONFIGS else llm() for n in engines}, tok)
+    return {"windows": windows, "bits_per_byte": bpb,
+            "bpb_ratio": {n: bpb[n] / bpb["float32"] for n in CONFIGS}, "greedy": agree}
+
+
+class _Logits:
+    """Wraps a runner's model: records every logits row the forward returns."""
+
+    def __init__(self, model):
+        self.model, self.rows = model, []
+
+    def __call__(self, batch, caches):
+        out = self.model(batch, caches)
+        self.rows.append(out.float().clone())
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def family_kl(name: str, root: Path) -> float:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from family_checks import FAMILIES, prompt
+    from hybridkv import SamplingParams
+
+    fam = FAMILIES[name]
+    path = str(fam.make(fam.name, root / name, seed=fam.seed, **fam.overrides))
+    p = prompt(24, 5)
+    cont = llm(model=path).generate([p], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+                                    use_tqdm=False)[0].outputs[0].token_ids
+    rows = []
+    for kv, st in (("auto", "auto"), ("int8", "int8")):
+        e = llm(kv, st, model=path, max_num_batched_tokens=1)
+        rec = e.engine.runner.model = _Logits(e.engine.runner.model)
+        e.generate([{"prompt_token_ids": p + list(cont)}], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                   use_tqdm=False)
+        rows.append(torch.cat(rec.rows)[len(p) - 1:])  # the positions that read the continuation's caches
+    ref, q = (torch.log_softmax(r, dim=-1) for r in rows)
+    return float((ref.exp() * (ref - q)).sum(-1).mean())
+
+
+def part_kl() -> dict:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from family_checks import FAMILIES
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return {name: family_kl(name, Path(tmp)) for name in FAMILIES if not FAMILIES[name].builtin}
+
+
+def part_speed(repeats: int) -> dict:
+    from hybridkv import SamplingParams
+
+    engines = {"float32": llm(), "int8 KV + int8 state": llm("int8", "int8"), "int8 state only": llm("auto", "int8")}
+    tok = engines["float32"].tokenizer
+    prompts = [{"prompt_token_ids": tok.encode(t)[:64]} for t in held_out_texts()[:8]]
+    params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
+    times = {n: [] for n in engines}
+    for e in engines.values():  # warm-up
+        e.generate(prompts[:2], SamplingParams(max_tokens=8), use_tqdm=False)
+    for _ in range(repeats):
+        for name, e in engines.items():
+            c0 = time.process_time()
+            e.generate(prompts, params, use_tqdm=False)
+            times[name].append(time.process_time() - c0)
+    tokens = len(prompts) * params.max_tokens
+    out = {"tokens": tokens, "cpu_s": times}
+    for name in engines:
+        ratios = [t / b for t, b in zip(times[name], times["float32"])]
+        out[name] = {"tok_per_cpu_s": tokens / statistics.median(times[name]),
+                     "time_ratio_median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", choices=["quality", "kl", "speed", "all"], default="all")
+    ap.add_argument("--windows", type=int, default=8, help="held-out windows of 512 tokens scored (quality)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    res = {}
+    if a.part in ("quality", "all"):
+        q = res["quality"] = part_quality(a.windows)
+        print(f"held-out bits per byte, {a.windows} windows of {CONTEXT} tokens, one token a step:")
+        for name, v in q["bits_per_byte"].items():
+            ratio = f"  ({q['bpb_ratio'][name]:.4f}x, {100 * (q['bpb_ratio'][name] - 1):+.2f}%)" if name in CONFIGS else ""
+            print(f"  {name:22s} {v:.4f}{ratio}")
+        print("greedy agreement with float32 caches, 16 held-out prompts x 256 tokens:")
+        for name, v in q["greedy"].items():
+            print(f"  {name:22s} {v['agreement']:.3f} of tokens; first divergence at token {v['mean_first_divergence']:.0f} on average")
+    if a.part in ("kl", "all"):
+        kl = res["kl"] = part_kl()
+        print("mean KL(float32 || int8 KV + int8 state) of next-token distributions, nats, per family:")
+        for name, v in kl.items():
+            print(f"  {name:22s} {v:.2e}")
+    if a.part in ("speed", "all"):
+        s = res["speed"] = part_speed(a.repeats)
+        print(f"tiny-code, 8 prompts x 128 tokens, 1 thread, CPU time, median of {a.repeats} (min-max):")
+        for name in s["cpu_s"]:
+            v = s[name]
+            print(f"  {name:22s} {v['tok_per_cpu_s']:.0f} tok/CPU-s; time {v['time_ratio_median']:.2f}x float32 "
+                  f"({v['min']:.2f}-{v['max']:.2f})")
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+    return res
+
+
+if __name__ == "__main__":
+    main()
