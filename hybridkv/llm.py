@@ -145,7 +145,7 @@ class LLM:
             scheduler.speculation = Speculation(spec, block_size, drafter)
         if c.verify_cache_hits > 0:  # a sampled fraction of prefix hits recomputed cold (scheduler/hit_guard.py)
             scheduler.hit_guard = HitGuard(c.verify_cache_hits, seed, self.manager.prefix_cache.invalidate,
-                                           next(self.model.parameters()).dtype)
+                                           next(self.model.parameters()).dtype, (c.kv_cache_dtype, c.state_cache_dtype))
         tp = self.tensor_parallel  # its executor sends each step to ranks 1..N-1, then runs rank 0's
         self.engine = Engine(self.model, self.manager, scheduler, seed=seed, executor=tp.executor if tp else None,
                              quantize_stochastic=c.quantize_stochastic)

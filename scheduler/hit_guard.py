@@ -8,7 +8,8 @@ is computed cold) and the lowest priority (it runs when nothing else waits). The
 keeps the raw logits of the row that samples each one's first token (`ScheduledChunk.keep_logits`);
 when both are in they are compared: a match is max |hit - cold| <= tol * max(1, max |cold|), tol
 = TOLERANCE[the model's dtype] (1e-3 for float32, 3e-2 for 16-bit weights: chunking and batching
-change float sums by far less; a wrong state changes them by more). A mismatch is counted
+change float sums by far less; a wrong state changes them by more), or under quantized caches
+QUANTIZED_TOLERANCE[the cache dtype] if larger (a hit reads rounded KV and state, the cold run not). A mismatch is counted
 (`cache_hit_mismatches`), logged with the entry's key and position, and the entry is invalidated
 (its state checkpoint dropped from the device and the host tier) so no later request uses it.
 The user's request is not held back: the check is after the fact, on the engine's own time.
@@ -30,6 +31,11 @@ from hybridkv.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3, torch.bfloat16: 3e-2, torch.float16: 3e-2}  # x max(1, max |cold|)
+# Under a quantized cache dtype a hit reads quantized KV and state where the cold run may have computed
+# the prefix at full precision: measured up to 4.4e-3 (int8) and 7.9e-3 (fp8_e4m3) x max |cold| on a
+# tiny random Qwen3-Next and 3.6e-4 / 1.5e-3 on tiny-code, 200-token prefixes in chunks of 64. Errors
+# below these go unseen there (BENCHMARKS.md, "Quantized caches": what a zeroed state gives)
+QUANTIZED_TOLERANCE = {"int8": 5e-3, "fp8_e4m3": 1e-2}
 LOWEST = 2 ** 31     # a shadow's priority: after every user request (lower runs first)
 
 
@@ -46,13 +52,16 @@ class _Pair:
 class HitGuard:
     """p: the fraction of hits checked (0 < p <= 1); seed: the sampling RNG's seed;
     invalidate(key): drop the entry keyed `key` from every tier (the scheduler's manager call);
-    dtype: the model's weights' dtype, which sets the tolerance."""
+    dtype: the model's weights' dtype, which sets the tolerance; cache_dtypes: the engine's
+    kv_cache_dtype and state_cache_dtype, which widen it (QUANTIZED_TOLERANCE)."""
 
-    def __init__(self, p: float, seed: int, invalidate: Callable[[bytes], None], dtype=torch.float32):
+    def __init__(self, p: float, seed: int, invalidate: Callable[[bytes], None], dtype=torch.float32,
+                 cache_dtypes: tuple = ()):
         if not 0.0 < p <= 1.0:
             raise ValueError(f"verify_cache_hits={p!r}; give a fraction in (0, 1] (0 turns the guard off)")
         self.p, self.rng, self.invalidate = p, random.Random(seed), invalidate
-        self.tolerance = TOLERANCE.get(dtype, 3e-2)
+        self.tolerance = max([TOLERANCE.get(dtype, 3e-2)] + [QUANTIZED_TOLERANCE[d] for d in cache_dtypes
+                                                             if d in QUANTIZED_TOLERANCE])
         self._pairs: dict[Hashable, _Pair] = {}  # by both of its request ids
         self._serial = itertools.count()
         self.counters = {"cache_hit_checks": 0, "cache_hit_mismatches": 0}

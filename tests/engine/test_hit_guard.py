@@ -15,6 +15,7 @@ from hybridkv.models.tiny import make_tiny_checkpoint
 from hybridkv.plan import state_bytes_per_slot
 from hybridkv.scheduler.config import EngineConfig
 from hybridkv.scheduler.hit_guard import HitGuard
+from hybridkv.specs import with_cache_dtypes
 
 
 @pytest.fixture(scope="module")
@@ -22,11 +23,14 @@ def bamba(tmp_path_factory):
     return make_tiny_checkpoint("bamba", tmp_path_factory.mktemp("bamba"))
 
 
-def tiered_kw(bamba) -> dict:
-    """2 live and 2 device checkpoint slots, a host tier of 16 states, KV for every prefix."""
-    specs = LLM(str(bamba), memory_budget_bytes=16 << 20).model.cache_specs()
+def tiered_kw(bamba, cache: str = "auto") -> dict:
+    """2 live and 2 device checkpoint slots, a host tier of 16 states, KV for every prefix; KV and
+    state kept in `cache`."""
+    quant = None if cache == "auto" else cache
+    specs = with_cache_dtypes(LLM(str(bamba), memory_budget_bytes=16 << 20).model.cache_specs(), quant, quant)
     return dict(max_num_seqs=2, checkpoint_share=0.1, host_cache_bytes=16 * state_bytes_per_slot(specs),
-                memory_budget_bytes=tight_budget(specs, 16, blocks=64, slots=1 + 2 + 2))
+                memory_budget_bytes=tight_budget(specs, 16, blocks=64, slots=1 + 2 + 2),
+                kv_cache_dtype=cache, state_cache_dtype=cache)
 
 
 def passes(prefixes, n: int, seed: int = 1) -> list[list[list[int]]]:
@@ -39,11 +43,14 @@ def tokens(llm, prompts):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(4), use_tqdm=False)]
 
 
-def test_a_wrong_but_consistent_host_entry_is_caught_and_invalidated(bamba):
+@pytest.mark.parametrize("cache", ["auto", "int8"])
+def test_a_wrong_but_consistent_host_entry_is_caught_and_invalidated(bamba, cache):
+    """Also with int8 KV and state, where hits legitimately differ from the cold run by rounding
+    (the guard's tolerance widens; a wrong state still shows)."""
     rng = random.Random(0)
-    prefixes = [[rng.randrange(4, 128) for _ in range(48)] for _ in range(6)]
+    prefixes = [[rng.randrange(4, 128) for _ in range(48)] for _ in range(6 if cache == "auto" else 8)]
     first, second, third = passes(prefixes, 3)
-    kw = tiered_kw(bamba)
+    kw = tiered_kw(bamba, cache)
     oracle = LLM(str(bamba), **{**kw, "host_cache_bytes": 0})  # one tier: recomputes what it lost
     want = [tokens(oracle, p) for p in (first, second, third)]
     llm = LLM(str(bamba), verify_cache_hits=1.0, **kw)
@@ -51,9 +58,13 @@ def test_a_wrong_but_consistent_host_entry_is_caught_and_invalidated(bamba):
     host = llm.manager.recurrent.host
     bad = set(host.entries)
     assert len(bad) >= 4
+    layouts = {i: spec.ssm_layout for i, spec in llm.manager.recurrent.layers.items()}
     for e in host.entries.values():  # wrong state, consistent entry: the CRC check cannot see it
-        for t in e.ssm.values():
-            t.add_(1.0)
+        for i, t in e.ssm.items():
+            if layouts[i] is None:
+                t.add_(1.0)
+            else:  # the values one higher, kept as the pool keeps them
+                t.copy_(layouts[i].encode(layouts[i].decode(t[None]) + 1.0)[0])
         e.crc = checksum(e.conv, e.ssm)
     before = llm.stats()
     tokens(llm, second)  # served from the wrong states: what it returns is not checked here
@@ -72,13 +83,16 @@ def test_a_wrong_but_consistent_host_entry_is_caught_and_invalidated(bamba):
     assert not llm.engine.groups  # the shadows ended and reported nothing
 
 
-def test_correct_hits_pass_and_nothing_runs_at_p_0(bamba):
+@pytest.mark.parametrize("cache", ["auto", "int8", "fp8_e4m3"])
+def test_correct_hits_pass_and_nothing_runs_at_p_0(bamba, cache):
+    """Also under quantized caches, whose hits differ from the cold run by rounding only."""
     rng = random.Random(3)
     prefixes = [[rng.randrange(4, 128) for _ in range(48)] for _ in range(3)]
     prompts = [p for one_pass in passes(prefixes, 2) for p in one_pass]
     runs = {}
     for p in (None, 0.0, 1.0):
-        llm = LLM(str(bamba), memory_budget_bytes=16 << 20, **({} if p is None else {"verify_cache_hits": p}))
+        llm = LLM(str(bamba), memory_budget_bytes=16 << 20, kv_cache_dtype=cache, state_cache_dtype=cache,
+                  **({} if p is None else {"verify_cache_hits": p}))
         outs = llm.generate(prompts, greedy(4), use_tqdm=False)
         assert len(outs) == len(prompts)  # no shadow output among them
         runs[p] = ([o.outputs[0].token_ids for o in outs], llm.stats(), llm.engine.counters["processed_tokens"])
