@@ -13,6 +13,7 @@ Parts (`--part`, default all):
 - kl: every family of the family table (random tiny checkpoints, tests/family_checks.py): a prompt of
   24 tokens and its 40-token greedy continuation fed one token a step; mean KL(unquantized ||
   quantized) of the next-token distributions over those positions, in nats.
+- scales: the KV row (a scale per token and head, or per block and head), measured on tiny-code's pages.
 - speed: generated tokens per CPU second of tiny-code (8 prompts x 128 tokens), quantized / unquantized,
   1 thread, alternating, median of `--repeats` with min-max.
 
@@ -144,6 +145,38 @@ def part_kl() -> dict:
         return {name: family_kl(name, Path(tmp)) for name in FAMILIES if not FAMILIES[name].builtin}
 
 
+def part_scales() -> dict:
+    """The KV row choice: tiny-code's KV pages after 4 held-out windows (float32 engine), quantized to
+    int8 with a scale per token and head (what the pools keep) and with one per block and head (16
+    tokens x head_dim): relative RMS error of the keys and values, and bytes per value."""
+    from hybridkv.cache_dtype import QuantLayout
+
+    e = llm(max_num_batched_tokens=512)
+    wins = held_out_windows(e.tokenizer, 4)
+    rid_blocks = []
+    for w in wins:
+        rid = e.add_request({"prompt_token_ids": w[:CONTEXT]}, __import__("hybridkv").SamplingParams(max_tokens=1))
+        e.step()
+        rid_blocks += [b for b in e.manager.attention.block_table([rid]).flatten().tolist()][:CONTEXT // 16]
+        while e.has_unfinished_requests():
+            e.step()
+    out = {}
+    for layer, pages in e.manager.kv_caches.items():
+        x = pages[torch.tensor(rid_blocks)]  # [n, 2, 16, heads, D]
+        D = x.shape[-1]
+        per_token = QuantLayout("int8", (D,), 0)
+        blockwise = x.permute(0, 1, 3, 2, 4)  # [n, 2, heads, 16, D]: one scale per block, part and head
+        flat = blockwise.reshape(*blockwise.shape[:3], 16 * D)
+        one = QuantLayout("int8", (16 * D,), 0)
+        for name, got in (("per token and head", per_token.decode(per_token.encode(x))),
+                          ("per block and head", one.decode(one.encode(flat)).reshape(blockwise.shape).permute(0, 1, 3, 2, 4))):
+            for part, label in ((0, "keys"), (1, "values")):
+                err = float((got[:, part] - x[:, part]).pow(2).mean().sqrt() / x[:, part].pow(2).mean().sqrt())
+                out.setdefault(name, {}).setdefault(label, []).append(err)
+        out["bytes_per_value"] = {"per token and head": per_token.nbytes / D, "per block and head": one.nbytes / (16 * D)}
+    return {k: ({kk: statistics.mean(vv) for kk, vv in v.items()} if k != "bytes_per_value" else v) for k, v in out.items()}
+
+
 def part_speed(repeats: int) -> dict:
     from hybridkv import SamplingParams
 
@@ -170,7 +203,7 @@ def part_speed(repeats: int) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=["quality", "kl", "speed", "all"], default="all")
+    ap.add_argument("--part", choices=["quality", "kl", "scales", "speed", "all"], default="all")
     ap.add_argument("--windows", type=int, default=8, help="held-out windows of 512 tokens scored (quality)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default=None)
@@ -191,6 +224,11 @@ def main(argv=None) -> dict:
         print("mean KL(float32 || int8 KV + int8 state) of next-token distributions, nats, per family:")
         for name, v in kl.items():
             print(f"  {name:22s} {v:.2e}")
+    if a.part in ("scales", "all"):
+        sc = res["scales"] = part_scales()
+        print("KV rows, tiny-code pages after 4 held-out windows, int8: relative RMS error (keys / values), bytes a value:")
+        for name in ("per token and head", "per block and head"):
+            print(f"  {name:20s} {sc[name]['keys']:.4f} / {sc[name]['values']:.4f}; {sc['bytes_per_value'][name]:.3f} B")
     if a.part in ("speed", "all"):
         s = res["speed"] = part_speed(a.repeats)
         print(f"tiny-code, 8 prompts x 128 tokens, 1 thread, CPU time, median of {a.repeats} (min-max):")

@@ -143,3 +143,79 @@ def test_serve_flags_reach_llm():
     assert llm_kwargs(ap.parse_args([]))["kv_cache_dtype"] == "auto"
     with pytest.raises(SystemExit):
         ap.parse_args(["--kv-cache-dtype", "int4"])
+
+
+# ---- the memory around quantized pools -------------------------------------------------------
+QUANT = dict(kv_cache_dtype="int8", state_cache_dtype="int8")
+
+
+@pytest.fixture(scope="module")
+def bamba_path(tmp_path_factory):
+    from hybridkv.models.tiny import make_tiny_checkpoint
+
+    return str(make_tiny_checkpoint("bamba", tmp_path_factory.mktemp("bamba"), seed=2))
+
+
+def pressured(path, mode, reference=False):
+    """5 requests of 40 tokens on 7 KV blocks, 3 live slots and 3 seats, preempting in `mode`."""
+    from engine_fixtures import tight_budget
+    from hybridkv.specs import with_cache_dtypes
+
+    specs = with_cache_dtypes(LLM(path, memory_budget_bytes=16 << 20).model.cache_specs(), "int8", "int8")
+    llm = LLM(path, memory_budget_bytes=tight_budget(specs, 16, blocks=7, slots=1 + 3), max_num_seqs=3,
+              max_num_batched_tokens=24, preemption_mode=mode, checkpoint_share=0.0, **QUANT)
+    if reference:
+        use_reference_staging(llm)
+    return llm
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_of_quantized_pools(bamba_path, mode):
+    """Preempted in both modes, every request ends with the reference staging's tokens under the
+    same pressure; swap moves the codes and scales as they are, so its tokens are also those of the
+    quantized engine without pressure (recompute rounds the recomputed prefix at other chunk ends,
+    so its tokens may legitimately differ from that); nothing leaks."""
+    prompts = [prompt(n, 90 + n) for n in (3, 17, 30, 9, 22)]
+    runs = []
+    for reference in (False, True):
+        llm = pressured(bamba_path, mode, reference)
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, greedy(40), use_tqdm=False)])
+        assert llm.stats()["preemptions"][mode] > 0
+        assert_no_leaks(llm)
+    assert runs[0] == runs[1]
+    if mode == "swap":
+        free = LLM(bamba_path, memory_budget_bytes=16 << 20, max_num_batched_tokens=24, **QUANT)
+        assert runs[0] == [o.outputs[0].token_ids for o in free.generate(prompts, greedy(40), use_tqdm=False)]
+
+
+def test_migration_carries_codes_and_scales_and_refuses_another_cache_dtype(bamba_path):
+    """A request exported mid-decode from an int8 engine continues in an int8 engine of another
+    block size with the tokens it would have made; an engine keeping float32 (or fp8) refuses the
+    snapshot by naming the cache dtypes, holding nothing."""
+    from hybridkv.errors import SnapshotMismatchError
+    from hybridkv.scheduler.snapshot_io import snapshot_from_bytes, snapshot_to_bytes
+
+    prompts = [prompt(n, 70 + n) for n in (5, 21, 40)]
+    kw = dict(memory_budget_bytes=16 << 20, max_num_batched_tokens=32)
+    expected = [o.outputs[0].token_ids for o in LLM(bamba_path, **kw, **QUANT).generate(prompts, greedy(16), use_tqdm=False)]
+    src = LLM(bamba_path, **kw, **QUANT)
+    ids = [src.add_request(p, greedy(16)) for p in prompts]
+    for _ in range(5):
+        src.step()
+    snaps = [snapshot_from_bytes(snapshot_to_bytes(src.export_request(i))) for i in ids]
+    for other in ({}, dict(kv_cache_dtype="fp8_e4m3", state_cache_dtype="fp8_e4m3"), dict(state_cache_dtype="int8")):
+        wrong = LLM(bamba_path, **kw, **other)
+        with pytest.raises(SnapshotMismatchError, match="cache dtypes"):
+            wrong.import_request(snaps[0])
+        assert_no_leaks(wrong)
+    dst = LLM(bamba_path, **{**kw, "block_size": 32}, **QUANT)
+    for s in snaps:
+        dst.import_request(s)
+    done = {}
+    while dst.has_unfinished_requests():
+        for o in dst.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
+    assert [done[i] for i in ids] == expected
+    assert_no_leaks(dst)
+    assert_no_leaks(src)
