@@ -15,7 +15,7 @@ from family_checks import FAMILIES, prompt
 from hybridkv import LLM, SamplingParams
 from hybridkv.models.forward_batch import ModelCaches
 
-FAST = {"llama", "bamba", "rwkv", "qwen3_next", "lfm2", "gpt_oss", "kimi_linear", "zamba2"}
+FAST = {"bamba", "gpt_oss", "glm5_next"}  # states; sliding and full KV groups; pages read with an indexer's
 
 
 def use_reference_staging(llm: LLM) -> None:
