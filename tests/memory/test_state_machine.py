@@ -34,7 +34,7 @@ from hybridkv.scheduler.batch_builder import BatchBuilder
 from hybridkv.scheduler.scheduler import ScheduledChunk
 from hybridkv.request import Request
 from hybridkv.plan import state_bytes_per_slot
-from hybridkv.specs import AttentionSpec, RecurrentSpec
+from hybridkv.specs import AttentionSpec, RecurrentSpec, with_cache_dtypes
 from hybridkv.state_pool import CHECKPOINT, FREE, LIVE, NULL
 
 EVENTS: Counter = Counter()  # what the runs exercised, so the test cannot pass by doing nothing
@@ -47,6 +47,12 @@ def rolling(tokens):
     for t in tokens:
         r.append((r[-1] * 31 + t + 1) % 1_000_003)
     return r
+
+
+def values(t: torch.Tensor) -> torch.Tensor:
+    """The pool tensor as float32 values: itself, or a quantized pool's bytes (codes and scales, a
+    multiple of 4 per item) read as float32, so a test value fills them whole and comes back equal."""
+    return t.view(torch.float32) if t.dtype == torch.uint8 else t
 
 
 def kv_values(tokens, n):  # value at position p depends on tokens[0..p]
@@ -73,7 +79,7 @@ def kv_of(mgr, group, r):
         nb = -(-n // mgr.block_size)
         if nb == first:  # nothing computed, or a window of one token: no block to read
             continue
-        g = t[group.block_ids(r.request_id)[first:nb]]  # [nb - first, 2, bs, h, d]
+        g = values(t)[group.block_ids(r.request_id)[first:nb]]  # [nb - first, 2, bs, h, d]
         out[i] = g.permute(0, 2, 1, 3, 4).reshape((nb - first) * mgr.block_size, -1)[: n - first * mgr.block_size]
     return first * mgr.block_size, out
 
@@ -93,12 +99,12 @@ def write_step(mgr, rid, slot_mapping, start, end):
             rc = group.pool.refcount[b]
             assert rc == 1, f"write into block {b} of {group.name} with refcount {rc}"
             for t in group.pool.kv.values():
-                t[b, :, s % bs] = v
+                values(t)[b, :, s % bs] = v
     slot = mgr.live_slot(rid)
     if slot:
         sv = state_value(r.token_ids, end)
         for t in list(mgr.conv_states.values()) + list(mgr.ssm_states.values()):
-            t[slot] = sv
+            values(t)[slot] = sv
 
 
 def check_request_data(mgr, r):
@@ -117,7 +123,7 @@ def check_request_data(mgr, r):
     if slot and n:
         sv = state_value(r.token_ids, n)
         for t in list(mgr.conv_states.values()) + list(mgr.ssm_states.values()):
-            assert bool((t[slot] == sv).all()), f"state of request {r.request_id} differs"
+            assert bool((values(t)[slot] == sv).all()), f"state of request {r.request_id} differs"
 
 
 def check_conservation(mgr):
@@ -169,8 +175,10 @@ class ManagerMachine(RuleBasedStateMachine):
                 window=st.sampled_from([1, 3, 5, 8]), bs=st.sampled_from([2, 4]),
                 num_blocks=st.integers(6, 24), num_slots=st.integers(2, 6), caching=st.booleans(),
                 policy=st.sampled_from(["none", "prompt_end", "every_n_blocks", "branch_points"]),
-                eviction=st.sampled_from(["lru", "flop"]), other_bs=st.sampled_from([1, 3, 4]))
-    def setup(self, host_entries, kind, window, bs, num_blocks, num_slots, caching, policy, eviction, other_bs):
+                eviction=st.sampled_from(["lru", "flop"]), other_bs=st.sampled_from([1, 3, 4]),
+                quant=st.sampled_from([None, None, "int8"]))
+    def setup(self, host_entries, kind, window, bs, num_blocks, num_slots, caching, policy, eviction, other_bs,
+              quant):
         specs = {}
         if kind != "recurrent":
             specs[1] = AttentionSpec(1, 2, torch.float32, window if kind.startswith(("sliding", "mixed")) else None)
@@ -179,6 +187,8 @@ class ManagerMachine(RuleBasedStateMachine):
         if kind not in ("attention", "sliding"):
             specs[0] = RecurrentSpec((2, 2), (3,), torch.float32)
             specs[2] = RecurrentSpec((2, 1), (), torch.float32)
+        specs = with_cache_dtypes(specs, quant, quant)  # int8: pools of codes and scales, moved as bytes
+        EVENTS["quantized pools"] += quant is not None
         kw = dict(enable_prefix_caching=caching, checkpoint_policy=policy, checkpoint_eviction=eviction,
                   fingerprint="sm", checkpoint_every_n=2)
         if self.force_host_tier:
@@ -427,11 +437,11 @@ class ManagerMachine(RuleBasedStateMachine):
                 check_request_data(self.mgr, r)
         for h, c in (self.mgr.recurrent.checkpoints.items() if self.mgr.recurrent else ()):  # never change
             for t in list(self.mgr.conv_states.values()) + list(self.mgr.ssm_states.values()):
-                assert bool((t[c.slot] == self.expected_ckpt[h]).all()), "a checkpoint's state changed"
+                assert bool((values(t)[c.slot] == self.expected_ckpt[h]).all()), "a checkpoint's state changed"
         host = self.mgr.recurrent.host if self.mgr.recurrent else None
         for h, e in (host.entries.items() if host is not None else ()):  # a host copy is its prefix's state
             for t in list(e.conv.values()) + list(e.ssm.values()):
-                assert bool((t == self.expected_ckpt[h]).all()), "a host entry's state differs"
+                assert bool((values(t) == self.expected_ckpt[h]).all()), "a host entry's state differs"
             EVENTS["host entry checked"] += 1
 
     def teardown(self):
@@ -462,7 +472,7 @@ def test_manager_state_machine():
                  "resumed by recompute", "imported elsewhere", "fork", "sliding window held blocks bounded",
                  "checked with two attention groups", "batch slots checked per group", "probe found a prefix",
                  "batched decode", "batched decode allocated a block", "checkpoint stored by a batched decode",
-                 "batched decode left one to allocate alone"]:
+                 "batched decode left one to allocate alone", "quantized pools"]:
         assert EVENTS[what] > 0, f"the random runs never exercised {what}: {EVENTS}"
 
 
