@@ -75,7 +75,7 @@ def check_snapshot(snap: RequestSnapshot, request: Request, kinds: Sequence, fin
             f"can only move between engines serving the same model and weights")
     mine = layer_shapes(kinds)
     theirs_dtypes, my_dtypes = _cache_dtypes(snap.layer_shapes), _cache_dtypes(mine)
-    if theirs_dtypes != my_dtypes:
+    if any(theirs_dtypes[k] != my_dtypes[k] for k in set(theirs_dtypes) & set(my_dtypes)):
         raise SnapshotMismatchError(
             f"snapshot was taken with cache dtypes {theirs_dtypes} and this engine keeps {my_dtypes} "
             f"(kv_cache_dtype / state_cache_dtype): a request moves only between engines with the same ones")
