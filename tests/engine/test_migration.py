@@ -151,12 +151,25 @@ ISSUE_CASES = {  # issue 28: each leaked memory, raised a raw error, or failed a
 }
 
 
+@pytest.fixture(scope="module")
+def mid_decode_bytes(ckpt):
+    """The mid-decode snapshot's bytes, made once per checkpoint: every case below decodes its own
+    copy from them (bytes are immutable), so no case sees another's edit."""
+    return snapshot_to_bytes(_mid_decode_snapshot(ckpt))
+
+
+@pytest.fixture(scope="module")
+def bystander_tokens(ckpt):
+    """The bystander's tokens on an engine of its own (read only by the cases)."""
+    return _engine(ckpt).generate([PROMPTS[2]], greedy(8), use_tqdm=False)[0].outputs[0].token_ids
+
+
 @pytest.mark.parametrize("case", ISSUE_CASES)
-def test_a_malformed_snapshot_is_refused_holding_nothing(ckpt, case):
-    snap = snapshot_from_bytes(snapshot_to_bytes(_mid_decode_snapshot(ckpt)))
+def test_a_malformed_snapshot_is_refused_holding_nothing(ckpt, case, mid_decode_bytes, bystander_tokens):
+    snap = snapshot_from_bytes(mid_decode_bytes)
     ISSUE_CASES[case](snap)
     dst = _engine(ckpt)
-    bystander = _engine(ckpt).generate([PROMPTS[2]], greedy(8), use_tqdm=False)[0].outputs[0].token_ids
+    bystander = bystander_tokens
     dst.add_request(PROMPTS[2], greedy(8), request_id="b")
     dst.step()
     before = _held(dst)
@@ -195,9 +208,9 @@ BYTE_CASES = {
 
 
 @pytest.mark.parametrize("case", BYTE_CASES)
-def test_malformed_bytes_with_a_valid_checksum_raise_one_error(ckpt, case):
+def test_malformed_bytes_with_a_valid_checksum_raise_one_error(ckpt, case, mid_decode_bytes):
     edit, msg = BYTE_CASES[case]
-    data = _resealed(snapshot_to_bytes(_mid_decode_snapshot(ckpt)), edit)
+    data = _resealed(mid_decode_bytes, edit)
     dst = _engine(ckpt)
     with pytest.raises(SnapshotMismatchError, match=msg or "snapshot"):
         dst.import_request(snapshot_from_bytes(data))
