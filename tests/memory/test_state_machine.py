@@ -476,6 +476,9 @@ def test_manager_state_machine():
         assert EVENTS[what] > 0, f"the random runs never exercised {what}: {EVENTS}"
 
 
+# long (~8 s: 100 examples of 50 steps); the fast tier keeps the host tier's unit tests
+# (tests/memory/test_host_tier.py) and its engine tests (tests/engine/test_memory_tiers.py)
+@pytest.mark.slow
 def test_manager_state_machine_with_host_tier():
     EVENTS.clear()
     run_state_machine_as_test(HostTierMachine, settings=settings(
