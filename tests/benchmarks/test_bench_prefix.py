@@ -50,8 +50,10 @@ def _oracle_hits(trace, boundaries):
      + ([c] if c % BS == 0 else [])),
 ])
 def test_serial_replay_hits_equal_oracle(policy, boundaries):
-    # one request at a time, slots for every checkpoint: the hits are what the policy promises
-    trace = agent_sessions(num_sessions=3, turns=3, system_len=90, seed=5)
+    # one request at a time, slots for every checkpoint: the hits are what the policy promises.
+    # Answers of 20-60 tokens (not the default 40-160) as in the --small study: each still crosses
+    # 1-4 block boundaries (the rolling output checkpoint moves), and the replay's time is its decode steps
+    trace = agent_sessions(num_sessions=3, turns=3, system_len=90, seed=5, output_len=(20, 60))
     trace += few_shot(num_tasks=2, queries_per_task=3, prefix_len=(40, 200), seed=6)
     mgr = make_manager(policy, checkpoint_slots=400, max_num_seqs=1)
     res = replay(mgr, trace, max_num_seqs=1)
@@ -69,7 +71,9 @@ def test_ceiling_is_every_cached_block():
 
 
 def test_chat_trace_salted_tenants_share_nothing():
-    trace = multi_tenant_chat(num_tenants=3, chats_per_tenant=2, turns=2, common_len=64, salted=(2,))
+    # answers of 20-60 tokens (the default 40-160 only adds decode steps): each crosses a block past the prompt
+    trace = multi_tenant_chat(num_tenants=3, chats_per_tenant=2, turns=2, common_len=64, salted=(2,),
+                              output_len=(20, 60))
     first = {t.session: t for t in reversed(trace)}  # each chat's first turn
     assert {t.cache_salt for t in trace if t.request_id.startswith("tenant2")} == {"tenant2"}
     res = replay(ceiling_manager(), trace, max_num_seqs=1)
