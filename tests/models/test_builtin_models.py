@@ -57,6 +57,7 @@ def test_llm_loads_the_builtin_target_by_name_and_completes_code():
     assert out.text and all(c.isprintable() or c in "\n\t" for c in out.text), out.text
 
 
+@pytest.mark.slow  # ~2.5 s (transformers scores the held-out windows): a check of the shipped files, not of an edit
 def test_the_shipped_target_measures_the_held_out_bits_per_byte_of_its_model_card():
     """The first `quick_windows` windows of the held-out stream, encoded by the shipped tokenizer and
     scored by transformers' model of the shipped bf16 weights, exactly as train_tiny.py measured
