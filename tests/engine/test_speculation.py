@@ -255,11 +255,18 @@ def test_a_stop_string_inside_an_accepted_run_ends_it_there(bamba):
     assert_no_leaks(llm)
 
 
+@pytest.fixture(scope="module")
+def ref_20_tokens(bamba):
+    """The plain engine's 20 greedy tokens after prompt(10, 9), the drafts of every max_tokens case
+    (made once: a fresh engine's output, read only)."""
+    return LLM(str(bamba), memory_budget_bytes=16 << 20).generate([prompt(10, 9)], greedy(20), use_tqdm=False)[0]
+
+
 @pytest.mark.parametrize("max_tokens", [1, 2, 7, 12])
-def test_max_tokens_cuts_a_run(bamba, max_tokens):
+def test_max_tokens_cuts_a_run(bamba, max_tokens, ref_20_tokens):
     p = prompt(10, 9)
     plain = LLM(str(bamba), memory_budget_bytes=16 << 20).generate([p], greedy(max_tokens), use_tqdm=False)[0]
-    ref = LLM(str(bamba), memory_budget_bytes=16 << 20).generate([p], greedy(20), use_tqdm=False)[0]
+    ref = ref_20_tokens
     llm = speculating(bamba, full_runs([p], [ref]), 0.0, memory_budget_bytes=16 << 20)
     out = llm.generate([p], greedy(max_tokens), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == plain.outputs[0].token_ids
