@@ -119,15 +119,22 @@ def test_speculative_tokens_are_transformers_greedy_tokens(bamba):
 
 
 # ---- the memory around a run ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def roomy_plain_run(bamba):
+    """(prompts, the plain engine's outputs, cache specs) of the preemption cases: one roomy run shared
+    by both modes (read only; each mode speculates on an engine of its own)."""
+    prompts = [prompt(n, 90 + n) for n in (3, 17, 30, 9, 22)]
+    llm = LLM(str(bamba), memory_budget_bytes=16 << 20)
+    return prompts, llm.generate(prompts, greedy(40), use_tqdm=False), llm.model.cache_specs()
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_in_both_modes_between_runs(bamba, mode):
+def test_preemption_in_both_modes_between_runs(bamba, mode, roomy_plain_run):
     """A budget of 7 blocks, 3 live slots and 3 x 6 draft slots for 5 requests of 40 tokens:
     requests are preempted while others verify drafts, resume, and end with the plain engine's
     tokens."""
-    prompts = [prompt(n, 90 + n) for n in (3, 17, 30, 9, 22)]
+    prompts, plain, specs = roomy_plain_run
     params = greedy(40)
-    plain = LLM(str(bamba), memory_budget_bytes=16 << 20).generate(prompts, params, use_tqdm=False)
-    specs = LLM(str(bamba), memory_budget_bytes=16 << 20).model.cache_specs()
     llm = speculating(bamba, full_runs(prompts, plain), 0.3, preemption_mode=mode, max_num_seqs=3,
                       max_num_batched_tokens=24, checkpoint_share=0.0,
                       memory_budget_bytes=tight_budget(specs, 16, blocks=7, slots=1 + 3 + 18))
