@@ -180,15 +180,27 @@ def test_new_sampling_params_refuse_junk_naming_the_value(kwargs, error, message
         SamplingParams(**kwargs)
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_keeps_seeded_penalized_draws_and_prompt_logprobs(bamba, mode):
+def _penalized_params(n):
+    return [SamplingParams(temperature=0.9, seed=100 + i, max_tokens=24, ignore_eos=True, top_p=0.9,
+                           repetition_penalty=1.2, frequency_penalty=0.3, logit_bias={7: 1.0},
+                           prompt_logprobs=1 if i % 3 == 0 else None) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def roomy_penalized_run(bamba):
+    """(prompts, the roomy engine's outputs, the tight budget) shared by both preemption modes
+    (read only; each mode runs its own tight engine on params of its own)."""
     prompts = ragged_prompts(12, 128, seed=21)
-    params = [SamplingParams(temperature=0.9, seed=100 + i, max_tokens=24, ignore_eos=True, top_p=0.9,
-                             repetition_penalty=1.2, frequency_penalty=0.3, logit_bias={7: 1.0},
-                             prompt_logprobs=1 if i % 3 == 0 else None) for i in range(len(prompts))]
-    roomy = LLM(bamba[0], memory_budget_bytes=16 << 20).generate(prompts, params, use_tqdm=False)
+    roomy = LLM(bamba[0], memory_budget_bytes=16 << 20).generate(prompts, _penalized_params(len(prompts)),
+                                                                  use_tqdm=False)
     probe = LLM(bamba[0], memory_budget_bytes=8 << 20)
-    budget = tight_budget(probe.model.cache_specs(), 16, blocks=10, slots=1 + 6 + 2)
+    return prompts, roomy, tight_budget(probe.model.cache_specs(), 16, blocks=10, slots=1 + 6 + 2)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_keeps_seeded_penalized_draws_and_prompt_logprobs(bamba, mode, roomy_penalized_run):
+    prompts, roomy, budget = roomy_penalized_run
+    params = _penalized_params(len(prompts))
     tight = LLM(bamba[0], memory_budget_bytes=budget, max_num_seqs=6, preemption_mode=mode,
                 max_num_batched_tokens=32, checkpoint_share=0.0)
     outs = tight.generate(prompts, params, use_tqdm=False)
