@@ -125,6 +125,9 @@ def test_bfloat16_keeps_the_convs_and_routing_bias_in_float32(family_models):
     assert_close_rel(_logits(ours, tokens), hf_logits(hf, tokens), rtol=3e-2)
 
 
+# long (a 40-token decode past the window, 1-3 s): the slow tier, with this family's table rows
+# (tests/models/test_families.py SLOW); the fast tier checks the window rule on granitemoe_swa and zaya
+@pytest.mark.slow
 def test_long_generation_holds_the_window_then_a_prefix_hit(family_models):
     path, _, hf = family_models(NAME)
     llm = LLM(str(path), memory_budget_bytes=4 << 20, max_num_batched_tokens=20)

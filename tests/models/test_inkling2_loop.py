@@ -7,6 +7,7 @@ migration to block size 8) are its row in tests/family_checks.py: a loop over de
 pass's memory per token, so prefix reuse needs no exception."""
 import shutil
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -96,6 +97,9 @@ def test_original_checkpoint_names_load_the_same(family_models, tmp_path):
     assert torch.equal(_logits(load_model(tmp_path / "ckpt"), tokens), _logits(ours, tokens))
 
 
+# long (a 40-token decode past the window, 1-3 s): the slow tier, with this family's table rows
+# (tests/models/test_families.py SLOW); the fast tier checks the window rule on granitemoe_swa and zaya
+@pytest.mark.slow
 def test_long_generation_holds_the_window_in_every_pass(family_models):
     path, _, hf = family_models(NAME)
     llm = LLM(str(path), memory_budget_bytes=4 << 20, max_num_batched_tokens=20)
