@@ -8,13 +8,13 @@ from family_checks import (FAMILIES, check_engine_generate, check_engine_under_p
                            check_transformers_names_load_the_same, check_uneven_chunks_equal_one_pass)
 
 
-# the longest rows (3-5 s of checks each, measured): in the slow tier only. zaya, granitemoe_swa and
-# rwkv keep fast-tier checks against transformers in their own files (test_zaya.py,
-# test_granitemoe_swa.py, test_pure_recurrent.py / test_rwkv.py); tiny-code is a trained Bamba (the
-# bamba row) with its own fast tests (test_builtin_models.py).
+# the longest rows (3-5 s of checks each, measured): in the slow tier only. zaya, granitemoe_swa,
+# recurrent_gemma and rwkv keep fast-tier checks against transformers in their own files
+# (test_zaya.py, test_granitemoe_swa.py, test_recurrent_gemma.py, test_pure_recurrent.py / test_rwkv.py);
+# tiny-code is a trained Bamba (the bamba row) with its own fast tests (test_builtin_models.py).
 SLOW = {"lara_mini", "kimi_linear", "bailing_hybrid", "zamba", "olmo_hybrid", "minimax", "lfm2_moe",
         "inkling", "inkling2", "inkling2_loop", "glm5_next", "qwen4_exp",
-        "zaya", "tiny-code", "granitemoe_swa", "rwkv"}  # 2026-12-02: 8, 5, 3 and 3 s a row
+        "zaya", "tiny-code", "granitemoe_swa", "rwkv", "recurrent_gemma"}  # 2026-12-02: 8, 5, 3, 3, 2.6 s a row
 
 
 def rows(has: str = ""):
