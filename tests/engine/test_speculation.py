@@ -74,6 +74,20 @@ def bamba(tmp_path_factory):
     return make_tiny_checkpoint("bamba", tmp_path_factory.mktemp("bamba"), seed=2)
 
 
+@pytest.fixture(scope="module")
+def family_checkpoint(tmp_path_factory):
+    """name -> the tiny checkpoint of FAMILIES[name], made once per module (tests only read it)."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            fam = FAMILIES[name]
+            made[name] = fam.make(fam.name, tmp_path_factory.mktemp(name), seed=fam.seed, **fam.overrides)
+        return made[name]
+
+    return get
+
+
 # ---- every family ---------------------------------------------------------------------------
 FAST = {"llama", "bamba", "rwkv", "qwen3_next", "lfm2", "gpt_oss"}  # one of each kind of memory: all 3 cases
 # in the fast tier: Mamba2 + attention and GDN + attention (the other FAST rows, 1-3 s each, run all
@@ -83,13 +97,12 @@ FAST_TIER = {"bamba", "qwen3_next"}
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST_TIER else pytest.mark.slow)
                                   for n in FAMILIES])
-def test_every_family_decodes_the_tokens_of_plain_decoding(name, tmp_path):
+def test_every_family_decodes_the_tokens_of_plain_decoding(name, family_checkpoint):
     """Drafts always right, right 60% of the time, always wrong (the slow rows: right 60% of the
     time alone, which both accepts and rejects): the same greedy tokens as the engine without
     speculation, for prompts of 1, 15, 17 and 53 tokens; drafts were verified and (but for the
     always-wrong ones) accepted; nothing leaks."""
-    fam = FAMILIES[name]
-    path = fam.make(fam.name, tmp_path, seed=fam.seed, **fam.overrides)
+    path = family_checkpoint(name)
     prompts = [prompt(n, 40 + n) for n in (1, 15, 17, 53)]
     params = greedy(30)
     plain = LLM(str(path), memory_budget_bytes=16 << 20).generate(prompts, params, use_tqdm=False)
@@ -500,24 +513,39 @@ def _pressure_rows():
     return [pytest.param(n, marks=pytest.mark.slow) for n, f in FAMILIES.items() if f.pressure is not None]
 
 
+@pytest.fixture(scope="module")
+def pressure_plain(family_checkpoint):
+    """name -> (checkpoint, prompts, the roomy plain engine's outputs, the tight budget) of the
+    family's pressure case, run once for both modes (read only; each mode speculates on its own engine)."""
+    from engine_fixtures import ragged_prompts
+
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            case = FAMILIES[name].pressure
+            path = family_checkpoint(name)
+            roomy = LLM(str(path), memory_budget_bytes=16 << 20)
+            prompts = (ragged_prompts(6, roomy.model.vocab_size, seed=5) if case.lengths is None
+                       else [prompt(n, 50 + n) for n in case.lengths])
+            plain = roomy.generate(prompts, greedy(case.max_tokens + 8), use_tqdm=False)
+            budget = tight_budget(roomy.model.cache_specs(), 16, blocks=case.blocks + 2, slots=1 + 3 + 3 * 5)
+            runs[name] = path, prompts, plain, budget
+        return runs[name]
+
+    return get
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("name", _pressure_rows())
-def test_every_pressure_family_speculates_through_preemption(name, mode, tmp_path):
+def test_every_pressure_family_speculates_through_preemption(name, mode, pressure_plain):
     """The family table's memory-pressure case (6 KV blocks, 3 live slots, 3 seats, 24 tokens a
     step; tests/family_checks.py) with speculation on (drafts right 70% of the time, 3 x 5 draft
     slots more): requests are preempted in `mode` between runs and end with the roomy plain
     engine's tokens; nothing leaks."""
-    from engine_fixtures import ragged_prompts
-
-    fam = FAMILIES[name]
-    case = fam.pressure
-    path = fam.make(fam.name, tmp_path, seed=fam.seed, **fam.overrides)
-    roomy = LLM(str(path), memory_budget_bytes=16 << 20)
-    prompts = (ragged_prompts(6, roomy.model.vocab_size, seed=5) if case.lengths is None
-               else [prompt(n, 50 + n) for n in case.lengths])
+    case = FAMILIES[name].pressure
+    path, prompts, plain, budget = pressure_plain(name)
     params = greedy(case.max_tokens + 8)
-    plain = roomy.generate(prompts, params, use_tqdm=False)
-    budget = tight_budget(roomy.model.cache_specs(), 16, blocks=case.blocks + 2, slots=1 + 3 + 3 * 5)
     llm = speculating(path, full_runs(prompts, plain), 0.3, memory_budget_bytes=budget, max_num_seqs=3,
                       max_num_batched_tokens=24, preemption_mode=mode, checkpoint_share=0.0,
                       speculative_config={**SPEC, "num_speculative_tokens": 4, "max_speculating_seqs": 3,
@@ -531,12 +559,11 @@ def test_every_pressure_family_speculates_through_preemption(name, mode, tmp_pat
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) for n, f in FAMILIES.items()
                                   if f.prefix_migration or f.prefix_hit])
-def test_every_family_speculates_through_a_prefix_hit_and_a_migration(name, tmp_path):
+def test_every_family_speculates_through_a_prefix_hit_and_a_migration(name, family_checkpoint):
     """Two prompts sharing 40 tokens: the second hits the first's checkpoint, verifies drafts, is
     exported mid-answer and imported into an engine with block size 8 that speculates on; both end
     with the plain engine's tokens, and neither engine leaks."""
-    fam = FAMILIES[name]
-    path = fam.make(fam.name, tmp_path, seed=fam.seed, **fam.overrides)
+    path = family_checkpoint(name)
     shared = prompt(40, 61)
     first, second = shared + prompt(3, 62), shared + prompt(6, 63)
     plain = LLM(str(path), memory_budget_bytes=16 << 20).generate([first, second], greedy(20), use_tqdm=False)
