@@ -19,6 +19,7 @@ from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.contiguous import pool_utilization
 from hybridkv.request import Request as Seq
 from hybridkv.sampling_params import SamplingParams
+from hybridkv.state_pool import CHECKPOINT
 from hybridkv.scheduler.preemption import PreemptionPolicy
 from hybridkv.scheduler.scheduler import Scheduler
 
@@ -133,5 +134,6 @@ def replay(mgr: HybridCacheManager, trace: Sequence[TraceRequest], max_num_seqs:
                     submit(queue.popleft())
                 elif pending:  # the session is over: the next one arrives
                     submit(pending.popleft())
-        res.peak_checkpoints = max(res.peak_checkpoints, mgr.stats().slots_checkpoint)
+        if mgr.recurrent is not None:  # the slot count alone (stats() also scans every free KV block)
+            res.peak_checkpoints = max(res.peak_checkpoints, mgr.recurrent.states.count(CHECKPOINT))
     return res
