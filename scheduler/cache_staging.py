@@ -211,22 +211,18 @@ class CacheStaging:
     def _staged_pages(self, pools: Mapping[int, torch.Tensor], groups: dict, grouped: bool):
         bs = self.block_size
 
-        def load(i: int) -> torch.Tensor:
-            if i not in self.kv_layouts:
-                return pools[i]
+        def load(i: int) -> torch.Tensor:  # every attention layer keeps quantized pages (with_cache_dtypes)
             layout, dtype, window = self.kv_layouts[i]
             return quantize.decode(layout, pools[i].index_select(0, groups[window if grouped else None].blocks), dtype)
 
         def store(i: int, work: torch.Tensor) -> None:
-            if i not in self.kv_layouts:
-                return
             layout, _, window = self.kv_layouts[i]
             g = groups[window if grouped else None]
             if g.pool_written.numel():
                 src, dst = g.work_written, g.pool_written
                 _put(pools[i], (dst // bs, slice(None), dst % bs),
                      quantize.encode(layout, work[src // bs, :, src % bs], self.generator))
-        return _StagedLayers(pools.keys(), load, store, lambda i: self.kv_layouts[i][0] if i in self.kv_layouts else None)
+        return _StagedLayers(pools.keys(), load, store, lambda i: self.kv_layouts[i][0])
 
 
 def _put(pool: torch.Tensor, index: tuple, rows: torch.Tensor) -> None:
