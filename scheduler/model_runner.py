@@ -27,8 +27,8 @@ import torch
 
 from hybridkv.models.forward_batch import ForwardBatch, ModelCaches
 
-from .cache_staging import CacheStaging
 from .batch_builder import BatchBuilder
+from .cache_staging import CacheStaging
 from .decode_graphs import DecodeInputs
 from .logit_rows import LogitRows, plan_logit_rows, prompt_logprobs
 from .sampler import SampleRow, Sampler

@@ -118,6 +118,19 @@ def test_speculation_under_a_quantized_state_decodes_the_plain_tokens(tmp_path):
     assert s["spec_verify_runs"] > 0 and s["spec_accepted_tokens"] > 0, s
 
 
+def test_stochastic_rounding_is_seeded_and_rounds_otherwise(bamba_path):
+    """quantize_stochastic: the same seed gives the same pool bytes; they differ from rounding to nearest."""
+    prompts = [prompt(n, 30 + n) for n in (9, 33)]
+
+    def run(**kw):
+        llm = LLM(bamba_path, memory_budget_bytes=16 << 20, **QUANT, **kw)
+        llm.generate(prompts, greedy(8), use_tqdm=False)
+        return pools(llm)
+    a, b, nearest = run(quantize_stochastic=True), run(quantize_stochastic=True), run()
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not all(torch.equal(x, y) for x, y in zip(a, nearest))
+
+
 def test_options_are_checked(tmp_path):
     from hybridkv.models.tiny import make_tiny_checkpoint
 
