@@ -149,15 +149,16 @@ def part_scales() -> dict:
     """The KV row choice: tiny-code's KV pages after 4 held-out windows (float32 engine), quantized to
     int8 with a scale per token and head (what the pools keep) and with one per block and head (16
     tokens x head_dim): relative RMS error of the keys and values, and bytes per value."""
+    from hybridkv import SamplingParams
     from hybridkv.cache_dtype import QuantLayout
 
     e = llm(max_num_batched_tokens=512)
     wins = held_out_windows(e.tokenizer, 4)
     rid_blocks = []
     for w in wins:
-        rid = e.add_request({"prompt_token_ids": w[:CONTEXT]}, __import__("hybridkv").SamplingParams(max_tokens=1))
+        rid = e.add_request({"prompt_token_ids": w[:CONTEXT]}, SamplingParams(max_tokens=1))
         e.step()
-        rid_blocks += [b for b in e.manager.attention.block_table([rid]).flatten().tolist()][:CONTEXT // 16]
+        rid_blocks += e.manager.attention.block_table([rid]).flatten().tolist()[:CONTEXT // 16]
         while e.has_unfinished_requests():
             e.step()
     out = {}

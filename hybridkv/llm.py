@@ -15,7 +15,6 @@ from typing import Any, Hashable, Mapping, Optional, Sequence, Union
 import torch
 from tqdm.auto import tqdm
 
-from hybridkv.cache_dtype import check_cache_dtype
 from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.chat_template import Conversation, chat_prompt_ids
 from hybridkv.cpu_threads import configure_cpu_threads
@@ -119,8 +118,7 @@ class LLM:
         self.profile = profile_model(self.model, block_size, num_tokens=min(256, max_num_batched_tokens),
                                      peak_tokens=max_num_batched_tokens)
         c = self.config
-        specs = with_cache_dtypes(self.model.cache_specs(), check_cache_dtype("kv_cache_dtype", c.kv_cache_dtype),
-                                  check_cache_dtype("state_cache_dtype", c.state_cache_dtype))
+        specs = with_cache_dtypes(self.model.cache_specs(), c.kv_cache_dtype, c.state_cache_dtype)  # checked by EngineConfig
         params = sum(p.numel() for p in self.model.parameters())
         budget = self._budget(self.profile)
         spec = c.speculative_config

@@ -112,7 +112,9 @@ LayerSpec = Union[AttentionSpec, RecurrentSpec]
 
 
 def with_cache_dtypes(specs: dict, kv: Optional[str], state: Optional[str]) -> dict:
-    """`specs` with attention layers kept in `kv` and recurrent layers in `state` (None: as they are)."""
+    """`specs` with attention layers kept in `kv` and recurrent layers in `state` (None or "auto": as
+    they are)."""
+    kv, state = (None if d == "auto" else d for d in (kv, state))
     out = {}
     for i, s in specs.items():
         if isinstance(s, AttentionSpec) and kv is not None:

@@ -1,5 +1,6 @@
-"""Quantized cache rows (hybridkv/cache_dtype.py): encode values into codes and scales, decode them
-back. CPU float32: one C pass each (kernels/native/quantize.c); everything else, and stochastic
+"""Quantized cache rows: encode values into codes and scales, decode them back. `layout` is a
+hybridkv.cache_dtype.QuantLayout, not imported (kernels import nothing of the memory side).
+CPU float32: one C pass each (kernels/native/quantize.c); everything else, and stochastic
 rounding, the layout's torch path, which is the specification (tests/kernels/test_quantize.py
 compares bytes on random inputs). Measured, 1 thread, loaded machine: a batch of 9 Mamba2 states of
 16k values encodes in ~235 us in C against ~600 us through torch's elementwise passes, decodes in ~95
@@ -12,8 +13,6 @@ from typing import Optional
 
 import torch
 
-from hybridkv.cache_dtype import QuantLayout
-
 from .native_args import I64, INT, CFunction, Ptr, f32
 
 ENCODE = CFunction("quantize", "quant_encode_f32", None,
@@ -25,7 +24,7 @@ DECODE = CFunction("quantize", "quant_decode_f32", None,
 _FP8_VALUES: Optional[torch.Tensor] = None
 
 
-def _dims(layout: QuantLayout) -> tuple[int, int, int]:
+def _dims(layout) -> tuple[int, int, int]:
     """(A, L, B): the item as [A][L][B] with the rows along L."""
     s, d = layout.shape, layout.row_dim
     return math.prod(s[:d]), s[d], math.prod(s[d + 1:])
@@ -38,7 +37,7 @@ def _fp8_values() -> torch.Tensor:
     return _FP8_VALUES
 
 
-def encode(layout: QuantLayout, x: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def encode(layout, x: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """values [*lead, *shape] -> raw [*lead, nbytes] uint8 (QuantLayout.encode)."""
     if generator is not None or x.dtype is not torch.float32 or not x.is_cpu or not ENCODE.available():
         return layout.encode(x, generator)
@@ -52,7 +51,7 @@ def encode(layout: QuantLayout, x: torch.Tensor, generator: Optional[torch.Gener
     return raw.view(*lead, layout.nbytes)
 
 
-def decode(layout: QuantLayout, raw: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def decode(layout, raw: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """raw [*lead, nbytes] uint8 -> values [*lead, *shape] of `dtype` (QuantLayout.decode)."""
     if not raw.is_cpu or not DECODE.available():
         return layout.decode(raw, dtype)

@@ -26,8 +26,7 @@ def bamba(tmp_path_factory):
 def tiered_kw(bamba, cache: str = "auto") -> dict:
     """2 live and 2 device checkpoint slots, a host tier of 16 states, KV for every prefix; KV and
     state kept in `cache`."""
-    quant = None if cache == "auto" else cache
-    specs = with_cache_dtypes(LLM(str(bamba), memory_budget_bytes=16 << 20).model.cache_specs(), quant, quant)
+    specs = with_cache_dtypes(LLM(str(bamba), memory_budget_bytes=16 << 20).model.cache_specs(), cache, cache)
     return dict(max_num_seqs=2, checkpoint_share=0.1, host_cache_bytes=16 * state_bytes_per_slot(specs),
                 memory_budget_bytes=tight_budget(specs, 16, blocks=64, slots=1 + 2 + 2),
                 kv_cache_dtype=cache, state_cache_dtype=cache)
