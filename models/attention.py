@@ -13,9 +13,10 @@ from hybridkv.specs import AttentionSpec
 from .forward_batch import ForwardBatch
 from .fused_linear import FusedLinear
 from .rotary import apply_rotary
+from .row_parallel import RowParallel
 
 
-class PagedAttention(nn.Module):
+class PagedAttention(RowParallel, nn.Module):
     """One attention layer whose KV lives in the paged pool `[num_blocks, 2, block_size, Hkv, D]`.
 
     Parameter names follow HF: q_proj, k_proj, v_proj, o_proj, and q_norm / k_norm when present.
@@ -88,7 +89,7 @@ class PagedAttention(nn.Module):
         out = out.reshape(hidden.shape[0], self.num_heads * self.head_dim)
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return F.linear(out, *self.o.weight_bias())
+        return self.rank_sum(F.linear(out, *self.o.weight_bias()))
 
     def _split_rotate(self, qkv: torch.Tensor, rope):
         """The torch path: qkv [T, q_out + 2 Hkv D] -> q [T, Hq, D], k, v [T, Hkv, D] (q and k

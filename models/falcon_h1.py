@@ -61,7 +61,7 @@ class FalconH1MLP(GatedMLP):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.up_proj(x) * self.act_fn(self.gate_proj(x) * self.gate_multiplier)
-        return self.down_proj(y) * self.down_multiplier
+        return self.rank_sum(self.down_proj(y) * self.down_multiplier)
 
 
 class FalconH1DecoderLayer(nn.Module):

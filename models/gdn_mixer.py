@@ -14,10 +14,11 @@ from hybridkv.specs import RecurrentSpec
 
 from .forward_batch import ForwardBatch
 from .norms import GatedRMSNorm
+from .row_parallel import RowParallel
 from .slot_split import SlotSplit, split_decode_prefill
 
 
-class GatedDeltaNetMixer(nn.Module):
+class GatedDeltaNetMixer(RowParallel, nn.Module):
     """GDN token mixer. num_k_heads x head_k_dim for q and k, num_v_heads x head_v_dim for v and z;
     num_v_heads must be a multiple of num_k_heads (each key head serves a group of value heads)."""
 
@@ -107,4 +108,4 @@ class GatedDeltaNetMixer(nn.Module):
         core = split.run(packed, decode=decode, prefill=prefill, states=(ssm_state,))  # [T, HV, dv]
         core = self.norm(core.to(hidden.dtype).reshape(-1, self.head_v_dim),
                          z.reshape(-1, self.head_v_dim))
-        return self.out_proj(core.reshape(T, self.value_dim))
+        return self.rank_sum(self.out_proj(core.reshape(T, self.value_dim)))

@@ -20,6 +20,7 @@ from .forward_batch import ForwardBatch, ModelCaches
 from .mamba2_mixer import Mamba2Mixer
 from .moe import PerExpertView, SparseMoE
 from .norms import RMSNorm
+from .row_parallel import RowParallel
 
 ARCHITECTURE = "GraniteMoeHybridForCausalLM"
 _MAMBA = ("linear_attention", "mamba")  # transformers' name and the published checkpoints' name
@@ -52,7 +53,7 @@ def _is_mamba(config, i: int) -> bool:
     return kind in _MAMBA
 
 
-class SharedMLP(nn.Module):
+class SharedMLP(RowParallel, nn.Module):
     """x [T, hidden] -> [T, hidden]: output_linear(act(a) * b) with [a | b] = input_linear(x) (HF names)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu"):
@@ -65,7 +66,7 @@ class SharedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a, b = self.input_linear(x).chunk(2, dim=-1)
-        return self.output_linear(self.act_fn(a) * b)
+        return self.rank_sum(self.output_linear(self.act_fn(a) * b))
 
 
 class GraniteMoeHybridDecoderLayer(HybridDecoderLayer):

@@ -111,7 +111,7 @@ class UngatedSharedExpertMoE(SparseMoE):
                             weights.to(hidden.dtype), ids, self.act)
         if self.shared_expert is not None:
             out = out + self.shared_expert(hidden)
-        return out
+        return self.rank_sum(out)
 
 
 class LaraMiniDecoderLayer(HybridDecoderLayer):

@@ -65,8 +65,8 @@ class Lfm2SparseMoE(SparseMoE):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(hidden)
-        return ops.fused_moe(hidden, self.experts.gate_up_proj, self.experts.down_proj,
-                             weights.to(hidden.dtype), ids, self.act)
+        return self.rank_sum(ops.fused_moe(hidden, self.experts.gate_up_proj, self.experts.down_proj,
+                                           weights.to(hidden.dtype), ids, self.act))
 
 
 class Lfm2MoeDecoderLayer(Lfm2DecoderLayer):

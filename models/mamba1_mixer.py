@@ -15,10 +15,11 @@ from hybridkv.specs import RecurrentSpec
 
 from .forward_batch import ForwardBatch
 from .norms import RMSNorm
+from .row_parallel import RowParallel
 from .slot_split import SlotSplit, split_decode_prefill
 
 
-class Mamba1Mixer(nn.Module):
+class Mamba1Mixer(RowParallel, nn.Module):
     """Mamba1 block with Jamba's RMSNorms on dt, B and C (weight names follow transformers' Jamba).
 
     hidden_size: model width; d_inner = expand * hidden_size; d_state: N; d_conv: conv kernel k;
@@ -70,7 +71,8 @@ class Mamba1Mixer(nn.Module):
                                                     s.prefill_slots, s.prefill_has_init),
             states=(conv_state,),
         )
-        dt, B, C = torch.split(self.x_proj(xc), [self.dt_rank, self.d_state, self.d_state], dim=-1)
+        # x_proj is row-parallel too: dt | B | C are summed before their norms (a norm of a part is not a part)
+        dt, B, C = torch.split(self.rank_sum(self.x_proj(xc)), [self.dt_rank, self.d_state, self.d_state], dim=-1)
         dt = F.linear(self.dt_layernorm(dt), self.dt_proj.weight)  # bias goes in as dt_bias
         B, C = self.b_layernorm(B), self.c_layernorm(C)
         A = -torch.exp(self.A_log.float())
@@ -90,4 +92,4 @@ class Mamba1Mixer(nn.Module):
                                    s.prefill_slots, s.prefill_has_init, dt_softplus=True)
 
         y = split.run(packed, decode=decode, prefill=prefill, out_dim=self.d_inner, states=(ssm_state,))
-        return self.out_proj(y.to(hidden.dtype))
+        return self.rank_sum(self.out_proj(y.to(hidden.dtype)))

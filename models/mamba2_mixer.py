@@ -18,10 +18,11 @@ from hybridkv.specs import RecurrentSpec
 
 from .forward_batch import ForwardBatch
 from .norms import GatedRMSNorm
+from .row_parallel import RowParallel
 from .slot_split import SlotSplit, split_decode_prefill
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(RowParallel, nn.Module):
     """in_proj -> [z | xBC | dt]; conv + silu on xBC; SSD scan; gated RMSNorm by z; out_proj.
 
     hidden_size: model width; num_heads H, head_dim P (H * P = d_inner); n_groups G of B/C;
@@ -100,7 +101,7 @@ class Mamba2Mixer(nn.Module):
         if split.all_decode:  # conv, SSM step and gated norm in one C call per step, if it can run
             y = self._decode_fused(proj, conv_state, ssm_state, split.decode_slots, batch.kernel_plans)
             if y is not None:
-                return self.out_proj(y.to(hidden.dtype))
+                return self.rank_sum(self.out_proj(y.to(hidden.dtype)))
         weight = self.conv1d.weight.squeeze(1)  # [conv_dim, k]
         A = -torch.exp(self.A_log.float())
         z = proj[:, :self.d_inner]
@@ -143,7 +144,7 @@ class Mamba2Mixer(nn.Module):
             y = y if y is not None else proj.new_zeros((proj.shape[0], self.d_inner), dtype=verified[0][1].dtype)
             for rows, yv in verified:
                 y[rows] = yv.to(y.dtype)
-        return self.out_proj(y.to(hidden.dtype))
+        return self.rank_sum(self.out_proj(y.to(hidden.dtype)))
 
     def _decode_fused(self, proj, conv_state, ssm_state, slots, plans):
         """The decode between in_proj and out_proj in one kernel call (ops.mamba2_mixer_decode: C on

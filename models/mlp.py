@@ -6,9 +6,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .fused_linear import FusedLinear
+from .row_parallel import RowParallel
 
 
-class GatedMLP(nn.Module):
+class GatedMLP(RowParallel, nn.Module):
     """x [T, hidden] -> [T, hidden]; parameter names gate_proj / up_proj / down_proj as in HF."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, act: str = "silu"):
@@ -30,4 +31,4 @@ class GatedMLP(nn.Module):
         gate = F.silu(gate, inplace=True) if self._silu else self.act_fn(gate)  # gate: a fresh output
         if self.down.linears[0] is not self._modules["down_proj"]:  # replaced since
             self.down = FusedLinear((self._modules["down_proj"],))
-        return F.linear(gate.mul_(up), *self.down.weight_bias())
+        return self.rank_sum(F.linear(gate.mul_(up), *self.down.weight_bias()))

@@ -16,6 +16,7 @@ from torch import nn
 from hybridkv.kernels import ops
 
 from .mlp import GatedMLP
+from .row_parallel import RowParallel
 
 
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool):
@@ -45,7 +46,7 @@ class StackedExperts(nn.Module):
         nn.init.normal_(self.down_proj, std=0.02)
 
 
-class SparseMoE(nn.Module):
+class SparseMoE(RowParallel, nn.Module):
     """hidden [T, H] -> [T, H]. Weight names: `router`, `experts.{gate_up_proj,down_proj}`,
     `shared_expert.*`, `shared_expert_gate` (families rename their checkpoint keys onto these;
     per-expert checkpoints load through PerExpertView)."""
@@ -77,7 +78,7 @@ class SparseMoE(nn.Module):
         if self.shared_expert is not None:
             shared = self.shared_expert(hidden)
             out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * shared
-        return out
+        return self.rank_sum(out)  # one sum for routed + shared (the gate is per token)
 
 
 class PerExpertView:

@@ -19,6 +19,7 @@ from .base import HybridModel
 from .forward_batch import ForwardBatch, ModelCaches
 from .mamba2_mixer import Mamba2Mixer
 from .norms import RMSNorm
+from .row_parallel import RowParallel
 from .slot_split import split_decode_prefill
 
 ARCHITECTURE = "NemotronHForCausalLM"
@@ -66,7 +67,7 @@ class NemotronRMSNorm(RMSNorm):
         return (self.weight.float() * h).to(x.dtype)
 
 
-class NemotronHMLP(nn.Module):
+class NemotronHMLP(RowParallel, nn.Module):
     """x [T, in] -> [T, in]: down_proj(act(up_proj(x))), act relu2 by default (HF names)."""
 
     def __init__(self, in_size: int, intermediate_size: int, act: str, bias: bool = False):
@@ -78,7 +79,7 @@ class NemotronHMLP(nn.Module):
         self.act_fn = ACT2FN[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.up_proj(x)))
+        return self.rank_sum(self.down_proj(self.act_fn(self.up_proj(x))))
 
 
 class NemotronHRouter(nn.Module):
@@ -135,7 +136,7 @@ class NemotronHExperts(nn.Module):
         nn.init.normal_(self.down_proj, std=0.02)
 
 
-class NemotronHMoE(nn.Module):
+class NemotronHMoE(RowParallel, nn.Module):
     """hidden [T, H] -> [T, H]: routed relu2 experts (optionally in a latent width) + shared expert.
     Names: gate, experts.{up,down}_proj stacked over experts (transformers' in-memory layout;
     published per-expert `experts.E.{up,down}_proj.weight` load through _NemotronNames),
@@ -160,7 +161,7 @@ class NemotronHMoE(nn.Module):
                             self.act, gated=False)
         if self.fc2_latent_proj is not None:
             out = self.fc2_latent_proj(out)
-        return out + self.shared_experts(hidden)
+        return self.rank_sum(out + self.shared_experts(hidden))
 
 
 class NemotronHBlock(nn.Module):

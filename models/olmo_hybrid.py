@@ -143,7 +143,7 @@ class OlmoAttention(PagedAttention):
             self.scale, causal=True,
             max_query_len=max(batch.query_lens_cpu) if batch.query_lens_cpu else None,
             max_seq_len=max(batch.seq_lens_cpu) if batch.seq_lens_cpu else None)
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+        return self.rank_sum(self.o_proj(out.reshape(T, self.num_heads * self.head_dim)))
 
 
 class OlmoHybridLayer(nn.Module):

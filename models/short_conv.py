@@ -13,10 +13,11 @@ from hybridkv.kernels import ops
 from hybridkv.specs import RecurrentSpec
 
 from .forward_batch import ForwardBatch
+from .row_parallel import RowParallel
 from .slot_split import SlotSplit, split_decode_prefill
 
 
-class ShortConv(nn.Module):
+class ShortConv(RowParallel, nn.Module):
     """in_proj -> [B | C | x]; conv(B * x) causal depthwise, no activation; y = C * conv; out_proj.
 
     hidden_size: model width (also the conv width); kernel_size: taps of the conv (LFM2's
@@ -61,4 +62,4 @@ class ShortConv(nn.Module):
                                      sp.prefill_slots, sp.prefill_has_init, activation=None)
 
         conv_out = split.run(bx, decode, prefill, states=(conv_state,))
-        return self.out_proj(C * conv_out.to(C.dtype))
+        return self.rank_sum(self.out_proj(C * conv_out.to(C.dtype)))

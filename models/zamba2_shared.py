@@ -18,6 +18,7 @@ from .attention import PagedAttention
 from .forward_batch import ForwardBatch
 from .norms import RMSNorm
 from .rotary import apply_rotary
+from .row_parallel import RowParallel
 
 
 def _adapter_list(num_sites: int, num_blocks: int, block_id: int, d_in: int, rank: int,
@@ -73,10 +74,10 @@ class Zamba2SharedAttention(PagedAttention):
             self.scale, causal=True,
             max_query_len=max(batch.query_lens_cpu) if batch.query_lens_cpu else None,
             max_seq_len=max(batch.seq_lens_cpu) if batch.seq_lens_cpu else None)
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+        return self.rank_sum(self.o_proj(out.reshape(T, self.num_heads * self.head_dim)))
 
 
-class Zamba2SharedMLP(nn.Module):
+class Zamba2SharedMLP(RowParallel, nn.Module):
     """x [T, H] -> down(act(gate) * up), [gate | up] = gate_up_proj(x) + the site's adapter(x)."""
 
     def __init__(self, config, num_sites: int, block_id: int):
@@ -92,7 +93,7 @@ class Zamba2SharedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, site: int) -> torch.Tensor:
         gate, up = (self.gate_up_proj(x) + self.gate_up_proj_adapter_list[site](x)).chunk(2, dim=-1)
-        return self.down_proj(self.act_fn(gate) * up)
+        return self.rank_sum(self.down_proj(self.act_fn(gate) * up))
 
 
 class Zamba2SharedBlock(nn.Module):

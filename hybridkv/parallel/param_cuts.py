@@ -1,8 +1,8 @@
 """How one parameter of a module is cut to a tensor-parallel rank's shard, in place (sharding.py
 says which parameters, per family): column-parallel (output rows), row-parallel (input columns;
-the bias on rank 0 only), any dimension by a ShardLayout; and the all-reduce of a module's
-output. Each cut parameter keeps its `Cut` as `tp_cut`, so a loader can read just its shard
-(shard_loading.py).
+the bias on rank 0 only), any dimension by a ShardLayout; and the sum over ranks that a
+row-parallel layer then does inside its forward (models/row_parallel.py). Each cut parameter
+keeps its `Cut` as `tp_cut`, so a loader can read just its shard (shard_loading.py).
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from hybridkv.models.fused_linear import FusedLinear
+from hybridkv.models.row_parallel import RowParallel
 
 from .shard_layout import ShardLayout
 
@@ -71,8 +72,10 @@ def rebuild_fused(module: nn.Module) -> None:
             setattr(module, name, FusedLinear(v.linears))
 
 
-def reduce_output(module: nn.Module, all_reduce: Callable) -> None:
-    """Sum `module`'s output over ranks. Hooked on the attention / MLP / mixer module whose last op
-    is its row-parallel projection, not on that projection: a module may call its projection's
-    weight with F.linear (no module call, no hook)."""
-    module.register_forward_hook(lambda _m, _args, out: all_reduce(out))
+def sum_over_ranks(layer: nn.Module, all_reduce: Callable) -> None:
+    """Make `layer` (a RowParallel layer: attention, MLP, MoE or mixer whose last projection is
+    row-parallel) add its ranks' partial outputs: its forward ends with `rank_sum`."""
+    if not isinstance(layer, RowParallel):
+        raise TypeError(f"{type(layer).__name__} does not sum its output over ranks (not a RowParallel "
+                        f"layer); a row-parallel cut of it would return a partial sum")
+    layer.rank_sum = all_reduce

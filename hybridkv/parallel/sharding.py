@@ -23,7 +23,8 @@
 - Embeddings and lm_head are replicated (every rank computes the full logits; rank 0 samples).
 Row-parallel biases stay on rank 0 only (they are added once by the sum).
 Returns each cache layer's CacheShard, so pools can gather and scatter KV and state shards.
-One parameter's cut and the all-reduce of a module's output are param_cuts.py's.
+One parameter's cut is param_cuts.py's; each row-parallel layer sums its own output over ranks
+(models/row_parallel.py), given the group's all-reduce here.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ from hybridkv.models.short_conv import ShortConv
 from hybridkv.models.zamba2_shared import Zamba2SharedAttention, Zamba2SharedMLP
 from hybridkv.specs import AttentionSpec
 
-from .param_cuts import column, keep, reduce_output, rebuild_fused, row, zero_unless_rank0
+from .param_cuts import column, keep, rebuild_fused, row, sum_over_ranks, zero_unless_rank0
 from .shard_layout import CacheShard, ShardLayout, split_count
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "BambaForCausalLM", "Qwen3NextForCausalLM",
@@ -72,7 +73,7 @@ def shard_attention(m: PagedAttention, rank: int, size: int, all_reduce: Callabl
     row(m.o_proj, ShardLayout.of((H, heads, D)), rank, size)
     m.num_heads, m.num_kv_heads = H // size, Hkv // kv
     rebuild_fused(m)
-    reduce_output(m, all_reduce)
+    sum_over_ranks(m, all_reduce)
     return CacheShard(kv=ShardLayout.of((Hkv, kv)))
 
 
@@ -85,7 +86,7 @@ def shard_mlp(m: GatedMLP, rank: int, size: int, all_reduce: Callable | None) ->
     row(m.down_proj, cols, rank, size)
     rebuild_fused(m)
     if all_reduce is not None:
-        reduce_output(m, all_reduce)
+        sum_over_ranks(m, all_reduce)
 
 
 def shard_moe(m: SparseMoE, rank: int, size: int, all_reduce: Callable) -> None:
@@ -96,7 +97,7 @@ def shard_moe(m: SparseMoE, rank: int, size: int, all_reduce: Callable) -> None:
     keep(e, "down_proj", ShardLayout.of((inter, size)), rank, size, 2)
     if m.shared_expert is not None:
         shard_mlp(m.shared_expert, rank, size, None)  # summed with the routed experts below
-    reduce_output(m, all_reduce)
+    sum_over_ranks(m, all_reduce)
 
 
 def shard_up_down_mlp(m: NemotronHMLP, rank: int, size: int, all_reduce: Callable | None) -> None:
@@ -106,7 +107,7 @@ def shard_up_down_mlp(m: NemotronHMLP, rank: int, size: int, all_reduce: Callabl
     column(m.up_proj, cols, rank, size)
     row(m.down_proj, cols, rank, size)
     if all_reduce is not None:
-        reduce_output(m, all_reduce)
+        sum_over_ranks(m, all_reduce)
 
 
 def shard_shared_mlp(m: SharedMLP, rank: int, size: int, all_reduce: Callable) -> None:
@@ -114,7 +115,7 @@ def shard_shared_mlp(m: SharedMLP, rank: int, size: int, all_reduce: Callable) -
     split_count("shared_intermediate_size", inter, size)
     column(m.input_linear, ShardLayout.of((inter, size), (inter, size)), rank, size)  # a | b
     row(m.output_linear, ShardLayout.of((inter, size)), rank, size)
-    reduce_output(m, all_reduce)
+    sum_over_ranks(m, all_reduce)
 
 
 def shard_nemotron_moe(m: NemotronHMoE, rank: int, size: int, all_reduce: Callable) -> None:
@@ -127,7 +128,7 @@ def shard_nemotron_moe(m: NemotronHMoE, rank: int, size: int, all_reduce: Callab
     if m.fc2_latent_proj is not None and m.fc2_latent_proj.bias is not None:
         zero_unless_rank0(m.fc2_latent_proj, "bias", rank)
     shard_up_down_mlp(m.shared_experts, rank, size, None)  # summed with the routed experts below
-    reduce_output(m, all_reduce)
+    sum_over_ranks(m, all_reduce)
 
 
 def shard_mamba2(m: Mamba2Mixer, rank: int, size: int, all_reduce: Callable) -> CacheShard:
@@ -151,7 +152,7 @@ def shard_mamba2(m: Mamba2Mixer, rank: int, size: int, all_reduce: Callable) -> 
     m.conv_dim = m.d_inner + 2 * m.n_groups * N
     m.conv1d.in_channels = m.conv1d.out_channels = m.conv1d.groups = m.conv_dim
     m._mup = None
-    reduce_output(m, all_reduce)
+    sum_over_ranks(m, all_reduce)
     return CacheShard(conv=xbc, state=per_head)
 
 
@@ -177,7 +178,7 @@ def shard_gdn(m: GatedDeltaNetMixer, rank: int, size: int, all_reduce: Callable)
     m.key_dim, m.value_dim = m.num_k_heads * dk, m.num_v_heads * dv
     m.conv_dim = 2 * m.key_dim + m.value_dim
     m.conv1d.in_channels = m.conv1d.out_channels = m.conv1d.groups = m.conv_dim
-    reduce_output(m, all_reduce)
+    sum_over_ranks(m, all_reduce)
     return CacheShard(conv=conv, state=v_heads)
 
 
@@ -206,7 +207,7 @@ def shard_zamba2_mlp(m: Zamba2SharedMLP, rank: int, size: int, all_reduce: Calla
         if isinstance(adapter, nn.Sequential):
             column(adapter[1], gate_up, rank, size)
     row(m.down_proj, ShardLayout.of((inter, size)), rank, size)
-    reduce_output(m, all_reduce)
+    sum_over_ranks(m, all_reduce)
 
 
 def shard_mamba1(m: Mamba1Mixer, rank: int, size: int, all_reduce: Callable) -> CacheShard:
@@ -218,14 +219,13 @@ def shard_mamba1(m: Mamba1Mixer, rank: int, size: int, all_reduce: Callable) -> 
     if m.conv1d.bias is not None:
         keep(m.conv1d, "bias", channels, rank, size, 0)
     row(m.x_proj, channels, rank, size)
-    reduce_output(m.x_proj, all_reduce)  # full dt | B | C before their norms
     column(m.dt_proj, channels, rank, size)
     for name in ("A_log", "D"):
         keep(m, name, channels, rank, size, 0)
     row(m.out_proj, channels, rank, size)
     m.d_inner = inner // size
     m.conv1d.in_channels = m.conv1d.out_channels = m.conv1d.groups = m.d_inner
-    reduce_output(m, all_reduce)
+    sum_over_ranks(m, all_reduce)
     return CacheShard(conv=channels, state=channels)
 
 
@@ -240,7 +240,7 @@ def shard_short_conv(m: ShortConv, rank: int, size: int, all_reduce: Callable) -
     row(m.out_proj, channels, rank, size)
     m.hidden_size = width // size  # the conv width (and its window's), not the model's
     m.conv.in_channels = m.conv.out_channels = m.conv.groups = m.hidden_size
-    reduce_output(m, all_reduce)
+    sum_over_ranks(m, all_reduce)
     return CacheShard(conv=channels)
 
 

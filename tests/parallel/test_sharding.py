@@ -1,14 +1,20 @@
 """Each family's shards, run as 2 ranks in 2 threads of this process (an all-reduce over a barrier),
 give the full model's logits through chunked prefill and decode: the cut of every weight, state and
 all-reduce is checked here in seconds; tests/engine/test_tensor_parallel.py checks the processes."""
+import importlib
+import inspect
+import pkgutil
 import random
 import threading
 
 import pytest
 import torch
 
+import hybridkv.models as model_package
 from hybridkv.models import load_model
+from hybridkv.models.row_parallel import RowParallel
 from hybridkv.models.tiny import make_tiny_checkpoint
+from hybridkv.parallel.param_cuts import sum_over_ranks
 from hybridkv.parallel.shard_loading import ShardLoad
 
 from family_checks import mamba2_scans_that_matter
@@ -59,6 +65,11 @@ def _sharded(path, size: int) -> list:
     reduce = ThreadAllReduce(size)
     # each rank reads only its shard (safetensors slices), as a worker does
     models = [load_model(path, shard=ShardLoad(r, size, reduce.for_rank(r))) for r in range(size)]
+    for m in models:  # the sums are the layers' own (RowParallel.rank_sum), not hooks on them
+        hooked = [n for n, mod in m.named_modules() if mod._forward_hooks or mod._forward_pre_hooks]
+        assert not hooked, hooked
+        summed = [n for n, mod in m.named_modules() if isinstance(mod, RowParallel) and "rank_sum" in vars(mod)]
+        assert summed, "no layer sums its output over ranks"
     results, errors = [None] * size, []
 
     def rank(r):
@@ -90,3 +101,21 @@ def test_two_shards_give_the_full_models_logits(tmp_path, case):
         assert len(got) == len(want)
         for step, (g, w) in enumerate(zip(got, want)):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=f"{family} rank {r} step {step}")
+
+
+def test_a_layer_that_cannot_sum_its_output_is_refused():
+    """A row-parallel cut of a layer without `rank_sum` would silently return a partial sum."""
+    with pytest.raises(TypeError, match="Linear does not sum its output over ranks"):
+        sum_over_ranks(torch.nn.Linear(4, 4), lambda t: t)
+
+
+def test_every_layer_that_overrides_forward_still_sums_over_ranks():
+    """A subclass of a RowParallel layer with a forward of its own must end in rank_sum too, or a
+    sharded model would return partial sums from it (as Lfm2SparseMoE once did)."""
+    missing = []
+    for info in pkgutil.iter_modules(model_package.__path__):
+        for cls in vars(importlib.import_module(f"hybridkv.models.{info.name}")).values():
+            if inspect.isclass(cls) and issubclass(cls, RowParallel) and "forward" in vars(cls):
+                if "self.rank_sum(" not in inspect.getsource(cls.forward):
+                    missing.append(f"{cls.__module__}.{cls.__name__}")
+    assert not missing, missing
