@@ -18,6 +18,7 @@ def measured():
                                                         new=2, repeats=1)}
 
 
+@pytest.mark.slow  # a benchmark: three families measured with transformers checks
 @pytest.mark.parametrize("hybrid", ["bamba", "qwen3_next"])
 def test_burst_prefill_matches_pure_attention(hybrid, measured):
     rows = {f: measured[f] for f in ("llama", hybrid)}

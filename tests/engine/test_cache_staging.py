@@ -15,7 +15,7 @@ from family_checks import FAMILIES, prompt
 from hybridkv import LLM, SamplingParams
 from hybridkv.models.forward_batch import ModelCaches
 
-FAST = {"bamba", "gpt_oss", "glm5_next"}  # states; sliding and full KV groups; pages read with an indexer's
+FAST = {"bamba"}  # states and KV; sliding groups (gpt_oss) and indexer pages (glm5_next) run in the slow tier
 
 
 def use_reference_staging(llm: LLM) -> None:

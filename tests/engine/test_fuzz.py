@@ -97,11 +97,10 @@ def junk_snapshot(rng, snap, vocab):
     return dataclasses.replace(snap, sampling_state={"params": "junk"})
 
 
-@pytest.mark.parametrize("policy, speculative",
-                         [(p, False) if p == "junctions" else pytest.param(p, False, marks=pytest.mark.slow)
-                          for p in POLICIES] + [pytest.param("junctions", True, marks=pytest.mark.slow)])
+@pytest.mark.slow  # each case is long; the fast tier's random operations are test_decode_batch's twins
+@pytest.mark.parametrize("policy, speculative", [(p, False) for p in POLICIES] + [("junctions", True)])
 def test_lifecycle_fuzz(ckpt, policy, speculative):
-    """(One policy in the fast tier: each case is long.) With `speculative`, both engines verify
+    """With `speculative`, both engines verify
     drafts from TargetDrafter; every comparison and leak check is the same."""
     rng = random.Random(POLICIES.index(policy))
     engines = [tight(ckpt, "recompute", policy, speculative=speculative),

@@ -441,6 +441,7 @@ def test_tensor_parallel_ranks_verify_the_same_drafts(tmp_path):
         llm.close()
 
 
+@pytest.mark.slow  # two engines, the built-in models
 def test_a_draft_model_proposes_from_an_engine_of_its_own():
     """method 'draft_model': the built-in draft proposes for the built-in code model from its own
     pools; the output is the plain engine's, drafts were accepted, and neither engine leaks."""

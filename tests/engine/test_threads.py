@@ -17,6 +17,7 @@ def llm(tmp_path_factory):
     return LLM(path, memory_budget_bytes=8 << 20, max_num_seqs=6, max_num_batched_tokens=48)
 
 
+@pytest.mark.slow  # 200 requests against a stepping engine
 def test_add_and_abort_from_another_thread_while_stepping(llm):
     rng = random.Random(0)
     prompts = {f"t{i}": [rng.randrange(4, 128) for _ in range(rng.randint(1, 40))] for i in range(200)}

@@ -144,6 +144,7 @@ def test_packed_layout_is_the_c_structs():
 
 
 @needs_native
+@pytest.mark.slow  # compiles a library
 def test_a_declaration_that_does_not_match_the_prototype_does_not_build(tmp_path, monkeypatch):
     """The entry point calls the kernel with the declared types: a pointer of another element type,
     a narrowing scalar or a missing parameter is a compile error, so the function is unavailable."""

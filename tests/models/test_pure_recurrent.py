@@ -16,7 +16,7 @@ from model_harness import assert_greedy_matches_hf
 
 # falcon_mamba (Mamba1's layer and kernels with extra RMS norms: the engine's paths are mamba's) runs
 # these engine checks in the slow tier; its model checks stay fast (tests/models/test_families.py)
-PURE = ["mamba", "mamba2", pytest.param("falcon_mamba", marks=pytest.mark.slow), "rwkv"]
+PURE = ["mamba", "mamba2", pytest.param("falcon_mamba", marks=pytest.mark.slow), pytest.param("rwkv", marks=pytest.mark.slow)]
 LENGTHS = (1, BS - 1, BS + 1, 3 * BS + 5)
 BUDGET = 4 << 20
 

@@ -24,6 +24,8 @@ RNG = random.Random(3)
 PROMPTS = [[RNG.randrange(4, 128) for _ in range(n)] for n in (5, 19, 30)]
 FAMILIES = ["llama", "bamba", "qwen3_next", "mamba2", "mamba", "falcon_mamba", "jamba", "lfm2", "lfm2_moe",
             "nemotron_h", "granitemoehybrid", "falcon_h1", "qwen3_5", "qwen3_5_moe", "zamba2"]
+# attention + Mamba2, GDN, Mamba1 and an MoE (Lfm2SparseMoE overrides forward) in the fast tier
+SHARDING_FAST = {"bamba", "qwen3_next", "mamba", "lfm2_moe"}
 MAMBA2_FAMILIES = ("bamba", "mamba2", "nemotron_h", "granitemoehybrid", "falcon_h1", "zamba2")
 # Nemotron-H's MoE in a latent width, with biases (fc2's bias must be added once)
 OVERRIDES = {"nemotron_h_latent": ("nemotron_h", {"moe_latent_size": 32, "mlp_bias": True})}
@@ -89,7 +91,8 @@ def _sharded(path, size: int) -> list:
     return results
 
 
-@pytest.mark.parametrize("case", FAMILIES + list(OVERRIDES))
+@pytest.mark.parametrize("case", [c if c in SHARDING_FAST else pytest.param(c, marks=pytest.mark.slow)
+                                  for c in FAMILIES + list(OVERRIDES)])
 def test_two_shards_give_the_full_models_logits(tmp_path, case):
     family, overrides = OVERRIDES.get(case, (case, {}))
     path = make_tiny_checkpoint(family, tmp_path / family, **overrides)

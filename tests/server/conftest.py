@@ -128,11 +128,27 @@ def oracle(checkpoints):
     return LLM(str(checkpoints["chat"]), **LLM_KW)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def client(chat_server):
+    """The official client on the chat server, one for the session (each new client builds an SSL
+    context: ~0.1 s)."""
     import openai
 
     return openai.OpenAI(base_url=chat_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def http():
+    """One HTTP client for the session's plain requests: `httpx.post` builds a client, SSL context
+    included, on every call (~0.1 s, most of a bad request's test)."""
+    global _HTTP
+    if _HTTP is None:
+        import httpx
+
+        _HTTP = httpx.Client(timeout=60)
+    return _HTTP
+
+
+_HTTP = None
 
 
 def alone(llm, prompt, params):

@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import shutil
 
-import httpx
 import openai
 import pytest
 
 from hybridkv import LLM, SamplingParams
 from hybridkv.server.chat import chat_prompt_ids
+
+from .conftest import http
 
 API_KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -24,7 +25,7 @@ def alone(llm, prompt, params):
 def test_models_and_health(client, chat_server):
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny-chat"]
-    assert httpx.get(chat_server.url + "/health").status_code == 200  # no key needed
+    assert http().get(chat_server.url + "/health").status_code == 200  # no key needed
 
 
 def test_completion_equals_offline(client, oracle):
@@ -59,7 +60,7 @@ def test_stream_joins_to_the_non_streamed_text(client):
 def test_raw_sse_ends_with_done_and_reports_usage(chat_server):
     body = {"model": "tiny-chat", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", chat_server.url + "/v1/completions", json=body, headers=AUTH) as r:
+    with http().stream("POST", chat_server.url + "/v1/completions", json=body, headers=AUTH) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = [line for line in r.iter_lines() if line]
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
@@ -132,13 +133,13 @@ def test_chat_uses_the_template_once(client, oracle, chat_server):
 
 def test_chat_without_template_or_tokenizer_is_a_clear_400(plain_server, bare_server):
     msg = {"model": "tiny-plain", "messages": [{"role": "user", "content": "hi"}]}
-    r = httpx.post(plain_server.url + "/v1/chat/completions", json=msg)
+    r = http().post(plain_server.url + "/v1/chat/completions", json=msg)
     assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
-    r = httpx.post(bare_server.url + "/v1/chat/completions", json={**msg, "model": "tiny-bare"})
+    r = http().post(bare_server.url + "/v1/chat/completions", json={**msg, "model": "tiny-bare"})
     assert r.status_code == 400 and "no tokenizer" in r.json()["error"]["message"]
-    r = httpx.post(bare_server.url + "/v1/completions", json={"model": "tiny-bare", "prompt": "hi"})
+    r = http().post(bare_server.url + "/v1/completions", json={"model": "tiny-bare", "prompt": "hi"})
     assert r.status_code == 400 and "list of token ids" in r.json()["error"]["message"]
-    r = httpx.post(bare_server.url + "/v1/completions",
+    r = http().post(bare_server.url + "/v1/completions",
                    json={"model": "tiny-bare", "prompt": [5, 6], "max_tokens": 3, "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == ""  # ids work, no text to show
     assert r.json()["usage"]["completion_tokens"] == 3
@@ -175,11 +176,11 @@ BAD = [  # (body changes, words the message must contain)
 @pytest.mark.parametrize("change,words", BAD, ids=[json.dumps(b[0])[:40] for b in BAD])
 def test_bad_completion_requests_are_400_then_service_goes_on(chat_server, change, words):
     body = {"model": "tiny-chat", "prompt": [5, 6, 7], "max_tokens": 4, **change}
-    r = httpx.post(chat_server.url + "/v1/completions", json=body, headers=AUTH)
+    r = http().post(chat_server.url + "/v1/completions", json=body, headers=AUTH)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and all(w in err["message"] for w in words), err
-    ok = httpx.post(chat_server.url + "/v1/completions", headers=AUTH,  # no EOS: exactly 2 tokens
+    ok = http().post(chat_server.url + "/v1/completions", headers=AUTH,  # no EOS: exactly 2 tokens
                     json={"model": "tiny-chat", "prompt": [5, 6, 7], "max_tokens": 2, "ignore_eos": True})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
@@ -193,7 +194,7 @@ def test_bad_completion_requests_are_400_then_service_goes_on(chat_server, chang
     ('{"model": "tiny-chat", "messages": "hi"}', ["messages", "'hi'"]),
 ])
 def test_bad_chat_requests_are_400(chat_server, body, words):
-    r = httpx.post(chat_server.url + "/v1/chat/completions", content=body,
+    r = http().post(chat_server.url + "/v1/chat/completions", content=body,
                    headers={**AUTH, "Content-Type": "application/json"})
     assert r.status_code == 400, r.text
     assert all(w in r.json()["error"]["message"] for w in words), r.json()
@@ -203,9 +204,9 @@ def test_api_key(chat_server):
     bad = openai.OpenAI(base_url=chat_server.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.completions.create(model="tiny-chat", prompt=[5, 6], max_tokens=2)
-    r = httpx.post(chat_server.url + "/v1/completions", json={"model": "tiny-chat", "prompt": [5]})
+    r = http().post(chat_server.url + "/v1/completions", json={"model": "tiny-chat", "prompt": [5]})
     assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
-    assert httpx.get(chat_server.url + "/metrics").status_code == 200  # scrapers need no key
+    assert http().get(chat_server.url + "/metrics").status_code == 200  # scrapers need no key
 
 
 EXTRAS = dict(presence_penalty=0.6, frequency_penalty=0.4, logit_bias={"20": 2.5, "21": -100},

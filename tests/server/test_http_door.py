@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import openai
 import pytest
 
-from .conftest import assert_openai_error
+from .conftest import assert_openai_error, http
 
 API_KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
@@ -18,7 +17,7 @@ CHAT = {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "
 
 
 def answers_good(url: str, headers=AUTH) -> None:
-    ok = httpx.post(url + "/v1/completions", json=GOOD, headers=headers, timeout=60)
+    ok = http().post(url + "/v1/completions", json=GOOD, headers=headers)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2, ok.text
 
 
@@ -47,7 +46,7 @@ STRICT = [
 
 @pytest.mark.parametrize("change,field", STRICT, ids=[json.dumps(c)[:40] for c, _ in STRICT])
 def test_completion_fields_are_strict(chat_server, change, field):
-    r = httpx.post(chat_server.url + "/v1/completions", json={**GOOD, **change}, headers=AUTH)
+    r = http().post(chat_server.url + "/v1/completions", json={**GOOD, **change}, headers=AUTH)
     err = assert_openai_error(r, 400, field.split("[")[0])
     assert err["type"] == "invalid_request_error"
     answers_good(chat_server.url)
@@ -61,7 +60,7 @@ def test_completion_fields_are_strict(chat_server, change, field):
     ({"add_generation_prompt": 1}, "add_generation_prompt"),
 ])
 def test_chat_fields_are_strict(chat_server, change, field):
-    r = httpx.post(chat_server.url + "/v1/chat/completions", json={**CHAT, **change}, headers=AUTH)
+    r = http().post(chat_server.url + "/v1/chat/completions", json={**CHAT, **change}, headers=AUTH)
     assert_openai_error(r, 400, field)
 
 
@@ -87,19 +86,19 @@ RAW = [  # (endpoint, body bytes, status, words)
 
 @pytest.mark.parametrize("endpoint,raw,status,words", RAW, ids=[f"{e}:{r[:40]!r}" for e, r, _, _ in RAW])
 def test_raw_bodies_get_openai_errors(chat_server, endpoint, raw, status, words):
-    r = httpx.post(f"{chat_server.url}/v1/{endpoint}", content=raw, headers=AUTH)
+    r = http().post(f"{chat_server.url}/v1/{endpoint}", content=raw, headers=AUTH)
     assert_openai_error(r, status, *words)
     answers_good(chat_server.url)
 
 
 def test_unknown_paths_and_methods_are_openai_errors(chat_server):
-    assert_openai_error(httpx.post(chat_server.url + "/v1/nope", json=GOOD, headers=AUTH), 404, "/v1/nope")
-    assert_openai_error(httpx.get(chat_server.url + "/v1/completions", headers=AUTH), 405, "GET")
+    assert_openai_error(http().post(chat_server.url + "/v1/nope", json=GOOD, headers=AUTH), 404, "/v1/nope")
+    assert_openai_error(http().get(chat_server.url + "/v1/completions", headers=AUTH), 405, "GET")
 
 
 def test_unknown_fields_are_ignored_with_a_warning(chat_server, caplog):
     with caplog.at_level("WARNING", logger="hybridkv.server"):
-        r = httpx.post(chat_server.url + "/v1/completions", json={**GOOD, "frobnicate": 1}, headers=AUTH)
+        r = http().post(chat_server.url + "/v1/completions", json={**GOOD, "frobnicate": 1}, headers=AUTH)
     assert r.status_code == 200, r.text
     assert any("frobnicate" in rec.getMessage() for rec in caplog.records)
 
@@ -107,19 +106,19 @@ def test_unknown_fields_are_ignored_with_a_warning(chat_server, caplog):
 def test_body_and_prompt_limits(small_limits_server):
     url = small_limits_server.url
     headers = {"Content-Type": "application/json"}
-    assert_openai_error(httpx.post(url + "/v1/completions", json={**GOOD, "prompt": [[5]] * 5}, headers=headers),
+    assert_openai_error(http().post(url + "/v1/completions", json={**GOOD, "prompt": [[5]] * 5}, headers=headers),
                         400, "5 prompts", "at most 4", "--max-prompts-per-request")
-    assert_openai_error(httpx.post(url + "/v1/completions", json={**GOOD, "prompt": ["hi"] * 5000},
+    assert_openai_error(http().post(url + "/v1/completions", json={**GOOD, "prompt": ["hi"] * 5000},
                                    headers=headers), 413, "at most 4096", "--max-body-mb")
     big = json.dumps({**GOOD, "prompt": "x" * 100_000}).encode()
-    assert_openai_error(httpx.post(url + "/v1/completions", content=big, headers=headers), 413, str(len(big)))
-    ok = httpx.post(url + "/v1/completions", json={**GOOD, "prompt": [[5, 6]] * 4}, headers=headers)
+    assert_openai_error(http().post(url + "/v1/completions", content=big, headers=headers), 413, str(len(big)))
+    ok = http().post(url + "/v1/completions", json={**GOOD, "prompt": [[5, 6]] * 4}, headers=headers)
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 4
     answers_good(url, headers)
 
 
 def test_default_prompt_limit(chat_server):
-    r = httpx.post(chat_server.url + "/v1/completions", json={**GOOD, "prompt": ["hi"] * 5000}, headers=AUTH)
+    r = http().post(chat_server.url + "/v1/completions", json={**GOOD, "prompt": ["hi"] * 5000}, headers=AUTH)
     assert_openai_error(r, 400, "5000 prompts", "at most 256")
     answers_good(chat_server.url)
 

@@ -9,6 +9,7 @@ import time
 
 import httpx
 import openai
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hybridkv import SamplingParams
@@ -39,6 +40,7 @@ def wait_idle(server, timeout: float = 5.0) -> dict:
         time.sleep(0.02)
 
 
+@pytest.mark.slow  # a load test
 def test_64_concurrent_streams_equal_offline_and_leavers_free_memory(chat_server, oracle):
     """64 concurrent greedy streams (official AsyncOpenAI client); a quarter of the clients, drawn
     with a fixed seed, walk away after a random number of chunks. Each finished stream equals the
