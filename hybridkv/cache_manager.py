@@ -33,6 +33,7 @@ from hybridkv.draft_runs import DraftRuns
 from hybridkv.eviction import DEFAULT_EVICTION
 from hybridkv.errors import MemoryBudgetError, RequestStateError, RequestTooLargeError
 from hybridkv.manager_stats import ManagerStats
+from hybridkv.memory.disk_tier import DEFAULT_DISK_CACHE_BYTES, DiskTier
 from hybridkv.memory.full_attention import FullAttentionMemory
 from hybridkv.memory.kinds import make_kinds
 from hybridkv.memory.layer_memory import LayerMemory
@@ -55,7 +56,8 @@ class HybridCacheManager:
                  checkpoint_policy: str = DEFAULT_POLICY, checkpoint_every_n: int = 4,
                  checkpoint_eviction: str = DEFAULT_EVICTION, fingerprint: str = "",
                  flops_per_token: Optional[float] = None, max_num_batched_tokens: Optional[int] = None,
-                 draft_slots: int = 0, host_cache_bytes: int = 0):
+                 draft_slots: int = 0, host_cache_bytes: int = 0, disk_cache_dir: Optional[str] = None,
+                 disk_cache_bytes: int = DEFAULT_DISK_CACHE_BYTES):
         if not isinstance(block_size, int) or block_size <= 0:
             raise MemoryBudgetError(f"block_size={block_size!r} must be a positive integer (e.g. 16)")
         kinds = make_kinds(specs, block_size, num_blocks, num_slots, device, checkpoint_eviction,
@@ -76,6 +78,10 @@ class HybridCacheManager:
         self.prefix_cache = PrefixCache(kinds, block_size, self._reqs,
                                         CheckpointPolicy(checkpoint_policy, block_size, checkpoint_every_n),
                                         enabled=enable_prefix_caching, fingerprint=fingerprint)
+        self.disk: Optional[DiskTier] = None  # KV and states in files that outlive the process
+        if disk_cache_dir is not None and enable_prefix_caching:
+            self.disk = self.prefix_cache.disk = DiskTier(kinds, block_size, disk_cache_dir, disk_cache_bytes,
+                                                          fingerprint)
         self.drafts = DraftRuns(self)  # speculative decoding's verbs (draft_runs.py)
         self.preemptions = {"recompute": 0, "swap": 0}  # requests preempted, by mode
 
@@ -186,6 +192,10 @@ class HybridCacheManager:
 
     def _start(self, r: Request, num_new_tokens: Optional[int], dry_run: bool = False) -> Optional[int]:
         match = self.prefix_cache.match(r)
+        if self.disk is not None and not dry_run:  # load a deeper prefix from disk, then match again
+            limit = (len(r.token_ids) - 1) // self.block_size
+            if self.disk.promote(r.block_hashes, min(limit, len(r.block_hashes)), match.blocks):
+                match = self.prefix_cache.match(r)
         m, hit = match.blocks, match.blocks * self.block_size
         end = len(r.token_ids) if num_new_tokens is None else hit + num_new_tokens
         if not all(k.can_admit(r.block_hashes, m, end) for k in self.kinds):
@@ -317,6 +327,8 @@ class HybridCacheManager:
         if r.status is RUNNING:
             keep = self.prefix_cache.policy.keeps_final_state and not discard
             donate = self.prefix_cache.donation(r) if keep else None
+            if self.disk is not None and not discard:
+                self._write_through(r, donate)
             for kind in self.kinds:
                 kind.release(req_id, donate)
         for kind in self.kinds:
@@ -332,6 +344,8 @@ class HybridCacheManager:
         r = self.running(req_id)
         if mode == "recompute":
             donate = self.prefix_cache.donation(r)
+            if self.disk is not None:
+                self._write_through(r, donate)
             for kind in self.kinds:
                 kind.release(req_id, donate)
             r.num_computed_tokens = r.num_hashed_blocks = 0
@@ -344,6 +358,20 @@ class HybridCacheManager:
             raise ValueError(f"preemption mode {mode!r}; choose 'recompute' or 'swap'")
         self.prefix_cache.bursts.drop(req_id)
         self.preemptions[mode] += 1
+
+    def _write_through(self, r: Request, donate: Optional[tuple[bytes, int]]) -> None:
+        """Before r lets go of its memory: the state it leaves as a checkpoint (donate: its hash and
+        position) and that prefix's KV go to the disk tier; a model without state writes r's
+        hashed blocks."""
+        if self.recurrent is None:
+            self.disk.write(r.request_id, r.block_hashes, r.num_hashed_blocks * self.block_size, None)
+        elif donate is not None:
+            self.disk.write(r.request_id, r.block_hashes, donate[1], self.recurrent.live_slot(r.request_id))
+
+    def close(self) -> None:
+        """Finish the disk tier's queued writes and stop its writer (nothing to do without one)."""
+        if self.disk is not None:
+            self.disk.close()
 
     def resume(self, req_id: Hashable, num_new_tokens: Optional[int] = None) -> Optional[int]:
         """Restart a preempted request; returns its num_computed_tokens, or None if it cannot run now."""

@@ -58,6 +58,11 @@ def add_llm_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-share", type=float, default=None)
     g.add_argument("--host-cache-mb", type=int, default=0,
                    help="host memory (MiB) for state checkpoints evicted from the device pool (default 0: none)")
+    g.add_argument("--disk-cache", default=None, metavar="DIR",
+                   help="directory for a disk tier of KV blocks and state checkpoints that survives restarts "
+                        "(default: none)")
+    g.add_argument("--disk-cache-gb", type=float, default=16.0,
+                   help="GiB the disk tier may keep in DIR for this model (default 16)")
     g.add_argument("--verify-cache-hits", type=float, default=0.0,
                    help="fraction of prefix hits recomputed cold in the background and compared (default 0: off)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(CACHE_DTYPES),
@@ -84,7 +89,8 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
                 checkpoint_policy=args.checkpoint_policy, checkpoint_every_n=args.checkpoint_every_n,
                 checkpoint_eviction=args.checkpoint_eviction, checkpoint_share=args.checkpoint_share,
                 cuda_graphs=args.cuda_graphs, speculative_config=args.speculative_config,
-                host_cache_bytes=args.host_cache_mb << 20, verify_cache_hits=args.verify_cache_hits,
+                host_cache_bytes=args.host_cache_mb << 20, disk_cache_dir=args.disk_cache,
+                disk_cache_bytes=int(args.disk_cache_gb * (1 << 30)), verify_cache_hits=args.verify_cache_hits,
                 kv_cache_dtype=args.kv_cache_dtype, state_cache_dtype=args.state_cache_dtype,
                 quantize_stochastic=args.quantize_stochastic)
 

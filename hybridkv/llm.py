@@ -67,6 +67,7 @@ class LLM:
     'prompt_end' | 'every_n_blocks' | 'branch_points'), `checkpoint_every_n`, `checkpoint_eviction`
     ('utility' (default) | 'lru' | 'flop'), `checkpoint_share` (share of the budget for state
     checkpoints), `host_cache_bytes` (a host tier for checkpoints evicted from the device),
+    `disk_cache_dir` / `disk_cache_bytes` (a disk tier of KV and states that survives restarts),
     `verify_cache_hits` (the fraction of prefix hits recomputed cold and compared). docs/design.md and BENCHMARKS.md say what each does.
     `tensor_parallel_size` N > 1 shards the model and its pools over N ranks (this process is rank
     0; hybridkv/parallel/); `close()` stops the other ranks.
@@ -98,6 +99,9 @@ class LLM:
                                    seed=seed, **kwargs)
         graph_mode = check_graphs_option(self.config.cuda_graphs, device, tensor_parallel_size)
         quantized = (self.config.kv_cache_dtype, self.config.state_cache_dtype) != ("auto", "auto")
+        if self.config.disk_cache_dir is not None and tensor_parallel_size != 1:
+            raise ValueError("disk_cache_dir runs without tensor parallelism in this version (the pools are "
+                             "sharded over ranks); drop one of them")
         if quantized and (tensor_parallel_size != 1 or graph_mode is not None):
             raise ValueError("kv_cache_dtype / state_cache_dtype other than 'auto' run without tensor parallelism "
                              "and without CUDA graphs in this version; drop one of them")
@@ -129,7 +133,7 @@ class LLM:
             device=self.model.device, enable_prefix_caching=enable_prefix_caching,
             checkpoint_policy=c.checkpoint_policy, checkpoint_every_n=c.checkpoint_every_n,
             checkpoint_eviction=c.checkpoint_eviction, fingerprint=self.model.fingerprint,
-            host_cache_bytes=c.host_cache_bytes,
+            host_cache_bytes=c.host_cache_bytes, disk_cache_dir=c.disk_cache_dir, disk_cache_bytes=c.disk_cache_bytes,
             flops_per_token=2.0 * params, max_num_batched_tokens=max_num_batched_tokens,
             draft_slots=Speculation.draft_slots(c.speculative_config, block_size, max_num_seqs))
         policy = PreemptionPolicy(preemption_mode, specs, block_size, self.profile, enable_prefix_caching)
@@ -208,7 +212,8 @@ class LLM:
             self.tensor_parallel.check()
 
     def close(self) -> None:
-        """Stop the tensor-parallel ranks 1..N-1 (nothing to do with one rank)."""
+        """Finish the disk tier's queued writes; stop the tensor-parallel ranks 1..N-1."""
+        self.manager.close()
         if self.tensor_parallel is not None:
             self.tensor_parallel.close()
 

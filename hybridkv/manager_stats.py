@@ -16,7 +16,8 @@ class ManagerStats:
     fragmentation: unused token slots in requests' partially filled last blocks / token slots in used blocks.
     The kv_* and slots_* fields sum the attention kind and the recurrent kind; `kinds` has each one.
     tiers: the state checkpoints per tier, {"device": {...}, "host": {...}} (host only with a host
-    tier): entries, bytes, hits, evictions; the host's also promotions, demotions, refusals.
+    tier): entries, bytes, hits, evictions; the host's also promotions, demotions, refusals; with a
+    disk tier "disk" too (memory/disk_tier.py: its KV blocks as well, writes, corrupt files refused).
     """
 
     kv_blocks_used: int
@@ -51,6 +52,9 @@ class ManagerStats:
         waste = sum(len(g.block_ids(r.request_id)) * bs - r.num_computed_tokens  # past the last token
                     for g in mgr.attention_groups.values() for r in running)
         hits = mgr.prefix_cache.hits
+        tiers = dict(s.get("tiers", {}))
+        if mgr.disk is not None:
+            tiers["disk"] = mgr.disk.stats()
         return cls(
             kv_blocks_used=used, kv_blocks_cached=a.get("blocks_cached", 0), kv_blocks_free=a.get("blocks_free", 0),
             kv_blocks_total=a.get("blocks_total", 0), slots_live=s.get("slots_live", 0),
@@ -58,7 +62,7 @@ class ManagerStats:
             slots_total=s.get("slots_total", 0), prefix_hit_tokens=hits.hit_tokens,
             prefix_query_tokens=hits.query_tokens, prefix_queries=hits.queries, prefix_misses=dict(hits.misses),
             preemptions=dict(mgr.preemptions), fragmentation=max(0.0, waste / (used * bs)) if used else 0.0,
-            running_requests=len(running), burst_waits=mgr.prefix_cache.bursts.waits, kinds=kinds, tiers=s.get("tiers", {}))
+            running_requests=len(running), burst_waits=mgr.prefix_cache.bursts.waits, kinds=kinds, tiers=tiers)
 
     @property
     def prefix_hit_rate(self) -> float:

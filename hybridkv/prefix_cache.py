@@ -46,6 +46,7 @@ class PrefixCache:
         self.recurrent = kinds.recurrent
         self._requests = requests
         self.hits = PrefixHitCounter()
+        self.disk = None  # the disk tier (memory/disk_tier.py), set by the manager when there is one
         self.bursts = BurstRule(block_size, self.prompt_hashes, lambda hashes, n: self._match(hashes, n).blocks)
 
     # ---- hashes ----------------------------------------------------------------------------
@@ -170,7 +171,10 @@ class PrefixCache:
         mark: first make that block findable in every kind (False: the commit that hashed it did)."""
         h = self._boundary(r, position) if mark else r.block_hashes[position // self.block_size - 1]
         output = position > r.num_prompt_tokens and self.policy.rolling_output
-        return self.recurrent.checkpoint(r.request_id, h, position, output, source)
+        kept = self.recurrent.checkpoint(r.request_id, h, position, output, source)
+        if kept and self.disk is not None:  # written through: a restart finds it
+            self.disk.write_checkpoint(r.request_id, r.block_hashes, position)
+        return kept
 
     def donation(self, r: Request) -> Optional[tuple[bytes, int]]:
         """Where r's live state, about to be let go, can stay as a checkpoint: (hash, position) at
@@ -190,7 +194,8 @@ class PrefixCache:
     def invalidate(self, key: bytes) -> bool:
         """Drop the state checkpoint keyed `key` (a block hash) from every tier, so no later match
         uses it (the prefix-hit guard found it wrong); False when no tier held it."""
-        return self.recurrent is not None and self.recurrent.invalidate(key)
+        on_disk = self.disk is not None and self.disk.invalidate(key)
+        return self.recurrent is not None and self.recurrent.invalidate(key) or on_disk
 
     def batched_checkpoints(self):
         """A context in which checkpoints keep their bookkeeping but copy the states at the exit,

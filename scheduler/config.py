@@ -1,12 +1,14 @@
 """The engine's knobs, checked once, with the defaults a vLLM user expects."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
 from hybridkv.cache_dtype import check_cache_dtype
 from hybridkv.checkpoint_policy import DEFAULT_POLICY
 from hybridkv.eviction import DEFAULT_EVICTION
+from hybridkv.memory.disk_tier import DEFAULT_DISK_CACHE_BYTES
 from hybridkv.speculative.config import SpeculativeConfig
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
@@ -23,7 +25,9 @@ class EngineConfig:
     "dry_run" (tests) runs that path on a CPU with a direct call in place of capture and replay.
     speculative_config: None (off), or a dict / JSON text in vLLM's shape (hybridkv/speculative/
     config.py), kept as a SpeculativeConfig. host_cache_bytes: the host tier's budget for state
-    checkpoints evicted from the device (0: off; hybridkv/memory/host_tier.py). verify_cache_hits:
+    checkpoints evicted from the device (0: off; hybridkv/memory/host_tier.py). disk_cache_dir: a
+    directory for the disk tier of KV blocks and state checkpoints, which survives restarts (None:
+    off; hybridkv/memory/disk_tier.py), within disk_cache_bytes (default 16 GiB). verify_cache_hits:
     the fraction of prefix hits recomputed cold and compared (0: off; scheduler/hit_guard.py).
     kv_cache_dtype / state_cache_dtype: "auto" (the model's dtype), "int8" or "fp8_e4m3": KV pages /
     state slots kept as one-byte codes with a scale per row (hybridkv/cache_dtype.py);
@@ -40,6 +44,8 @@ class EngineConfig:
     checkpoint_eviction: str = DEFAULT_EVICTION
     checkpoint_share: Optional[float] = None
     host_cache_bytes: int = 0
+    disk_cache_dir: Optional[str] = None
+    disk_cache_bytes: int = DEFAULT_DISK_CACHE_BYTES
     verify_cache_hits: float = 0.0
     kv_cache_dtype: str = "auto"
     state_cache_dtype: str = "auto"
@@ -67,6 +73,14 @@ class EngineConfig:
         if isinstance(self.host_cache_bytes, bool) or not isinstance(self.host_cache_bytes, int) \
                 or self.host_cache_bytes < 0:
             raise ValueError(f"host_cache_bytes={self.host_cache_bytes!r} must be an integer >= 0 (0: no host tier)")
+        if self.disk_cache_dir is not None and (not isinstance(self.disk_cache_dir, (str, os.PathLike))
+                                                or not str(self.disk_cache_dir)):
+            raise ValueError(f"disk_cache_dir={self.disk_cache_dir!r} must be a directory path (None: no disk tier)")
+        if self.disk_cache_dir is not None:
+            self.disk_cache_dir = os.fspath(self.disk_cache_dir)
+        if isinstance(self.disk_cache_bytes, bool) or not isinstance(self.disk_cache_bytes, int) \
+                or self.disk_cache_bytes <= 0:
+            raise ValueError(f"disk_cache_bytes={self.disk_cache_bytes!r} must be an integer > 0")
         if isinstance(self.verify_cache_hits, bool) or not isinstance(self.verify_cache_hits, (int, float)) \
                 or not 0.0 <= self.verify_cache_hits <= 1.0:
             raise ValueError(f"verify_cache_hits={self.verify_cache_hits!r} must be a fraction in [0, 1] (0: off)")

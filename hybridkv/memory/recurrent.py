@@ -41,6 +41,7 @@ class Checkpoint:
     position: int
     last_used: int
     output: bool = False  # a state inside a request's generated tokens
+    from_disk: bool = False  # loaded by the disk tier and not hit since (its first hit is the disk's)
 
 
 class RecurrentMemory(LayerMemory):
@@ -83,6 +84,7 @@ class RecurrentMemory(LayerMemory):
             self.host = HostStateTier(host_cache_bytes, eviction, self.saved_flops, branches, reachable, flop_weight)
         self._slot_bytes = sum(t[0].numel() * t.element_size() for t in self.states._tensors())
         self.device_counts = {"hits": 0, "evictions": 0}  # the device tier's (the host's: host.counters)
+        self.disk_hits = 0  # admissions that used a checkpoint the disk tier loaded (memory/disk_tier.py)
 
     @property
     def num_slots(self) -> int:
@@ -185,6 +187,22 @@ class RecurrentMemory(LayerMemory):
         self._add(h, position, slot, output)
         return True
 
+    def adopt(self, h: bytes, position: int, conv: Mapping[int, torch.Tensor],
+              ssm: Mapping[int, torch.Tensor]) -> bool:
+        """Make a state loaded from the disk tier (host tensors, verified) the checkpoint keyed h,
+        in a slot taken as any checkpoint takes one; False (nothing changed) when none can be freed.
+        Its first hit counts as the disk tier's."""
+        if h in self.checkpoints:
+            self._touch(h)
+            return True
+        slot = self._take_slot(CHECKPOINT)
+        if slot is None:
+            return False
+        self.states.from_host(slot, conv, ssm)
+        self._add(h, position, slot)
+        self.checkpoints[h].from_disk = True
+        return True
+
     def invalidate(self, h: bytes) -> bool:
         """Drop the checkpoint keyed h from the device and the host tier (never demoted: it is
         wrong); False when neither held it."""
@@ -258,8 +276,12 @@ class RecurrentMemory(LayerMemory):
             self.states.from_host(slot, conv, ssm)
             self.host.counters.promotion_seconds += time.perf_counter() - t0
             return
-        self.device_counts["hits"] += 1
         src = self.checkpoints[key]
+        if src.from_disk:
+            self.disk_hits += 1
+            src.from_disk = False
+        else:
+            self.device_counts["hits"] += 1
         slot = self._take_slot(LIVE, protect=key)
         if slot is None:  # the hit's checkpoint is the only slot left: it becomes the live slot
             self._demote(key)  # (a host copy of it stays findable, when worth its bytes)

@@ -24,7 +24,7 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _TIER_SERIES = (
     ("gauge", "entries", "entries", "State checkpoints held, per tier."),
     ("gauge", "bytes", "bytes", "Bytes of the state checkpoints held, per tier."),
-    ("gauge", "budget_bytes", "budget_bytes", "Byte budget of the tier (host only)."),
+    ("gauge", "budget_bytes", "budget_bytes", "Byte budget of the tier (host and disk)."),
     ("counter", "hits", "hits", "Admissions that used a checkpoint of the tier."),
     ("counter", "promotions", "promotions", "States copied from the tier into a device slot."),
     ("counter", "promotion_seconds", "promotion_seconds", "Seconds spent copying promoted states."),
@@ -32,6 +32,12 @@ _TIER_SERIES = (
     ("counter", "refused_demotions", "refused_demotions", "Evicted states not worth the tier's bytes (dropped)."),
     ("counter", "evictions", "evictions", "Checkpoints evicted from the tier for room."),
     ("counter", "refused_corrupt", "refused_corrupt", "Entries that failed the key/layout/CRC check (dropped unused)."),
+    ("gauge", "kv_entries", "kv_entries", "KV blocks held (disk only)."),
+    ("counter", "kv_promotions", "kv_promotions", "KV blocks loaded from the tier into device blocks (disk only)."),
+    ("counter", "kv_demotions", "kv_demotions", "KV blocks queued for writing to the tier (disk only)."),
+    ("counter", "write_seconds", "write_seconds", "Seconds the tier's writer spent writing entries (disk only)."),
+    ("counter", "write_errors", "write_errors", "Entries whose write failed (disk only; logged, dropped)."),
+    ("counter", "dropped_writes", "dropped_writes", "Entries not written: too many writes were pending (disk only)."),
 )
 
 
@@ -101,7 +107,7 @@ class _EngineCollector:
             yield from self._per_replica(s["replicas"])
 
     def _tiers(self, tiers: dict[str, dict]):
-        """State checkpoints per tier ("device", "host"), labelled `tier`; a series only for the
+        """State checkpoints per tier ("device", "host", "disk"), labelled `tier`; a series only for the
         tiers whose stats carry that key (promotions, demotions... are the host's)."""
         for kind, name, key, doc in _TIER_SERIES:
             fam = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(

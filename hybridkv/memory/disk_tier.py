@@ -1,0 +1,256 @@
+"""The disk tier: KV blocks and state checkpoints in files that outlive the process, so a restarted
+engine finds the prefixes an earlier one computed.
+
+A hit needs the KV of every block of the prefix (each attention group: the blocks the next token
+attends to) AND a state checkpoint at the same position, so the tier keeps both, as files of a
+DiskStore (disk_store.py; format: disk_format.py), keyed by the chained block hash:
+
+- **When written: write-through along checkpoints.** Whenever a state checkpoint is made on the
+  device (`PrefixCache.store`: the policy's prompt ends, junctions, bursts, the rolling output
+  state) or a finished / preempted request leaves its final state as one (a donation), the state
+  and the KV blocks a hit at that position needs that the disk lacks are copied to the host at
+  once and queued for the writer thread. That is where a later request can resume, so it is what
+  survives a restart; KV past the last checkpoint is never usable by a hybrid and is not written.
+  (vLLM's and LMCache's disk offload and SGLang HiCache's storage backend also write through as
+  blocks are computed; writing on demotion instead would lose every entry still on the device at
+  a restart or a crash.) A model without recurrent layers writes each finished request's hashed
+  blocks.
+- **When read: at admission**, when the device and host tiers hit less than the prompt could:
+  the deepest position whose state (hybrids) and KV are all on disk or device is loaded, each file
+  verified first (disk_format.py: kind, key, position, namespace, dtypes, shapes, CRC-32); a file
+  that fails is deleted, counted (`refused_corrupt`) and the next shallower position is tried, so
+  a corrupt entry is never used. Loading PROMOTES: the KV into free device blocks that become
+  cached blocks under their hashes, the state into a device checkpoint slot. Then the ordinary
+  prefix match runs: the hybrid hit rule is unchanged.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from .disk_store import DiskStore
+from .kinds import ModelKinds
+
+FORMAT_VERSION = 1
+DEFAULT_DISK_CACHE_BYTES = 16 << 30  # 16 GiB: a few hundred long prefixes of a 7-9B hybrid
+
+
+def namespace_of(fingerprint: str, block_size: int, kinds: ModelKinds) -> tuple[str, dict]:
+    """(a digest naming the directory of this model's entries, what it digests): the model
+    fingerprint, block size and every layer's stored shapes and cache dtypes. Another model,
+    block size or cache dtype uses another directory, so its files are never mistaken for these."""
+    layers = {}
+    for kind in kinds.all:
+        for i, shape in kind.layer_shapes().items():
+            layers[f"{kind.name}.{i}"] = repr(shape)
+    describe = {"format": FORMAT_VERSION, "fingerprint": fingerprint, "block_size": block_size, "layers": layers}
+    digest = hashlib.sha256(json.dumps(describe, sort_keys=True).encode()).hexdigest()[:20]
+    return digest, describe
+
+
+def _group_label(window: Optional[int]) -> str:
+    return "full" if window is None else f"w{window}"
+
+
+@dataclass
+class DiskTierCounters:
+    kv_hits: int = 0             # admissions of a model without state that used disk KV
+    promotions: int = 0          # states loaded from disk into a device checkpoint slot
+    kv_promotions: int = 0       # KV blocks loaded from disk into device blocks
+    promotion_seconds: float = 0.0  # reading, verifying and copying them in
+    demotions: int = 0           # states queued for writing
+    kv_demotions: int = 0        # KV blocks queued for writing
+
+
+class DiskTier:
+    """The disk tier of a manager's kinds (`kinds`: every attention group and the recurrent kind)."""
+
+    def __init__(self, kinds: ModelKinds, block_size: int, root: str, budget_bytes: int, fingerprint: str):
+        self.groups = kinds.attention_groups
+        self.recurrent = kinds.recurrent
+        self.block_size = block_size
+        namespace, describe = namespace_of(fingerprint, block_size, kinds)
+        self.store = DiskStore(root, namespace, budget_bytes, describe)
+        self.counters = DiskTierCounters()
+        self._kv_layout = {w: [(f"kv.{i}", t.dtype, tuple(t.shape[1:])) for i, t in g.pool.kv.items()]
+                           for w, g in self.groups.items()}
+        self._state_layout = []
+        if self.recurrent is not None:
+            st = self.recurrent.states
+            self._state_layout = [(f"conv.{i}", t.dtype, tuple(t.shape[1:])) for i, t in st.conv.items()] + \
+                                 [(f"ssm.{i}", t.dtype, tuple(t.shape[1:])) for i, t in st.ssm.items()]
+
+    # ---- names -------------------------------------------------------------------------------
+    @staticmethod
+    def state_name(key: bytes, position: int) -> str:
+        return f"state-{position}-{key.hex()}.hkv"
+
+    @staticmethod
+    def kv_name(window: Optional[int], index: int, key: bytes) -> str:
+        return f"kv-{_group_label(window)}-{index}-{key.hex()}.hkv"
+
+    def _needed(self, window: Optional[int], m: int) -> range:
+        """Block indices of group `window` a hit after m blocks takes (full attention: all)."""
+        return range(self.groups[window].first_needed_block(m * self.block_size), m)
+
+    # ---- writes ------------------------------------------------------------------------------
+    def write(self, rid, hashes: Sequence[bytes], position: int, slot: Optional[int]) -> None:
+        """Queue what a hit at `position` (a block boundary) needs that the disk lacks: the KV
+        blocks request `rid` holds there and, when `slot` is given, the state in that slot (taken
+        after `position` tokens). The bytes are copied to the host now; files are written by the
+        store's thread."""
+        m = position // self.block_size
+        if m < 1 or m > len(hashes):
+            return
+        for w, g in self.groups.items():
+            blocks = g.block_ids(rid)
+            todo = [i for i in self._needed(w, m)
+                    if i < len(blocks) and blocks[i] >= 0 and not self.store.has(self.kv_name(w, i, hashes[i]))]
+            if not todo:
+                continue
+            data = g.pool.gather([blocks[i] for i in todo], "cpu")
+            for j, i in enumerate(todo):
+                tensors = [(f"kv.{layer}", t[j]) for layer, t in data.items()]
+                if self.store.put(self.kv_name(w, i, hashes[i]), "kv", hashes[i], (i + 1) * self.block_size, tensors):
+                    self.counters.kv_demotions += 1
+        if slot is not None and self.recurrent is not None:
+            key = hashes[m - 1]
+            name = self.state_name(key, position)
+            if not self.store.has(name):
+                conv, ssm = self.recurrent.states.to_host(slot, "cpu")
+                tensors = [(f"conv.{i}", t) for i, t in conv.items()] + [(f"ssm.{i}", t) for i, t in ssm.items()]
+                if self.store.put(name, "state", key, position, tensors):
+                    self.counters.demotions += 1
+
+    def write_checkpoint(self, rid, hashes: Sequence[bytes], position: int) -> None:
+        """A device checkpoint was just made at `position` for request rid: write it through."""
+        c = self.recurrent.checkpoints.get(hashes[position // self.block_size - 1])
+        if c is not None and c.position == position:
+            self.write(rid, hashes, position, c.slot)
+
+    def invalidate(self, key: bytes) -> bool:
+        """Delete every state entry under `key` (the prefix-hit guard found it wrong)."""
+        names = [n for n in self.store.names("state-") if n.endswith(f"-{key.hex()}.hkv")]
+        for n in names:
+            self.store.remove(n)
+        return bool(names)
+
+    # ---- reads -------------------------------------------------------------------------------
+    def _kv_available(self, hashes: Sequence[bytes], m: int) -> bool:
+        for w, g in self.groups.items():
+            cached = g.pool.cached
+            for i in self._needed(w, m):
+                if hashes[i] not in cached and not self.store.has(self.kv_name(w, i, hashes[i])):
+                    return False
+        return True
+
+    def _candidates(self, hashes: Sequence[bytes], limit: int, m0: int):
+        """Positions (in blocks) deeper than the hit m0 the disk may serve, deepest first."""
+        if None in self.groups:  # full attention needs every block: no deeper than its first gap
+            cached = self.groups[None].pool.cached
+            limit = next((i for i in range(limit) if hashes[i] not in cached
+                          and not self.store.has(self.kv_name(None, i, hashes[i]))), limit)
+        if self.recurrent is not None:
+            for m in range(limit, m0, -1):
+                if self.store.has(self.state_name(hashes[m - 1], m * self.block_size)):
+                    yield m
+            return
+        for m in range(limit, m0, -1):  # no state: the deepest position whose KV is all there
+            if self._kv_available(hashes, m):
+                yield m
+                return
+
+    def promote(self, hashes: Sequence[bytes], limit: int, m0: int) -> int:
+        """Load the deepest prefix past m0 blocks (at most `limit`) that the disk (with the device)
+        holds whole and that passes every check into device blocks and a checkpoint slot; returns
+        its blocks, or 0 when nothing was loaded."""
+        if limit <= m0:
+            return 0
+        t0 = time.perf_counter()
+        for m in self._candidates(hashes, limit, m0):
+            if self.recurrent is not None and not self._kv_available(hashes, m):
+                continue
+            loaded = self._load(hashes, m)
+            if loaded is None:
+                continue  # a file failed its check (deleted, counted): try a shallower position
+            placed = self._place(hashes, m, *loaded)
+            self.counters.promotion_seconds += time.perf_counter() - t0
+            return m if placed else 0
+        return 0
+
+    def _load(self, hashes: Sequence[bytes], m: int):
+        """({window: [(block index, tensors)]}, state tensors or None) of what the device lacks
+        for a hit after m blocks, every file verified; None if any fails or is missing."""
+        kv = {}
+        for w, g in self.groups.items():
+            kv[w] = []
+            for i in self._needed(w, m):
+                if hashes[i] in g.pool.cached:
+                    continue
+                t = self.store.read(self.kv_name(w, i, hashes[i]), "kv", hashes[i], (i + 1) * self.block_size,
+                                    self._kv_layout[w])
+                if t is None:
+                    return None
+                kv[w].append((i, t))
+        state = None
+        if self.recurrent is not None and hashes[m - 1] not in self.recurrent.checkpoints:
+            state = self.store.read(self.state_name(hashes[m - 1], m * self.block_size), "state", hashes[m - 1],
+                                    m * self.block_size, self._state_layout)
+            if state is None:
+                return None
+        return kv, state
+
+    def _place(self, hashes: Sequence[bytes], m: int, kv: dict, state: Optional[dict]) -> bool:
+        """Put verified KV into free blocks of each group (they become cached blocks, kept longest
+        in chain order) and the state into a checkpoint slot; False when a pool lacks room."""
+        for w, blocks in kv.items():
+            if not blocks:
+                continue
+            pool = self.groups[w].pool
+            needed = list(self._needed(w, m))
+            held = {i: pool.cached[hashes[i]] for i in needed if hashes[i] in pool.cached}
+            pool.ref(list(held.values()))  # the device's own blocks of the prefix are not evicted for these
+            new = pool.allocate(len(blocks))
+            if new is None:
+                pool.release(list(held.values()))
+                return False
+            pool.scatter(new, {layer: torch.stack([t[f"kv.{layer}"] for _, t in blocks]) for layer in pool.kv})
+            for b, (i, _) in zip(new, blocks):
+                pool.set_hash(b, hashes[i], hashes[i - 1] if i else b"")
+                held[i] = b
+            pool.release([held[i] for i in needed])  # chain order: the prefix's first block is kept longest
+            self.counters.kv_promotions += len(blocks)
+        if self.recurrent is None:
+            self.counters.kv_hits += 1
+            return True
+        if state is None:  # the device holds the checkpoint already
+            return True
+        conv = {i: state[f"conv.{i}"] for i in self.recurrent.states.conv}
+        ssm = {i: state[f"ssm.{i}"] for i in self.recurrent.states.ssm}
+        if not self.recurrent.adopt(hashes[m - 1], m * self.block_size, conv, ssm):
+            return False
+        self.counters.promotions += 1
+        return True
+
+    # ---- life --------------------------------------------------------------------------------
+    def flush(self) -> None:
+        self.store.flush()
+
+    def close(self) -> None:
+        self.store.close()
+
+    def stats(self) -> dict:
+        s, c = self.store.stats(), self.counters
+        states = len(self.store.names("state-"))
+        hits = self.recurrent.disk_hits if self.recurrent is not None else c.kv_hits
+        return {"entries": states, "kv_entries": s["files"] - states, "bytes": s["bytes"],
+                "budget_bytes": s["budget_bytes"], "hits": hits, "promotions": c.promotions,
+                "kv_promotions": c.kv_promotions, "promotion_seconds": c.promotion_seconds,
+                "demotions": c.demotions, "kv_demotions": c.kv_demotions, "evictions": s["evictions"],
+                "refused_corrupt": s["refused_corrupt"], "write_seconds": s["write_seconds"],
+                "write_errors": s["write_errors"], "dropped_writes": s["dropped_writes"]}
