@@ -82,6 +82,7 @@ class HybridCacheManager:
         if disk_cache_dir is not None and enable_prefix_caching:
             self.disk = self.prefix_cache.disk = DiskTier(kinds, block_size, disk_cache_dir, disk_cache_bytes,
                                                           fingerprint)
+        self._kv_write_through = self.disk is not None and self.recurrent is None
         self.drafts = DraftRuns(self)  # speculative decoding's verbs (draft_runs.py)
         self.preemptions = {"recompute": 0, "swap": 0}  # requests preempted, by mode
 
@@ -276,6 +277,8 @@ class HybridCacheManager:
                 r.num_computed_tokens = n
                 hashed = r.num_hashed_blocks
                 full = hash_blocks(r, n)
+                if full > hashed and self._kv_write_through:  # before a window lets a block go
+                    self.disk.write_blocks(req_ids[i], r.block_hashes, hashed, full)
                 for kind in kinds:
                     kind.commit(req_ids[i], r.block_hashes, hashed, full, n)
                 r.num_hashed_blocks = full
@@ -361,11 +364,9 @@ class HybridCacheManager:
 
     def _write_through(self, r: Request, donate: Optional[tuple[bytes, int]]) -> None:
         """Before r lets go of its memory: the state it leaves as a checkpoint (donate: its hash and
-        position) and that prefix's KV go to the disk tier; a model without state writes r's
-        hashed blocks."""
-        if self.recurrent is None:
-            self.disk.write(r.request_id, r.block_hashes, r.num_hashed_blocks * self.block_size, None)
-        elif donate is not None:
+        position) and that prefix's KV go to the disk tier (a model without state wrote its blocks
+        as they filled)."""
+        if self.recurrent is not None and donate is not None:
             self.disk.write(r.request_id, r.block_hashes, donate[1], self.recurrent.live_slot(r.request_id))
 
     def close(self) -> None:

@@ -13,8 +13,8 @@ DiskStore (disk_store.py; format: disk_format.py), keyed by the chained block ha
   survives a restart; KV past the last checkpoint is never usable by a hybrid and is not written.
   (vLLM's and LMCache's disk offload and SGLang HiCache's storage backend also write through as
   blocks are computed; writing on demotion instead would lose every entry still on the device at
-  a restart or a crash.) A model without recurrent layers writes each finished request's hashed
-  blocks.
+  a restart or a crash.) A model without recurrent layers writes every block as it fills (any
+  block boundary is a usable prefix there), before a sliding window lets it go.
 - **When read: at admission**, when the device and host tiers hit less than the prompt could:
   the deepest position whose state (hybrids) and KV are all on disk or device is loaded, each file
   verified first (disk_format.py: kind, key, position, namespace, dtypes, shapes, CRC-32); a file
@@ -107,17 +107,8 @@ class DiskTier:
         m = position // self.block_size
         if m < 1 or m > len(hashes):
             return
-        for w, g in self.groups.items():
-            blocks = g.block_ids(rid)
-            todo = [i for i in self._needed(w, m)
-                    if i < len(blocks) and blocks[i] >= 0 and not self.store.has(self.kv_name(w, i, hashes[i]))]
-            if not todo:
-                continue
-            data = g.pool.gather([blocks[i] for i in todo], "cpu")
-            for j, i in enumerate(todo):
-                tensors = [(f"kv.{layer}", t[j]) for layer, t in data.items()]
-                if self.store.put(self.kv_name(w, i, hashes[i]), "kv", hashes[i], (i + 1) * self.block_size, tensors):
-                    self.counters.kv_demotions += 1
+        for w in self.groups:
+            self._write_kv(w, rid, hashes, self._needed(w, m))
         if slot is not None and self.recurrent is not None:
             key = hashes[m - 1]
             name = self.state_name(key, position)
@@ -126,6 +117,26 @@ class DiskTier:
                 tensors = [(f"conv.{i}", t) for i, t in conv.items()] + [(f"ssm.{i}", t) for i, t in ssm.items()]
                 if self.store.put(name, "state", key, position, tensors):
                     self.counters.demotions += 1
+
+    def write_blocks(self, rid, hashes: Sequence[bytes], start: int, end: int) -> None:
+        """Queue blocks [start, end) of request rid, just full (their hashes in `hashes`), of every
+        attention group that holds them (a model without state: every block is a usable prefix)."""
+        for w in self.groups:
+            self._write_kv(w, rid, hashes, range(start, end))
+
+    def _write_kv(self, w: Optional[int], rid, hashes: Sequence[bytes], indices: range) -> None:
+        """Queue the blocks at `indices` that group w holds for rid and the disk lacks."""
+        g = self.groups[w]
+        blocks = g.block_ids(rid)
+        todo = [i for i in indices
+                if i < len(blocks) and blocks[i] >= 0 and not self.store.has(self.kv_name(w, i, hashes[i]))]
+        if not todo:
+            return
+        data = g.pool.gather([blocks[i] for i in todo], "cpu")
+        for j, i in enumerate(todo):
+            tensors = [(f"kv.{layer}", t[j]) for layer, t in data.items()]
+            if self.store.put(self.kv_name(w, i, hashes[i]), "kv", hashes[i], (i + 1) * self.block_size, tensors):
+                self.counters.kv_demotions += 1
 
     def write_checkpoint(self, rid, hashes: Sequence[bytes], position: int) -> None:
         """A device checkpoint was just made at `position` for request rid: write it through."""
@@ -185,8 +196,10 @@ class DiskTier:
 
     def _load(self, hashes: Sequence[bytes], m: int):
         """({window: [(block index, tensors)]}, state tensors or None) of what the device lacks
-        for a hit after m blocks, every file verified; None if any fails or is missing."""
-        kv = {}
+        for a hit after m blocks, every file verified; None if any fails or is missing. Every file
+        is read even after one fails, so each damaged one is refused (deleted) now and written
+        afresh when the prefix is recomputed, rather than found again behind the first."""
+        kv, ok = {}, True
         for w, g in self.groups.items():
             kv[w] = []
             for i in self._needed(w, m):
@@ -194,16 +207,15 @@ class DiskTier:
                     continue
                 t = self.store.read(self.kv_name(w, i, hashes[i]), "kv", hashes[i], (i + 1) * self.block_size,
                                     self._kv_layout[w])
-                if t is None:
-                    return None
-                kv[w].append((i, t))
+                ok = ok and t is not None
+                if ok:
+                    kv[w].append((i, t))
         state = None
         if self.recurrent is not None and hashes[m - 1] not in self.recurrent.checkpoints:
             state = self.store.read(self.state_name(hashes[m - 1], m * self.block_size), "state", hashes[m - 1],
                                     m * self.block_size, self._state_layout)
-            if state is None:
-                return None
-        return kv, state
+            ok = ok and state is not None
+        return (kv, state) if ok else None
 
     def _place(self, hashes: Sequence[bytes], m: int, kv: dict, state: Optional[dict]) -> bool:
         """Put verified KV into free blocks of each group (they become cached blocks, kept longest

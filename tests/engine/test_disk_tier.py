@@ -1,0 +1,171 @@
+"""The disk tier through the engine (hybridkv/memory/disk_tier.py): an LLM with `disk_cache_dir`
+answers, is closed, and a NEW LLM on the same directory answers the same prompts from disk
+(cached tokens > 0) with the tokens of the first run and of an engine without any cache (the
+oracle); a damaged file of any kind is refused and counted, and the prompt recomputed to the
+same tokens. Hybrid (Bamba), pure attention (Llama) and two attention groups (gpt-oss: full +
+sliding window), int8 caches (bytes carried as they are), another cache layout in the same
+directory, the CLI flags and /metrics."""
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from engine_fixtures import assert_no_leaks, greedy
+from hybridkv import LLM
+from hybridkv.models.tiny import make_tiny_checkpoint
+
+KW = dict(memory_budget_bytes=16 << 20, max_num_seqs=4)
+FAMILIES = {"bamba": 0, "llama": 1, "gpt_oss": 5}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return {f: make_tiny_checkpoint(f, tmp_path_factory.mktemp(f), seed=s) for f, s in FAMILIES.items()}
+
+
+def prompts(n=3, length=52, seed=0):
+    """n prompts of `length` tokens: 3 full blocks of 16 before the last one."""
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 128) for _ in range(length)] for _ in range(n)]
+
+
+def run(llm, ps):
+    outs = llm.generate(ps, greedy(6), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
+
+
+def entry_files(root) -> list[Path]:
+    return sorted(p for p in Path(root).glob("*/*.hkv"))
+
+
+def first_run(path, root, **kw):
+    """The first engine's tokens on the disk tier at `root` (closed: every write done)."""
+    llm = LLM(str(path), disk_cache_dir=str(root), **KW, **kw)
+    tokens, cached = run(llm, prompts())
+    assert cached == [0, 0, 0]
+    llm.close()
+    return tokens, llm.stats()["checkpoint_tiers"]["disk"]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_restarted_engine_answers_from_disk(checkpoints, tmp_path, family):
+    path = checkpoints[family]
+    oracle, _ = run(LLM(str(path), enable_prefix_caching=False, **KW), prompts())
+    tokens, wrote = first_run(path, tmp_path)
+    assert tokens == oracle
+    assert wrote["kv_demotions"] >= 3 * 3 and wrote["write_errors"] == wrote["dropped_writes"] == 0, wrote
+    files = entry_files(tmp_path)
+    assert len(files) == wrote["entries"] + wrote["kv_entries"]
+    again = LLM(str(path), disk_cache_dir=str(tmp_path), **KW)
+    got, cached = run(again, prompts())
+    assert got == tokens == oracle
+    assert cached == [48, 48, 48], cached
+    disk = again.stats()["checkpoint_tiers"]["disk"]
+    assert disk["hits"] == 3 and disk["kv_promotions"] >= 9 and disk["refused_corrupt"] == 0, disk
+    if family == "bamba":
+        assert disk["promotions"] == 3 and wrote["demotions"] >= 3, (disk, wrote)
+    assert_no_leaks(again)
+    again.close()
+
+
+def truncate(p: Path):
+    p.write_bytes(p.read_bytes()[:-9])
+
+
+def flip(p: Path):
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    p.write_bytes(bytes(data))
+
+
+def swap_names(files: list[Path]):
+    """Each file takes the next one's name (same kind): its key no longer matches its name."""
+    by_kind: dict[str, list[Path]] = {}
+    for p in files:
+        by_kind.setdefault(p.name.split("-")[0] + p.name.split("-")[1], []).append(p)
+    for group in by_kind.values():
+        data = [p.read_bytes() for p in group]
+        for p, d in zip(group, data[1:] + data[:1]):
+            p.write_bytes(d)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "swap"])
+def test_damaged_entries_are_refused_and_recomputed(checkpoints, tmp_path, damage):
+    """Every entry file is damaged between the runs: no hit, no crash, each refusal counted,
+    the refused files deleted, and the tokens those of the first run."""
+    path = checkpoints["bamba"]
+    tokens, _ = first_run(path, tmp_path)
+    files = entry_files(tmp_path)
+    if damage == "swap":
+        swap_names(files)
+    else:
+        for p in files:
+            (flip if damage == "flip" else truncate)(p)
+    again = LLM(str(path), disk_cache_dir=str(tmp_path), **KW)
+    got, cached = run(again, prompts())
+    assert got == tokens and cached == [0, 0, 0]
+    disk = again.stats()["checkpoint_tiers"]["disk"]
+    # each prompt's 3 KV blocks and state: all read (not only the first that failed) and refused
+    assert disk["refused_corrupt"] == len(files) == 12, disk
+    assert disk["hits"] == 0 and disk["promotions"] == 0, disk
+    again.close()
+    # the refused files were deleted and the recomputed prefixes written afresh: a third engine hits
+    third = LLM(str(path), disk_cache_dir=str(tmp_path), **KW)
+    got, cached = run(third, prompts())
+    assert got == tokens and cached == [48, 48, 48]
+    assert third.stats()["checkpoint_tiers"]["disk"]["refused_corrupt"] == 0
+    third.close()
+
+
+def test_quantized_caches_and_another_layout_in_one_directory(checkpoints, tmp_path):
+    """int8 KV and state pools: their bytes are written and read back as they are (the restart's
+    tokens are the first int8 run's); the float32 engine on the same directory uses its own
+    namespace, so it neither hits nor refuses the int8 files."""
+    path = checkpoints["bamba"]
+    q = dict(kv_cache_dtype="int8", state_cache_dtype="int8")
+    tokens, _ = first_run(path, tmp_path, **q)
+    again = LLM(str(path), disk_cache_dir=str(tmp_path), **KW, **q)
+    got, cached = run(again, prompts())
+    again.close()
+    assert got == tokens and cached == [48, 48, 48]
+    plain = LLM(str(path), disk_cache_dir=str(tmp_path), **KW)
+    _, cached = run(plain, prompts())
+    plain.close()
+    assert cached == [0, 0, 0] and plain.stats()["checkpoint_tiers"]["disk"]["refused_corrupt"] == 0
+    assert len(os.listdir(tmp_path)) == 2  # two namespaces
+
+
+def test_the_cli_flags_metrics_and_a_bad_directory(checkpoints, tmp_path):
+    import argparse
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from hybridkv.cli import add_llm_args, llm_kwargs
+    from hybridkv.server.metrics import ServerMetrics
+
+    ap = argparse.ArgumentParser()
+    add_llm_args(ap)
+    kw = llm_kwargs(ap.parse_args(["--disk-cache", str(tmp_path), "--disk-cache-gb", "0.5"]))
+    assert kw["disk_cache_dir"] == str(tmp_path) and kw["disk_cache_bytes"] == 1 << 29
+    default = llm_kwargs(ap.parse_args([]))
+    assert default["disk_cache_dir"] is None and default["disk_cache_bytes"] == 16 << 30
+    first_run(checkpoints["bamba"], tmp_path)
+    llm = LLM(str(checkpoints["bamba"]), disk_cache_dir=str(tmp_path), **KW)
+    run(llm, prompts())
+    llm.close()
+    s = llm.stats()
+    samples = {(x.name, x.labels.get("tier")): x.value
+               for fam in text_string_to_metric_families(ServerMetrics("m").render(s).decode()) for x in fam.samples}
+    disk = s["checkpoint_tiers"]["disk"]
+    assert disk["hits"] == 3
+    for key, v in disk.items():
+        gauge = key in ("entries", "kv_entries", "bytes", "budget_bytes")
+        name = f"hybridkv:checkpoint_tier_{key}" + ("" if gauge else "_total")
+        assert samples.get((name, "disk")) == float(v), (name, v)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match=f"disk_cache_dir '{blocker}': cannot create and write"):
+        LLM(str(checkpoints["bamba"]), disk_cache_dir=str(blocker), **KW)
+    with pytest.raises(ValueError, match="disk_cache_bytes=0 must be an integer > 0"):
+        LLM(str(checkpoints["bamba"]), disk_cache_dir=str(tmp_path), disk_cache_bytes=0, **KW)
