@@ -158,3 +158,49 @@ def test_serve_lists_the_builtin_names_for_an_unknown_one():
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "'hybridkv/tiny-coder' is not a built-in model; the built-in names are hybridkv/tiny-code, " \
            "hybridkv/tiny-code-draft" in proc.stderr, proc.stderr
+
+
+def _serve_until_up(port: int, *args: str) -> subprocess.Popen:
+    import time
+
+    import httpx
+
+    proc = subprocess.Popen([sys.executable, "-m", "hybridkv", "serve", "--port", str(port),
+                             "--memory-budget-mb", "16", *args],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 90
+    while True:
+        assert proc.poll() is None, proc.communicate()[0]
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up in 90 s"
+        time.sleep(0.2)
+
+
+def test_serve_with_a_disk_cache_answers_from_it_after_a_restart(tmp_path):
+    """Issue 26's restart goal as a user meets it: `hybridkv serve --disk-cache DIR`, a prompt,
+    Ctrl-C; `serve` again on DIR: the repeated prompt reports cached tokens > 0 and the same text."""
+    import signal
+
+    import openai
+
+    prompt = "def fibonacci(n):\n    " + "".join(f"# step {i}: add the two numbers before\n    " for i in range(6))
+    answers = []
+    for run in range(2):
+        port = _free_port()
+        proc = _serve_until_up(port, "--disk-cache", str(tmp_path), "--disk-cache-gb", "0.25")
+        try:
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+            r = client.completions.create(model="hybridkv/tiny-code", prompt=prompt, max_tokens=8, temperature=0)
+            answers.append((r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens, r.choices[0].text))
+        finally:
+            proc.send_signal(signal.SIGINT)
+            out = proc.communicate(timeout=30)[0]
+        assert proc.returncode == 0, out
+    (n, cold, text), (n2, cached, text2) = answers
+    assert n == n2 > 32 and cold == 0 and cached == (n - 1) // 16 * 16, answers
+    assert text2 == text, answers
+    assert list(tmp_path.glob("*/state-*.hkv")), "no state entry was written"
