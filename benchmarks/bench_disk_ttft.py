@@ -1,0 +1,129 @@
+"""Time to first token of a long prompt served from the disk tier after a restart vs a cold
+prefill, on the built-in hybridkv/tiny-code (a tiny Bamba), CPU, 1 torch thread.
+
+    python benchmarks/bench_disk_ttft.py                         # 1024- and 2048-token prefixes, 5 repeats
+    python benchmarks/bench_disk_ttft.py --lengths 256 --repeats 3
+
+Phase 1 (untimed): an engine with a disk tier in a fresh directory answers P_i + 16 tokens for
+repeats + 1 random prefixes P_i per length (so each P_i's state at its end and its KV are written
+through), then is closed (every write done); its writer's time per entry is printed. Phase 2: a
+NEW engine on the same directory (a restart: nothing on its device) answers, alternating which
+goes first, P_i + 16 other tokens twice, one token each: "cold" under a cache_salt of its own
+(no hit: the whole prompt is prefilled) and "disk" (the state and KV of P_i are read from disk,
+checked and promoted; only the 16 new tokens are computed). The script checks that each disk
+request hit the disk tier with len(P_i) cached tokens and that both give the same first token.
+Time to first token is `generate`'s wall time (reading files is I/O, not CPU); the promotion's
+own time (read, check, copy in) is the disk tier's `promotion_seconds`. Printed: median and
+min-max of each (the first prefix is a warm-up), and the ratio disk / cold.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from hybridkv import LLM, SamplingParams
+from hybridkv.cpu_threads import ENV_VAR
+
+MODEL = str(Path(__file__).resolve().parents[1] / "hybridkv" / "builtin_models" / "tiny-code")
+BLOCK = 16
+SUFFIX = 16
+ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+def make_llm(max_len: int, cache_dir: str) -> LLM:
+    return LLM(MODEL, max_num_seqs=1, max_model_len=max_len + 2 * SUFFIX, memory_budget_bytes=256 << 20,
+               disk_cache_dir=cache_dir)
+
+
+def _first(llm: LLM, prompt) -> tuple[float, int, int]:
+    """(wall seconds, token, cached tokens) of one greedy token for `prompt`."""
+    t0 = time.perf_counter()
+    out = llm.generate([prompt], ONE, use_tqdm=False)[0]
+    return time.perf_counter() - t0, out.outputs[0].token_ids[0], out.num_cached_tokens
+
+
+def _disk(llm: LLM) -> dict:
+    return llm.stats()["checkpoint_tiers"]["disk"]
+
+
+def measure(lengths: list[int], repeats: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    tok = lambda n: [rng.randrange(4, 500) for _ in range(n)]  # noqa: E731
+    prefixes = {n: [tok(n) for _ in range(repeats + 1)] for n in lengths}
+    with tempfile.TemporaryDirectory(prefix="bench-disk-") as d:
+        first = make_llm(max(lengths), d)
+        for n in lengths:
+            for p in prefixes[n]:
+                _first(first, p + tok(SUFFIX))
+        first.close()
+        wrote = _disk(first)
+        llm = make_llm(max(lengths), d)  # the restart
+        out = []
+        for n in lengths:
+            cold, disk, promo = [], [], []
+            for i, p in enumerate(prefixes[n]):
+                prompt = p + tok(SUFFIX)
+                runs = {}
+                before = _disk(llm)
+                for which in (("cold", "disk") if i % 2 == 0 else ("disk", "cold")):
+                    q = {"prompt_token_ids": prompt, "cache_salt": f"cold-{n}-{i}"} if which == "cold" else prompt
+                    runs[which] = _first(llm, q)
+                after = _disk(llm)
+                if after["hits"] - before["hits"] != 1 or runs["disk"][2] != n or runs["cold"][2] != 0:
+                    raise RuntimeError(f"the disk request did not hit {n} tokens from disk: {runs}, {before} -> {after}")
+                if runs["cold"][1] != runs["disk"][1]:
+                    raise RuntimeError(f"first tokens differ: cold {runs['cold'][1]}, disk {runs['disk'][1]}")
+                if i:  # the first prefix warms up
+                    cold.append(runs["cold"][0]), disk.append(runs["disk"][0])
+                    promo.append(after["promotion_seconds"] - before["promotion_seconds"])
+            out.append({"length": n, "repeats": repeats, "cold_s": cold, "disk_s": disk, "promotion_s": promo,
+                        "ratio": statistics.median(disk) / statistics.median(cold)})
+        llm.close()
+        out.append({"wrote": wrote, "files": sum(len(f) for _, _, f in os.walk(d))})
+    return out
+
+
+def report(r: dict) -> str:
+    ms = lambda xs: f"{1e3 * statistics.median(xs):.2f} ms ({1e3 * min(xs):.2f}-{1e3 * max(xs):.2f})"  # noqa: E731
+    return (f"prefix {r['length']} + {SUFFIX} tokens, {r['repeats']} alternating repeats, median (min-max):\n"
+            f"  cold prefill, time to first token:         {ms(r['cold_s'])}\n"
+            f"  disk hit after restart, time to first token: {ms(r['disk_s'])}\n"
+            f"    of which the promotion (read, check, copy in): {ms(r['promotion_s'])}\n"
+            f"  ratio disk / cold: {r['ratio']:.3f}")
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", default="1024,2048", help="comma-separated prefix lengths (multiples of 16)")
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    if any(n <= 0 or n % BLOCK for n in lengths) or args.repeats < 1:
+        ap.error(f"--lengths must be positive multiples of {BLOCK} and --repeats >= 1: {args.lengths}, {args.repeats}")
+    os.environ[ENV_VAR] = "1"  # LLM sets its threads from it (hybridkv/cpu_threads.py)
+    torch.set_num_threads(1)
+    print(f"machine: {platform.machine()}, {torch.get_num_threads()} torch thread, torch {torch.__version__}, "
+          f"model hybridkv/tiny-code, disk: {tempfile.gettempdir()}")
+    out = measure(lengths, args.repeats)
+    for r in out[:-1]:
+        print(report(r), flush=True)
+    w = out[-1]["wrote"]
+    n = w["demotions"] + w["kv_demotions"]
+    print(f"phase 1 wrote {w['demotions']} states + {w['kv_demotions']} KV blocks ({w['bytes'] / 2**20:.1f} MiB) "
+          f"in {w['write_seconds']:.3f} s of the writer thread ({1e3 * w['write_seconds'] / max(1, n):.2f} ms "
+          f"an entry, fsync included)")
+    return out
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)
