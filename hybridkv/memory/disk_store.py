@@ -26,7 +26,7 @@ import os
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -81,6 +81,7 @@ class DiskStore:
         self._pending: set[str] = set()  # queued, not yet on disk
         self._pending_bytes = 0
         self._used = 0
+        self._kinds: Counter = Counter()  # entries by the part of their name before the first "-"
         self._scan()
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="hybridkv-disk-writer", daemon=True)
@@ -113,8 +114,7 @@ class DiskStore:
                 elif e.name.endswith(SUFFIX) and e.is_file():
                     found.append((st.st_mtime, e.name, st.st_size))
         for _, name, size in sorted(found):
-            self._index[name] = size
-            self._used += size
+            self._add(name, size)
 
     # ---- index -------------------------------------------------------------------------------
     def has(self, name: str) -> bool:
@@ -133,13 +133,31 @@ class DiskStore:
             if name in self._index:
                 self._index.move_to_end(name)
 
+    def count(self, kind: str) -> int:
+        """Entries whose name starts with `kind` + "-" ("state", "kv")."""
+        return self._kinds[kind]
+
+    def _add(self, name: str, size: int) -> None:
+        """Index an entry (lock held, or at start)."""
+        self._index[name] = size
+        self._used += size
+        self._kinds[name.split("-", 1)[0]] += 1
+
+    def _drop(self, name: str) -> Optional[int]:
+        """Unindex an entry (lock held); its size, or None when it was not indexed."""
+        size = self._index.pop(name, None)
+        if size is not None:
+            self._used -= size
+            self._kinds[name.split("-", 1)[0]] -= 1
+        return size
+
     def _evict_for(self, nbytes: int) -> None:
         """Evict least recently used entries on disk until `nbytes` more fit the budget (lock held)."""
         while self._used + nbytes > self.budget_bytes:
             victim = next((n for n in self._index if n not in self._pending), None)
             if victim is None:
                 return
-            self._used -= self._index.pop(victim)
+            self._drop(victim)
             self.counters.evictions += 1
             self._jobs.put(("delete", victim))
 
@@ -156,8 +174,7 @@ class DiskStore:
                 self.counters.dropped_writes += 1
                 return False
             self._evict_for(nbytes)
-            self._index[name] = nbytes
-            self._used += nbytes
+            self._add(name, nbytes)
             self._pending.add(name)
             self._pending_bytes += nbytes
         self._jobs.put(("write", (name, kind, key, position, tensors, nbytes)))
@@ -192,8 +209,7 @@ class DiskStore:
                 self.counters.write_errors += 1
                 self._pending.discard(name)
                 self._pending_bytes -= estimate
-                if self._index.pop(name, None) is not None:
-                    self._used -= estimate
+                self._drop(name)
             return
         with self._lock:
             self._pending.discard(name)
@@ -246,20 +262,21 @@ class DiskStore:
         self.counters.reads += 1
         self.counters.read_seconds += time.perf_counter() - t0
         self.touch(name)
+        try:  # the use outlives the process: the next start orders entries by modification time
+            os.utime(path)
+        except OSError:
+            pass
         return tensors
 
     def remove(self, name: str) -> None:
         """Delete an entry (queued behind any write of it)."""
         with self._lock:
-            if name in self._index:  # a write still queued runs first, then this delete
-                self._used -= self._index.pop(name)
+            if self._drop(name) is not None:  # a write still queued runs first, then this delete
                 self._jobs.put(("delete", name))
 
     def _forget(self, name: str) -> None:
         with self._lock:
-            size = self._index.pop(name, None)
-            if size is not None:
-                self._used -= size
+            self._drop(name)
 
     def stats(self) -> dict:
         c = self.counters

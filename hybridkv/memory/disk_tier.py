@@ -258,9 +258,9 @@ class DiskTier:
 
     def stats(self) -> dict:
         s, c = self.store.stats(), self.counters
-        states = len(self.store.names("state-"))
+        states = self.store.count("state")
         hits = self.recurrent.disk_hits if self.recurrent is not None else c.kv_hits
-        return {"entries": states, "kv_entries": s["files"] - states, "bytes": s["bytes"],
+        return {"entries": states, "kv_entries": self.store.count("kv"), "bytes": s["bytes"],
                 "budget_bytes": s["budget_bytes"], "hits": hits, "promotions": c.promotions,
                 "kv_promotions": c.kv_promotions, "promotion_seconds": c.promotion_seconds,
                 "demotions": c.demotions, "kv_demotions": c.kv_demotions, "evictions": s["evictions"],
