@@ -169,3 +169,37 @@ def test_the_cli_flags_metrics_and_a_bad_directory(checkpoints, tmp_path):
         LLM(str(checkpoints["bamba"]), disk_cache_dir=str(blocker), **KW)
     with pytest.raises(ValueError, match="disk_cache_bytes=0 must be an integer > 0"):
         LLM(str(checkpoints["bamba"]), disk_cache_dir=str(tmp_path), disk_cache_bytes=0, **KW)
+
+
+def test_with_a_host_tier_a_tight_device_and_a_small_disk_budget(checkpoints, tmp_path):
+    """Two device checkpoint slots, a host tier and a disk budget of about three prompts' entries:
+    states move between device and host while the disk evicts files; every output is the no-cache
+    engine's, the disk stays within its budget, and a restart still hits what the disk kept."""
+    from engine_fixtures import tight_budget
+    from hybridkv.plan import state_bytes_per_slot
+
+    path = checkpoints["bamba"]
+    specs = LLM(str(path), memory_budget_bytes=16 << 20).model.cache_specs()
+    kw = dict(max_num_seqs=2, checkpoint_share=0.1, memory_budget_bytes=tight_budget(specs, 16, blocks=64, slots=5))
+    ps = prompts(6, seed=3)
+    oracle, _ = run(LLM(str(path), enable_prefix_caching=False, **kw), ps + ps)
+    probe = LLM(str(path), disk_cache_dir=str(tmp_path / "probe"), **kw)
+    run(probe, ps[:1])
+    probe.close()
+    per_prompt = probe.stats()["checkpoint_tiers"]["disk"]["bytes"]
+    budget = 3 * per_prompt + per_prompt // 2
+    tiers = dict(host_cache_bytes=4 * state_bytes_per_slot(specs), disk_cache_dir=str(tmp_path / "d"),
+                 disk_cache_bytes=budget)
+    llm = LLM(str(path), **kw, **tiers)
+    got, _ = run(llm, ps + ps)
+    llm.close()
+    assert got == oracle
+    disk = llm.stats()["checkpoint_tiers"]["disk"]
+    assert disk["evictions"] > 0 and disk["bytes"] <= budget and disk["refused_corrupt"] == 0, disk
+    assert llm.stats()["checkpoint_tiers"]["host"]["demotions"] > 0
+    again = LLM(str(path), **kw, **tiers)
+    got, cached = run(again, ps[::-1])  # the most recently written first: the budget kept those
+    again.close()
+    assert got == oracle[:6][::-1]
+    assert cached == [48, 48, 48, 0, 0, 0], cached
+    assert again.stats()["checkpoint_tiers"]["disk"]["refused_corrupt"] == 0
