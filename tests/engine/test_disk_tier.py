@@ -2,8 +2,8 @@
 answers, is closed, and a NEW LLM on the same directory answers the same prompts from disk
 (cached tokens > 0) with the tokens of the first run and of an engine without any cache (the
 oracle); a damaged file of any kind is refused and counted, and the prompt recomputed to the
-same tokens. Hybrid (Bamba), pure attention (Llama) and two attention groups (gpt-oss: full +
-sliding window), int8 caches (bytes carried as they are), another cache layout in the same
+same tokens. Hybrid (Bamba), pure attention (Llama), two attention groups (gpt-oss: full +
+sliding window) and pure recurrent (Falcon-Mamba: states only), int8 caches (bytes carried as they are), another cache layout in the same
 directory, the CLI flags and /metrics."""
 import os
 import random
@@ -16,7 +16,7 @@ from hybridkv import LLM
 from hybridkv.models.tiny import make_tiny_checkpoint
 
 KW = dict(memory_budget_bytes=16 << 20, max_num_seqs=4)
-FAMILIES = {"bamba": 0, "llama": 1, "gpt_oss": 5}
+FAMILIES = {"bamba": 0, "llama": 1, "gpt_oss": 5, "falcon_mamba": 2}
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,8 @@ def test_a_restarted_engine_answers_from_disk(checkpoints, tmp_path, family):
     oracle, _ = run(LLM(str(path), enable_prefix_caching=False, **KW), prompts())
     tokens, wrote = first_run(path, tmp_path)
     assert tokens == oracle
-    assert wrote["kv_demotions"] >= 3 * 3 and wrote["write_errors"] == wrote["dropped_writes"] == 0, wrote
+    assert wrote["kv_demotions"] >= (0 if family == "falcon_mamba" else 3 * 3), wrote
+    assert wrote["write_errors"] == wrote["dropped_writes"] == 0, wrote
     files = entry_files(tmp_path)
     assert len(files) == wrote["entries"] + wrote["kv_entries"]
     again = LLM(str(path), disk_cache_dir=str(tmp_path), **KW)
@@ -62,8 +63,9 @@ def test_a_restarted_engine_answers_from_disk(checkpoints, tmp_path, family):
     assert got == tokens == oracle
     assert cached == [48, 48, 48], cached
     disk = again.stats()["checkpoint_tiers"]["disk"]
-    assert disk["hits"] == 3 and disk["kv_promotions"] >= 9 and disk["refused_corrupt"] == 0, disk
-    if family == "bamba":
+    assert disk["hits"] == 3 and disk["refused_corrupt"] == 0, disk
+    assert disk["kv_promotions"] >= (0 if family == "falcon_mamba" else 9), disk
+    if family in ("bamba", "falcon_mamba"):
         assert disk["promotions"] == 3 and wrote["demotions"] >= 3, (disk, wrote)
     assert_no_leaks(again)
     again.close()
@@ -203,3 +205,22 @@ def test_with_a_host_tier_a_tight_device_and_a_small_disk_budget(checkpoints, tm
     assert got == oracle[:6][::-1]
     assert cached == [48, 48, 48, 0, 0, 0], cached
     assert again.stats()["checkpoint_tiers"]["disk"]["refused_corrupt"] == 0
+
+
+def test_the_guards_invalidation_deletes_the_state_files(checkpoints, tmp_path):
+    """`PrefixCache.invalidate(key)` (the prefix-hit guard's verb) drops the state under that key
+    from the disk as well: a restart no longer hits that prompt, and still hits the others."""
+    path = checkpoints["bamba"]
+    tokens, _ = first_run(path, tmp_path)
+    llm = LLM(str(path), disk_cache_dir=str(tmp_path), **KW)
+    states = {p.name.split("-")[-1][:-4]: p for p in Path(tmp_path).glob("*/state-*.hkv")}
+    assert len(states) == 3
+    key = llm.manager.prefix_cache.prompt_hashes(prompts()[0], None)[2]
+    assert llm.manager.prefix_cache.invalidate(key)
+    assert not llm.manager.prefix_cache.invalidate(bytes(32))  # held by no tier
+    llm.close()
+    assert not states[key.hex()].exists() and sum(p.exists() for p in states.values()) == 2
+    again = LLM(str(path), disk_cache_dir=str(tmp_path), **KW)
+    got, cached = run(again, prompts())
+    again.close()
+    assert got == tokens and cached == [0, 48, 48]
