@@ -196,11 +196,12 @@ class HybridCacheManager:
         if self.disk is not None and not dry_run:  # load a deeper prefix from disk, then match again
             limit = (len(r.token_ids) - 1) // self.block_size
             if self.disk.promote(r.block_hashes, min(limit, len(r.block_hashes)), match.blocks):
-                match = self.prefix_cache.match(r)
-        m, hit = match.blocks, match.blocks * self.block_size
-        end = len(r.token_ids) if num_new_tokens is None else hit + num_new_tokens
-        if not all(k.can_admit(r.block_hashes, m, end) for k in self.kinds):
+                shallow, match = match, self.prefix_cache.match(r)
+                if not self._fits(r, match, num_new_tokens) and self._still_usable(r, shallow):
+                    match = shallow  # the deeper hit's chunk needs more blocks than are free: as without disk
+        if not self._fits(r, match, num_new_tokens):
             return None
+        m, hit = match.blocks, match.blocks * self.block_size
         if dry_run:
             return hit
         for kind in self.kinds:
@@ -208,6 +209,16 @@ class HybridCacheManager:
         r.num_computed_tokens, r.status = hit, RUNNING
         self.prefix_cache.admitted(r, match)
         return hit
+
+    def _fits(self, r: Request, match, num_new_tokens: Optional[int]) -> bool:
+        """Whether every kind can admit r at `match` with its first chunk now."""
+        hit = match.blocks * self.block_size
+        end = len(r.token_ids) if num_new_tokens is None else hit + num_new_tokens
+        return all(k.can_admit(r.block_hashes, match.blocks, end) for k in self.kinds)
+
+    def _still_usable(self, r: Request, match) -> bool:
+        """Whether every kind still accepts a hit at `match` (a promotion may have evicted it)."""
+        return all(k.usable_prefix(r.block_hashes, match.blocks) == match.blocks for k in self.kinds)
 
     # ---- the step --------------------------------------------------------------------------
     def append_tokens(self, req_id: Hashable, token_ids: Sequence[int]) -> None:

@@ -219,7 +219,14 @@ class DiskTier:
 
     def _place(self, hashes: Sequence[bytes], m: int, kv: dict, state: Optional[dict]) -> bool:
         """Put verified KV into free blocks of each group (they become cached blocks, kept longest
-        in chain order) and the state into a checkpoint slot; False when a pool lacks room."""
+        in chain order) and the state into a checkpoint slot; False when a pool lacks room (then
+        no block is touched: every group's room is counted first)."""
+        for w, blocks in kv.items():
+            pool = self.groups[w].pool
+            protected = sum(1 for i in self._needed(w, m)
+                            if hashes[i] in pool.cached and pool.refcount[pool.cached[hashes[i]]] == 0)
+            if pool.num_free - protected < len(blocks):
+                return False
         for w, blocks in kv.items():
             if not blocks:
                 continue

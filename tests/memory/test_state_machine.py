@@ -15,7 +15,14 @@ kind accepts (a brute-force search over positions, against prefix_match.py's ite
 With a host tier of checkpoints (memory/host_tier.py; some runs, and every run of the host-tier
 machine): a key is in one tier at most, host bytes stay within the budget and equal the entries',
 every host entry holds the state of its prefix, and hits promoted from the host read it back.
+With a disk tier (memory/disk_tier.py; every run of the disk-tier machine, which also restarts the
+manager on its directory): hits loaded from disk read back their prefix's KV and state, a hit is
+never shallower than the probe's (which does not read the disk), and every file at the end holds
+its prefix's values.
 """
+import os
+import shutil
+import tempfile
 from collections import Counter
 
 import pytest
@@ -168,6 +175,7 @@ def check_conservation(mgr):
 
 class ManagerMachine(RuleBasedStateMachine):
     force_host_tier = False
+    force_disk_tier = False
 
     @initialize(host_entries=st.sampled_from([0, 0, 0, 1, 4]),
                 kind=st.sampled_from(["hybrid", "hybrid", "attention", "recurrent", "sliding", "sliding hybrid",
@@ -196,18 +204,25 @@ class ManagerMachine(RuleBasedStateMachine):
             host_entries, caching = max(host_entries, 1), True
             kw["enable_prefix_caching"] = True
         host = host_entries * state_bytes_per_slot(specs)
-        self.mgr = HybridCacheManager(specs, bs, num_blocks, num_slots, host_cache_bytes=host, **kw)
+        if self.force_disk_tier:
+            kw.update(enable_prefix_caching=True, disk_cache_dir=tempfile.mkdtemp(prefix="sm-disk-"))
+        self.make = lambda: HybridCacheManager(specs, bs, num_blocks, num_slots, host_cache_bytes=host, **kw)
+        self.mgr = self.make()
         self.other = HybridCacheManager(specs, other_bs, num_blocks * bs, 3, **kw)
         self.batches = BatchBuilder(self.mgr, "cpu")
         self.next_id = 0
         self.expected_ckpt = {}  # block hash -> state value of that prefix
+        self.expected_kv = {}  # block hash -> the KV value of each of its positions
 
     def ids(self, status):
         return sorted(r for r, s in self.mgr.requests.items() if s.status == status)
 
     def record_prefix_states(self, r):
-        for i, h in enumerate(r.block_hashes[: r.num_computed_tokens // self.mgr.block_size]):
-            self.expected_ckpt[h] = state_value(r.token_ids, (i + 1) * self.mgr.block_size)
+        bs = self.mgr.block_size
+        for i, h in enumerate(r.block_hashes[: r.num_computed_tokens // bs]):
+            self.expected_ckpt[h] = state_value(r.token_ids, (i + 1) * bs)
+            if self.force_disk_tier and h not in self.expected_kv:
+                self.expected_kv[h] = kv_values(r.token_ids, (i + 1) * bs)[i * bs:]
 
     def run_chunk(self, rid, n):
         """One scheduled chunk: cut at a due checkpoint, allocate, write, commit, checkpoint."""
@@ -291,7 +306,11 @@ class ManagerMachine(RuleBasedStateMachine):
         if hit is None:
             return
         assert 0 <= hit < len(prompt) and hit % mgr.block_size == 0
-        assert hit == probed, "admit takes the hit the probe announced"
+        if mgr.disk is None:
+            assert hit == probed, "admit takes the hit the probe announced"
+        else:  # the probe does not read the disk; admit may load a deeper prefix from it
+            assert hit >= probed, (hit, probed)
+            EVENTS["disk deepened a hit"] += hit > probed
         EVENTS["prefix hit"] += hit > 0
         check_request_data(mgr, mgr.request(rid))  # the hit's blocks and copied state are this prefix's
         assert self.run_chunk(rid, min(first if limit_new else len(prompt), len(prompt) - hit)), \
@@ -431,6 +450,8 @@ class ManagerMachine(RuleBasedStateMachine):
         if not hasattr(self, "mgr"):
             return
         EVENTS["rule"] += 1
+        if self.mgr.disk is not None:  # queued writes land before the next rule reads them
+            self.mgr.disk.flush()
         EVENTS["checked with two attention groups"] += len(self.mgr.attention_groups) > 1
         check_conservation(self.mgr)
         for r in self.mgr.requests.values():
@@ -453,12 +474,62 @@ class ManagerMachine(RuleBasedStateMachine):
                 EVENTS["host demotion"] += host["demotions"]
                 EVENTS["host eviction"] += host["evictions"]
             self.finish_all()
+            if self.mgr.disk is not None:
+                self.count_disk_events()
+                self.mgr.close()
+                self.check_disk_files()
+                shutil.rmtree(os.path.dirname(self.mgr.disk.store.dir), ignore_errors=True)
 
+    def count_disk_events(self):
+        disk = self.mgr.stats().tiers["disk"]
+        assert disk["refused_corrupt"] == disk["write_errors"] == disk["dropped_writes"] == 0, disk
+        EVENTS["disk hit"] += disk["hits"]
+        EVENTS["disk state promotion"] += disk["promotions"]
+        EVENTS["disk KV promotion"] += disk["kv_promotions"]
+        EVENTS["disk write"] += disk["demotions"] + disk["kv_demotions"]
+
+    def check_disk_files(self):
+        """Every file on disk decodes, and holds the values of its prefix (state) or block (KV)."""
+        disk = self.mgr.disk
+        for name in disk.store.names():
+            kind, rest = name.split("-", 1)
+            key = bytes.fromhex(rest.rsplit("-", 1)[1][:-len(".hkv")])
+            position = int(rest.split("-")[0]) if kind == "state" else (int(rest.split("-")[1]) + 1) * self.mgr.block_size
+            if kind == "state":
+                t = disk.store.read(name, kind, key, position, disk._state_layout)
+                want = [torch.full_like(values(x), self.expected_ckpt[key]) for x in t.values()]
+            else:
+                window = None if rest.startswith("full") else int(rest.split("-")[0][1:])
+                t = disk.store.read(name, kind, key, position, disk._kv_layout[window])
+                want = [self.expected_kv[key].view(1, -1, *[1] * (values(x).dim() - 2)).expand_as(values(x))
+                        for x in t.values()]
+            assert t is not None, name
+            for x, w in zip(t.values(), want):
+                assert torch.equal(values(x), w), f"disk entry {name} holds other values"
+            EVENTS["disk file checked"] += 1
 
 class HostTierMachine(ManagerMachine):
     """The same machine with a host tier on every run (and prefix caching on)."""
 
     force_host_tier = True
+
+
+class DiskTierMachine(ManagerMachine):
+    """The same machine with a disk tier on every run (in a fresh directory) and a rule that
+    restarts the manager on it: every request ends, the manager is closed, and a new one on the
+    same directory continues; hits it loads from disk are checked like any other (KV and state
+    read back as the prefix's values), and at the end every file holds its prefix's values."""
+
+    force_disk_tier = True
+
+    @rule()
+    def restart(self):
+        self.finish_all()
+        self.count_disk_events()
+        self.mgr.close()
+        self.mgr = self.make()
+        self.batches = BatchBuilder(self.mgr, "cpu")
+        EVENTS["restart"] += 1
 
 
 @pytest.mark.slow  # long: 300 examples of 60 steps
@@ -487,4 +558,16 @@ def test_manager_state_machine_with_host_tier():
         suppress_health_check=[HealthCheck.too_slow]))
     print(dict(EVENTS))
     for what in ["host demotion", "host promotion", "host eviction", "host entry checked", "prefix hit"]:
+        assert EVENTS[what] > 0, f"the random runs never exercised {what}: {EVENTS}"
+
+
+@pytest.mark.slow  # long (~35 s): 200 examples of 40 steps, files written and read
+def test_manager_state_machine_with_disk_tier():
+    EVENTS.clear()
+    run_state_machine_as_test(DiskTierMachine, settings=settings(
+        max_examples=200, stateful_step_count=40, deadline=None, derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow]))
+    print(dict(EVENTS))
+    for what in ["restart", "disk write", "disk hit", "disk state promotion", "disk KV promotion",
+                 "disk deepened a hit", "disk file checked", "prefix hit", "quantized pools"]:
         assert EVENTS[what] > 0, f"the random runs never exercised {what}: {EVENTS}"
