@@ -341,8 +341,8 @@ class HybridCacheManager:
         if r.status is RUNNING:
             keep = self.prefix_cache.policy.keeps_final_state and not discard
             donate = self.prefix_cache.donation(r) if keep else None
-            if self.disk is not None and not discard:
-                self._write_through(r, donate)
+            if self.disk is not None and donate is not None:  # the state it leaves, written through
+                self.disk.write(req_id, r.block_hashes, donate[1], self.live_slot(req_id))
             for kind in self.kinds:
                 kind.release(req_id, donate)
         for kind in self.kinds:
@@ -358,8 +358,8 @@ class HybridCacheManager:
         r = self.running(req_id)
         if mode == "recompute":
             donate = self.prefix_cache.donation(r)
-            if self.disk is not None:
-                self._write_through(r, donate)
+            if self.disk is not None and donate is not None:  # the state it leaves, written through
+                self.disk.write(req_id, r.block_hashes, donate[1], self.live_slot(req_id))
             for kind in self.kinds:
                 kind.release(req_id, donate)
             r.num_computed_tokens = r.num_hashed_blocks = 0
@@ -372,13 +372,6 @@ class HybridCacheManager:
             raise ValueError(f"preemption mode {mode!r}; choose 'recompute' or 'swap'")
         self.prefix_cache.bursts.drop(req_id)
         self.preemptions[mode] += 1
-
-    def _write_through(self, r: Request, donate: Optional[tuple[bytes, int]]) -> None:
-        """Before r lets go of its memory: the state it leaves as a checkpoint (donate: its hash and
-        position) and that prefix's KV go to the disk tier (a model without state wrote its blocks
-        as they filled)."""
-        if self.recurrent is not None and donate is not None:
-            self.disk.write(r.request_id, r.block_hashes, donate[1], self.recurrent.live_slot(r.request_id))
 
     def close(self) -> None:
         """Finish the disk tier's queued writes and stop its writer (nothing to do without one)."""

@@ -78,6 +78,9 @@ class EngineConfig:
             raise ValueError(f"disk_cache_dir={self.disk_cache_dir!r} must be a directory path (None: no disk tier)")
         if self.disk_cache_dir is not None:
             self.disk_cache_dir = os.fspath(self.disk_cache_dir)
+        if self.disk_cache_dir is not None and not self.enable_prefix_caching:
+            raise ValueError("disk_cache_dir keeps prefixes for later hits: it needs enable_prefix_caching=True "
+                             "(drop --no-enable-prefix-caching or --disk-cache)")
         if isinstance(self.disk_cache_bytes, bool) or not isinstance(self.disk_cache_bytes, int) \
                 or self.disk_cache_bytes <= 0:
             raise ValueError(f"disk_cache_bytes={self.disk_cache_bytes!r} must be an integer > 0")

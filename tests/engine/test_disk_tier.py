@@ -169,6 +169,8 @@ def test_the_cli_flags_metrics_and_a_bad_directory(checkpoints, tmp_path):
     blocker.write_text("x")
     with pytest.raises(ValueError, match=f"disk_cache_dir '{blocker}': cannot create and write"):
         LLM(str(checkpoints["bamba"]), disk_cache_dir=str(blocker), **KW)
+    with pytest.raises(ValueError, match="needs enable_prefix_caching=True"):
+        LLM(str(checkpoints["bamba"]), disk_cache_dir=str(tmp_path), enable_prefix_caching=False, **KW)
     with pytest.raises(ValueError, match="disk_cache_bytes=0 must be an integer > 0"):
         LLM(str(checkpoints["bamba"]), disk_cache_dir=str(tmp_path), disk_cache_bytes=0, **KW)
 
