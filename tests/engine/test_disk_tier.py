@@ -226,3 +226,24 @@ def test_the_guards_invalidation_deletes_the_state_files(checkpoints, tmp_path):
     got, cached = run(again, prompts())
     again.close()
     assert got == tokens and cached == [0, 48, 48]
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3}], ids=["plain", "ngram"])
+def test_the_next_turn_after_a_restart_resumes_past_the_answer(checkpoints, tmp_path, spec):
+    """The rolling state inside an answer (a block boundary of the output, kept by the decodes) is
+    written through as well: after a restart, a next turn (prompt + part of the answer + new
+    tokens) hits past the prompt, with the tokens of the engine without any cache; also with
+    speculative decoding on (its verify steps keep that state; on this random model the n-gram
+    drafter's drafts are rarely accepted, so the draft-slot path is not what this checks)."""
+    path = checkpoints["bamba"]
+    prompt = [5, 6, 7, 8] * 13  # 52 tokens; repetitive, so the n-gram drafter proposes drafts
+    kw = dict(KW, speculative_config=spec)
+    first = LLM(str(path), disk_cache_dir=str(tmp_path), **kw)
+    answer = first.generate([prompt], greedy(30), use_tqdm=False)[0].outputs[0].token_ids
+    first.close()
+    turn = prompt + answer[:20] + [9, 10, 11]  # 75 tokens: the output's boundary at 64 is inside
+    oracle = LLM(str(path), enable_prefix_caching=False, **KW).generate([turn], greedy(6), use_tqdm=False)[0]
+    again = LLM(str(path), disk_cache_dir=str(tmp_path), **kw)
+    out = again.generate([turn], greedy(6), use_tqdm=False)[0]
+    again.close()
+    assert out.num_cached_tokens == 64 and out.outputs[0].token_ids == oracle.outputs[0].token_ids
