@@ -33,7 +33,8 @@ cut inside a prompt adds one step to that request's prefill (the replay does not
 
 Memory tiers (issue 26): the default policy at 2 and 4 device checkpoint slots, with and without
 a host tier of `--host-x` (default 8) times the device checkpoint bytes (memory/host_tier.py),
-beside the ceiling; and the ceiling again with 4x the KV pool, which is equal when no trace is
+beside the ceiling (with a host tier, `junctions` also leaves a trail of states in each fresh
+prompt: checkpoint_policy.HOST_TIER_TRAIL; each adds a prefill chunk, counted); and the ceiling again with 4x the KV pool, which is equal when no trace is
 limited by KV eviction.
 """
 from __future__ import annotations
@@ -187,6 +188,8 @@ def run_tiers(small: bool = False, budgets=(2, 4), host_x: int = 8, max_num_seqs
                          "one_tier": one.hit_rate, "host_tier": two.hit_rate,
                          "one_tier_of_ceiling": one.hit_rate / ceil.hit_rate if ceil.hit_rate else 0.0,
                          "host_tier_of_ceiling": two.hit_rate / ceil.hit_rate if ceil.hit_rate else 0.0,
+                         "prefill_chunks": {"ceiling": ceil.prefill_chunks, "one_tier": one.prefill_chunks,
+                                            "host_tier": two.prefill_chunks},
                          "host": host, "device": mgr.stats().tiers["device"]})
     return {"host_x": host_x, "budgets": list(budgets), "rows": rows}
 
@@ -194,12 +197,15 @@ def run_tiers(small: bool = False, budgets=(2, 4), host_x: int = 8, max_num_seqs
 def tiers_markdown(report: dict) -> str:
     x = report["host_x"]
     head = (f"| trace | device ckpt slots | ceiling (4x KV) | one tier: hit rate (% of ceiling) | + host tier "
-            f"{x}x: hit rate (% of ceiling) | host hits | demotions (refused) | host evictions |\n"
-            "|---|---|---|---|---|---|---|---|\n")
+            f"{x}x: hit rate (% of ceiling) | host hits | demotions (refused) | host evictions "
+            "| prefill chunks (ceiling / one tier / host tier) |\n"
+            "|---|---|---|---|---|---|---|---|---|\n")
     lines = [f"| {r['trace']} | {r['checkpoint_slots']} | {r['ceiling']:.1%} ({r['ceiling_4x_kv']:.1%}) "
              f"| {r['one_tier']:.1%} ({r['one_tier_of_ceiling']:.0%}) | {r['host_tier']:.1%} "
              f"(**{r['host_tier_of_ceiling']:.0%}**) | {r['host']['hits']} | {r['host']['demotions']} "
-             f"({r['host']['refused_demotions']}) | {r['host']['evictions']} |" for r in report["rows"]]
+             f"({r['host']['refused_demotions']}) | {r['host']['evictions']} "
+             f"| {r['prefill_chunks']['ceiling']} / {r['prefill_chunks']['one_tier']} / {r['prefill_chunks']['host_tier']} |"
+             for r in report["rows"]]
     return head + "\n".join(lines) + "\n"
 
 

@@ -8,16 +8,12 @@ verb over the model's kinds and is the one place that says how their answers com
 - a prefix is usable only as far as EVERY kind can resume it (its `prefix_cache`, prefix_cache.py,
   which also hashes blocks and keeps state checkpoints);
 - one budget is planned across kinds (`plan()`), each pool sized exactly, none padded.
-Attention layers form one group per window (full attention, each sliding window): a group is
-one memory object with its own pool share and block tables (`attention_groups`, keyed by the
-window, None for full attention); the model gets one block table and slot mapping per group.
-Its verbs take the scheduler's own `Request` objects (hybridkv/request.py) and change their
-memory fields (num_computed_tokens, block hashes, status); it keeps them by id, never a copy.
-The kinds are made in memory/kinds.py; a draft run's verbs are in draft_runs.py (`drafts`), a
-decode batch's in decode_rows.py, snapshots are checked and placed in snapshot_transfer.py.
+Attention layers form one group per window (`attention_groups`, None: full attention), each with
+its own pool share and block tables. The verbs take the scheduler's `Request` objects (kept by
+id, never copied) and change their memory fields. Kinds: memory/kinds.py; a draft run's verbs:
+draft_runs.py; a decode batch's: decode_rows.py; snapshots: snapshot_transfer.py.
 Invariant at every step boundary: every kind holds the request's memory of exactly
-`num_computed_tokens` tokens (a live state after them; KV covering them, or the window of them).
-Its verbs and their semantics over each kind: docs/design.md ("The manager's verbs").
+`num_computed_tokens` tokens. The verbs over each kind: docs/design.md ("The manager's verbs").
 """
 from __future__ import annotations
 
@@ -27,7 +23,7 @@ from typing import Hashable, Mapping, Optional, Sequence
 import torch
 
 from hybridkv import snapshot_transfer
-from hybridkv.checkpoint_policy import DEFAULT_POLICY, CheckpointPolicy
+from hybridkv.checkpoint_policy import DEFAULT_POLICY, HOST_TIER_TRAIL, CheckpointPolicy
 from hybridkv.decode_rows import DecodeRows
 from hybridkv.draft_runs import DraftRuns
 from hybridkv.eviction import DEFAULT_EVICTION
@@ -75,14 +71,13 @@ class HybridCacheManager:
         self.committing_kinds = [k for k in self.kinds if type(k).commit is not LayerMemory.commit]
         self.commit_checking_kinds = [k for k in self.committing_kinds if not k.decode_commit_always_idle]
         self._reqs: dict[Hashable, Request] = {}
-        self.prefix_cache = PrefixCache(kinds, block_size, self._reqs,
-                                        CheckpointPolicy(checkpoint_policy, block_size, checkpoint_every_n),
-                                        enabled=enable_prefix_caching, fingerprint=fingerprint)
         self.disk: Optional[DiskTier] = None  # KV and states in files that outlive the process
         if disk_cache_dir is not None and enable_prefix_caching:
-            self.disk = self.prefix_cache.disk = DiskTier(kinds, block_size, disk_cache_dir, disk_cache_bytes,
-                                                          fingerprint)
-        self._kv_write_through = self.disk is not None and self.recurrent is None
+            self.disk = DiskTier(kinds, block_size, disk_cache_dir, disk_cache_bytes, fingerprint)
+        self.prefix_cache = PrefixCache(kinds, block_size, self._reqs,
+                                        CheckpointPolicy(checkpoint_policy, block_size, checkpoint_every_n,
+                                                         trail=HOST_TIER_TRAIL if host_cache_bytes else 0),
+                                        enabled=enable_prefix_caching, fingerprint=fingerprint, disk=self.disk)
         self.drafts = DraftRuns(self)  # speculative decoding's verbs (draft_runs.py)
         self.preemptions = {"recompute": 0, "swap": 0}  # requests preempted, by mode
 
@@ -192,14 +187,11 @@ class HybridCacheManager:
         return hit
 
     def _start(self, r: Request, num_new_tokens: Optional[int], dry_run: bool = False) -> Optional[int]:
-        match = self.prefix_cache.match(r)
-        if self.disk is not None and not dry_run:  # load a deeper prefix from disk, then match again
-            limit = (len(r.token_ids) - 1) // self.block_size
-            if self.disk.promote(r.block_hashes, min(limit, len(r.block_hashes)), match.blocks):
-                shallow, match = match, self.prefix_cache.match(r)
-                if not self._fits(r, match, num_new_tokens) and self._still_usable(r, shallow):
-                    match = shallow  # the deeper hit's chunk needs more blocks than are free: as without disk
-        if not self._fits(r, match, num_new_tokens):
+        def fits(match) -> bool:  # every kind can admit r at match with its first chunk now
+            end = len(r.token_ids) if num_new_tokens is None else match.blocks * self.block_size + num_new_tokens
+            return all(k.can_admit(r.block_hashes, match.blocks, end) for k in self.kinds)
+        match = self.prefix_cache.match(r) if dry_run else self.prefix_cache.deepest_match(r, fits)
+        if not fits(match):
             return None
         m, hit = match.blocks, match.blocks * self.block_size
         if dry_run:
@@ -209,16 +201,6 @@ class HybridCacheManager:
         r.num_computed_tokens, r.status = hit, RUNNING
         self.prefix_cache.admitted(r, match)
         return hit
-
-    def _fits(self, r: Request, match, num_new_tokens: Optional[int]) -> bool:
-        """Whether every kind can admit r at `match` with its first chunk now."""
-        hit = match.blocks * self.block_size
-        end = len(r.token_ids) if num_new_tokens is None else hit + num_new_tokens
-        return all(k.can_admit(r.block_hashes, match.blocks, end) for k in self.kinds)
-
-    def _still_usable(self, r: Request, match) -> bool:
-        """Whether every kind still accepts a hit at `match` (a promotion may have evicted it)."""
-        return all(k.usable_prefix(r.block_hashes, match.blocks) == match.blocks for k in self.kinds)
 
     # ---- the step --------------------------------------------------------------------------
     def append_tokens(self, req_id: Hashable, token_ids: Sequence[int]) -> None:
@@ -288,8 +270,6 @@ class HybridCacheManager:
                 r.num_computed_tokens = n
                 hashed = r.num_hashed_blocks
                 full = hash_blocks(r, n)
-                if full > hashed and self._kv_write_through:  # before a window lets a block go
-                    self.disk.write_blocks(req_ids[i], r.block_hashes, hashed, full)
                 for kind in kinds:
                     kind.commit(req_ids[i], r.block_hashes, hashed, full, n)
                 r.num_hashed_blocks = full
@@ -340,9 +320,7 @@ class HybridCacheManager:
         r = self.request(req_id)
         if r.status is RUNNING:
             keep = self.prefix_cache.policy.keeps_final_state and not discard
-            donate = self.prefix_cache.donation(r) if keep else None
-            if self.disk is not None and donate is not None:  # the state it leaves, written through
-                self.disk.write(req_id, r.block_hashes, donate[1], self.live_slot(req_id))
+            donate = self.prefix_cache.leaving_state(r) if keep else None
             for kind in self.kinds:
                 kind.release(req_id, donate)
         for kind in self.kinds:
@@ -357,9 +335,7 @@ class HybridCacheManager:
         checkpoint); resume() re-matches the prefix. swap: every kind copies to host, then lets go."""
         r = self.running(req_id)
         if mode == "recompute":
-            donate = self.prefix_cache.donation(r)
-            if self.disk is not None and donate is not None:  # the state it leaves, written through
-                self.disk.write(req_id, r.block_hashes, donate[1], self.live_slot(req_id))
+            donate = self.prefix_cache.leaving_state(r)
             for kind in self.kinds:
                 kind.release(req_id, donate)
             r.num_computed_tokens = r.num_hashed_blocks = 0

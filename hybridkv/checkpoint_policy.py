@@ -12,6 +12,9 @@ import numpy as np
 
 POLICIES = ("none", "prompt_end", "every_n_blocks", "branch_points", "junctions")
 DEFAULT_POLICY = "junctions"  # what LLM, EngineConfig and the manager use when none is named
+# states a fresh prompt leaves along its way under 'junctions' when a host tier can hold them
+# (BENCHMARKS.md, "Memory tiers": 3 meets the goal where 1 and 2 do not; more thrash a small tier)
+HOST_TIER_TRAIL = 3
 
 
 class CheckpointPolicy:
@@ -31,16 +34,26 @@ class CheckpointPolicy:
     turn after a deep state does not. Such a state serves only a repeat of this very prompt, and under a tight budget it
     displaces junctions (Marconi's admission: keep states a second request is known to want).
     BENCHMARKS.md, "Prefix-cache policies", has the numbers.
+
+    trail (junctions only; the manager sets HOST_TIER_TRAIL when it has a host tier): a fresh
+    prompt (one that resumed from no state) also keeps `trail` states evenly spaced between its
+    deepest junction or burst state and its prompt end. A junction is found only when a second request branches off,
+    after the first has passed it; the second then resumes from the deepest trail state below the
+    junction instead of from nothing. The trail's states are cheap to hold in a host tier (the
+    device's eviction rule demotes them) and not worth device slots without one.
     """
 
-    def __init__(self, name: str, block_size: int, every_n: int = 4):
+    def __init__(self, name: str, block_size: int, every_n: int = 4, trail: int = 0):
         if name not in POLICIES:
             raise ValueError(f"checkpoint_policy={name!r}; choose one of {POLICIES}")
         if name == "every_n_blocks" and every_n < 1:
             raise ValueError(f"checkpoint_every_n={every_n} must be >= 1 block")
         self.name = name
         self.block_size = block_size
+        if trail < 0:
+            raise ValueError(f"trail={trail} must be >= 0 states")
         self.every_n = every_n
+        self.trail = trail if name == "junctions" else 0
 
     @property
     def rolling_output(self) -> bool:
@@ -72,6 +85,9 @@ class CheckpointPolicy:
             e = self.prompt_end(num_prompt_tokens)
             if self.name != "junctions" or self._keeps_prompt_end(e, start, resumed_from, branch_point, shared):
                 found.append(e)
+            if self.trail and not resumed_from and start < e:  # a fresh prompt: past its junctions and bursts
+                base = max([0] + [b for b in (branch_point, *shared) if b is not None and b < e])
+                found.append(self._next_trail_state(max(start, base), base, e))
             latest = end // self.block_size * self.block_size
             if latest > num_prompt_tokens:  # in generated tokens: keep the latest boundary (multi-turn)
                 found.append(latest)
@@ -82,6 +98,13 @@ class CheckpointPolicy:
             found.append((start // step + 1) * step)
         hits = [b for b in found if start < b <= end and b > 0]
         return min(hits) if hits else None
+
+    def _next_trail_state(self, start: int, base: int, e: int) -> int:
+        """The first of the `trail` block boundaries spread evenly over (base, e) that lies past
+        start (e itself when none does: the prompt end, which the rule weighs on its own)."""
+        step = -(-((e - base) // self.block_size) // (self.trail + 1)) * self.block_size
+        point = base + ((start - base) // step + 1) * step
+        return point if point < e else e
 
     def decodes_due(self, ends: np.ndarray) -> np.ndarray | bool:
         """due() for one-token steps past their prompts that end at the block boundaries `ends`

@@ -18,12 +18,13 @@ prefix-hit guard calls `invalidate`.
 from __future__ import annotations
 
 import contextlib
-from typing import Hashable, Mapping, Optional, Sequence
+from typing import Callable, Hashable, Mapping, Optional, Sequence
 
 from hybridkv.block_hash import extend_hashes, extra_key
 from hybridkv.checkpoint_policy import CheckpointPolicy
 from hybridkv.errors import RequestStateError
 from hybridkv.memory.burst import BurstRule
+from hybridkv.memory.disk_tier import DiskTier
 from hybridkv.memory.kinds import ModelKinds
 from hybridkv.prefix_match import NO_MATCH, PrefixHitCounter, PrefixMatch, match_prefix
 from hybridkv.request import Request, RequestStatus
@@ -36,7 +37,8 @@ class PrefixCache:
     manager's requests by id (read here, never added or removed)."""
 
     def __init__(self, kinds: ModelKinds, block_size: int, requests: Mapping[Hashable, Request],
-                 policy: CheckpointPolicy, *, enabled: bool = True, fingerprint: str = ""):
+                 policy: CheckpointPolicy, *, enabled: bool = True, fingerprint: str = "",
+                 disk: Optional[DiskTier] = None):
         self.enabled = enabled
         self.fingerprint = fingerprint
         self.block_size = block_size
@@ -46,7 +48,9 @@ class PrefixCache:
         self.recurrent = kinds.recurrent
         self._requests = requests
         self.hits = PrefixHitCounter()
-        self.disk = None  # the disk tier (memory/disk_tier.py), set by the manager when there is one
+        self.disk = disk  # the disk tier (memory/disk_tier.py): KV and states in files that outlive the process
+        # without recurrent layers no checkpoint writes a prefix's KV through: each full block goes as it fills
+        self._kv_write_through = disk is not None and kinds.recurrent is None
         self.bursts = BurstRule(block_size, self.prompt_hashes, lambda hashes, n: self._match(hashes, n).blocks)
 
     # ---- hashes ----------------------------------------------------------------------------
@@ -73,10 +77,13 @@ class PrefixCache:
 
     def hash_blocks(self, r: Request, num_computed: int) -> int:
         """Hash r's blocks that are full at num_computed tokens (none with caching off); returns
-        how many of its blocks are hashed then (never fewer than before)."""
+        how many of its blocks are hashed then (never fewer than before). Called as they are
+        committed, before a window lets any go: the disk tier of a model without states writes them."""
         full = num_computed // self.block_size if self.enabled else 0
         if full > r.num_hashed_blocks:
             extend_hashes(r.block_hashes, r.token_ids, full, r.extra_key, self.block_size)
+            if self._kv_write_through:
+                self.disk.write_blocks(r.request_id, r.block_hashes, r.num_hashed_blocks, full)
             return full
         return r.num_hashed_blocks
 
@@ -84,6 +91,27 @@ class PrefixCache:
     def match(self, r: Request) -> PrefixMatch:
         """The hit every kind accepts for r's tokens (NO_MATCH with caching off)."""
         return self._match(self.hashes(r), len(r.token_ids)) if self.enabled else NO_MATCH
+
+    def deepest_match(self, r: Request, fits: Callable[[PrefixMatch], bool]) -> PrefixMatch:
+        """match(r), deepened from the disk tier when it holds more of r's prefix (its files are
+        loaded into the device pools, then r is matched again). The deeper hit is taken only when
+        `fits` (every kind can take it and its first chunk now); else the shallower one, if the
+        loads left it usable."""
+        match = self.match(r)
+        limit = min((len(r.token_ids) - 1) // self.block_size, len(r.block_hashes))
+        if self.disk is None or not self.disk.promote(r.block_hashes, limit, match.blocks):
+            return match
+        deeper = self.match(r)
+        if fits(deeper) or not all(k.usable_prefix(r.block_hashes, match.blocks) == match.blocks for k in self.kinds):
+            return deeper
+        return match
+
+    def leaving_state(self, r: Request) -> Optional[tuple[bytes, int]]:
+        """donation(r), written through to the disk tier when there is one (a restart finds it)."""
+        donate = self.donation(r)
+        if self.disk is not None and donate is not None:
+            self.disk.write(r.request_id, r.block_hashes, donate[1], self.recurrent.live_slot(r.request_id))
+        return donate
 
     def _match(self, hashes: Sequence[bytes], num_tokens: int) -> PrefixMatch:
         """One token is always left to compute (prefix_match.py)."""

@@ -187,12 +187,13 @@ def test_with_a_host_tier_a_tight_device_and_a_small_disk_budget(checkpoints, tm
     kw = dict(max_num_seqs=2, checkpoint_share=0.1, memory_budget_bytes=tight_budget(specs, 16, blocks=64, slots=5))
     ps = prompts(6, seed=3)
     oracle, _ = run(LLM(str(path), enable_prefix_caching=False, **kw), ps + ps)
-    probe = LLM(str(path), disk_cache_dir=str(tmp_path / "probe"), **kw)
+    host = 4 * state_bytes_per_slot(specs)  # (the probe too: with a host tier a prompt also leaves a trail)
+    probe = LLM(str(path), disk_cache_dir=str(tmp_path / "probe"), host_cache_bytes=host, **kw)
     run(probe, ps[:1])
     probe.close()
     per_prompt = probe.stats()["checkpoint_tiers"]["disk"]["bytes"]
     budget = 3 * per_prompt + per_prompt // 2
-    tiers = dict(host_cache_bytes=4 * state_bytes_per_slot(specs), disk_cache_dir=str(tmp_path / "d"),
+    tiers = dict(host_cache_bytes=host, disk_cache_dir=str(tmp_path / "d"),
                  disk_cache_bytes=budget)
     llm = LLM(str(path), **kw, **tiers)
     got, _ = run(llm, ps + ps)

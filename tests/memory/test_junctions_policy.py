@@ -1,4 +1,6 @@
 """The default checkpoint policy, 'junctions', on its own: which boundaries it asks for."""
+import pytest
+
 from hybridkv.checkpoint_policy import DEFAULT_POLICY, CheckpointPolicy
 
 J = CheckpointPolicy("junctions", 16)
@@ -33,3 +35,28 @@ def test_junctions_bursts_and_output_states_are_kept():
     assert J.due(0, 600, 600, None, shared=[512], resumed_from=0) == 512
     assert J.due(1039, 1040, 1030, None, resumed_from=960) == 1040  # the rolling output state
     assert CheckpointPolicy("none", 16).due(0, 600, 600, 304, shared=[512]) is None
+
+
+def test_a_fresh_prompt_leaves_a_trail_when_a_host_tier_can_hold_it():
+    T = CheckpointPolicy("junctions", 16, trail=3)
+    # prompt end 160 (10 blocks): 3 states evenly spread before it, every 3 blocks
+    cuts, start = [], 0
+    while (b := T.due(start, 161, 161, None, resumed_from=0)) is not None:
+        cuts.append(b)
+        start = b
+    assert cuts == [48, 96, 144, 160]
+    # past a junction or a burst cut, the trail spreads over what is left of the prompt
+    assert T.due(0, 161, 161, 64, resumed_from=0) == 64
+    assert [T.due(s, 161, 161, 64, resumed_from=0) for s in (64, 96, 128)] == [96, 128, 160]  # 6 blocks, every 2
+    # a prompt that resumed from a state keeps no trail (its tail is its own); nor does another
+    # policy, nor 'junctions' without a host tier
+    assert T.due(960, 1030, 1030, None, resumed_from=960) is None
+    assert CheckpointPolicy("branch_points", 16, trail=3).due(0, 161, 161, None) == 160
+    assert J.due(0, 161, 161, None, resumed_from=0) == 160
+    # a prompt too short to spread over: its prompt end alone
+    assert T.due(0, 20, 20, None, resumed_from=0) == 16
+
+
+def test_a_negative_trail_is_refused():
+    with pytest.raises(ValueError, match="trail=-1"):
+        CheckpointPolicy("junctions", 16, trail=-1)
