@@ -88,8 +88,8 @@ class HybridCacheManager:
         """Size the pools with `plan()`; checkpoint_share defaults to 0.1 (0 with policy 'none'
         or prefix caching off). Other keyword arguments go to the constructor."""
         if checkpoint_share is None:
-            off = kwargs.get("checkpoint_policy", DEFAULT_POLICY) == "none" or not kwargs.get("enable_prefix_caching", True)
-            checkpoint_share = 0.0 if off else 0.1
+            checkpoint_share = 0.0 if kwargs.get("checkpoint_policy", DEFAULT_POLICY) == "none" \
+                or not kwargs.get("enable_prefix_caching", True) else 0.1
         p = plan(specs, budget_bytes, block_size, max_num_seqs, checkpoint_share,
                  max_chunk_tokens=kwargs.get("max_num_batched_tokens"), draft_slots=kwargs.pop("draft_slots", 0))
         mgr = cls(specs, block_size, p.group_blocks or p.num_blocks, p.num_slots, draft_slots=p.draft_slots, **kwargs)
@@ -290,7 +290,7 @@ class HybridCacheManager:
         attention group, each as wide as its longest row; {} without attention layers."""
         return {w: group.block_table(req_ids) for w, group in self.attention_groups.items()}
 
-    # ---- a request's life ------------------------------------------------------------------
+    # ---- a request's life: fork, finish, preempt, resume, migrate ----------------------------
     def fork(self, parent_id: Hashable, child: Request) -> bool:
         """Start `child` (a request the manager does not know, its tokens equal to the parent's
         now: `parent.fork(...)`) as a copy of a running parent: blocks shared (a partial one
@@ -372,7 +372,6 @@ class HybridCacheManager:
         r.status, r.resumed_from = RUNNING, nc
         return nc
 
-    # ---- migrate ---------------------------------------------------------------------------
     def export_snapshot(self, req_id: Hashable, device: torch.device | str = "cpu",
                         sampling_state=None) -> RequestSnapshot:
         """Copy a running request's memory of [0, num_computed_tokens) (KV, or the window of it,
@@ -397,6 +396,5 @@ class HybridCacheManager:
         self._reqs[rid] = request
         return True
 
-    # ---- statistics ------------------------------------------------------------------------
     def stats(self) -> ManagerStats:
         return ManagerStats.of(self)
