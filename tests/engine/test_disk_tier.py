@@ -48,7 +48,8 @@ def first_run(path, root, **kw):
     return tokens, llm.stats()["checkpoint_tiers"]["disk"]
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", [f if f in ("bamba", "llama") else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in FAMILIES])  # sliding windows and a pure-recurrent model: slow tier
 def test_a_restarted_engine_answers_from_disk(checkpoints, tmp_path, family):
     path = checkpoints[family]
     oracle, _ = run(LLM(str(path), enable_prefix_caching=False, **KW), prompts())
@@ -92,7 +93,8 @@ def swap_names(files: list[Path]):
             p.write_bytes(d)
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "swap"])
+@pytest.mark.parametrize("damage", ["flip", pytest.param("truncate", marks=pytest.mark.slow),
+                                    pytest.param("swap", marks=pytest.mark.slow)])
 def test_damaged_entries_are_refused_and_recomputed(checkpoints, tmp_path, damage):
     """Every entry file is damaged between the runs: no hit, no crash, each refusal counted,
     the refused files deleted, and the tokens those of the first run."""
@@ -175,6 +177,7 @@ def test_the_cli_flags_metrics_and_a_bad_directory(checkpoints, tmp_path):
         LLM(str(checkpoints["bamba"]), disk_cache_dir=str(tmp_path), disk_cache_bytes=0, **KW)
 
 
+@pytest.mark.slow  # three tiers, two passes and a restart
 def test_with_a_host_tier_a_tight_device_and_a_small_disk_budget(checkpoints, tmp_path):
     """Two device checkpoint slots, a host tier and a disk budget of about three prompts' entries:
     states move between device and host while the disk evicts files; every output is the no-cache
@@ -229,7 +232,8 @@ def test_the_guards_invalidation_deletes_the_state_files(checkpoints, tmp_path):
     assert got == tokens and cached == [0, 48, 48]
 
 
-@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3}], ids=["plain", "ngram"])
+@pytest.mark.parametrize("spec", [None, pytest.param({"method": "ngram", "num_speculative_tokens": 3},
+                                                     marks=pytest.mark.slow)], ids=["plain", "ngram"])
 def test_the_next_turn_after_a_restart_resumes_past_the_answer(checkpoints, tmp_path, spec):
     """The rolling state inside an answer (a block boundary of the output, kept by the decodes) is
     written through as well: after a restart, a next turn (prompt + part of the answer + new
