@@ -14,6 +14,7 @@ import torch
 from hybridkv import LLM, SamplingParams
 from hybridkv.models.tiny import make_tiny_checkpoint
 from hybridkv.plan import kv_bytes_per_block, state_bytes_per_slot
+from hybridkv.specs import with_cache_dtypes
 
 from engine_fixtures import assert_no_leaks
 
@@ -32,14 +33,19 @@ def ckpt(tmp_path_factory):
     return path, kv_bytes_per_block(specs, 16), state_bytes_per_slot(specs)
 
 
+QUANTIZED = {"kv_cache_dtype": "int8", "state_cache_dtype": "int8"}
 # 2 x 4 draft slots; drafting on whatever the measured costs (the drafter runs a model: it never pays)
 SPEC = {"num_speculative_tokens": 3, "max_speculating_seqs": 2, "off_when_slower": False}
 
 
-def tight(ckpt, mode, policy, blocks=9, seqs=4, ckpt_slots=2, speculative=False):
+def tight(ckpt, mode, policy, blocks=9, seqs=4, ckpt_slots=2, speculative=False, quantized=False):
     path, kv, slot = ckpt
+    if quantized:  # the same number of blocks and slots, at their int8 size
+        specs = with_cache_dtypes(LLM(path, memory_budget_bytes=8 << 20).model.cache_specs(), "int8", "int8")
+        kv, slot = kv_bytes_per_block(specs, 16), state_bytes_per_slot(specs)
     budget = kv * blocks + slot * (1 + seqs + ckpt_slots + (8 if speculative else 0))
     llm = LLM(path, memory_budget_bytes=budget, max_num_seqs=seqs, preemption_mode=mode,
+              **(QUANTIZED if quantized else {}),
               max_num_batched_tokens=32, checkpoint_policy=policy, checkpoint_every_n=1,
               checkpoint_share=(slot * ckpt_slots + 0.5) / budget, speculative_config=SPEC if speculative else None)
     if speculative:
@@ -98,13 +104,16 @@ def junk_snapshot(rng, snap, vocab):
 
 
 @pytest.mark.slow  # each case is long; the fast tier's random operations are test_decode_batch's twins
-@pytest.mark.parametrize("policy, speculative", [(p, False) for p in POLICIES] + [("junctions", True)])
-def test_lifecycle_fuzz(ckpt, policy, speculative):
-    """With `speculative`, both engines verify
-    drafts from TargetDrafter; every comparison and leak check is the same."""
+@pytest.mark.parametrize("policy, speculative, quantized", [(p, False, False) for p in POLICIES]
+                         + [("junctions", True, False), ("junctions", False, True)])
+def test_lifecycle_fuzz(ckpt, policy, speculative, quantized):
+    """With `speculative`, both engines verify drafts from TargetDrafter; every comparison and
+    leak check is the same. With `quantized`, both keep int8 KV and states (issue 27): the roomy
+    reference does too, and tokens may legitimately differ where a state was rounded at another
+    place (a chunk end, a preemption's recompute, a hit): most requests must still match."""
     rng = random.Random(POLICIES.index(policy))
-    engines = [tight(ckpt, "recompute", policy, speculative=speculative),
-               tight(ckpt, "swap", policy, speculative=speculative)]
+    engines = [tight(ckpt, "recompute", policy, speculative=speculative, quantized=quantized),
+               tight(ckpt, "swap", policy, speculative=speculative, quantized=quantized)]
     vocab = engines[0].model.vocab_size
     systems = [[rng.randrange(4, vocab) for _ in range(rng.randint(16, 40))] for _ in range(2)] + [[]]
     owner, pending, requests, done, aborted = {}, [], {}, {}, set()
@@ -178,8 +187,13 @@ def test_lifecycle_fuzz(ckpt, policy, speculative):
     comparable = [rid for rid in done if rid not in aborted
                   and (requests[rid][1].greedy or requests[rid][1].seed is not None)]
     assert len(comparable) > 10
-    roomy = LLM(ckpt[0], memory_budget_bytes=32 << 20, max_num_seqs=16)
+    roomy = LLM(ckpt[0], memory_budget_bytes=32 << 20, max_num_seqs=16, **(QUANTIZED if quantized else {}))
     ref = roomy.generate([requests[r][0] for r in comparable], [requests[r][1] for r in comparable],
                          use_tqdm=False)
-    for rid, o in zip(comparable, ref):
-        assert [c.token_ids for c in done[rid].outputs] == [c.token_ids for c in o.outputs], rid
+    differ = [rid for rid, o in zip(comparable, ref)
+              if [c.token_ids for c in done[rid].outputs] != [c.token_ids for c in o.outputs]]
+    if quantized:
+        print(f"quantized fuzz: {len(comparable) - len(differ)}/{len(comparable)} requests equal the roomy run")
+        assert len(differ) <= 0.2 * len(comparable), (len(differ), len(comparable))
+    else:
+        assert not differ, differ
