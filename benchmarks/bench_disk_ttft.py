@@ -20,7 +20,6 @@ min-max of each (the first prefix is a warm-up), and the ratio disk / cold.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import random
@@ -33,10 +32,12 @@ from pathlib import Path
 import torch
 
 from hybridkv import LLM, SamplingParams
-from hybridkv.cpu_threads import ENV_VAR
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # ttft_cli.py beside this file
+import ttft_cli  # noqa: E402
 
 MODEL = str(Path(__file__).resolve().parents[1] / "hybridkv" / "builtin_models" / "tiny-code")
-BLOCK = 16
+BLOCK = ttft_cli.BLOCK
 SUFFIX = 16
 ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
@@ -100,7 +101,7 @@ def measure(lengths: list[int], repeats: int, seed: int = 0) -> list[dict]:
 
 
 def report(r: dict) -> str:
-    ms = lambda xs: f"{1e3 * statistics.median(xs):.2f} ms ({1e3 * min(xs):.2f}-{1e3 * max(xs):.2f})"  # noqa: E731
+    ms = ttft_cli.ms
     return (f"prefix {r['length']} + {SUFFIX} tokens, {r['repeats']} alternating repeats, median (min-max):\n"
             f"  cold prefill, time to first token:         {ms(r['cold_s'])}\n"
             f"  disk hit after restart, time to first token: {ms(r['disk_s'])}\n"
@@ -109,18 +110,10 @@ def report(r: dict) -> str:
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--lengths", default="1024,2048", help="comma-separated prefix lengths (multiples of 16)")
-    ap.add_argument("--repeats", type=int, default=5)
-    args = ap.parse_args(argv)
-    lengths = [int(x) for x in args.lengths.split(",")]
-    if any(n <= 0 or n % BLOCK for n in lengths) or args.repeats < 1:
-        ap.error(f"--lengths must be positive multiples of {BLOCK} and --repeats >= 1: {args.lengths}, {args.repeats}")
-    os.environ[ENV_VAR] = "1"  # LLM sets its threads from it (hybridkv/cpu_threads.py)
-    torch.set_num_threads(1)
+    lengths, repeats = ttft_cli.parse(argv, __doc__.split("\n")[0])
     print(f"machine: {platform.machine()}, {torch.get_num_threads()} torch thread, torch {torch.__version__}, "
           f"model hybridkv/tiny-code, disk: {tempfile.gettempdir()}")
-    out = measure(lengths, args.repeats)
+    out = measure(lengths, repeats)
     for r in out[:-1]:
         print(report(r), flush=True)
     w = out[-1]["wrote"]

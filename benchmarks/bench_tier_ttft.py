@@ -17,7 +17,6 @@ time (1 torch thread; wall time beside it); the promotion's own copy time is the
 """
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import random
@@ -29,11 +28,13 @@ from pathlib import Path
 import torch
 
 from hybridkv import LLM, SamplingParams
-from hybridkv.cpu_threads import ENV_VAR
 from hybridkv.plan import kv_bytes_per_block, state_bytes_per_slot
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # ttft_cli.py beside this file
+import ttft_cli  # noqa: E402
+
 MODEL = str(Path(__file__).resolve().parents[1] / "hybridkv" / "builtin_models" / "tiny-code")
-BLOCK = 16
+BLOCK = ttft_cli.BLOCK
 SUFFIX = 16
 
 
@@ -97,7 +98,7 @@ def measure(llm: LLM, length: int, repeats: int, seed: int = 0) -> dict:
 
 
 def report(r: dict) -> str:
-    ms = lambda xs: f"{1e3 * statistics.median(xs):.2f} ms ({1e3 * min(xs):.2f}-{1e3 * max(xs):.2f})"  # noqa: E731
+    ms = ttft_cli.ms
     return (f"prefix {r['length']} + {SUFFIX} tokens, {r['repeats']} alternating repeats, median (min-max):\n"
             f"  cold prefill, CPU time to first token:     {ms(r['cold_s'])}\n"
             f"  host-tier hit, CPU time to first token:    {ms(r['host_s'])}\n"
@@ -106,21 +107,13 @@ def report(r: dict) -> str:
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--lengths", default="1024,2048", help="comma-separated prefix lengths (multiples of 16)")
-    ap.add_argument("--repeats", type=int, default=5)
-    args = ap.parse_args(argv)
-    lengths = [int(x) for x in args.lengths.split(",")]
-    if any(n <= 0 or n % BLOCK for n in lengths) or args.repeats < 1:
-        ap.error(f"--lengths must be positive multiples of {BLOCK} and --repeats >= 1: {args.lengths}, {args.repeats}")
-    os.environ[ENV_VAR] = "1"  # LLM sets its threads from it (hybridkv/cpu_threads.py)
-    torch.set_num_threads(1)
+    lengths, repeats = ttft_cli.parse(argv, __doc__.split("\n")[0])
     print(f"machine: {platform.machine()}, {torch.get_num_threads()} torch thread, torch {torch.__version__}, "
           f"model hybridkv/tiny-code")
     llm = make_llm(max(lengths))
     out = []
     for n in lengths:
-        out.append(measure(llm, n, args.repeats))
+        out.append(measure(llm, n, repeats))
         print(report(out[-1]), flush=True)
     return out
 
