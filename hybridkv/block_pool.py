@@ -6,8 +6,9 @@ keeps its hash (and stays findable) until it is handed out again.
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -46,6 +47,10 @@ class BlockPool:
         self.children: dict[bytes, set[bytes]] = {}
         # Free blocks, least recently useful first; popping the front evicts its hash.
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(self.num_blocks))
+        # Pinned turns (prefix_cache.pin): block -> monotonic deadline; a free pinned block is taken
+        # only when no unpinned free block is left (a running request needs the memory)
+        self.pinned_until: dict[int, float] = {}
+        self.pins_reclaimed = 0  # pinned blocks taken before their deadline
         self.mirror = None
 
     @property
@@ -62,6 +67,8 @@ class BlockPool:
         if n > len(self.free):
             return None
         free, refcount, block_hash, out = self.free, self.refcount, self.block_hash, []
+        for b in reversed(self._unpinned_first(n) if self.pinned_until else ()):
+            free.move_to_end(b, last=False)  # the blocks to take, at the front in their order
         for _ in range(n):
             b = free.popitem(last=False)[0]
             if block_hash[b] is not None:  # a cached block: its hash goes
@@ -69,6 +76,26 @@ class BlockPool:
             refcount[b] = 1
             out.append(b)
         return out
+
+    def pin(self, blocks: Sequence[int], until: float) -> None:
+        """Keep `blocks` findable until the monotonic time `until` (unless memory runs out)."""
+        for b in blocks:
+            self.pinned_until[b] = max(until, self.pinned_until.get(b, until))
+
+    def _unpinned_first(self, n: int) -> list[int]:
+        """The n free blocks to take: unpinned ones in LRU order, then pinned ones (their pins
+        reclaimed). Pins past their deadline are dropped first."""
+        now, pins = time.monotonic(), self.pinned_until
+        for b in [b for b, t in pins.items() if t <= now]:
+            del pins[b]
+        take = [b for b in self.free if b not in pins][:n]
+        if len(take) < n:
+            reclaimed = [b for b in self.free if b in pins][:n - len(take)]
+            for b in reclaimed:
+                del pins[b]
+            self.pins_reclaimed += len(reclaimed)
+            take += reclaimed
+        return take
 
     def ref(self, blocks: list[int]) -> None:
         """Add one reference to each block (a prefix hit or a fork); revives free cached blocks."""

@@ -320,7 +320,7 @@ class HybridCacheManager:
         r = self.request(req_id)
         if r.status is RUNNING:
             keep = self.prefix_cache.policy.keeps_final_state and not discard
-            donate = self.prefix_cache.leaving_state(r) if keep else None
+            donate = self.prefix_cache.leaving_state(r, ending=True) if keep else None
             for kind in self.kinds:
                 kind.release(req_id, donate)
         for kind in self.kinds:

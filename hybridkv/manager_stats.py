@@ -1,6 +1,7 @@
 """The memory manager's counters, as the engine's `stats()` reports them."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from hybridkv.request import RequestStatus
@@ -18,6 +19,8 @@ class ManagerStats:
     tiers: the state checkpoints per tier, {"device": {...}, "host": {...}} (host only with a host
     tier): entries, bytes, hits, evictions; the host's also promotions, demotions, refusals; with a
     disk tier "disk" too (memory/disk_tier.py: its KV blocks as well, writes, corrupt files refused).
+    pins: pinned turns (SamplingParams.cache_pin_ttl_s): turns that ended pinned, KV blocks and
+    states pinned now, and those taken before their deadline because memory ran out.
     """
 
     kv_blocks_used: int
@@ -38,6 +41,7 @@ class ManagerStats:
     burst_waits: int = 0    # times a request waited a step for a burst leader (memory/burst.py)
     kinds: dict[str, dict] = field(default_factory=dict)  # each kind of memory's own counters
     tiers: dict[str, dict] = field(default_factory=dict)
+    pins: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def of(cls, mgr) -> "ManagerStats":
@@ -62,8 +66,20 @@ class ManagerStats:
             slots_total=s.get("slots_total", 0), prefix_hit_tokens=hits.hit_tokens,
             prefix_query_tokens=hits.query_tokens, prefix_queries=hits.queries, prefix_misses=dict(hits.misses),
             preemptions=dict(mgr.preemptions), fragmentation=max(0.0, waste / (used * bs)) if used else 0.0,
-            running_requests=len(running), burst_waits=mgr.prefix_cache.bursts.waits, kinds=kinds, tiers=tiers)
+            running_requests=len(running), burst_waits=mgr.prefix_cache.bursts.waits, kinds=kinds, tiers=tiers,
+            pins=_pins(mgr))
 
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+
+def _pins(mgr) -> dict[str, int]:
+    now = time.monotonic()
+    pools = [g.pool for g in mgr.attention_groups.values()]
+    states = mgr.recurrent.pinned_until if mgr.recurrent is not None else {}
+    return {"turns": mgr.prefix_cache.pinned_turns,
+            "blocks": sum(1 for p in pools for t in p.pinned_until.values() if t > now),
+            "states": sum(1 for h, t in states.items() if t > now and h in mgr.recurrent.checkpoints),
+            "reclaimed_blocks": sum(p.pins_reclaimed for p in pools),
+            "reclaimed_states": mgr.recurrent.pins_reclaimed if mgr.recurrent is not None else 0}

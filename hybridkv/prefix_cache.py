@@ -18,6 +18,7 @@ prefix-hit guard calls `invalidate`.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Callable, Hashable, Mapping, Optional, Sequence
 
 from hybridkv.block_hash import extend_hashes, extra_key
@@ -25,6 +26,7 @@ from hybridkv.checkpoint_policy import CheckpointPolicy
 from hybridkv.errors import RequestStateError
 from hybridkv.memory.burst import BurstRule
 from hybridkv.memory.disk_tier import DiskTier
+from hybridkv.memory.full_attention import NO_BLOCK, FullAttentionMemory
 from hybridkv.memory.kinds import ModelKinds
 from hybridkv.prefix_match import NO_MATCH, PrefixHitCounter, PrefixMatch, match_prefix
 from hybridkv.request import Request, RequestStatus
@@ -48,6 +50,7 @@ class PrefixCache:
         self.recurrent = kinds.recurrent
         self._requests = requests
         self.hits = PrefixHitCounter()
+        self.pinned_turns = 0  # turns that ended pinned (pin)
         self.disk = disk  # the disk tier (memory/disk_tier.py): KV and states in files that outlive the process
         # without recurrent layers no checkpoint writes a prefix's KV through: each full block goes as it fills
         self._kv_write_through = disk is not None and kinds.recurrent is None
@@ -106,12 +109,33 @@ class PrefixCache:
             return deeper
         return match
 
-    def leaving_state(self, r: Request) -> Optional[tuple[bytes, int]]:
-        """donation(r), written through to the disk tier when there is one (a restart finds it)."""
+    def leaving_state(self, r: Request, ending: bool = False) -> Optional[tuple[bytes, int]]:
+        """donation(r), written through to the disk tier when there is one (a restart finds it);
+        `ending` (r finishes, not preempted): a pinned turn's memory is pinned too (pin)."""
         donate = self.donation(r)
         if self.disk is not None and donate is not None:
             self.disk.write(r.request_id, r.block_hashes, donate[1], self.recurrent.live_slot(r.request_id))
+        if ending:
+            self.pin(r, donate)
         return donate
+
+    def pin(self, r: Request, donate: Optional[tuple[bytes, int]]) -> None:
+        """A pinned turn (r.params.cache_pin_ttl_s) about to end: its hashed KV blocks in every
+        attention group, the device states kept at its block boundaries and the one it leaves
+        (`donate`: the key its release keeps it under) stay findable for the TTL: eviction takes
+        them only when nothing unpinned is left (a running request needs the memory)."""
+        ttl = getattr(r.params, "cache_pin_ttl_s", None)
+        if not ttl or not self.enabled:
+            return
+        until = time.monotonic() + ttl
+        for kind in self.kinds:
+            if isinstance(kind, FullAttentionMemory):
+                kind.pool.pin([b for b in kind.block_ids(r.request_id)[:r.num_hashed_blocks] if b != NO_BLOCK], until)
+        if self.recurrent is not None:  # every state kept along its blocks, and the one it leaves
+            hashes = r.block_hashes[:r.num_hashed_blocks]
+            for h in [h for h in hashes if h in self.recurrent.checkpoints] + ([donate[0]] if donate else []):
+                self.recurrent.pin(h, until)
+        self.pinned_turns += 1
 
     def _match(self, hashes: Sequence[bytes], num_tokens: int) -> PrefixMatch:
         """One token is always left to compute (prefix_match.py)."""

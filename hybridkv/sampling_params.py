@@ -99,6 +99,10 @@ class SamplingParams:
     greedy requests too. Ints are ints: bools and floats are refused with a TypeError. The engine
     adds the limits of its model (`logprobs`, stop ids and logit_bias ids within the vocabulary,
     `n <= max_num_seqs`).
+
+    `cache_pin_ttl_s` (seconds, not sampling: a cache hint) pins the turn: once the request ends,
+    its prompt's and output's KV blocks and its final state stay findable for that long, taken
+    by eviction only when nothing unpinned is left to take (a running request needs the memory).
     """
 
     n: int = 1
@@ -118,6 +122,7 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    cache_pin_ttl_s: Optional[float] = None
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n, lo=1)
@@ -144,6 +149,10 @@ class SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         self.logit_bias = _logit_bias(self.logit_bias)
+        if self.cache_pin_ttl_s is not None:
+            self.cache_pin_ttl_s = _real("cache_pin_ttl_s", self.cache_pin_ttl_s)
+            if self.cache_pin_ttl_s <= 0:
+                raise ValueError(f"cache_pin_ttl_s must be > 0 seconds (None: no pin), got {self.cache_pin_ttl_s}")
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop

@@ -21,7 +21,7 @@ def engine_stats(m: ManagerStats, counters: dict, scheduler: Scheduler) -> dict:
         "preemptions": dict(m.preemptions), "burst_waits": m.burst_waits, "swaps": c["swaps_out"],
         "migrations": {"out": c["migrations_out"], "in": c["migrations_in"]},
         "forks": c["forks"], "aborted": c["aborted"], "failed": c["failed"],
-        "fragmentation": m.fragmentation, "checkpoint_tiers": m.tiers,
+        "fragmentation": m.fragmentation, "checkpoint_tiers": m.tiers, "cache_pins": m.pins,
         "running": len(scheduler.running), "waiting": len(scheduler.waiting),
         "swapped": len(scheduler.swapped), "steps": c["steps"],
         "generated_tokens": c["generated_tokens"],

@@ -85,6 +85,8 @@ class RecurrentMemory(LayerMemory):
         self._slot_bytes = sum(t[0].numel() * t.element_size() for t in self.states._tensors())
         self.device_counts = {"hits": 0, "evictions": 0}  # the device tier's (the host's: host.counters)
         self.disk_hits = 0  # admissions that used a checkpoint the disk tier loaded (memory/disk_tier.py)
+        self.pinned_until: dict[bytes, float] = {}  # pinned turns' states (prefix_cache.pin): key -> deadline
+        self.pins_reclaimed = 0  # pinned states evicted before their deadline, for a running request
 
     @property
     def num_slots(self) -> int:
@@ -125,7 +127,7 @@ class RecurrentMemory(LayerMemory):
         if self.states.num_free <= keep:
             victim = None
             if not only_output or self.host is not None:
-                victim = self._victim([h for h in self.checkpoints if h != protect])
+                victim = self._victim([h for h in self.checkpoints if h != protect], for_live=kind != CHECKPOINT)
             if only_output and (victim is None or not self.checkpoints[victim].output and not self.host.worth(
                     self.checkpoints[victim].position, self.checkpoints[victim].last_used, self._slot_bytes)):
                 victim = self._victim([h for h, c in self.checkpoints.items() if h != protect and c.output])
@@ -133,8 +135,31 @@ class RecurrentMemory(LayerMemory):
                 self._evict(victim)
         return self.states.allocate(kind) if self.states.num_free > keep else None
 
-    def _victim(self, keys: list[bytes]) -> Optional[bytes]:
-        """The checkpoint the eviction rule gives up first among `keys` (least recently used first)."""
+    def pin(self, h: bytes, until: float) -> None:
+        """Keep the checkpoint keyed h (kept now or by the release that follows) on the device
+        until the monotonic time `until`: eviction takes it only when every candidate is pinned."""
+        self.pinned_until[h] = max(until, self.pinned_until.get(h, until))
+
+    def _victim(self, keys: list[bytes], for_live: bool = False) -> Optional[bytes]:
+        """The checkpoint the eviction rule gives up first among `keys` (least recently used
+        first), an unpinned one while there is one; a pinned one only `for_live` (a running
+        request needs the slot; another checkpoint never displaces a pin)."""
+        if self.pinned_until and keys:
+            now = time.monotonic()
+            for h in [h for h, t in self.pinned_until.items() if t <= now]:
+                del self.pinned_until[h]
+            unpinned = [h for h in keys if h not in self.pinned_until]
+            if not unpinned and not for_live:
+                return None
+            if not unpinned:  # the pin gives way
+                h = self._victim_by_rule(keys)
+                del self.pinned_until[h]
+                self.pins_reclaimed += 1
+                return h
+            keys = unpinned
+        return self._victim_by_rule(keys)
+
+    def _victim_by_rule(self, keys: list[bytes]) -> Optional[bytes]:
         if not keys:
             return None
         i = choose_victim(self.eviction, [self.checkpoints[h].position for h in keys], self.saved_flops,

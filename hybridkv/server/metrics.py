@@ -103,6 +103,14 @@ class _EngineCollector:
         yield self._counter("cache_hit_mismatches", "Checked prefix hits whose logits differed from the cold "
                             "recompute (the entry was invalidated).", {"": s["cache_hit_mismatches"]})
         yield from self._tiers(s.get("checkpoint_tiers", {}))
+        pins = s.get("cache_pins", {})
+        if pins:  # pinned turns (SamplingParams.cache_pin_ttl_s)
+            yield self._counter("cache_pinned_turns", "Requests that ended with a pin (cache_pin).", {"": pins["turns"]})
+            yield self._gauge("cache_pinned_blocks", "KV blocks pinned now.", pins["blocks"])
+            yield self._gauge("cache_pinned_states", "State checkpoints pinned now.", pins["states"])
+            yield self._counter("cache_pins_reclaimed", "Pinned KV blocks and states taken before their deadline "
+                                "because a running request needed the memory.",
+                                {"blocks": pins["reclaimed_blocks"], "states": pins["reclaimed_states"]}, label="what")
         if "replicas" in s:  # data-parallel replicas (server/replicas.py): the sums above, and each one
             yield from self._per_replica(s["replicas"])
 

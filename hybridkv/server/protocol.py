@@ -2,6 +2,7 @@
 
 Fields beyond OpenAI's (as vLLM names them): `top_k`, `min_p`, `repetition_penalty`,
 `min_tokens`, `prompt_logprobs`, `ignore_eos`, `stop_token_ids`, `priority`, `cache_salt`,
+`cache_pin` ({"ttl_s": seconds}: a pinned turn, SamplingParams.cache_pin_ttl_s; ours),
 `return_token_ids` (each choice then carries its `token_ids`). `logit_bias` is OpenAI's
 {"token id": bias}. A sampling field the request leaves out takes the checkpoint's
 generation_config.json value when it has one (per field, as vLLM), else SamplingParams' default.
@@ -35,6 +36,14 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class CachePin(BaseModel):
+    """`cache_pin: {"ttl_s": 600}`: keep this turn's KV and final state findable for ttl_s seconds
+    after it ends (SamplingParams.cache_pin_ttl_s)."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    ttl_s: float
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -60,6 +69,7 @@ class _Common(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     priority: int = 0
     cache_salt: Optional[str] = None
+    cache_pin: Optional[CachePin] = None
     return_token_ids: bool = False
 
     def refuse_unsupported(self) -> None:
@@ -97,9 +107,11 @@ class _Common(BaseModel):
                                   logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
                                   presence_penalty=self.presence_penalty,
                                   frequency_penalty=self.frequency_penalty, min_tokens=self.min_tokens,
-                                  logit_bias=self.logit_bias)
+                                  logit_bias=self.logit_bias,
+                                  cache_pin_ttl_s=self.cache_pin.ttl_s if self.cache_pin is not None else None)
         except (ValueError, TypeError) as e:  # SamplingParams' messages start with the field's name
             name = str(e).split(" ", 1)[0].split("[", 1)[0]
+            name = "cache_pin" if name == "cache_pin_ttl_s" else name
             raise APIError(str(e), param=name if name in type(self).model_fields else None) from None
 
 

@@ -103,3 +103,29 @@ def test_prefix_tree_links_match_the_cached_blocks_under_random_use():
             if p.parent[b] is not None:
                 want.setdefault(p.parent[b], set()).add(h)
         assert p.children == want
+
+
+def test_pinned_blocks_go_last_and_only_until_their_deadline(monkeypatch):
+    """A pinned turn's free blocks (prefix_cache.pin) stay findable while unpinned free blocks
+    are left to take; when a request needs more, the pins give way (counted); expired pins are
+    ordinary LRU blocks again."""
+    import hybridkv.block_pool as block_pool
+
+    clock = [100.0]
+    monkeypatch.setattr(block_pool.time, "monotonic", lambda: clock[0])
+    p = pool()
+    a = p.allocate(6)
+    for i, b in enumerate(a):
+        p.set_hash(b, bytes([i + 1]), bytes([i]) if i else b"")
+    p.pin(a[:2], until=160.0)  # the LRU front's two blocks, pinned for 60 s
+    p.release(a)
+    taken = p.allocate(4)
+    assert sorted(taken) == sorted(a[2:]) and p.lookup(b"\x01") == a[0] and p.lookup(b"\x02") == a[1]
+    assert p.pins_reclaimed == 0
+    p.release(taken)
+    again = p.allocate(5)  # one more than the unpinned free blocks: a pin gives way, in LRU order
+    assert a[1] in again and a[0] not in again and p.lookup(b"\x01") == a[0] and p.pins_reclaimed == 1
+    p.release(again)
+    clock[0] = 161.0  # past the deadline: a plain free block, taken in LRU order
+    p.allocate(1)
+    assert not p.pinned_until and p.pins_reclaimed == 1

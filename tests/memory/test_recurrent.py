@@ -129,3 +129,21 @@ def test_rolling_output_state_in_place_equals_free_then_take(eviction):
             assert done[0] == done[1]
         a, b = _observed(mems[0]), _observed(mems[1])
         assert a[:-1] == b[:-1] and all(torch.equal(x, y) for x, y in zip(a[-1], b[-1])), step
+
+
+def test_a_pinned_state_yields_to_a_live_slot_not_to_another_checkpoint():
+    """Pinned turns (prefix_cache.pin): a pinned checkpoint is never displaced by another one,
+    but gives way when a running request needs its slot (counted); a past deadline unpins it."""
+    mem = make(n_slots=3)  # null + 2
+    checkpoint(mem, b"pinned", 4)
+    mem.pin(b"pinned", until=float("inf"))
+    mem.admit("a", [], 0)  # the last free slot
+    assert not mem.checkpoint("a", b"other", 8, False)  # no unpinned victim: the new state is not kept
+    assert b"pinned" in mem.checkpoints and mem.pins_reclaimed == 0
+    mem.admit("b", [], 0)  # a running request needs a slot: the pin gives way
+    assert b"pinned" not in mem.checkpoints and mem.pins_reclaimed == 1 and not mem.pinned_until
+    mem.release("a")
+    checkpoint(mem, b"late", 4)
+    mem.pin(b"late", until=0.0)  # (monotonic time is past it)
+    mem.admit("c", [], 0)  # evicts "late" as any checkpoint: an expired pin is no pin
+    assert b"late" not in mem.checkpoints and mem.live_slot("c") and mem.pins_reclaimed == 1

@@ -127,3 +127,17 @@ def test_openai_client_sees_the_400(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny-chat", prompt=[5, 6], max_tokens=2, extra_body={"top_k": -5})
     assert "top_k" in str(e.value) and "-5" in str(e.value)
+
+
+def test_cache_pin_is_taken_and_checked(chat_server):
+    """`cache_pin: {"ttl_s": seconds}` (a pinned turn: SamplingParams.cache_pin_ttl_s) is accepted,
+    and a bad one is a 400 naming cache_pin."""
+    ok = http().post(chat_server.url + "/v1/completions", json={**GOOD, "cache_pin": {"ttl_s": 60}}, headers=AUTH)
+    assert ok.status_code == 200, ok.text
+    for bad in ({"ttl_s": -1}, {"ttl_s": "60"}, {"ttl_s": True}, {"ttl": 60}, 60):
+        r = http().post(chat_server.url + "/v1/completions", json={**GOOD, "cache_pin": bad}, headers=AUTH)
+        assert_openai_error(r, 400, "cache_pin")
+    answers_good(chat_server.url)
+    metrics = http().get(chat_server.url + "/metrics").text
+    assert 'hybridkv:cache_pinned_turns_total{model_name="tiny-chat"}' in metrics, metrics[-2000:]
+    assert 'hybridkv:cache_pins_reclaimed_total{model_name="tiny-chat",what="blocks"}' in metrics
