@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from itertools import islice
 from typing import Mapping, Optional, Sequence
 
 import torch
@@ -88,9 +89,9 @@ class BlockPool:
         now, pins = time.monotonic(), self.pinned_until
         for b in [b for b, t in pins.items() if t <= now]:
             del pins[b]
-        take = [b for b in self.free if b not in pins][:n]
+        take = list(islice((b for b in self.free if b not in pins), n))  # stops at the n-th: the front's usual
         if len(take) < n:
-            reclaimed = [b for b in self.free if b in pins][:n - len(take)]
+            reclaimed = list(islice((b for b in self.free if b in pins), n - len(take)))
             for b in reclaimed:
                 del pins[b]
             self.pins_reclaimed += len(reclaimed)
