@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Optional
 
 import torch
@@ -44,7 +45,8 @@ class QuantLayout:
     """Items of logical shape `shape` kept as `nbytes` bytes each: the codes (one byte per value,
     padded to 4 bytes), then a float32 scale per row; a row spans dimension `row_dim` of `shape`.
     A tensor of items is `[*lead, nbytes]` uint8 (`empty`); `decode` / `encode` map it to and from
-    `[*lead, *shape]` values."""
+    `[*lead, *shape]` values. Its sizes are computed once (cached_property: a frozen dataclass's
+    instance dict, not a field: equality and hashing see the three fields only)."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -56,19 +58,19 @@ class QuantLayout:
         if not self.shape or not 0 <= self.row_dim < len(self.shape):
             raise ValueError(f"a quantized item needs a shape and a row dimension in it, got {self.shape}, {self.row_dim}")
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @cached_property
     def scale_shape(self) -> tuple[int, ...]:
         return tuple(1 if d == self.row_dim else n for d, n in enumerate(self.shape))
 
-    @property
+    @cached_property
     def code_bytes(self) -> int:
         return -(-self.numel // 4) * 4
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return self.code_bytes + 4 * math.prod(self.scale_shape)
 

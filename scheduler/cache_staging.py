@@ -23,6 +23,7 @@ vLLM's fp8 KV cache; so quantized output depends on how the prompt was chunked a
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Optional
 
@@ -43,28 +44,37 @@ class _StagedLayers(Mapping):
 
     KEEP = 2
 
-    def __init__(self, keys, load: Callable[[int], torch.Tensor], store: Callable[[int, torch.Tensor], None],
+    def __init__(self, keys, load: Callable[[int, int], torch.Tensor], store: Callable[[int, torch.Tensor], None],
                  layout: Callable[[int], Optional[QuantLayout]]):
         self._keys, self._load, self._store, self._layout = list(keys), load, store, layout
-        self._staged: dict[int, torch.Tensor] = {}
+        self._staged: dict[int, tuple[torch.Tensor, int]] = {}  # layer -> (working tensor, its seat)
 
     def layout_of(self, t: torch.Tensor) -> Optional[QuantLayout]:
         """The layout of the staged layer whose working tensor `t` is (or views)."""
-        for i, work in self._staged.items():
+        for i, (work, _) in self._staged.items():
             if t.untyped_storage().data_ptr() == work.untyped_storage().data_ptr():
                 return self._layout(i)
         return None
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        work = self._staged.get(i)
-        if work is None:
+        """The layer's working tensor, loaded into a free seat (0 .. KEEP-1: which of the staging's
+        buffers it lives in) when it is not staged: the seat of the one stored to make room, so a
+        model running its layers in the same order each step gives each layer the same buffer."""
+        got = self._staged.get(i)
+        if got is None:
             if i not in self._keys:
                 raise KeyError(i)
-            while len(self._staged) >= self.KEEP:
+            seats = set(range(self.KEEP))
+            for _, seat in self._staged.values():
+                seats.discard(seat)
+            while not seats:
                 oldest = next(iter(self._staged))
-                self._store(oldest, self._staged.pop(oldest))
-            work = self._staged[i] = self._load(i)
-        return work
+                work, seat = self._staged.pop(oldest)
+                self._store(oldest, work)
+                seats.add(seat)
+            seat = min(seats)
+            got = self._staged[i] = (self._load(i, seat), seat)
+        return got[0]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._keys)
@@ -74,7 +84,7 @@ class _StagedLayers(Mapping):
 
     def flush(self) -> None:
         staged, self._staged = self._staged, {}
-        for i, work in staged.items():
+        for i, (work, _) in staged.items():
             self._store(i, work)
 
 
@@ -96,6 +106,7 @@ class CacheStaging:
                     self.state_layouts["conv"][i] = (spec.conv_layout, spec.dtype)
                 if spec.ssm_layout is not None:
                     self.state_layouts["ssm"][i] = (spec.ssm_layout, spec.ssm_dtype)
+        self._buffers: dict[tuple, torch.Tensor] = {}  # (kind, seat, dtype) -> a flat working buffer
         self.generator = None
         if stochastic:
             pools = list(manager.kv_caches.values()) + list(manager.conv_states.values())
@@ -115,8 +126,8 @@ class CacheStaging:
             rows, renumber = self._slot_rows(batch)
             changes["state_slots"] = renumber(batch.state_slots)
             changes["verify_slots"] = {r: renumber(torch.tensor(s)).tolist() for r, s in batch.verify_slots.items()}
-            conv = self._staged_slots(caches.conv, self.state_layouts["conv"], rows)
-            state = self._staged_slots(caches.state, self.state_layouts["ssm"], rows)
+            conv = self._staged_slots(caches.conv, self.state_layouts["conv"], rows, "conv")
+            state = self._staged_slots(caches.state, self.state_layouts["ssm"], rows, "ssm")
             if batch.verify_slots:
                 changes["requantize"] = self._requantize([conv, state])
         kv = caches.kv
@@ -169,19 +180,30 @@ class CacheStaging:
             raise ValueError("requantize: a state tensor that is none of this step's working tensors")
         return requantize
 
-    def _staged_slots(self, pools: Mapping[int, torch.Tensor], layouts: dict, rows: torch.Tensor):
+    def _staged_slots(self, pools: Mapping[int, torch.Tensor], layouts: dict, rows: torch.Tensor, kind: str):
         if not layouts:
             return pools
         written = rows[1:]  # the null slot is never kept
+        work_rows = torch.arange(1, rows.numel(), device=rows.device)
 
-        def load(i: int) -> torch.Tensor:
+        def load(i: int, seat: int) -> torch.Tensor:
             layout, dtype = layouts[i]
-            return quantize.decode(layout, pools[i].index_select(0, rows), dtype)
+            out = self._work((kind, seat), (rows.numel(), *layout.shape), dtype, pools[i].device)
+            return quantize.decode_gather(layout, pools[i], rows, 1, out)
 
         def store(i: int, work: torch.Tensor) -> None:
-            if written.numel():
-                _put(pools[i], (written,), quantize.encode(layouts[i][0], work[1:], self.generator))
+            quantize.encode_scatter(layouts[i][0], work, work_rows, pools[i], written, 1, self.generator)
         return _StagedLayers(pools.keys(), load, store, lambda i: layouts[i][0])
+
+    def _work(self, key: tuple, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+        """A working tensor of `shape` in the buffer of `key` (kind, seat), kept between steps (so a
+        layer finds its rows at the same address each step: the C decode calls built for its pools
+        are kept, mamba2_native.Mamba2MixerDecode); grown when a step needs more."""
+        n = math.prod(shape)
+        buf = self._buffers.get((*key, dtype))
+        if buf is None or buf.numel() < n or buf.device != torch.device(device):
+            buf = self._buffers[(*key, dtype)] = torch.empty(n, dtype=dtype, device=device)
+        return buf[:n].view(shape)
 
     # ---- KV pages --------------------------------------------------------------------------
     def _kv_groups(self, batch: ForwardBatch) -> dict[Optional[int], "_PageRows"]:
@@ -209,29 +231,28 @@ class CacheStaging:
         return out
 
     def _staged_pages(self, pools: Mapping[int, torch.Tensor], groups: dict, grouped: bool):
-        bs = self.block_size
-
-        def load(i: int) -> torch.Tensor:  # every attention layer keeps quantized pages (with_cache_dtypes)
+        def load(i: int, seat: int) -> torch.Tensor:  # every attention layer keeps quantized pages (with_cache_dtypes)
             layout, dtype, window = self.kv_layouts[i]
-            return quantize.decode(layout, pools[i].index_select(0, groups[window if grouped else None].blocks), dtype)
+            g, pool = groups[window if grouped else None], pools[i]
+            per_block = math.prod(pool.shape[1:-1])  # items: [blocks, 2, block_size, heads]
+            out = self._work(("kv", seat), (g.blocks.numel(), *pool.shape[1:-1], *layout.shape), dtype, pool.device)
+            return quantize.decode_gather(layout, pool, g.blocks * per_block, per_block, out)
 
         def store(i: int, work: torch.Tensor) -> None:
             layout, _, window = self.kv_layouts[i]
-            g = groups[window if grouped else None]
+            g, pool = groups[window if grouped else None], pools[i]
             if g.pool_written.numel():
-                src, dst = g.work_written, g.pool_written
-                _put(pools[i], (dst // bs, slice(None), dst % bs),
-                     quantize.encode(layout, work[src // bs, :, src % bs], self.generator))
+                src, dst = _token_runs(g.work_written, pool.shape), _token_runs(g.pool_written, pool.shape)
+                quantize.encode_scatter(layout, work, src, pool, dst, pool.shape[3], self.generator)
         return _StagedLayers(pools.keys(), load, store, lambda i: self.kv_layouts[i][0])
 
 
-def _put(pool: torch.Tensor, index: tuple, rows: torch.Tensor) -> None:
-    """pool[index] = rows; on the CPU through numpy (rows of a few slots into a pool: ~8 us against
-    ~190 us for torch's index_put_ and ~330 for index_copy_, 1 thread)."""
-    if pool.is_cpu:
-        pool.numpy()[tuple(i.numpy() if isinstance(i, torch.Tensor) else i for i in index)] = rows.numpy()
-    else:
-        pool[index] = rows
+def _token_runs(slots: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The first items of the runs (one item a head) of the token slots `slots` in a page tensor of
+    `shape` [blocks, parts, block_size, heads, ...]: part after part (key, value), token after token."""
+    parts, bs, heads = shape[1], shape[2], shape[3]
+    first = (slots // bs * parts * bs + slots % bs) * heads
+    return (first.reshape(-1, 1) + torch.arange(parts, device=slots.device) * (bs * heads)).reshape(-1)
 
 
 @dataclass
