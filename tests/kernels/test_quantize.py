@@ -37,10 +37,11 @@ def test_c_bytes_equal_the_torch_paths(dtype, shape, row_dim):
 
 
 @pytest.mark.parametrize("dtype", ["int8", "fp8_e4m3"])
-def test_non_finite_rows_decode_to_nan_alone(dtype):
+@pytest.mark.parametrize("width", [16, 32])  # 32: the C copy compiled for rows of 32
+def test_non_finite_rows_decode_to_nan_alone(dtype, width):
     needs_native()
-    layout = QuantLayout(dtype, (4, 16), 1)
-    x = values((3,), (4, 16), 1, 0)
+    layout = QuantLayout(dtype, (4, width), 1)
+    x = values((3,), (4, width), 1, 0)
     x[0, 1, 3], x[2, 3, 0] = float("nan"), float("-inf")
     got = quantize.decode(layout, quantize.encode(layout, x))
     want = layout.decode(layout.encode(x))
