@@ -34,10 +34,20 @@ ENCODE_SCATTER = CFunction("quantize", "quant_encode_scatter_f32", INT,
 _FP8_VALUES: Optional[torch.Tensor] = None
 
 
+_DIMS: dict = {}
+
+
 def _dims(layout) -> tuple[int, int, int]:
-    """(A, L, B): the item as [A][L][B] with the rows along L."""
-    s, d = layout.shape, layout.row_dim
-    return math.prod(s[:d]), s[d], math.prod(s[d + 1:])
+    """(A, L, B): the item as [A][L][B] with the rows along L (computed once per layout)."""
+    dims = _DIMS.get(layout)
+    if dims is None:
+        s, d = layout.shape, layout.row_dim
+        dims = _DIMS[layout] = (math.prod(s[:d]), s[d], math.prod(s[d + 1:]))
+    return dims
+
+
+def _long(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype is torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 
 
 def _fp8_values() -> torch.Tensor:
@@ -101,7 +111,7 @@ def decode_gather(layout, pool: torch.Tensor, src: torch.Tensor, group: int, out
         return out
     if n:
         A, L, B = _dims(layout)
-        rc = DECODE_GATHER.call(pool=items, pool_items=items.shape[0], src=src.to(torch.int64).contiguous(), n=n,
+        rc = DECODE_GATHER.call(pool=items, pool_items=items.shape[0], src=_long(src), n=n,
                                 group=group, y=out.view(n * group, layout.numel), A=A, L=L, B=B,
                                 nbytes=layout.nbytes, code_bytes=layout.code_bytes,
                                 fp8_values=_fp8_values() if layout.dtype == "fp8_e4m3" else None)
@@ -131,8 +141,8 @@ def encode_scatter(layout, x: torch.Tensor, src: torch.Tensor, pool: torch.Tenso
         return
     A, L, B = _dims(layout)
     rc = ENCODE_SCATTER.call(x=xi if xi.is_contiguous() else xi.contiguous(), x_items=xi.shape[0],
-                             src=src.to(torch.int64).contiguous(), pool=items, pool_items=items.shape[0],
-                             dst=dst.to(torch.int64).contiguous(), n=n, group=group, A=A, L=L, B=B,
+                             src=_long(src), pool=items, pool_items=items.shape[0],
+                             dst=_long(dst), n=n, group=group, A=A, L=L, B=B,
                              nbytes=layout.nbytes, code_bytes=layout.code_bytes, fp8=int(layout.dtype == "fp8_e4m3"))
     if rc:
         raise IndexError(f"encode_scatter: a run of {group} items leaves x ({xi.shape[0]} items) or the pool "
