@@ -32,6 +32,7 @@ import torch
 
 from hybridkv.cache_dtype import QuantLayout
 from hybridkv.kernels import quantize
+from hybridkv.kernels.attention_decode_quantized import page_runs
 from hybridkv.models.forward_batch import ForwardBatch, KVGroupTables, ModelCaches
 
 
@@ -242,17 +243,9 @@ class CacheStaging:
             layout, _, window = self.kv_layouts[i]
             g, pool = groups[window if grouped else None], pools[i]
             if g.pool_written.numel():
-                src, dst = _token_runs(g.work_written, pool.shape), _token_runs(g.pool_written, pool.shape)
+                src, dst = page_runs(g.work_written, pool.shape), page_runs(g.pool_written, pool.shape)
                 quantize.encode_scatter(layout, work, src, pool, dst, pool.shape[3], self.generator)
         return _StagedLayers(pools.keys(), load, store, lambda i: self.kv_layouts[i][0])
-
-
-def _token_runs(slots: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """The first items of the runs (one item a head) of the token slots `slots` in a page tensor of
-    `shape` [blocks, parts, block_size, heads, ...]: part after part (key, value), token after token."""
-    parts, bs, heads = shape[1], shape[2], shape[3]
-    first = (slots // bs * parts * bs + slots % bs) * heads
-    return (first.reshape(-1, 1) + torch.arange(parts, device=slots.device) * (bs * heads)).reshape(-1)
 
 
 @dataclass

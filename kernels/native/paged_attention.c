@@ -11,6 +11,9 @@
  * Returns 0, or -(1 + i) for the first decode i whose block-table entry lies outside the pool
  * (nothing written for it or the ones after), or -(1 + n) when scratch memory is not available.
  *
+ * paged_decode_attention_q reads a quantized pool (int8 / fp8 codes and a scale per token and
+ * head) the same way, each block's rows decoded into scratch first.
+ *
  * 8-lane vectors through GCC/Clang vector extensions (two AVX/SSE/NEON registers' worth, so the
  * code needs no intrinsics); D not a multiple of 8 takes plain loops.
  */
@@ -242,6 +245,97 @@ int64_t paged_decode_attention(
     free(acc);
     free(m);
     free(l);
+    free(part);
+    return status;
+}
+
+/* One K or V row of a quantized page (hkv items of nbytes: d one-byte codes, then a float32 scale;
+ * hybridkv/cache_dtype.py) into dst [hkv][d]: code x scale, as quantize.c's decode. */
+static void dequant_row(const uint8_t *items, int64_t nbytes, int64_t code_bytes, const float *fp8_values,
+                        int64_t hkv, int64_t d, float *dst) {
+    for (int64_t h = 0; h < hkv; h++) {
+        const uint8_t *c = items + h * nbytes;
+        float sc;
+        memcpy(&sc, c + code_bytes, 4);
+        float *o = dst + h * d;
+        if (fp8_values) {
+            for (int64_t x = 0; x < d; x++) o[x] = fp8_values[c[x]] * sc;
+        } else {
+            const int8_t *ci = (const int8_t *)c;
+#pragma omp simd
+            for (int64_t x = 0; x < d; x++) o[x] = (float)ci[x] * sc;
+        }
+    }
+}
+
+/* paged_decode_attention over a quantized pool kv [num_blocks, 2, bs, hkv] of items (contiguous)
+ * whose codes decode as quantize.c's (fp8_values: the 256 e4m3fn values, NULL for int8), except
+ * each decode's own new token (position L - 1), read at full precision from fresh: decode i's K
+ * at fresh + rows[i] * fresh_tok, its V hkv * d floats later ([hkv][d] each), as a step that
+ * decoded the pages, wrote the new K/V among them and encoded them after would read. A block's K
+ * and V rows are decoded into scratch, then the same functions as paged_decode_attention run on
+ * them: the same float arithmetic, value for value. Returns as paged_decode_attention. */
+int64_t paged_decode_attention_q(
+    const float *q, int64_t q_tok, int64_t q_head,
+    const uint8_t *kv, int64_t num_blocks, int64_t nbytes, int64_t code_bytes, const float *fp8_values,
+    const float *fresh, int64_t fresh_tok,
+    const int32_t *table, int64_t table_row, const int32_t *seq_lens,
+    const int32_t *reqs, const int32_t *rows, int64_t n,
+    int64_t hkv, int64_t group, int64_t d, int64_t bs,
+    float scale, float soft_cap, int64_t window, const float *sinks,
+    float *out, int64_t out_tok, int64_t out_head)
+{
+    const int64_t hq = hkv * group, stride = (bs + 7) / 8 * 8, row = hkv * nbytes;
+    float *s = malloc(sizeof(float) * (size_t)(hq * stride));
+    float *acc = malloc(sizeof(float) * (size_t)(hq * d));
+    float *m = malloc(sizeof(float) * (size_t)hq), *l = malloc(sizeof(float) * (size_t)hq);
+    float *kf = malloc(sizeof(float) * (size_t)(2 * bs * hkv * d)), *vf = kf + bs * hkv * d;
+    v8 *part = aligned_alloc(sizeof(v8), sizeof(v8) * (size_t)(hq * stride));
+    int64_t status = (s == NULL || acc == NULL || m == NULL || l == NULL || kf == NULL || part == NULL) ? -(1 + n) : 0;
+    for (int64_t i = 0; i < n && status == 0; i++) {
+        const int64_t len = seq_lens[reqs[i]];
+        const int64_t start = (window > 0 && len > window) ? len - window : 0;
+        const int32_t *blocks = table + (int64_t)reqs[i] * table_row;
+        for (int64_t b = start / bs; b <= (len - 1) / bs; b++)
+            if (blocks[b] < 0 || blocks[b] >= num_blocks)
+                status = -(1 + i);
+        if (status != 0 || len <= 0)
+            break;
+        const float *qi = q + (int64_t)rows[i] * q_tok, *fk = fresh + (int64_t)rows[i] * fresh_tok;
+        for (int64_t head = 0; head < hq; head++)
+            m[head] = -INFINITY, l[head] = 0.0f;
+        memset(acc, 0, sizeof(float) * (size_t)(hq * d));
+        for (int64_t b = start / bs, o = start % bs, j = start; j < len; b++, o = 0) {
+            const int64_t nk = bs - o < len - j ? bs - o : len - j;
+            const uint8_t *page = kv + (int64_t)blocks[b] * 2 * bs * row;
+            for (int64_t r = 0; r < nk; r++) {
+                if (j + r == len - 1) { /* the new token: at full precision */
+                    memcpy(kf + r * hkv * d, fk, sizeof(float) * (size_t)(hkv * d));
+                    memcpy(vf + r * hkv * d, fk + hkv * d, sizeof(float) * (size_t)(hkv * d));
+                } else {
+                    dequant_row(page + (o + r) * row, nbytes, code_bytes, fp8_values, hkv, d, kf + r * hkv * d);
+                    dequant_row(page + (bs + o + r) * row, nbytes, code_bytes, fp8_values, hkv, d, vf + r * hkv * d);
+                }
+            }
+            j += nk;
+            logits_of(qi, q_head, kf, nk, hkv * d, d, hkv, group, d, scale, s, stride, part);
+            for (int64_t head = 0; head < hq; head++)
+                online_softmax(s + head * stride, nk, soft_cap, m + head, l + head, acc + head * d, d);
+            weighted_rows(s, stride, vf, nk, hkv * d, d, hkv, group, d, acc);
+        }
+        float *oi = out + (int64_t)rows[i] * out_tok;
+        for (int64_t head = 0; head < hq; head++) {
+            const float total = l[head] + (sinks != NULL ? expf(sinks[head] - m[head]) : 0.0f);
+            const float inv = 1.0f / total;
+            for (int64_t x = 0; x < d; x++)
+                oi[head * out_head + x] = acc[head * d + x] * inv;
+        }
+    }
+    free(s);
+    free(acc);
+    free(m);
+    free(l);
+    free(kf);
     free(part);
     return status;
 }

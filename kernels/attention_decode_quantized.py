@@ -1,0 +1,89 @@
+"""One-token decodes of CPU paged attention over a quantized KV pool, read in place (no staging).
+
+A quantized pool (hybridkv/cache_dtype.py) keeps each token's key and value vector of a head as
+one-byte codes and a float32 scale: `[num_blocks, 2, bs, Hkv, nbytes]` uint8. A step of decodes
+writes each request's new K/V and attends over its keys; here the new K/V are first computed in
+float (`fresh` [T, 2, 1, Hkv, D]: the write kernels' own pages, one token a block), encoded into
+the pool (`write_fresh`: the bytes a step that kept them in float pages and encoded them after
+would write), and `kernels/native/paged_attention.c:paged_decode_attention_q` attends over the
+pool's codes decoded block by block into scratch, the new token read from `fresh` at full
+precision: the float arithmetic of paged_decode_attention on decoded pages, value for value
+(tests/kernels/test_attention_decode_quantized.py holds it to that torch reference).
+
+`layout` is a hybridkv.cache_dtype.QuantLayout of one head's vector (not imported: kernels import
+nothing of the memory side). Used when `usable` says so; otherwise the caller decodes the pages.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import quantize
+from .attention_decode_native import NativeDecodes
+from .native_args import F32, I64, CFunction, Ptr, f32, i32
+
+PAGED_DECODE_ATTENTION_Q = CFunction(
+    "paged_attention", "paged_decode_attention_q", I64,
+    q=f32("T", "hkv * group", "d", strides=("q_tok", "q_head", 1)), q_tok=I64, q_head=I64,
+    kv=Ptr(torch.uint8, ("num_blocks", 2, "bs", "hkv", "nbytes")), num_blocks=I64, nbytes=I64, code_bytes=I64,
+    fp8_values=f32(256, optional=True), fresh=f32("T", "2 * hkv * d"), fresh_tok=I64,
+    table=Ptr(torch.int32, ("R", "W"), ("table_row", 1)), table_row=I64, seq_lens=i32("R"),
+    reqs=i32("n"), rows=i32("n"), n=I64, hkv=I64, group=I64, d=I64, bs=I64,
+    scale=F32, soft_cap=F32, window=I64, sinks=f32("hkv * group", optional=True),
+    out=f32("T", "hkv * group", "d", strides=("out_tok", "out_head", 1)), out_tok=I64, out_head=I64)
+
+
+def usable(pool: torch.Tensor, layout) -> bool:
+    """Whether a step's decodes over `pool` ([num_blocks, 2, bs, Hkv, nbytes] uint8, contiguous)
+    can run here: on the CPU, the kernels built, a layout of one head's vector (int8 or fp8)."""
+    return (pool.is_cpu and pool.dtype == torch.uint8 and pool.dim() == 5 and pool.is_contiguous()
+            and pool.shape[1] == 2 and pool.shape[-1] == layout.nbytes and len(layout.shape) == 1
+            and layout.dtype in ("int8", "fp8_e4m3") and PAGED_DECODE_ATTENTION_Q.available()
+            and quantize.ENCODE_SCATTER.available())
+
+
+def page_runs(slots: torch.Tensor, shape) -> torch.Tensor:
+    """The first items of the runs (one item a head) of the token slots `slots` in a page tensor of
+    `shape` [blocks, parts, block_size, heads, ...]: part after part (key, value), token after token."""
+    parts, bs, heads = shape[1], shape[2], shape[3]
+    first = (slots // bs * parts * bs + slots % bs) * heads
+    return (first.reshape(-1, 1) + torch.arange(parts, device=slots.device) * (bs * heads)).reshape(-1)
+
+
+def write_fresh(layout, fresh: torch.Tensor, pool: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Encodes the new K/V `fresh` [T, 2, 1, Hkv, D] (float32) into `pool` at `slot_mapping` [T]
+    (every slot >= 0), the codes and scales quantize.encode gives them."""
+    T = fresh.shape[0]
+    src = page_runs(torch.arange(T), fresh.shape)
+    quantize.encode_scatter(layout, fresh, src, pool, page_runs(slot_mapping.to(torch.int64), pool.shape),
+                            fresh.shape[3])
+
+
+def attend_decodes_quantized(q: torch.Tensor, pool: torch.Tensor, layout, fresh: torch.Tensor, dec: NativeDecodes,
+                             scale: float, soft_cap: Optional[float], sliding_window: Optional[int],
+                             sinks: Optional[torch.Tensor], out: torch.Tensor) -> None:
+    """Writes out[rows] ([n, Hq, D] of out [T, Hq, D], fp32) for the decodes of `dec`, reading
+    the pool's codes and each decode's own new token from fresh[rows] ([T, 2, 1, Hkv, D]; its
+    token must be the request's last, position seq_len - 1). ValueError when a block-table entry a
+    decode reads lies outside the pool."""
+    n = dec.reqs.shape[0]
+    if n == 0:
+        return
+    hkv, d = pool.shape[3], fresh.shape[4]
+    sink = None if sinks is None else sinks.detach().to(torch.float32).contiguous()
+    status = PAGED_DECODE_ATTENTION_Q.call(
+        q=q, q_tok=q.stride(0), q_head=q.stride(1), kv=pool, num_blocks=pool.shape[0], nbytes=layout.nbytes,
+        code_bytes=layout.code_bytes, fp8_values=quantize._fp8_values() if layout.dtype == "fp8_e4m3" else None,
+        fresh=fresh.view(fresh.shape[0], -1), fresh_tok=2 * hkv * d,
+        table=dec.block_table, table_row=dec.block_table.stride(0), seq_lens=dec.seq_lens,
+        reqs=dec.reqs, rows=dec.rows, n=n, hkv=hkv, group=q.shape[1] // hkv, d=d, bs=pool.shape[2],
+        scale=scale, soft_cap=0.0 if soft_cap is None else soft_cap,
+        window=0 if sliding_window is None else sliding_window, sinks=sink,
+        out=out, out_tok=out.stride(0), out_head=out.stride(1))
+    if status == -(1 + n):
+        raise MemoryError("paged_decode_attention_q: no memory for its scratch buffers")
+    if status != 0:
+        r = int(dec.reqs[-status - 1])
+        raise ValueError(f"request {r}: its block_table row {dec.block_table[r].tolist()} names a block "
+                         f"outside the pool of {pool.shape[0]} blocks (seq_len {int(dec.seq_lens[r])})")

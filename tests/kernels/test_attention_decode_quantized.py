@@ -1,0 +1,137 @@
+"""The C decode attention over a quantized KV pool (kernels/attention_decode_quantized.py) against
+the torch reference of the same arithmetic: the pool decoded by the layout's torch path, each
+request's new token put back at full precision, attended by paged_attention_ref (and, value for
+value, by the float C kernel on those decoded pages). Random inputs, NaN rows, int8 and fp8."""
+import math
+
+import pytest
+import torch
+
+from hybridkv.cache_dtype import QuantLayout
+from hybridkv.kernels import attention_decode_quantized as adq
+from hybridkv.kernels.attention_decode_native import NativeDecodes, attend_decodes
+from hybridkv.kernels.attention_ref import paged_attention_ref
+
+
+def case(lens, bs, hkv, group, d, dtype, seed):
+    """A quantized pool with each request's blocks shuffled among spare ones (spare blocks and the
+    unwritten tails hold NaN rows), q, the new K/V `fresh` of each request's last token, the
+    table and the slot of that token."""
+    g = torch.Generator().manual_seed(seed)
+    layout = QuantLayout(dtype, (d,), 0)
+    need = [math.ceil(n / bs) for n in lens]
+    num_blocks = sum(need) + 5
+    vals = torch.randn(num_blocks, 2, bs, hkv, d, generator=g)
+    vals = vals * torch.exp(torch.empty(num_blocks, 2, bs, hkv, 1).uniform_(-3, 3, generator=g))  # rows of many scales
+    perm = torch.randperm(num_blocks, generator=g)
+    table = torch.randint(0, num_blocks, (len(lens), max(need) + 1), generator=g, dtype=torch.int32)
+    used = 0
+    for r, n in enumerate(need):
+        table[r, :n] = perm[used:used + n].to(torch.int32)
+        used += n
+    vals[perm[used:]] = float("nan")  # blocks no request reads
+    for r, n in enumerate(lens):  # the unwritten tail of each last block
+        vals[table[r, (n - 1) // bs], :, (n - 1) % bs + 1:] = float("nan")
+    pool = layout.encode(vals)
+    T = len(lens)
+    fresh = torch.randn(T, 2, 1, hkv, d, generator=g) * 3
+    slots = torch.tensor([int(table[r, (n - 1) // bs]) * bs + (n - 1) % bs for r, n in enumerate(lens)])
+    q = torch.randn(T, hkv * group, d, generator=g)
+    return layout, pool, fresh, slots, q, table
+
+
+def reference_pages(layout, pool, fresh, slots, bs):
+    """The float pages a staged step attends over: the pool decoded, the new tokens at full precision."""
+    pages = layout.decode(pool)
+    for t, s in enumerate(slots.tolist()):
+        pages[s // bs, :, s % bs] = fresh[t, :, 0]
+    return pages
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("lens,bs,hkv,group,d,window,soft_cap,sinks", [
+    ([1, 17, 40, 5], 16, 2, 2, 64, None, None, False),
+    ([33, 8, 64], 8, 1, 4, 32, 12, None, True),
+    ([3, 29], 16, 2, 1, 12, None, 30.0, False),  # head_dim not a multiple of 8: the plain loops
+])
+def test_quantized_decodes_match_the_reference(dtype, lens, bs, hkv, group, d, window, soft_cap, sinks):
+    layout, pool, fresh, slots, q, table = case(lens, bs, hkv, group, d, dtype, seed=len(lens) + d)
+    assert adq.usable(pool, layout)
+    sink = torch.randn(hkv * group) if sinks else None
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    T = len(lens)
+    qsl = torch.arange(T + 1, dtype=torch.int32)
+    dec = NativeDecodes.build(list(range(T)), qsl.tolist(), seq_lens, table)
+    before = pool.clone()
+    out = torch.full_like(q, 7.0)
+    adq.attend_decodes_quantized(q, pool, layout, fresh, dec, 0.3, soft_cap, window, sink, out)
+    assert torch.equal(pool, before)  # attention only reads the pool
+    pages = reference_pages(layout, pool, fresh, slots, bs)
+    want = paged_attention_ref(q, pages, qsl, seq_lens, table, 0.3, sliding_window=window, soft_cap=soft_cap,
+                               sinks=sink)
+    assert not out.isnan().any()  # no NaN row (spare blocks, unwritten tails) is read
+    torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
+    same = torch.full_like(q, 7.0)  # the float kernel on the decoded pages: the same values exactly
+    attend_decodes(q, pages, dec, 0.3, soft_cap, window, sink, same)
+    assert torch.equal(out, same)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8_e4m3"])
+def test_a_nan_key_row_poisons_only_its_heads(dtype):
+    """A K row holding a NaN (a NaN scale: the head's whole vector decodes to NaN) gives NaN for the
+    query heads of that KV head in the request that reads it, as the float kernel on the decoded
+    pages does (the reference's softmax turns a NaN row into zeros); every other output matches
+    the reference."""
+    lens, bs, hkv, group, d = [20, 9], 8, 2, 2, 16
+    layout, pool, fresh, slots, q, table = case(lens, bs, hkv, group, d, dtype, seed=3)
+    blk = int(table[0, 1])
+    vals = layout.decode(pool[blk])
+    vals[0, 2, 1, 5] = float("nan")  # request 0's key at position 10, KV head 1 (query heads 2, 3)
+    pool[blk] = layout.encode(vals)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    qsl = torch.arange(3, dtype=torch.int32)
+    dec = NativeDecodes.build([0, 1], qsl.tolist(), seq_lens, table)
+    out = torch.zeros_like(q)
+    adq.attend_decodes_quantized(q, pool, layout, fresh, dec, 0.25, None, None, None, out)
+    pages = reference_pages(layout, pool, fresh, slots, bs)
+    same = torch.zeros_like(q)
+    attend_decodes(q, pages, dec, 0.25, None, None, None, same)
+    assert bool(out[0, 2:].isnan().all()) and not out[0, :2].isnan().any() and not out[1].isnan().any()
+    assert torch.equal(out.isnan(), same.isnan()) and torch.equal(out.nan_to_num(), same.nan_to_num())
+    want = paged_attention_ref(q, pages, qsl, seq_lens, table, 0.25)
+    torch.testing.assert_close(out[0, :2], want[0, :2], rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(out[1], want[1], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8_e4m3"])
+def test_write_fresh_encodes_the_new_tokens_into_their_slots(dtype):
+    """The pool after write_fresh: the bytes of the layout's encode of each new K and V vector at its
+    slot (a NaN vector too: it decodes to NaN), every other byte unchanged."""
+    lens, bs, hkv, d = [5, 16, 30], 8, 2, 16
+    layout, pool, fresh, slots, q, table = case(lens, bs, hkv, 1, d, dtype, seed=5)
+    fresh[1, 1, 0, 0, 3] = float("nan")
+    got = pool.clone()
+    adq.write_fresh(layout, fresh, got, slots)
+    want = pool.clone()
+    for t, s in enumerate(slots.tolist()):
+        want[s // bs, :, s % bs] = layout.encode(fresh[t, :, 0])
+    ok = ~fresh[:, :, 0].isnan().any(-1)  # [T, 2, hkv]: vectors without a NaN
+    for t, s in enumerate(slots.tolist()):
+        for p in range(2):
+            for h in range(hkv):
+                a, b = got[s // bs, p, s % bs, h], want[s // bs, p, s % bs, h]
+                if ok[t, p, h]:
+                    assert torch.equal(a, b)
+                else:
+                    assert bool(layout.decode(a[None])[0].isnan().all())
+                    got[s // bs, p, s % bs, h] = b  # (fp8's torch codes differ in a NaN row)
+    assert torch.equal(got, want)
+
+
+def test_refused_where_it_cannot_run():
+    layout = QuantLayout("int8", (16,), 0)
+    pool = layout.empty((4, 2, 8, 2))
+    assert adq.usable(pool, layout)
+    assert not adq.usable(pool[:, :, :4], layout)  # not contiguous
+    assert not adq.usable(torch.zeros(4, 2, 8, 2, 16), layout)  # float pages
+    assert not adq.usable(pool, QuantLayout("int8", (8,), 0))  # another row size
