@@ -8,9 +8,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.kernels import ops
+from hybridkv.kernels.attention_decode_native import NativeDecodes
+from hybridkv.kernels.attention_decode_quantized import attend_decodes_quantized, write_fresh
 from hybridkv.specs import AttentionSpec
 
-from .forward_batch import ForwardBatch
+from .forward_batch import ForwardBatch, QuantizedPages
 from .fused_linear import FusedLinear
 from .rotary import apply_rotary
 from .row_parallel import RowParallel
@@ -90,6 +92,46 @@ class PagedAttention(RowParallel, nn.Module):
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.rank_sum(F.linear(out, *self.o.weight_bias()))
+
+    @property
+    def reads_codes(self) -> bool:
+        """Whether `forward_codes` stands for this layer's forward (not for a subclass that
+        overrides forward)."""
+        return type(self).forward is PagedAttention.forward
+
+    def forward_codes(self, hidden: torch.Tensor, rope, batch: ForwardBatch, pages: QuantizedPages) -> torch.Tensor:
+        """`forward` for a step of one-token decodes over a quantized pool read in place
+        (ModelCaches.kv_codes): the new K/V computed as forward writes them, into float pages of
+        one token each, encoded into the pool at the step's slots, and attended with the pool's
+        codes and the new token at full precision (kernels/attention_decode_quantized.py): what
+        forward computes on the pool decoded, the new K/V encoded after."""
+        qkv = F.linear(hidden, *self.qkv.weight_bias())
+        _, _, plans = batch.kv_tables(self.sliding_window)
+        T, Hq, Hkv, D = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        step = plans.get("quantized_decodes")
+        if step is None:  # once per step and KV group: the new tokens' own slots, the C call's rows
+            R = batch.num_reqs
+            step = plans["quantized_decodes"] = (torch.arange(T), NativeDecodes.build(
+                list(range(R)), list(range(R + 1)), batch.seq_lens, pages.block_table))
+        own, dec = step
+        fresh = torch.empty(T, 2, 1, Hkv, D, dtype=torch.float32)
+        q = gate = None
+        if self.q_norm is None and not self.output_gate:
+            q = ops.rope_write_kv(qkv, rope, Hq, Hkv, D, fresh, own, plan_cache=plans)
+        if q is None:
+            q, k, v, gate = self._split_rotate(qkv, rope)
+            ops.write_kv(k, v, fresh, own, plan_cache=plans)
+        write_fresh(pages.layout, fresh, pages.pool, pages.slot_mapping)
+        out = torch.empty(T, Hq, D, dtype=torch.float32)
+        attend_decodes_quantized(q.float(), pages.pool, pages.layout, fresh, dec, self.scale, self.soft_cap,
+                                 self.sliding_window, self.sinks, out)
+        out = out.to(q.dtype)
+        if self.g_proj is not None:
+            out = out * torch.sigmoid(self.g_proj(hidden))[..., None]
+        out = out.reshape(T, Hq * D)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return F.linear(out, *self.o.weight_bias())
 
     def _split_rotate(self, qkv: torch.Tensor, rope):
         """The torch path: qkv [T, q_out + 2 Hkv D] -> q [T, Hq, D], k, v [T, Hkv, D] (q and k

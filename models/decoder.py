@@ -68,7 +68,9 @@ class HybridDecoderLayer(nn.Module):
         """
         h, x = add_then_norm(getattr(self, self.mixer_norm), h, pending)
         if self.is_attention:
-            x = self.self_attn(x, rope, batch, caches.kv[i])
+            attn = self.self_attn
+            pages = caches.kv_codes(i) if caches.kv_codes is not None and getattr(attn, "reads_codes", False) else None
+            x = attn.forward_codes(x, rope, batch, pages) if pages is not None else attn(x, rope, batch, caches.kv[i])
         else:
             x = self.mix_recurrent(x, batch, caches, i, split)
         scale = self.residual_scale

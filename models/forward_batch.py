@@ -105,3 +105,20 @@ class ModelCaches:
     conv: dict[int, torch.Tensor]
     state: dict[int, torch.Tensor]
     block_size: int
+    # Under a quantized KV cache dtype, in a step of one-token decodes (scheduler/cache_staging.py):
+    # kv_codes(i) -> QuantizedPages of layer i, for a layer that reads codes in place instead of
+    # kv[i] (PagedAttention.forward_codes), or None (then kv[i]).
+    kv_codes: Optional[Callable[[int], Optional["QuantizedPages"]]] = None
+
+
+@dataclass
+class QuantizedPages:
+    """One attention layer's quantized pool as its codes, for a step of one-token decodes: pool
+    [num_blocks, 2, block_size, Hkv, nbytes] uint8 with `layout` (hybridkv.cache_dtype.QuantLayout
+    of one head's vector), and the layer's block_table [R, W] and slot_mapping [T] (every slot >= 0)
+    into that pool (the step's own, not the staging's renumbered ones)."""
+
+    pool: torch.Tensor
+    layout: object
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor

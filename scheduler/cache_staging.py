@@ -32,8 +32,9 @@ import torch
 
 from hybridkv.cache_dtype import QuantLayout
 from hybridkv.kernels import quantize
+from hybridkv.kernels import attention_decode_quantized
 from hybridkv.kernels.attention_decode_quantized import page_runs
-from hybridkv.models.forward_batch import ForwardBatch, KVGroupTables, ModelCaches
+from hybridkv.models.forward_batch import ForwardBatch, KVGroupTables, ModelCaches, QuantizedPages
 
 
 class _StagedLayers(Mapping):
@@ -149,8 +150,29 @@ class CacheStaging:
         def finish() -> None:
             for m in staged:
                 m.flush()
-        return dataclasses.replace(batch, **changes), ModelCaches(kv=kv, conv=conv, state=state,
-                                                                  block_size=caches.block_size), finish
+        return dataclasses.replace(batch, **changes), ModelCaches(
+            kv=kv, conv=conv, state=state, block_size=caches.block_size,
+            kv_codes=self._kv_codes(batch, caches.kv) if self.kv_layouts else None), finish
+
+    def _kv_codes(self, batch: ForwardBatch, pools: Mapping[int, torch.Tensor]):
+        """ModelCaches.kv_codes for a step of one-token decodes (none verifies a draft; int8 rounds to
+        nearest): layer i's pool as QuantizedPages with the step's own tables, where the layer
+        computes in float32 and the C kernel reads that pool; else None (the layer reads kv[i])."""
+        lens = batch.query_lens_cpu or (batch.query_start_loc[1:] - batch.query_start_loc[:-1]).tolist()
+        if self.generator is not None or batch.verify_slots or any(n != 1 for n in lens):
+            return None
+        tables: dict = {}
+
+        def kv_codes(i: int) -> Optional[QuantizedPages]:
+            layout, dtype, window = self.kv_layouts.get(i, (None, None, None))
+            if layout is None or dtype != torch.float32 or not attention_decode_quantized.usable(pools[i], layout):
+                return None
+            got = tables.get(window)
+            if got is None:  # once per KV group: every new token has a slot
+                table, slots, _ = batch.kv_tables(window)
+                got = tables[window] = (table, slots) if bool((slots >= 0).all()) else False
+            return QuantizedPages(pools[i], layout, *got) if got else None
+        return kv_codes
 
     # ---- recurrent slots -------------------------------------------------------------------
     @staticmethod

@@ -232,3 +232,35 @@ def test_migration_carries_codes_and_scales_and_refuses_another_cache_dtype(bamb
     assert [done[i] for i in ids] == expected
     assert_no_leaks(dst)
     assert_no_leaks(src)
+
+
+@pytest.mark.parametrize("name,kv", [("bamba", "int8"), ("llama", "fp8_e4m3"), ("gpt_oss", "int8")])
+def test_decode_steps_read_quantized_pages_in_place(name, kv, tmp_path, monkeypatch):
+    """In steps of one-token decodes, attention layers read their pool's codes in place
+    (ModelCaches.kv_codes -> PagedAttention.forward_codes: no page is decoded for them), and the
+    tokens and pool bytes are still the whole-pool reference's (gpt_oss: sliding and full KV
+    groups, sinks)."""
+    from hybridkv.models.attention import PagedAttention
+
+    fam = FAMILIES[name]
+    path = fam.make(fam.name, tmp_path, seed=fam.seed, **fam.overrides)
+    prompts = [prompt(n, 60 + n) for n in (3, 19, 40)]
+    calls = []
+    real = PagedAttention.forward_codes
+    monkeypatch.setattr(PagedAttention, "forward_codes", lambda self, *a: calls.append(1) or real(self, *a))
+    results = []
+    for reference in (False, True):
+        llm = LLM(str(path), memory_budget_bytes=16 << 20, max_num_batched_tokens=32, kv_cache_dtype=kv,
+                  state_cache_dtype="int8")
+        if reference:
+            use_reference_staging(llm)
+        before = len(calls)
+        outs = llm.generate(prompts, greedy(12), use_tqdm=False)
+        if reference:
+            assert len(calls) == before  # the reference decodes every page
+        else:
+            assert len(calls) > 0
+        results.append(([o.outputs[0].token_ids for o in outs], pools(llm)))
+    (staged, staged_pools), (ref, ref_pools) = results
+    assert staged == ref
+    assert all(torch.equal(a, b) for a, b in zip(staged_pools, ref_pools))
