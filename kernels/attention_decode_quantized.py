@@ -51,13 +51,18 @@ def page_runs(slots: torch.Tensor, shape) -> torch.Tensor:
     return (first.reshape(-1, 1) + torch.arange(parts, device=slots.device) * (bs * heads)).reshape(-1)
 
 
-def write_fresh(layout, fresh: torch.Tensor, pool: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Encodes the new K/V `fresh` [T, 2, 1, Hkv, D] (float32) into `pool` at `slot_mapping` [T]
-    (every slot >= 0), the codes and scales quantize.encode gives them."""
-    T = fresh.shape[0]
-    src = page_runs(torch.arange(T), fresh.shape)
-    quantize.encode_scatter(layout, fresh, src, pool, page_runs(slot_mapping.to(torch.int64), pool.shape),
-                            fresh.shape[3])
+def fresh_runs(slot_mapping: torch.Tensor, fresh_shape, pool_shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """(src, dst): the runs write_fresh encodes, from fresh pages of `fresh_shape` [T, 2, 1, Hkv, D]
+    to the pool's token slots `slot_mapping` [T] (every slot >= 0); the same for every layer of a
+    step whose pools have one shape (build them once)."""
+    T = fresh_shape[0]
+    return page_runs(torch.arange(T), fresh_shape), page_runs(slot_mapping.to(torch.int64), pool_shape)
+
+
+def write_fresh(layout, fresh: torch.Tensor, pool: torch.Tensor, runs: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Encodes the new K/V `fresh` [T, 2, 1, Hkv, D] (float32) into `pool` along `runs`
+    (fresh_runs), the codes and scales quantize.encode gives them."""
+    quantize.encode_scatter(layout, fresh, runs[0], pool, runs[1], fresh.shape[3])
 
 
 def attend_decodes_quantized(q: torch.Tensor, pool: torch.Tensor, layout, fresh: torch.Tensor, dec: NativeDecodes,

@@ -34,16 +34,16 @@ ENCODE_SCATTER = CFunction("quantize", "quant_encode_scatter_f32", INT,
 _FP8_VALUES: Optional[torch.Tensor] = None
 
 
-_DIMS: dict = {}
+_DIMS: dict = {}  # id(layout) -> (layout, dims): the layout kept, so its id is not reused
 
 
 def _dims(layout) -> tuple[int, int, int]:
     """(A, L, B): the item as [A][L][B] with the rows along L (computed once per layout)."""
-    dims = _DIMS.get(layout)
-    if dims is None:
+    got = _DIMS.get(id(layout))  # by identity: hashing the dataclass costs more than the call
+    if got is None or got[0] is not layout:
         s, d = layout.shape, layout.row_dim
-        dims = _DIMS[layout] = (math.prod(s[:d]), s[d], math.prod(s[d + 1:]))
-    return dims
+        got = _DIMS[id(layout)] = (layout, (math.prod(s[:d]), s[d], math.prod(s[d + 1:])))
+    return got[1]
 
 
 def _long(t: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from torch import nn
 
 from hybridkv.kernels import ops
 from hybridkv.kernels.attention_decode_native import NativeDecodes
-from hybridkv.kernels.attention_decode_quantized import attend_decodes_quantized, write_fresh
+from hybridkv.kernels.attention_decode_quantized import attend_decodes_quantized, fresh_runs, write_fresh
 from hybridkv.specs import AttentionSpec
 
 from .forward_batch import ForwardBatch, QuantizedPages
@@ -108,20 +108,22 @@ class PagedAttention(RowParallel, nn.Module):
         qkv = F.linear(hidden, *self.qkv.weight_bias())
         _, _, plans = batch.kv_tables(self.sliding_window)
         T, Hq, Hkv, D = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        step = plans.get("quantized_decodes")
-        if step is None:  # once per step and KV group: the new tokens' own slots, the C call's rows
-            R = batch.num_reqs
-            step = plans["quantized_decodes"] = (torch.arange(T), NativeDecodes.build(
-                list(range(R)), list(range(R + 1)), batch.seq_lens, pages.block_table))
-        own, dec = step
         fresh = torch.empty(T, 2, 1, Hkv, D, dtype=torch.float32)
+        key = ("quantized_decodes", pages.pool.shape)
+        step = plans.get(key)
+        if step is None:  # once per step, KV group and pool shape: slots, runs, the C call's rows
+            R = batch.num_reqs
+            step = plans[key] = (torch.arange(T), fresh_runs(pages.slot_mapping, fresh.shape, pages.pool.shape),
+                                 NativeDecodes.build(list(range(R)), list(range(R + 1)), batch.seq_lens,
+                                                     pages.block_table))
+        own, runs, dec = step
         q = gate = None
         if self.q_norm is None and not self.output_gate:
             q = ops.rope_write_kv(qkv, rope, Hq, Hkv, D, fresh, own, plan_cache=plans)
         if q is None:
             q, k, v, gate = self._split_rotate(qkv, rope)
             ops.write_kv(k, v, fresh, own, plan_cache=plans)
-        write_fresh(pages.layout, fresh, pages.pool, pages.slot_mapping)
+        write_fresh(pages.layout, fresh, pages.pool, runs)
         out = torch.empty(T, Hq, D, dtype=torch.float32)
         attend_decodes_quantized(q.float(), pages.pool, pages.layout, fresh, dec, self.scale, self.soft_cap,
                                  self.sliding_window, self.sinks, out)

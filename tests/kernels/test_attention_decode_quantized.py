@@ -111,7 +111,7 @@ def test_write_fresh_encodes_the_new_tokens_into_their_slots(dtype):
     layout, pool, fresh, slots, q, table = case(lens, bs, hkv, 1, d, dtype, seed=5)
     fresh[1, 1, 0, 0, 3] = float("nan")
     got = pool.clone()
-    adq.write_fresh(layout, fresh, got, slots)
+    adq.write_fresh(layout, fresh, got, adq.fresh_runs(slots, fresh.shape, got.shape))
     want = pool.clone()
     for t, s in enumerate(slots.tolist()):
         want[s // bs, :, s % bs] = layout.encode(fresh[t, :, 0])
