@@ -92,3 +92,28 @@ def attend_decodes_quantized(q: torch.Tensor, pool: torch.Tensor, layout, fresh:
         r = int(dec.reqs[-status - 1])
         raise ValueError(f"request {r}: its block_table row {dec.block_table[r].tolist()} names a block "
                          f"outside the pool of {pool.shape[0]} blocks (seq_len {int(dec.seq_lens[r])})")
+
+
+def quantized_decode_attention(q: torch.Tensor, fresh: torch.Tensor, pool: torch.Tensor, layout,
+                               slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                               scale: float, soft_cap: Optional[float], sliding_window: Optional[int],
+                               sinks: Optional[torch.Tensor], plan_cache: dict) -> Optional[torch.Tensor]:
+    """ops.quantized_decode_attention on CPU: a step of one-token decodes (request r's query is row r
+    of q [R, Hq, D] fp32, its new K/V fresh[r] [2, 1, Hkv, D]) over the quantized pool: the new K/V
+    encoded into the pool at slot_mapping [R], then attended (attend_decodes_quantized) through
+    block_table [R, W] and seq_lens [R] -> out [R, Hq, D] fp32. None, nothing written, when it
+    cannot run here (`usable`, q not fp32). plan_cache: the step's dict, where the runs and rows
+    shared by the step's layers of one pool shape are kept."""
+    if not usable(pool, layout) or q.dtype != torch.float32 or not q.is_cpu or fresh.dtype != torch.float32:
+        return None
+    key = ("quantized_decodes", pool.shape, fresh.shape, id(block_table))
+    step = plan_cache.get(key)
+    if step is None:
+        R = q.shape[0]
+        step = plan_cache[key] = (fresh_runs(slot_mapping, fresh.shape, pool.shape), NativeDecodes.build(
+            list(range(R)), list(range(R + 1)), seq_lens, block_table), block_table)  # (the table kept: its id)
+    runs, dec, _ = step
+    write_fresh(layout, fresh, pool, runs)
+    out = torch.empty(q.shape, dtype=torch.float32)
+    attend_decodes_quantized(q, pool, layout, fresh, dec, scale, soft_cap, sliding_window, sinks, out)
+    return out

@@ -17,7 +17,7 @@ import ctypes
 
 import torch
 
-from . import native_cpu
+from . import native_cpu, quantize
 from .native_args import F32, I64, INT, CFunction, as_rows, f32, fp32_cpu, i32, ptr, slots_int32
 
 _P = ctypes.c_void_p
@@ -44,7 +44,11 @@ class _MixerArgs(ctypes.Structure):
                 ("conv_state", _P), ("ssm_state", _P), ("num_slots", I64), ("H", I64), ("P", I64),
                 ("N", I64), ("G", I64), ("k", I64), ("conv_w", _P), ("conv_b", _P), ("A_log", _P),
                 ("dt_bias", _P), ("D", _P), ("norm_w", _P), ("norm_group", I64), ("eps", F32),
-                ("norm_mode", ctypes.c_int32), ("xbc", _P), ("A", _P)]
+                ("norm_mode", ctypes.c_int32), ("xbc", _P), ("A", _P),
+                ("conv_q", _P), ("ssm_q", _P), ("conv_nbytes", I64), ("conv_code_bytes", I64), ("conv_A", I64),
+                ("conv_L", I64), ("conv_B", I64), ("ssm_nbytes", I64), ("ssm_code_bytes", I64), ("ssm_A", I64),
+                ("ssm_L", I64), ("ssm_B", I64), ("conv_fp8", ctypes.c_int32), ("ssm_fp8", ctypes.c_int32),
+                ("fp8_values", _P)]
 
 
 _MIXER_DECODE = ("mamba2_decode", "mamba2_mixer_decode", [ctypes.POINTER(_MixerArgs)], INT)
@@ -104,20 +108,39 @@ class Mamba2MixerDecode:
     """
 
     def __init__(self, conv_state, ssm_state, num_heads, head_dim, n_groups, conv_weight, conv_bias,
-                 A_log, dt_bias, D, norm_weight, norm_group, eps, norm_mode):
+                 A_log, dt_bias, D, norm_weight, norm_group, eps, norm_mode, quantized=None):
         H, P, G = num_heads, head_dim, n_groups
-        N = ssm_state.shape[-1]
         conv_dim, k = conv_weight.shape
+        quant_ok = True
+        if quantized is not None:  # the pools are codes: the float "pools" are one slot of scratch
+            conv_q, conv_layout, ssm_q, ssm_layout = quantized
+            quant_ok = _quantized_ok(conv_q, conv_layout, (conv_dim, k - 1)) and \
+                _quantized_ok(ssm_q, ssm_layout, (H, P, ssm_layout.shape[-1])) and conv_q.shape[0] == ssm_q.shape[0]
+            conv_state = torch.empty(1, *conv_layout.shape, dtype=torch.float32)
+            ssm_state = torch.empty(1, *ssm_layout.shape, dtype=torch.float32)
+        N = ssm_state.shape[-1]
         self.width = H * P + conv_dim + H
         tensors = (conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_bias, D, norm_weight)
-        self.usable = (fp32_cpu(*tensors) and all(t is None or t.is_contiguous() for t in tensors)
+        self.usable = (quant_ok and fp32_cpu(*tensors) and all(t is None or t.is_contiguous() for t in tensors)
                        and conv_state.shape[0] == ssm_state.shape[0] and H % G == 0
                        and tuple(conv_state.shape[1:]) == (conv_dim, k - 1)
                        and tuple(ssm_state.shape[1:]) == (H, P, N) and conv_dim == H * P + 2 * G * N)
         self._xbc, self._A = torch.empty(conv_dim, dtype=torch.float32), torch.empty(H, dtype=torch.float32)
+        self._scratch = (conv_state, ssm_state)  # (kept alive: the call holds their addresses)
         a = self._args = _MixerArgs()
         a.conv_state, a.ssm_state = conv_state.data_ptr(), ssm_state.data_ptr()
         a.num_slots = ssm_state.shape[0]
+        if quantized is not None and self.usable:
+            a.num_slots = conv_q.shape[0]
+            a.conv_q, a.ssm_q = conv_q.data_ptr(), ssm_q.data_ptr()
+            a.conv_nbytes, a.conv_code_bytes = conv_layout.nbytes, conv_layout.code_bytes
+            a.conv_A, a.conv_L, a.conv_B = quantize._dims(conv_layout)
+            a.ssm_nbytes, a.ssm_code_bytes = ssm_layout.nbytes, ssm_layout.code_bytes
+            a.ssm_A, a.ssm_L, a.ssm_B = quantize._dims(ssm_layout)
+            a.conv_fp8, a.ssm_fp8 = conv_layout.dtype == "fp8_e4m3", ssm_layout.dtype == "fp8_e4m3"
+            if a.conv_fp8 or a.ssm_fp8:
+                self._fp8 = quantize._fp8_values()
+                a.fp8_values = self._fp8.data_ptr()
         a.H, a.P, a.N, a.G, a.k = H, P, N, G, k
         a.conv_w, a.conv_b, a.A_log, a.dt_bias, a.D, a.norm_w = (ptr(t) for t in tensors[2:])
         a.norm_group, a.eps, a.norm_mode = norm_group, eps, norm_mode
@@ -147,6 +170,37 @@ class Mamba2MixerDecode:
         a.slots, a.y = slots.data_ptr(), y.data_ptr()
         rc = fn(ctypes.byref(a))
         return y if rc == 0 else None
+
+
+def _quantized_ok(pool: torch.Tensor, layout, shape: tuple) -> bool:
+    """pool [slots, nbytes] uint8 on the CPU, contiguous, of items of `shape` (int8 or fp8)."""
+    return (pool.dtype == torch.uint8 and pool.is_cpu and pool.dim() == 2 and pool.is_contiguous()
+            and pool.shape[1] == layout.nbytes and tuple(layout.shape) == tuple(shape)
+            and layout.dtype in ("int8", "fp8_e4m3"))
+
+
+def mamba2_mixer_decode_q(proj, slot_idx, *, conv_pool, conv_layout, ssm_pool, ssm_layout, num_heads, head_dim,
+                          n_groups, conv_weight, conv_bias, A_log, dt_bias, D, norm_weight, norm_group, eps,
+                          norm_mode, cache: dict):
+    """ops.mamba2_mixer_decode_q on CPU: mamba2_mixer_decode over quantized pools read and written
+    in place (conv_pool [S, conv nbytes], ssm_pool [S, ssm nbytes] uint8 with their layouts,
+    hybridkv.cache_dtype.QuantLayout): each request's slot decoded, updated and encoded back in
+    one pass, the bytes and y of decoding the pools, running mamba2_mixer_decode and encoding the
+    slots after (slot 0, the null slot, is not written back). -> y [B, H P] fp32, or None when it
+    cannot run here (nothing written: the caller decodes the slots and runs the float path)."""
+    if not native_cpu.enabled():
+        return None
+    key = Mamba2MixerDecode.key_of(conv_pool, ssm_pool, conv_weight, conv_bias, A_log, dt_bias, D, norm_weight)
+    key.append((id(conv_layout), id(ssm_layout)))
+    call = cache.get("call_q")
+    if call is None or cache["key_q"] != key:
+        call = cache["call_q"] = Mamba2MixerDecode(
+            None, None, num_heads, head_dim, n_groups,
+            conv_weight.squeeze(1) if conv_weight.dim() == 3 else conv_weight, conv_bias, A_log, dt_bias, D,
+            norm_weight, norm_group, eps, norm_mode, quantized=(conv_pool, conv_layout, ssm_pool, ssm_layout))
+        cache["key_q"] = key
+        cache["layouts_q"] = (conv_layout, ssm_layout)  # (their ids are in the key: kept alive)
+    return call(proj, slot_idx)
 
 
 def _mixer_decode():

@@ -106,6 +106,20 @@ mamba2_mixer_decode = declare(
 A Mamba2 layer's whole decode between in_proj and out_proj in one C call (see
 mamba2_native.mamba2_mixer_decode) -> y [B, H P], or None (the caller runs conv1d_update,
 mamba2_state_update and its norm).""")
+quantized_decode_attention = declare(
+    "quantized_decode_attention(q, fresh, pool, layout, slot_mapping, block_table, seq_lens, scale, soft_cap,"
+    " sliding_window, sinks, plan_cache)",
+    "attention_decode_quantized:quantized_decode_attention", None, """
+A step of one-token decodes over a quantized KV pool (uint8 codes and scales, hybridkv.cache_dtype): the
+new K/V fresh [R, 2, 1, Hkv, D] encoded into the pool, then attended with the pool's codes and the new
+token at full precision -> out [R, Hq, D] fp32, or None (nothing written; the caller decodes the pages).""")
+mamba2_mixer_decode_q = declare(
+    "mamba2_mixer_decode_q(proj, slot_idx, *, conv_pool, conv_layout, ssm_pool, ssm_layout, num_heads, head_dim,"
+    " n_groups, conv_weight, conv_bias, A_log, dt_bias, D, norm_weight, norm_group, eps, norm_mode, cache)",
+    "mamba2_native:mamba2_mixer_decode_q", None, """
+mamba2_mixer_decode over quantized state pools (uint8 codes and scales, hybridkv.cache_dtype), each slot
+decoded, updated and encoded back in one C pass -> y [B, H P], or None (nothing written; the caller
+runs the float path on decoded slots).""")
 gdn_state_update = declare(
     "gdn_state_update(state, q, k, v, g, beta, slot_idx, scale=None, use_qk_l2norm=True)",
     "gdn_cpu:gdn_state_update_cpu", "gdn:gdn_state_update_triton", """

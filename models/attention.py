@@ -8,8 +8,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.kernels import ops
-from hybridkv.kernels.attention_decode_native import NativeDecodes
-from hybridkv.kernels.attention_decode_quantized import attend_decodes_quantized, fresh_runs, write_fresh
 from hybridkv.specs import AttentionSpec
 
 from .forward_batch import ForwardBatch, QuantizedPages
@@ -99,34 +97,32 @@ class PagedAttention(RowParallel, nn.Module):
         overrides forward)."""
         return type(self).forward is PagedAttention.forward
 
-    def forward_codes(self, hidden: torch.Tensor, rope, batch: ForwardBatch, pages: QuantizedPages) -> torch.Tensor:
+    def forward_codes(self, hidden: torch.Tensor, rope, batch: ForwardBatch,
+                      pages: QuantizedPages) -> Optional[torch.Tensor]:
         """`forward` for a step of one-token decodes over a quantized pool read in place
         (ModelCaches.kv_codes): the new K/V computed as forward writes them, into float pages of
-        one token each, encoded into the pool at the step's slots, and attended with the pool's
-        codes and the new token at full precision (kernels/attention_decode_quantized.py): what
-        forward computes on the pool decoded, the new K/V encoded after."""
+        one token each, then encoded into the pool and attended with its codes, the new token at
+        full precision (ops.quantized_decode_attention): what forward computes on the pool
+        decoded, the new K/V encoded after. None when that cannot run here (nothing written: the
+        caller runs forward on decoded pages)."""
         qkv = F.linear(hidden, *self.qkv.weight_bias())
         _, _, plans = batch.kv_tables(self.sliding_window)
         T, Hq, Hkv, D = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        own = plans.get(("own_slots", T))
+        if own is None:  # the new tokens' slots in their one-token pages, once per step
+            own = plans[("own_slots", T)] = torch.arange(T)
         fresh = torch.empty(T, 2, 1, Hkv, D, dtype=torch.float32)
-        key = ("quantized_decodes", pages.pool.shape)
-        step = plans.get(key)
-        if step is None:  # once per step, KV group and pool shape: slots, runs, the C call's rows
-            R = batch.num_reqs
-            step = plans[key] = (torch.arange(T), fresh_runs(pages.slot_mapping, fresh.shape, pages.pool.shape),
-                                 NativeDecodes.build(list(range(R)), list(range(R + 1)), batch.seq_lens,
-                                                     pages.block_table))
-        own, runs, dec = step
         q = gate = None
         if self.q_norm is None and not self.output_gate:
             q = ops.rope_write_kv(qkv, rope, Hq, Hkv, D, fresh, own, plan_cache=plans)
         if q is None:
             q, k, v, gate = self._split_rotate(qkv, rope)
             ops.write_kv(k, v, fresh, own, plan_cache=plans)
-        write_fresh(pages.layout, fresh, pages.pool, runs)
-        out = torch.empty(T, Hq, D, dtype=torch.float32)
-        attend_decodes_quantized(q.float(), pages.pool, pages.layout, fresh, dec, self.scale, self.soft_cap,
-                                 self.sliding_window, self.sinks, out)
+        out = ops.quantized_decode_attention(q, fresh, pages.pool, pages.layout, pages.slot_mapping,
+                                             pages.block_table, batch.seq_lens, self.scale, self.soft_cap,
+                                             self.sliding_window, self.sinks, plans)
+        if out is None:
+            return None
         out = out.to(q.dtype)
         if self.g_proj is not None:
             out = out * torch.sigmoid(self.g_proj(hidden))[..., None]

@@ -49,8 +49,15 @@ class HybridDecoderLayer(nn.Module):
 
     def mix_recurrent(self, x: torch.Tensor, batch: ForwardBatch, caches: ModelCaches, i: int,
                       split: SlotSplit) -> torch.Tensor:
-        """x [T, H] -> [T, H] through the recurrent mixer over layer i's conv and state pools."""
-        return getattr(self, self.recurrent)(x, batch, caches.conv[i], caches.state[i], split)
+        """x [T, H] -> [T, H] through the recurrent mixer over layer i's conv and state pools (their
+        codes in place, when the caches offer them and the mixer reads them: ModelCaches.state_codes)."""
+        mixer = getattr(self, self.recurrent)
+        if caches.state_codes is not None and getattr(mixer, "reads_codes", False):
+            codes = caches.state_codes(i)
+            y = None if codes is None else mixer.forward_codes(x, batch, codes)
+            if y is not None:
+                return y
+        return mixer(x, batch, caches.conv[i], caches.state[i], split)
 
     def forward(self, h: torch.Tensor, rope, batch: ForwardBatch, caches: ModelCaches, i: int,
                 split: SlotSplit) -> torch.Tensor:
@@ -70,7 +77,8 @@ class HybridDecoderLayer(nn.Module):
         if self.is_attention:
             attn = self.self_attn
             pages = caches.kv_codes(i) if caches.kv_codes is not None and getattr(attn, "reads_codes", False) else None
-            x = attn.forward_codes(x, rope, batch, pages) if pages is not None else attn(x, rope, batch, caches.kv[i])
+            y = None if pages is None else attn.forward_codes(x, rope, batch, pages)  # codes in place
+            x = y if y is not None else attn(x, rope, batch, caches.kv[i])
         else:
             x = self.mix_recurrent(x, batch, caches, i, split)
         scale = self.residual_scale

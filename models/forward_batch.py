@@ -109,6 +109,9 @@ class ModelCaches:
     # kv_codes(i) -> QuantizedPages of layer i, for a layer that reads codes in place instead of
     # kv[i] (PagedAttention.forward_codes), or None (then kv[i]).
     kv_codes: Optional[Callable[[int], Optional["QuantizedPages"]]] = None
+    # Likewise under a quantized state cache dtype: state_codes(i) -> QuantizedState of layer i, for
+    # a mixer that updates its slots' codes in place (Mamba2Mixer.forward_codes), or None.
+    state_codes: Optional[Callable[[int], Optional["QuantizedState"]]] = None
 
 
 @dataclass
@@ -122,3 +125,16 @@ class QuantizedPages:
     layout: object
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
+
+
+@dataclass
+class QuantizedState:
+    """One recurrent layer's quantized pools as codes, for a step of one-token decodes: conv [S,
+    conv nbytes] and state [S, state nbytes] uint8 with their layouts (hybridkv.cache_dtype), and
+    the step's own state slots [R] (pool slot ids, not the staging's renumbered ones)."""
+
+    conv: torch.Tensor
+    conv_layout: object
+    state: torch.Tensor
+    state_layout: object
+    slots: torch.Tensor

@@ -16,7 +16,7 @@ from torch import nn
 from hybridkv.kernels import ops
 from hybridkv.specs import RecurrentSpec
 
-from .forward_batch import ForwardBatch
+from .forward_batch import ForwardBatch, QuantizedState
 from .norms import GatedRMSNorm
 from .row_parallel import RowParallel
 from .slot_split import SlotSplit, split_decode_prefill
@@ -145,6 +145,29 @@ class Mamba2Mixer(RowParallel, nn.Module):
             for rows, yv in verified:
                 y[rows] = yv.to(y.dtype)
         return self.rank_sum(self.out_proj(y.to(hidden.dtype)))
+
+    @property
+    def reads_codes(self) -> bool:
+        """Whether forward_codes stands for this mixer's forward (not a subclass's own)."""
+        return type(self).forward is Mamba2Mixer.forward
+
+    def forward_codes(self, hidden: torch.Tensor, batch: ForwardBatch, codes: QuantizedState) -> Optional[torch.Tensor]:
+        """`forward` for a step of one-token decodes over quantized pools updated in place
+        (ModelCaches.state_codes; ops.mamba2_mixer_decode_q): each slot decoded, stepped and encoded
+        back in one C pass, what forward computes on the slots decoded, encoded after. None when it
+        cannot run here (nothing written: the caller runs forward on decoded slots)."""
+        proj = self.in_proj(hidden * self.in_multiplier if self.in_multiplier != 1.0 else hidden)
+        if self.zxbcdt_multipliers is not None:
+            proj = proj * self._mup_vector(proj)
+        norm = self.norm
+        y = ops.mamba2_mixer_decode_q(
+            proj, codes.slots, conv_pool=codes.conv, conv_layout=codes.conv_layout, ssm_pool=codes.state,
+            ssm_layout=codes.state_layout, num_heads=self.num_heads, head_dim=self.head_dim, n_groups=self.n_groups,
+            conv_weight=self.conv1d.weight, conv_bias=self.conv1d.bias, A_log=self.A_log, dt_bias=self.dt_bias,
+            D=self.D, norm_weight=None if norm is None else norm.weight,
+            norm_group=self.d_inner if norm is None else norm.group_size, eps=0.0 if norm is None else norm.eps,
+            norm_mode=0 if norm is None else 2 if norm.norm_before_gate else 1, cache=self._decode_cache)
+        return None if y is None else self.out_proj(y.to(hidden.dtype))
 
     def _decode_fused(self, proj, conv_state, ssm_state, slots, plans):
         """The decode between in_proj and out_proj in one kernel call (ops.mamba2_mixer_decode: C on

@@ -34,7 +34,7 @@ from hybridkv.cache_dtype import QuantLayout
 from hybridkv.kernels import quantize
 from hybridkv.kernels import attention_decode_quantized
 from hybridkv.kernels.attention_decode_quantized import page_runs
-from hybridkv.models.forward_batch import ForwardBatch, KVGroupTables, ModelCaches, QuantizedPages
+from hybridkv.models.forward_batch import ForwardBatch, KVGroupTables, ModelCaches, QuantizedPages, QuantizedState
 
 
 class _StagedLayers(Mapping):
@@ -150,17 +150,36 @@ class CacheStaging:
         def finish() -> None:
             for m in staged:
                 m.flush()
+        decodes = self._decodes_only(batch)
         return dataclasses.replace(batch, **changes), ModelCaches(
             kv=kv, conv=conv, state=state, block_size=caches.block_size,
-            kv_codes=self._kv_codes(batch, caches.kv) if self.kv_layouts else None), finish
+            kv_codes=self._kv_codes(batch, caches.kv) if decodes and self.kv_layouts else None,
+            state_codes=self._state_codes(batch, caches) if decodes and self.state_layouts["ssm"] else None), finish
+
+    def _decodes_only(self, batch: ForwardBatch) -> bool:
+        """A step where layers may read codes in place: one-token decodes only, none verifying a
+        draft, int8 rounding to nearest (the C kernels' encode)."""
+        lens = batch.query_lens_cpu or (batch.query_start_loc[1:] - batch.query_start_loc[:-1]).tolist()
+        return self.generator is None and not batch.verify_slots and all(n == 1 for n in lens)
+
+    def _state_codes(self, batch: ForwardBatch, caches: ModelCaches):
+        """ModelCaches.state_codes for a step of one-token decodes: layer i's conv and state pools as
+        QuantizedState with the step's own slots, where both are quantized and the layer computes in
+        float32; else None (the layer reads conv[i] and state[i])."""
+        conv_layouts, ssm_layouts = self.state_layouts["conv"], self.state_layouts["ssm"]
+        slots = batch.state_slots
+
+        def state_codes(i: int) -> Optional[QuantizedState]:
+            if i not in conv_layouts or i not in ssm_layouts or conv_layouts[i][1] != torch.float32 \
+                    or ssm_layouts[i][1] != torch.float32:
+                return None
+            return QuantizedState(caches.conv[i], conv_layouts[i][0], caches.state[i], ssm_layouts[i][0], slots)
+        return state_codes
 
     def _kv_codes(self, batch: ForwardBatch, pools: Mapping[int, torch.Tensor]):
-        """ModelCaches.kv_codes for a step of one-token decodes (none verifies a draft; int8 rounds to
-        nearest): layer i's pool as QuantizedPages with the step's own tables, where the layer
-        computes in float32 and the C kernel reads that pool; else None (the layer reads kv[i])."""
-        lens = batch.query_lens_cpu or (batch.query_start_loc[1:] - batch.query_start_loc[:-1]).tolist()
-        if self.generator is not None or batch.verify_slots or any(n != 1 for n in lens):
-            return None
+        """ModelCaches.kv_codes for a step of one-token decodes: layer i's pool as QuantizedPages
+        with the step's own tables, where the layer computes in float32 and the C kernel reads that
+        pool; else None (the layer reads kv[i])."""
         tables: dict = {}
 
         def kv_codes(i: int) -> Optional[QuantizedPages]:

@@ -6,7 +6,9 @@
  *                         s = s * exp(dt A_h) + (dt x_p) B_g ;  y_p = s . C_g + D_h x_p
  *                       (dt = clamp(softplus(dt + dt_bias))), state read and written once.
  * mamba2_mixer_decode:  both of the above and the gated RMSNorm, request by request, from the
- *                       in_proj output row [z | xBC | dt] to the input row of out_proj.
+ *                       in_proj output row [z | xBC | dt] to the input row of out_proj; over
+ *                       float pools, or quantized ones (int8 / fp8 codes and scales), each slot
+ *                       decoded into scratch, updated and encoded back in the same pass.
  *
  * Slots index the pools directly (in place). Every function first checks the slots (in range,
  * none repeated) and returns 1 (repeated) or 2 (out of range) before writing anything: the
@@ -23,6 +25,7 @@
 #include <string.h>
 
 #include "decode_common.h"  /* check_slots, exp_vec */
+#include "quant_rows.h"     /* decode_item, encode_item: quantized pools read and written in place */
 
 static inline float silu(float v) { return v / (1.0f + exp_vec(-v)); }
 
@@ -172,6 +175,15 @@ struct mamba2_mixer_args {
     int32_t norm_mode;
     float *xbc;             /* [conv_dim] scratch */
     float *A;               /* [H] scratch */
+    /* Quantized pools (quant_rows.h: a slot is one item of codes and scales), or NULL: then
+     * conv_state / ssm_state above are one slot of float scratch, each request's slot decoded
+     * into it, updated and encoded back (not the null slot 0, which is never kept). */
+    uint8_t *conv_q;        /* [num_slots, conv_nbytes] */
+    uint8_t *ssm_q;         /* [num_slots, ssm_nbytes] */
+    int64_t conv_nbytes, conv_code_bytes, conv_A, conv_L, conv_B;  /* the item as [A][L][B], rows along L */
+    int64_t ssm_nbytes, ssm_code_bytes, ssm_A, ssm_L, ssm_B;
+    int32_t conv_fp8, ssm_fp8;
+    const float *fp8_values;  /* [256] the e4m3fn codes' values, when either is fp8 */
 };
 
 int mamba2_mixer_decode(const struct mamba2_mixer_args *a) {
@@ -183,12 +195,21 @@ int mamba2_mixer_decode(const struct mamba2_mixer_args *a) {
     for (int64_t r = 0; r < a->nb; r++) {
         const float *row = a->proj + r * a->proj_row;
         const int64_t slot = a->slots[r];
-        conv_row(a->conv_state + slot * conv_dim * (k - 1), row + HP, a->conv_w, a->conv_b, conv_dim,
-                 k, 1, a->xbc);
+        float *win = a->conv_q ? a->conv_state : a->conv_state + slot * conv_dim * (k - 1);
+        float *st = a->ssm_q ? a->ssm_state : a->ssm_state + slot * HP * N;
+        uint8_t *cq = a->conv_q ? a->conv_q + slot * a->conv_nbytes : NULL;
+        uint8_t *sq = a->ssm_q ? a->ssm_q + slot * a->ssm_nbytes : NULL;
+        if (cq) decode_item(cq, win, a->conv_A, a->conv_L, a->conv_B, a->conv_code_bytes, a->conv_fp8 ? a->fp8_values : NULL);
+        if (sq) decode_item(sq, st, a->ssm_A, a->ssm_L, a->ssm_B, a->ssm_code_bytes, a->ssm_fp8 ? a->fp8_values : NULL);
+        conv_row(win, row + HP, a->conv_w, a->conv_b, conv_dim, k, 1, a->xbc);
         float *yr = a->y + r * HP;
-        ssm_row(a->ssm_state + slot * HP * N, H, P, N, G, a->xbc, row + HP + conv_dim, a->xbc + HP,
-                a->xbc + HP + G * N, a->A, a->dt_bias, a->D, 1, 0, 0.0f, 0.0f, yr);
+        ssm_row(st, H, P, N, G, a->xbc, row + HP + conv_dim, a->xbc + HP, a->xbc + HP + G * N, a->A, a->dt_bias,
+                a->D, 1, 0, 0.0f, 0.0f, yr);
         gated_norm_row(yr, row, a->norm_w, HP, a->norm_group, a->eps, a->norm_mode);
+        if (cq && slot != 0)
+            encode_item(win, cq, a->conv_A, a->conv_L, a->conv_B, a->conv_code_bytes, a->conv_fp8, a->conv_fp8 ? 448.0f : 127.0f);
+        if (sq && slot != 0)
+            encode_item(st, sq, a->ssm_A, a->ssm_L, a->ssm_B, a->ssm_code_bytes, a->ssm_fp8, a->ssm_fp8 ? 448.0f : 127.0f);
     }
     return 0;
 }

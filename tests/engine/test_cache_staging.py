@@ -237,17 +237,26 @@ def test_migration_carries_codes_and_scales_and_refuses_another_cache_dtype(bamb
 @pytest.mark.parametrize("name,kv", [("bamba", "int8"), ("llama", "fp8_e4m3"), ("gpt_oss", "int8")])
 def test_decode_steps_read_quantized_pages_in_place(name, kv, tmp_path, monkeypatch):
     """In steps of one-token decodes, attention layers read their pool's codes in place
-    (ModelCaches.kv_codes -> PagedAttention.forward_codes: no page is decoded for them), and the
-    tokens and pool bytes are still the whole-pool reference's (gpt_oss: sliding and full KV
-    groups, sinks)."""
+    (ModelCaches.kv_codes -> PagedAttention.forward_codes: no page is decoded for them), and so do
+    Mamba2 mixers their conv and state slots (state_codes -> Mamba2Mixer.forward_codes: each slot
+    decoded, stepped and encoded back in one C pass); the tokens and pool bytes are still the
+    whole-pool reference's (gpt_oss: sliding and full KV groups, sinks)."""
     from hybridkv.models.attention import PagedAttention
+    from hybridkv.models.mamba2_mixer import Mamba2Mixer
 
     fam = FAMILIES[name]
     path = fam.make(fam.name, tmp_path, seed=fam.seed, **fam.overrides)
     prompts = [prompt(n, 60 + n) for n in (3, 19, 40)]
-    calls = []
+    calls, mixed = [], []
     real = PagedAttention.forward_codes
     monkeypatch.setattr(PagedAttention, "forward_codes", lambda self, *a: calls.append(1) or real(self, *a))
+    real_mixer = Mamba2Mixer.forward_codes
+
+    def mixer_codes(self, *a):
+        y = real_mixer(self, *a)
+        mixed.append(y is not None)
+        return y
+    monkeypatch.setattr(Mamba2Mixer, "forward_codes", mixer_codes)
     results = []
     for reference in (False, True):
         llm = LLM(str(path), memory_budget_bytes=16 << 20, max_num_batched_tokens=32, kv_cache_dtype=kv,
@@ -260,6 +269,7 @@ def test_decode_steps_read_quantized_pages_in_place(name, kv, tmp_path, monkeypa
             assert len(calls) == before  # the reference decodes every page
         else:
             assert len(calls) > 0
+            assert (len(mixed) > 0 and all(mixed)) if name == "bamba" else not mixed
         results.append(([o.outputs[0].token_ids for o in outs], pools(llm)))
     (staged, staged_pools), (ref, ref_pools) = results
     assert staged == ref

@@ -135,3 +135,26 @@ def test_refused_where_it_cannot_run():
     assert not adq.usable(pool[:, :, :4], layout)  # not contiguous
     assert not adq.usable(torch.zeros(4, 2, 8, 2, 16), layout)  # float pages
     assert not adq.usable(pool, QuantLayout("int8", (8,), 0))  # another row size
+
+
+def test_the_op_writes_then_attends_and_refuses_without_writing():
+    """ops.quantized_decode_attention: the new K/V written as write_fresh writes them, the output of
+    the float kernel over the decoded pages holding the new tokens at full precision; None with
+    nothing written for a q it cannot take."""
+    from hybridkv.kernels import ops
+
+    lens, bs, hkv, group, d = [4, 26, 9], 8, 2, 2, 16
+    layout, pool, fresh, slots, q, table = case(lens, bs, hkv, group, d, "int8", seed=11)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    before = pool.clone()
+    assert ops.quantized_decode_attention(q.double(), fresh, pool, layout, slots, table, seq_lens, 0.3, None, None,
+                                          None, {}) is None
+    assert torch.equal(pool, before)
+    out = ops.quantized_decode_attention(q, fresh, pool, layout, slots, table, seq_lens, 0.3, None, None, None, {})
+    written = before.clone()
+    adq.write_fresh(layout, fresh, written, adq.fresh_runs(slots, fresh.shape, written.shape))
+    assert torch.equal(pool, written) and not torch.equal(pool, before)
+    dec = NativeDecodes.build([0, 1, 2], [0, 1, 2, 3], seq_lens, table)
+    same = torch.zeros_like(q)
+    attend_decodes(q, reference_pages(layout, before, fresh, slots, bs), dec, 0.3, None, None, None, same)
+    assert torch.equal(out, same)
