@@ -132,29 +132,44 @@ class CacheStaging:
             state = self._staged_slots(caches.state, self.state_layouts["ssm"], rows, "ssm")
             if batch.verify_slots:
                 changes["requantize"] = self._requantize([conv, state])
-        kv = caches.kv
+        decodes = self._decodes_only(batch)
+        kv, groups = caches.kv, {}
+        if self.kv_layouts and not decodes:
+            groups.update(self._kv_groups(batch))
+            changes.update(self._kv_changes(batch, groups))
+        staged_batch = dataclasses.replace(batch, **changes)
         if self.kv_layouts:
-            groups = self._kv_groups(batch)
-            if batch.kv_groups:
-                changes["kv_groups"] = {**batch.kv_groups,
-                                        **{w: KVGroupTables(g.table, g.slot_mapping) for w, g in groups.items()}}
-                lead = next((w for w, t in batch.kv_groups.items() if w in groups
-                             and torch.equal(t.block_table, batch.block_table)), None)
-                if lead is not None:  # the batch's own table is the lead group's
-                    changes["block_table"], changes["slot_mapping"] = groups[lead].table, groups[lead].slot_mapping
-            else:
-                changes["block_table"], changes["slot_mapping"] = groups[None].table, groups[None].slot_mapping
-            kv = self._staged_pages(caches.kv, groups, bool(batch.kv_groups))
+            def renumbered() -> None:
+                """In a step of decodes, where layers may read their codes in place, the KV tables are
+                renumbered when the first layer asks for working pages (its caller has them before it
+                reads the batch's tables; the layers reading codes were given the step's own)."""
+                if not groups:
+                    groups.update(self._kv_groups(batch))
+                    for name, value in self._kv_changes(batch, groups).items():
+                        setattr(staged_batch, name, value)
+            kv = self._staged_pages(caches.kv, groups, bool(batch.kv_groups), renumbered)
         staged = [m for m in (kv, conv, state) if isinstance(m, _StagedLayers)]
 
         def finish() -> None:
             for m in staged:
                 m.flush()
-        decodes = self._decodes_only(batch)
-        return dataclasses.replace(batch, **changes), ModelCaches(
+        return staged_batch, ModelCaches(
             kv=kv, conv=conv, state=state, block_size=caches.block_size,
             kv_codes=self._kv_codes(batch, caches.kv) if decodes and self.kv_layouts else None,
             state_codes=self._state_codes(batch, caches) if decodes and self.state_layouts["ssm"] else None), finish
+
+    @staticmethod
+    def _kv_changes(batch: ForwardBatch, groups: dict) -> dict:
+        """The batch's KV tables renumbered into the working pages of `groups` (_kv_groups)."""
+        if not batch.kv_groups:
+            return {"block_table": groups[None].table, "slot_mapping": groups[None].slot_mapping}
+        changes = {"kv_groups": {**batch.kv_groups,
+                                 **{w: KVGroupTables(g.table, g.slot_mapping) for w, g in groups.items()}}}
+        lead = next((w for w, t in batch.kv_groups.items() if w in groups
+                     and torch.equal(t.block_table, batch.block_table)), None)
+        if lead is not None:  # the batch's own table is the lead group's
+            changes["block_table"], changes["slot_mapping"] = groups[lead].table, groups[lead].slot_mapping
+        return changes
 
     def _decodes_only(self, batch: ForwardBatch) -> bool:
         """A step where layers may read codes in place: one-token decodes only, none verifying a
@@ -272,8 +287,10 @@ class CacheStaging:
                                torch.from_numpy(new_slots[keep]).to(dev))
         return out
 
-    def _staged_pages(self, pools: Mapping[int, torch.Tensor], groups: dict, grouped: bool):
+    def _staged_pages(self, pools: Mapping[int, torch.Tensor], groups: dict, grouped: bool,
+                      renumbered: Callable[[], None]):
         def load(i: int, seat: int) -> torch.Tensor:  # every attention layer keeps quantized pages (with_cache_dtypes)
+            renumbered()  # (groups filled)
             layout, dtype, window = self.kv_layouts[i]
             g, pool = groups[window if grouped else None], pools[i]
             per_block = math.prod(pool.shape[1:-1])  # items: [blocks, 2, block_size, heads]
