@@ -1,17 +1,23 @@
-"""Quantized pools seen by the model: each layer's rows a step touches, decoded before the layer runs
-and encoded back after it.
+"""Quantized pools seen by the model: read in place by the decode kernels that take codes, else each
+layer's rows a step touches decoded before the layer runs and encoded back after it.
 
-Under a quantized cache dtype (hybridkv/cache_dtype.py) a pool holds codes and scales, which no
-kernel reads. For each step `CacheStaging.stage` gives the model a batch whose state slots and KV
-block ids are renumbered into small working tensors, and caches whose `kv[i]`, `conv[i]` and
-`state[i]` are those working tensors in the layer's compute dtype, made when the layer first asks
-for them (`_StagedLayers`): the rows of the step's slots, or the blocks its requests' tables name,
-decoded. When the model asks for a third entry of one kind while two are staged (and at the end
-of the step) the one asked for longest ago is encoded back: every slot of the step (the kernels
-wrote them) and the KV vectors of the tokens the step wrote. Every kernel, mixer and attention
-variant runs unchanged, on values that are exactly what the pool keeps; the transient memory is
-two entries' rows of the step at full precision. tests/engine/test_cache_staging.py holds every
-family to a reference that decodes the whole pools.
+Under a quantized cache dtype (hybridkv/cache_dtype.py) a pool holds codes and scales. In a step of
+one-token decodes the caches offer each layer its pool's codes (`ModelCaches.kv_codes`,
+`state_codes`: QuantizedPages / QuantizedState with the step's own tables and slots); a layer whose
+kernel reads them (PagedAttention, Mamba2Mixer on the CPU in float32) updates them in place and is
+never staged. For everything else `CacheStaging.stage` gives the model a batch whose state slots
+and KV block ids are renumbered into small working tensors (in a step of decodes, the KV tables
+only when a layer first asks for pages), and caches whose `kv[i]`, `conv[i]` and `state[i]` are
+those working tensors in the layer's compute dtype, made when the layer first asks for them
+(`_StagedLayers`): the rows of the step's slots, or the blocks its requests' tables name, decoded
+straight from the pool (quantize.decode_gather). When the model asks for a third entry of one kind
+while two are staged (and at the end of the step) the one asked for longest ago is encoded back
+into the pool (quantize.encode_scatter): every slot of the step (the kernels wrote them) and the KV
+vectors of the tokens the step wrote. Every kernel, mixer and attention variant runs unchanged on
+values that are exactly what the pool keeps; the working tensors live in two buffers per kind,
+kept between steps (a layer finds its rows at the same address each step, so the C calls built for
+them are reused). tests/engine/test_cache_staging.py holds every family to a reference that
+decodes the whole pools.
 
 The arithmetic is that of kernels which would dequantize on read and quantize on write: a state is
 quantized each time it is written to its slot (after each decoded token, at the end of each
@@ -31,8 +37,7 @@ import numpy as np
 import torch
 
 from hybridkv.cache_dtype import QuantLayout
-from hybridkv.kernels import quantize
-from hybridkv.kernels import attention_decode_quantized
+from hybridkv.kernels import attention_decode_quantized, quantize
 from hybridkv.kernels.attention_decode_quantized import page_runs
 from hybridkv.models.forward_batch import ForwardBatch, KVGroupTables, ModelCaches, QuantizedPages, QuantizedState
 
@@ -241,7 +246,7 @@ class CacheStaging:
         if not layouts:
             return pools
         written = rows[1:]  # the null slot is never kept
-        work_rows = torch.arange(1, rows.numel(), device=rows.device)
+        work_rows = []  # 1 .. len(rows) - 1, made at the first store
 
         def load(i: int, seat: int) -> torch.Tensor:
             layout, dtype = layouts[i]
@@ -249,7 +254,9 @@ class CacheStaging:
             return quantize.decode_gather(layout, pools[i], rows, 1, out)
 
         def store(i: int, work: torch.Tensor) -> None:
-            quantize.encode_scatter(layouts[i][0], work, work_rows, pools[i], written, 1, self.generator)
+            if not work_rows:
+                work_rows.append(torch.arange(1, rows.numel(), device=rows.device))
+            quantize.encode_scatter(layouts[i][0], work, work_rows[0], pools[i], written, 1, self.generator)
         return _StagedLayers(pools.keys(), load, store, lambda i: layouts[i][0])
 
     def _work(self, key: tuple, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:

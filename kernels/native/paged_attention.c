@@ -22,6 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "quant_rows.h" /* encode_item: the new K/V written into a quantized pool */
+
 typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 
@@ -272,13 +274,16 @@ static void dequant_row(const uint8_t *items, int64_t nbytes, int64_t code_bytes
  * whose codes decode as quantize.c's (fp8_values: the 256 e4m3fn values, NULL for int8), except
  * each decode's own new token (position L - 1), read at full precision from fresh: decode i's K
  * at fresh + rows[i] * fresh_tok, its V hkv * d floats later ([hkv][d] each), as a step that
- * decoded the pages, wrote the new K/V among them and encoded them after would read. A block's K
- * and V rows are decoded into scratch, then the same functions as paged_decode_attention run on
- * them: the same float arithmetic, value for value. Returns as paged_decode_attention. */
+ * decoded the pages, wrote the new K/V among them and encoded them after would read. First the
+ * new K/V of every decode are encoded into the pool at slot_mapping[rows[i]] (write-quantize).
+ * A block's K and V rows are decoded into scratch, then the same functions as
+ * paged_decode_attention run on them: the same float arithmetic, value for value. Returns as
+ * paged_decode_attention (a slot outside the pool counts as its decode's bad block); nothing is
+ * written unless every decode's blocks and slot are in the pool. */
 int64_t paged_decode_attention_q(
     const float *q, int64_t q_tok, int64_t q_head,
-    const uint8_t *kv, int64_t num_blocks, int64_t nbytes, int64_t code_bytes, const float *fp8_values,
-    const float *fresh, int64_t fresh_tok,
+    uint8_t *kv, int64_t num_blocks, int64_t nbytes, int64_t code_bytes, const float *fp8_values,
+    const float *fresh, int64_t fresh_tok, const int64_t *slot_mapping,
     const int32_t *table, int64_t table_row, const int32_t *seq_lens,
     const int32_t *reqs, const int32_t *rows, int64_t n,
     int64_t hkv, int64_t group, int64_t d, int64_t bs,
@@ -292,14 +297,30 @@ int64_t paged_decode_attention_q(
     float *kf = malloc(sizeof(float) * (size_t)(2 * bs * hkv * d)), *vf = kf + bs * hkv * d;
     v8 *part = aligned_alloc(sizeof(v8), sizeof(v8) * (size_t)(hq * stride));
     int64_t status = (s == NULL || acc == NULL || m == NULL || l == NULL || kf == NULL || part == NULL) ? -(1 + n) : 0;
-    for (int64_t i = 0; i < n && status == 0; i++) {
-        const int64_t len = seq_lens[reqs[i]];
+    for (int64_t i = 0; i < n && status == 0; i++) { /* every block a decode reads and writes, checked first */
+        const int64_t len = seq_lens[reqs[i]], slot = slot_mapping[rows[i]];
         const int64_t start = (window > 0 && len > window) ? len - window : 0;
         const int32_t *blocks = table + (int64_t)reqs[i] * table_row;
         for (int64_t b = start / bs; b <= (len - 1) / bs; b++)
             if (blocks[b] < 0 || blocks[b] >= num_blocks)
                 status = -(1 + i);
-        if (status != 0 || len <= 0)
+        if (slot < 0 || slot / bs >= num_blocks)
+            status = -(1 + i);
+    }
+    /* the new K/V encoded into their slots (quant_rows.h, as quantize.c), every decode's before any reads */
+    for (int64_t i = 0; i < n && status == 0; i++) {
+        const int64_t slot = slot_mapping[rows[i]];
+        for (int64_t p = 0; p < 2; p++)
+            for (int64_t h = 0; h < hkv; h++)
+                encode_item(fresh + (int64_t)rows[i] * fresh_tok + (p * hkv + h) * d,
+                            kv + (((slot / bs) * 2 + p) * bs + slot % bs) * row + h * nbytes, 1, d, 1, code_bytes,
+                            fp8_values != NULL, fp8_values != NULL ? 448.0f : 127.0f);
+    }
+    for (int64_t i = 0; i < n && status == 0; i++) {
+        const int64_t len = seq_lens[reqs[i]];
+        const int64_t start = (window > 0 && len > window) ? len - window : 0;
+        const int32_t *blocks = table + (int64_t)reqs[i] * table_row;
+        if (len <= 0)
             break;
         const float *qi = q + (int64_t)rows[i] * q_tok, *fk = fresh + (int64_t)rows[i] * fresh_tok;
         for (int64_t head = 0; head < hq; head++)

@@ -40,6 +40,14 @@ def case(lens, bs, hkv, group, d, dtype, seed):
     return layout, pool, fresh, slots, q, table
 
 
+def written_pool(layout, pool, fresh, slots, bs):
+    """The pool with each new K and V vector encoded (the layout's torch path) at its token's slot."""
+    want = pool.clone()
+    for t, s in enumerate(slots.tolist()):
+        want[s // bs, :, s % bs] = layout.encode(fresh[t, :, 0])
+    return want
+
+
 def reference_pages(layout, pool, fresh, slots, bs):
     """The float pages a staged step attends over: the pool decoded, the new tokens at full precision."""
     pages = layout.decode(pool)
@@ -64,9 +72,9 @@ def test_quantized_decodes_match_the_reference(dtype, lens, bs, hkv, group, d, w
     dec = NativeDecodes.build(list(range(T)), qsl.tolist(), seq_lens, table)
     before = pool.clone()
     out = torch.full_like(q, 7.0)
-    adq.attend_decodes_quantized(q, pool, layout, fresh, dec, 0.3, soft_cap, window, sink, out)
-    assert torch.equal(pool, before)  # attention only reads the pool
-    pages = reference_pages(layout, pool, fresh, slots, bs)
+    adq.attend_decodes_quantized(q, pool, layout, fresh, slots, dec, 0.3, soft_cap, window, sink, out)
+    assert torch.equal(pool, written_pool(layout, before, fresh, slots, bs))  # the new K/V, written once
+    pages = reference_pages(layout, before, fresh, slots, bs)
     want = paged_attention_ref(q, pages, qsl, seq_lens, table, 0.3, sliding_window=window, soft_cap=soft_cap,
                                sinks=sink)
     assert not out.isnan().any()  # no NaN row (spare blocks, unwritten tails) is read
@@ -92,7 +100,7 @@ def test_a_nan_key_row_poisons_only_its_heads(dtype):
     qsl = torch.arange(3, dtype=torch.int32)
     dec = NativeDecodes.build([0, 1], qsl.tolist(), seq_lens, table)
     out = torch.zeros_like(q)
-    adq.attend_decodes_quantized(q, pool, layout, fresh, dec, 0.25, None, None, None, out)
+    adq.attend_decodes_quantized(q, pool, layout, fresh, slots, dec, 0.25, None, None, None, out)
     pages = reference_pages(layout, pool, fresh, slots, bs)
     same = torch.zeros_like(q)
     attend_decodes(q, pages, dec, 0.25, None, None, None, same)
@@ -104,17 +112,18 @@ def test_a_nan_key_row_poisons_only_its_heads(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["int8", "fp8_e4m3"])
-def test_write_fresh_encodes_the_new_tokens_into_their_slots(dtype):
-    """The pool after write_fresh: the bytes of the layout's encode of each new K and V vector at its
-    slot (a NaN vector too: it decodes to NaN), every other byte unchanged."""
+def test_the_new_tokens_are_encoded_into_their_slots(dtype):
+    """The pool after the call: the bytes of the layout's encode of each new K and V vector at its
+    slot (a NaN vector too: it decodes to NaN), every other byte unchanged; a slot outside the pool:
+    ValueError and nothing written."""
     lens, bs, hkv, d = [5, 16, 30], 8, 2, 16
     layout, pool, fresh, slots, q, table = case(lens, bs, hkv, 1, d, dtype, seed=5)
     fresh[1, 1, 0, 0, 3] = float("nan")
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    dec = NativeDecodes.build([0, 1, 2], [0, 1, 2, 3], seq_lens, table)
     got = pool.clone()
-    adq.write_fresh(layout, fresh, got, adq.fresh_runs(slots, fresh.shape, got.shape))
-    want = pool.clone()
-    for t, s in enumerate(slots.tolist()):
-        want[s // bs, :, s % bs] = layout.encode(fresh[t, :, 0])
+    adq.attend_decodes_quantized(q, got, layout, fresh, slots, dec, 0.3, None, None, None, torch.zeros_like(q))
+    want = written_pool(layout, pool, fresh, slots, bs)
     ok = ~fresh[:, :, 0].isnan().any(-1)  # [T, 2, hkv]: vectors without a NaN
     for t, s in enumerate(slots.tolist()):
         for p in range(2):
@@ -126,6 +135,12 @@ def test_write_fresh_encodes_the_new_tokens_into_their_slots(dtype):
                     assert bool(layout.decode(a[None])[0].isnan().all())
                     got[s // bs, p, s % bs, h] = b  # (fp8's torch codes differ in a NaN row)
     assert torch.equal(got, want)
+    bad = slots.clone()
+    bad[2] = pool.shape[0] * bs  # past the pool
+    again = pool.clone()
+    with pytest.raises(ValueError, match="outside the pool"):
+        adq.attend_decodes_quantized(q, again, layout, fresh, bad, dec, 0.3, None, None, None, torch.zeros_like(q))
+    assert torch.equal(again, pool)
 
 
 def test_refused_where_it_cannot_run():
@@ -138,7 +153,7 @@ def test_refused_where_it_cannot_run():
 
 
 def test_the_op_writes_then_attends_and_refuses_without_writing():
-    """ops.quantized_decode_attention: the new K/V written as write_fresh writes them, the output of
+    """ops.quantized_decode_attention: the new K/V written as the torch encode writes them, the output of
     the float kernel over the decoded pages holding the new tokens at full precision; None with
     nothing written for a q it cannot take."""
     from hybridkv.kernels import ops
@@ -151,9 +166,7 @@ def test_the_op_writes_then_attends_and_refuses_without_writing():
                                           None, {}) is None
     assert torch.equal(pool, before)
     out = ops.quantized_decode_attention(q, fresh, pool, layout, slots, table, seq_lens, 0.3, None, None, None, {})
-    written = before.clone()
-    adq.write_fresh(layout, fresh, written, adq.fresh_runs(slots, fresh.shape, written.shape))
-    assert torch.equal(pool, written) and not torch.equal(pool, before)
+    assert torch.equal(pool, written_pool(layout, before, fresh, slots, bs)) and not torch.equal(pool, before)
     dec = NativeDecodes.build([0, 1, 2], [0, 1, 2, 3], seq_lens, table)
     same = torch.zeros_like(q)
     attend_decodes(q, reference_pages(layout, before, fresh, slots, bs), dec, 0.3, None, None, None, same)
