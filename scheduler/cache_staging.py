@@ -184,14 +184,14 @@ class CacheStaging:
 
     def _state_codes(self, batch: ForwardBatch, caches: ModelCaches):
         """ModelCaches.state_codes for a step of one-token decodes: layer i's conv and state pools as
-        QuantizedState with the step's own slots, where both are quantized and the layer computes in
-        float32; else None (the layer reads conv[i] and state[i])."""
+        QuantizedState with the step's own slots, where both are quantized on the CPU and the layer
+        computes in float32; else None (the layer reads conv[i] and state[i])."""
         conv_layouts, ssm_layouts = self.state_layouts["conv"], self.state_layouts["ssm"]
         slots = batch.state_slots
 
         def state_codes(i: int) -> Optional[QuantizedState]:
             if i not in conv_layouts or i not in ssm_layouts or conv_layouts[i][1] != torch.float32 \
-                    or ssm_layouts[i][1] != torch.float32:
+                    or ssm_layouts[i][1] != torch.float32 or not caches.state[i].is_cpu:  # (C kernels only)
                 return None
             return QuantizedState(caches.conv[i], conv_layouts[i][0], caches.state[i], ssm_layouts[i][0], slots)
         return state_codes
