@@ -129,7 +129,7 @@ class PagedAttention(RowParallel, nn.Module):
         out = out.reshape(T, Hq * D)
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return F.linear(out, *self.o.weight_bias())
+        return self.rank_sum(F.linear(out, *self.o.weight_bias()))
 
     def _split_rotate(self, qkv: torch.Tensor, rope):
         """The torch path: qkv [T, q_out + 2 Hkv D] -> q [T, Hq, D], k, v [T, Hkv, D] (q and k

@@ -167,7 +167,7 @@ class Mamba2Mixer(RowParallel, nn.Module):
             D=self.D, norm_weight=None if norm is None else norm.weight,
             norm_group=self.d_inner if norm is None else norm.group_size, eps=0.0 if norm is None else norm.eps,
             norm_mode=0 if norm is None else 2 if norm.norm_before_gate else 1, cache=self._decode_cache)
-        return None if y is None else self.out_proj(y.to(hidden.dtype))
+        return None if y is None else self.rank_sum(self.out_proj(y.to(hidden.dtype)))
 
     def _decode_fused(self, proj, conv_state, ssm_state, slots, plans):
         """The decode between in_proj and out_proj in one kernel call (ops.mamba2_mixer_decode: C on

@@ -118,7 +118,8 @@ def test_every_layer_that_overrides_forward_still_sums_over_ranks():
     missing = []
     for info in pkgutil.iter_modules(model_package.__path__):
         for cls in vars(importlib.import_module(f"hybridkv.models.{info.name}")).values():
-            if inspect.isclass(cls) and issubclass(cls, RowParallel) and "forward" in vars(cls):
-                if "self.rank_sum(" not in inspect.getsource(cls.forward):
-                    missing.append(f"{cls.__module__}.{cls.__name__}")
+            for name in ("forward", "forward_codes"):  # every way the layer runs
+                if inspect.isclass(cls) and issubclass(cls, RowParallel) and name in vars(cls):
+                    if "self.rank_sum(" not in inspect.getsource(vars(cls)[name]):
+                        missing.append(f"{cls.__module__}.{cls.__name__}.{name}")
     assert not missing, missing
