@@ -72,7 +72,7 @@ def attend_decodes_quantized(q: torch.Tensor, pool: torch.Tensor, layout, fresh:
     sink = None if sinks is None else sinks.detach().to(torch.float32).contiguous()
     status = PAGED_DECODE_ATTENTION_Q.call(
         q=q, q_tok=q.stride(0), q_head=q.stride(1), kv=pool, num_blocks=pool.shape[0], nbytes=layout.nbytes,
-        code_bytes=layout.code_bytes, fp8_values=quantize._fp8_values() if layout.dtype == "fp8_e4m3" else None,
+        code_bytes=layout.code_bytes, fp8_values=quantize.fp8_values_table() if layout.dtype == "fp8_e4m3" else None,
         fresh=fresh.view(fresh.shape[0], -1), fresh_tok=2 * hkv * d, slot_mapping=slot_mapping,
         table=dec.block_table, table_row=dec.block_table.stride(0), seq_lens=dec.seq_lens,
         reqs=dec.reqs, rows=dec.rows, n=n, hkv=hkv, group=q.shape[1] // hkv, d=d, bs=pool.shape[2],

@@ -134,12 +134,12 @@ class Mamba2MixerDecode:
             a.num_slots = conv_q.shape[0]
             a.conv_q, a.ssm_q = conv_q.data_ptr(), ssm_q.data_ptr()
             a.conv_nbytes, a.conv_code_bytes = conv_layout.nbytes, conv_layout.code_bytes
-            a.conv_A, a.conv_L, a.conv_B = quantize._dims(conv_layout)
+            a.conv_A, a.conv_L, a.conv_B = quantize.layout_dims(conv_layout)
             a.ssm_nbytes, a.ssm_code_bytes = ssm_layout.nbytes, ssm_layout.code_bytes
-            a.ssm_A, a.ssm_L, a.ssm_B = quantize._dims(ssm_layout)
+            a.ssm_A, a.ssm_L, a.ssm_B = quantize.layout_dims(ssm_layout)
             a.conv_fp8, a.ssm_fp8 = conv_layout.dtype == "fp8_e4m3", ssm_layout.dtype == "fp8_e4m3"
             if a.conv_fp8 or a.ssm_fp8:
-                self._fp8 = quantize._fp8_values()
+                self._fp8 = quantize.fp8_values_table()
                 a.fp8_values = self._fp8.data_ptr()
         a.H, a.P, a.N, a.G, a.k = H, P, N, G, k
         a.conv_w, a.conv_b, a.A_log, a.dt_bias, a.D, a.norm_w = (ptr(t) for t in tensors[2:])

@@ -37,7 +37,7 @@ _FP8_VALUES: Optional[torch.Tensor] = None
 _DIMS: dict = {}  # id(layout) -> (layout, dims): the layout kept, so its id is not reused
 
 
-def _dims(layout) -> tuple[int, int, int]:
+def layout_dims(layout) -> tuple[int, int, int]:
     """(A, L, B): the item as [A][L][B] with the rows along L (computed once per layout)."""
     got = _DIMS.get(id(layout))  # by identity: hashing the dataclass costs more than the call
     if got is None or got[0] is not layout:
@@ -50,7 +50,8 @@ def _long(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype is torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 
 
-def _fp8_values() -> torch.Tensor:
+def fp8_values_table() -> torch.Tensor:
+    """The float32 value of each of the 256 fp8 e4m3fn bytes (what the C decoders look codes up in)."""
     global _FP8_VALUES
     if _FP8_VALUES is None:
         _FP8_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
@@ -65,7 +66,7 @@ def encode(layout, x: torch.Tensor, generator: Optional[torch.Generator] = None)
     items = math.prod(lead)
     raw = torch.empty(items, layout.nbytes, dtype=torch.uint8)
     if items:
-        A, L, B = _dims(layout)
+        A, L, B = layout_dims(layout)
         ENCODE.call(x=x.reshape(items, layout.numel).contiguous(), raw=raw, items=items, A=A, L=L, B=B,
                     nbytes=layout.nbytes, code_bytes=layout.code_bytes, fp8=int(layout.dtype == "fp8_e4m3"))
     return raw.view(*lead, layout.nbytes)
@@ -79,10 +80,10 @@ def decode(layout, raw: torch.Tensor, dtype: torch.dtype = torch.float32) -> tor
     items = math.prod(lead)
     if not items:
         return layout.decode(raw, dtype)
-    A, L, B = _dims(layout)
+    A, L, B = layout_dims(layout)
     y = DECODE.call(raw=raw.reshape(items, layout.nbytes).contiguous(), items=items, A=A, L=L, B=B,
                     nbytes=layout.nbytes, code_bytes=layout.code_bytes,
-                    fp8_values=_fp8_values() if layout.dtype == "fp8_e4m3" else None)
+                    fp8_values=fp8_values_table() if layout.dtype == "fp8_e4m3" else None)
     return y.view(*lead, *layout.shape).to(dtype)
 
 
@@ -110,11 +111,11 @@ def decode_gather(layout, pool: torch.Tensor, src: torch.Tensor, group: int, out
         out.view(n * group, *layout.shape).copy_(layout.decode(items[_run_items(src.to(pool.device), group)]))
         return out
     if n:
-        A, L, B = _dims(layout)
+        A, L, B = layout_dims(layout)
         rc = DECODE_GATHER.call(pool=items, pool_items=items.shape[0], src=_long(src), n=n,
                                 group=group, y=out.view(n * group, layout.numel), A=A, L=L, B=B,
                                 nbytes=layout.nbytes, code_bytes=layout.code_bytes,
-                                fp8_values=_fp8_values() if layout.dtype == "fp8_e4m3" else None)
+                                fp8_values=fp8_values_table() if layout.dtype == "fp8_e4m3" else None)
         if rc:
             raise IndexError(f"decode_gather: a run of {group} items from {src.tolist()} leaves a pool of {items.shape[0]}")
     return out
@@ -139,7 +140,7 @@ def encode_scatter(layout, x: torch.Tensor, src: torch.Tensor, pool: torch.Tenso
         rows = xi[_run_items(src.to(x.device), group)].reshape(n * group, *layout.shape)
         items[_run_items(dst.to(pool.device), group)] = layout.encode(rows, generator)
         return
-    A, L, B = _dims(layout)
+    A, L, B = layout_dims(layout)
     rc = ENCODE_SCATTER.call(x=xi if xi.is_contiguous() else xi.contiguous(), x_items=xi.shape[0],
                              src=_long(src), pool=items, pool_items=items.shape[0],
                              dst=_long(dst), n=n, group=group, A=A, L=L, B=B,
