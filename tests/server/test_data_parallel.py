@@ -138,10 +138,13 @@ def test_imbalance_migrates_running_requests_without_losing_a_token(dp, one_engi
 
 def test_waiting_requests_move_to_a_replica_with_free_seats(dp, one_engine):
     """Four uncached prompts all routed to replica 0 (replica 1's load biased up), which runs 2 at a
-    time: waiting requests move as tokens to replica 1 and every stream equals the offline output."""
+    time: waiting requests move as tokens to replica 1 and every stream equals the offline output.
+    The answers are long (96 tokens) so that the two waiting requests wait through many balancer
+    looks (one every 50 ms) even on a fast step; at 24 tokens a loaded 2-core machine once ran the
+    first pair out between two looks and nothing moved."""
     prompts = _prompts(7, 4)  # 12 tokens: under one block, so no cached prefix can hold them
-    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True) if i % 2 else
-              SamplingParams(max_tokens=24, temperature=0.8, seed=11 + i, ignore_eos=True) for i in range(4)]
+    params = [SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True) if i % 2 else
+              SamplingParams(max_tokens=96, temperature=0.8, seed=11 + i, ignore_eos=True) for i in range(4)]
     before, moves = _stats(dp)["replicas"], dict(dp.moves)
     with dp._lock:
         dp.router.load[1] += 10 ** 6
@@ -153,7 +156,7 @@ def test_waiting_requests_move_to_a_replica_with_free_seats(dp, one_engine):
     after = _stats(dp)["replicas"]
     assert dp.moves["waiting"] > moves["waiting"], (moves, dp.moves)
     served = [a["generated_tokens"] - b["generated_tokens"] for a, b in zip(after, before)]
-    assert served[1] > 0 and sum(served) == 4 * 24, served
+    assert served[1] > 0 and sum(served) == 4 * 96, served
     assert [g[0] for g in got] == _offline(one_engine, prompts, params)
 
 
