@@ -326,14 +326,20 @@ class HybridCacheManager:
         for kind in self.kinds:
             kind.forget(req_id)
         self.prefix_cache.bursts.drop(req_id)
-        r.swapped = None
+        self._swapped_back(r)
         r.shared.clear()
         del self._reqs[req_id]
 
-    def preempt(self, req_id: Hashable, mode: str = "recompute") -> None:
+    def preempt(self, req_id: Hashable, mode: str = "recompute") -> str:
         """recompute: every kind lets go (the state at the last block boundary is kept as a
-        checkpoint); resume() re-matches the prefix. swap: every kind copies to host, then lets go."""
+        checkpoint); resume() re-matches the prefix. swap: every kind copies to host, then lets go;
+        with a host tier its budget must hold the copy (memory/host_tier.py), else the request is
+        preempted by recompute. Returns the mode used."""
         r = self.running(req_id)
+        host = self.recurrent.host if self.recurrent is not None else None
+        if mode == "swap" and host is not None and not host.hold(
+                req_id, sum(k.swap_bytes(req_id, r.num_computed_tokens) for k in self.kinds)):
+            mode = "recompute"
         if mode == "recompute":
             donate = self.prefix_cache.leaving_state(r)
             for kind in self.kinds:
@@ -348,6 +354,13 @@ class HybridCacheManager:
             raise ValueError(f"preemption mode {mode!r}; choose 'recompute' or 'swap'")
         self.prefix_cache.bursts.drop(req_id)
         self.preemptions[mode] += 1
+        return mode
+
+    def _swapped_back(self, r: Request) -> None:
+        """r's host copy is gone (swapped in, or r ended): the host budget no longer holds it."""
+        if r.swapped is not None and self.recurrent is not None and self.recurrent.host is not None:
+            self.recurrent.host.let_go(r.request_id)
+        r.swapped = None
 
     def close(self) -> None:
         """Finish the disk tier's queued writes and stop its writer (nothing to do without one)."""
@@ -368,7 +381,7 @@ class HybridCacheManager:
         hashes = r.block_hashes if self.prefix_cache.enabled else []
         for kind in self.kinds:
             kind.swap_in(req_id, r.swapped[kind.name], hashes, nc)
-        r.swapped = None
+        self._swapped_back(r)
         r.status, r.resumed_from = RUNNING, nc
         return nc
 

@@ -206,7 +206,7 @@ class Scheduler:
         out.drop(victim)
         try:
             mode = self.policy.choose(victim.num_computed_tokens)
-            self.mgr.preempt(victim.request_id, mode)
+            mode = self.mgr.preempt(victim.request_id, mode)  # swap may turn recompute (host budget)
         except Exception as e:  # the victim alone fails; its memory is freed all the same
             self.fail(victim, e)
             out.failed.append(victim)

@@ -249,6 +249,10 @@ class FullAttentionMemory(LayerMemory):
         first = next((i for i, b in enumerate(blocks) if b != NO_BLOCK), len(blocks))
         return first, blocks[first:]
 
+    def swap_bytes(self, rid: Hashable, num_computed: int) -> int:
+        held = self._computed_blocks(rid, num_computed)[1]
+        return len(held) * sum(t[0].numel() * t.element_size() for t in self.pool.kv.values())
+
     def swap_out(self, rid: Hashable, num_computed: int) -> dict:
         first, held = self._computed_blocks(rid, num_computed)
         pin = self.pool._device.type == "cuda"

@@ -10,6 +10,11 @@ a checkpoint; the admission that uses it PROMOTES it: the state is copied into t
 its key, position, tensor shapes, dtypes and a CRC-32 of its bytes are checked; an entry that fails
 is dropped and counted (`refused_corrupt`), never used. A key is never in both tiers: a device
 checkpoint made under a key this tier holds supersedes the host copy (`discard`).
+
+Swap preemption uses the same host memory and budget: a request swapped out HOLDS its bytes here
+(`hold`) until it is swapped back in or ends (`let_go`). Live work comes first: entries are evicted
+for it by the same rule, and a swap that would not fit even with every entry gone is refused (the
+manager then preempts by recompute). Entries never evict a swapped request's bytes.
 """
 from __future__ import annotations
 
@@ -60,6 +65,7 @@ class TierCounters:
     refused_demotions: int = 0 # device evictions not worth their host bytes (dropped)
     evictions: int = 0         # entries dropped for room (or unreachable)
     refused_corrupt: int = 0   # entries that failed the check and were dropped unused
+    swaps_refused: int = 0     # swap preemptions the budget could not hold (preempted by recompute)
     promotion_seconds: float = 0.0  # wall time of the promotions' copies into device slots
 
 
@@ -77,7 +83,9 @@ class HostStateTier:
         self.rule, self.saved_flops, self.branches, self.reachable = rule, saved_flops, branches, reachable
         self.flop_weight = flop_weight
         self.entries: OrderedDict[bytes, HostEntry] = OrderedDict()  # least recently used first
-        self.used_bytes = 0
+        self.used_bytes = 0     # the entries'
+        self.swapped: dict = {}  # request id -> the bytes its swapped-out memory holds here
+        self.swap_bytes = 0
         self.counters = TierCounters()
 
     def __contains__(self, key: bytes) -> bool:
@@ -90,9 +98,9 @@ class HostStateTier:
     def _victims(self, position: int, last_used: int, nbytes: int) -> Optional[list[bytes]]:
         """The entries to evict so that a state of `nbytes` at `position` fits, or None when it is
         not worth its bytes (the rule would evict it first, or it exceeds the budget)."""
-        if nbytes > self.budget_bytes:
+        free = self.budget_bytes - self.swap_bytes - self.used_bytes
+        if nbytes > free + self.used_bytes:
             return None
-        free = self.budget_bytes - self.used_bytes
         gone = [k for k in self.entries if not self.reachable(k)]  # useless: their KV is gone
         free += sum(self.entries[k].nbytes for k in gone)
         if free >= nbytes:
@@ -135,6 +143,34 @@ class HostStateTier:
         self.counters.demotions += 1
         return True
 
+    # ---- swap --------------------------------------------------------------------------------
+    def hold(self, rid, nbytes: int) -> bool:
+        """Make room for request rid's swapped-out memory (`nbytes`), evicting entries by the rule
+        (unreachable ones first); False, changing nothing, when it would not fit with none left."""
+        if rid in self.swapped:
+            raise RuntimeError(f"request {rid!r} swapped out twice without coming back")
+        if nbytes > self.budget_bytes - self.swap_bytes:
+            self.counters.swaps_refused += 1
+            return False
+        while self.budget_bytes - self.swap_bytes - self.used_bytes < nbytes:
+            keys = sorted(self.entries, key=lambda k: self.entries[k].last_used)
+            gone = [k for k in keys if not self.reachable(k)]
+            if gone:
+                victim = gone[0]
+            else:  # the rule's victim among the entries (least recently used first on ties)
+                es = [self.entries[k] for k in keys]
+                victim = keys[choose_victim(self.rule, [e.position for e in es], self.saved_flops, self.flop_weight,
+                                            branches=[self.branches(k) for k in keys])]
+            self._remove(victim)
+            self.counters.evictions += 1
+        self.swapped[rid] = nbytes
+        self.swap_bytes += nbytes
+        return True
+
+    def let_go(self, rid) -> None:
+        """Request rid's swapped memory left the host (swapped back in, or it ended)."""
+        self.swap_bytes -= self.swapped.pop(rid, 0)
+
     # ---- use ---------------------------------------------------------------------------------
     def usable(self, key: bytes, position: int) -> bool:
         """Whether the entry under `key` exists and passes the check (key, position, layout,
@@ -173,4 +209,5 @@ class HostStateTier:
         return {"entries": len(self.entries), "bytes": self.used_bytes, "budget_bytes": self.budget_bytes,
                 "hits": c.hits, "promotions": c.promotions, "demotions": c.demotions,
                 "refused_demotions": c.refused_demotions, "evictions": c.evictions,
-                "refused_corrupt": c.refused_corrupt, "promotion_seconds": c.promotion_seconds}
+                "refused_corrupt": c.refused_corrupt, "promotion_seconds": c.promotion_seconds,
+                "swap_bytes": self.swap_bytes, "swaps_refused": c.swaps_refused}

@@ -105,6 +105,10 @@ class LayerMemory(ABC):
         is its rolling output state). Frees no pool memory."""
 
     @abstractmethod
+    def swap_bytes(self, rid: Hashable, num_computed: int) -> int:
+        """The host bytes swap_out(rid, num_computed) would copy (the host budget holds them)."""
+
+    @abstractmethod
     def swap_out(self, rid: Hashable, num_computed: int) -> Any:
         """Copy rid's memory to host, release it here; returns the host copy."""
 

@@ -345,6 +345,9 @@ class RecurrentMemory(LayerMemory):
             # first to go when slots are short, unless it is hit before
             self.checkpoints.move_to_end(h, last=False)
 
+    def swap_bytes(self, rid: Hashable, num_computed: int) -> int:
+        return self._slot_bytes
+
     def swap_out(self, rid: Hashable, num_computed: int) -> dict:
         slot = self._slot[rid]
         pin = any(t.is_cuda for t in self.states._tensors())

@@ -32,6 +32,9 @@ _TIER_SERIES = (
     ("counter", "refused_demotions", "refused_demotions", "Evicted states not worth the tier's bytes (dropped)."),
     ("counter", "evictions", "evictions", "Checkpoints evicted from the tier for room."),
     ("counter", "refused_corrupt", "refused_corrupt", "Entries that failed the key/layout/CRC check (dropped unused)."),
+    ("gauge", "swap_bytes", "swap_bytes", "Bytes of swapped-out requests the tier's budget holds (host only)."),
+    ("counter", "swaps_refused", "swaps_refused", "Swap preemptions the budget could not hold: preempted by "
+     "recompute instead (host only)."),
     ("gauge", "kv_entries", "kv_entries", "KV blocks held (disk only)."),
     ("counter", "kv_promotions", "kv_promotions", "KV blocks loaded from the tier into device blocks (disk only)."),
     ("counter", "kv_demotions", "kv_demotions", "KV blocks queued for writing to the tier (disk only)."),

@@ -65,3 +65,22 @@ def test_tight_budget_preempts_and_matches(bamba, reference, mode):
     else:
         assert pre["recompute"] > 0 and pre["swap"] > 0, pre
     assert_no_leaks(llm)
+
+
+def test_swap_under_a_host_budget_turns_recompute_when_it_does_not_fit(bamba, reference):
+    """Swap preemption uses the host tier's budget (memory/host_tier.py): with room for about one
+    short victim, some swaps are refused and preempt by recompute instead; tokens are the roomy
+    run's, and every swapped byte is let go by the end."""
+    prompts, tokens = reference
+    specs = LLM(str(bamba[0]), memory_budget_bytes=8 << 20).model.cache_specs()
+    budget = tight_budget(specs, 16, blocks=14, slots=1 + 6 + 2)
+    host = tight_budget(specs, 16, blocks=3, slots=1)
+    llm = LLM(str(bamba[0]), memory_budget_bytes=budget, max_num_seqs=6, preemption_mode="swap",
+              max_num_batched_tokens=64, checkpoint_share=0.0, host_cache_bytes=host)
+    outs = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == tokens
+    s = llm.stats()
+    tier = s["checkpoint_tiers"]["host"]
+    assert s["preemptions"]["swap"] > 0 and s["preemptions"]["recompute"] == tier["swaps_refused"] > 0, (s["preemptions"], tier)
+    assert tier["swap_bytes"] == 0 and tier["bytes"] + tier["swap_bytes"] <= tier["budget_bytes"]
+    assert_no_leaks(llm)

@@ -153,6 +153,37 @@ def test_swap_roundtrip_restores_data_into_new_blocks():
     assert m.stats().preemptions == {"recompute": 0, "swap": 1}
 
 
+def test_swap_is_held_by_the_host_budget_and_turns_recompute_when_it_cannot_be():
+    """With a host tier, a swapped request's bytes count against host_cache_bytes from swap-out to
+    swap-in (or its end); a swap the budget cannot hold preempts by recompute instead."""
+    rng = torch.Generator().manual_seed(2)
+    probe = mgr(blocks=12, slots=6)
+    probe.admit(Request("a", list(range(9))))
+    run(probe, "a", 9, rng)
+    need = sum(k.swap_bytes("a", 9) for k in probe.kinds)
+    assert need > 0
+    m = mgr(blocks=12, slots=6, host_cache_bytes=need + need // 2)  # one swap fits, two do not
+    for rid in "abc":
+        m.admit(Request(rid, [ord(rid)] + list(range(8))))
+        run(m, rid, 9, rng)
+    kv, st = kv_tokens(m, "a"), state(m, "a")
+    host = m.recurrent.host
+    assert m.preempt("a", "swap") == "swap" and host.swap_bytes == need
+    assert m.preempt("b", "swap") == "recompute"  # no room beside a's: recompute, nothing held
+    assert m.request("b").status.value == "waiting" and m.request("b").num_computed_tokens == 0
+    assert host.swap_bytes == need and host.stats()["swaps_refused"] == 1
+    assert m.stats().preemptions == {"recompute": 1, "swap": 1}
+    assert m.resume("a") == 9 and host.swap_bytes == 0  # back on the device: the host lets go
+    assert same(kv_tokens(m, "a"), kv) and same(state(m, "a"), st)
+    assert m.preempt("c", "swap") == "swap" and host.swap_bytes == need
+    m.finish("c")  # ends while swapped: its host copy goes too
+    assert host.swap_bytes == 0 and host.swapped == {}
+    no_tier = mgr(blocks=12, slots=6)  # without a host tier swap is not bounded by a budget
+    no_tier.admit(Request("a", list(range(9))))
+    run(no_tier, "a", 9, rng)
+    assert no_tier.preempt("a", "swap") == "swap"
+
+
 def test_recompute_preemption_donates_state_at_block_boundary():
     m = mgr(checkpoint_policy="none")
     m.admit(Request("a", list(range(14))))

@@ -40,7 +40,9 @@ def keep(mem, rid, i, value):
 
 def check_conservation(mem):
     assert not set(mem.checkpoints) & set(mem.host.entries), "a key in two tiers"
-    assert mem.host.used_bytes == sum(e.nbytes for e in mem.host.entries.values()) <= mem.host.budget_bytes
+    assert mem.host.used_bytes == sum(e.nbytes for e in mem.host.entries.values())
+    assert mem.host.swap_bytes == sum(mem.host.swapped.values())
+    assert mem.host.used_bytes + mem.host.swap_bytes <= mem.host.budget_bytes
 
 
 def test_eviction_demotes_and_a_hit_promotes_the_same_bytes():
@@ -56,7 +58,8 @@ def test_eviction_demotes_and_a_hit_promotes_the_same_bytes():
     assert tiers["host"]["promotion_seconds"] > 0  # the copy's wall time
     assert tiers["host"] | {"budget_bytes": 0, "promotion_seconds": 0} == {
         "entries": 1, "bytes": SLOT_BYTES, "budget_bytes": 0, "hits": 1, "promotions": 1, "demotions": 1,
-        "refused_demotions": 0, "evictions": 0, "refused_corrupt": 0, "promotion_seconds": 0}
+        "refused_demotions": 0, "evictions": 0, "refused_corrupt": 0, "promotion_seconds": 0,
+        "swap_bytes": 0, "swaps_refused": 0}
     assert tiers["device"] == {"entries": 1, "bytes": SLOT_BYTES, "hits": 0, "evictions": 1}
     mem.admit("d", H, 2)  # a device hit still copies from the device
     assert live_value(mem, "d") == 2.5 and mem.stats()["tiers"]["device"]["hits"] == 1
@@ -169,3 +172,31 @@ def test_an_output_state_displaces_a_prompt_state_only_into_the_host(host_entrie
         assert kept and list(mem.checkpoints) == [H[1]] and list(mem.host.entries) == [H[0]]
     else:  # without a host it may displace only output states: refused, the prompt state stays
         assert not kept and list(mem.checkpoints) == [H[0]]
+
+
+def test_a_swap_holds_host_bytes_and_evicts_entries_for_them():
+    """Swap uses the host budget: entries are evicted by the rule to make room for a swapped
+    request, never the other way; a swap that cannot fit changes nothing and is counted."""
+    mem = memory(host_entries=3)
+    for i, rid in enumerate("abcd"):  # H[0..2] demoted: the host is full of entries
+        keep(mem, rid, i, float(i + 1))
+    assert list(mem.host.entries) == [H[0], H[1], H[2]]
+    host = mem.host
+    assert host.hold("s1", 2 * SLOT_BYTES)  # two entries go, least recently used first (lru)
+    assert list(host.entries) == [H[2]] and host.swap_bytes == 2 * SLOT_BYTES
+    check_conservation(mem)
+    assert not host.hold("s2", 2 * SLOT_BYTES)  # 1 slot's bytes left even with no entry: refused
+    assert list(host.entries) == [H[2]] and host.swapped == {"s1": 2 * SLOT_BYTES}
+    assert host.stats()["swaps_refused"] == 1 and host.stats()["evictions"] == 2
+    mem.admit("e", [], 0)  # a new checkpoint pushes H[3] out of the device: the host has room
+    fill(mem, "e", 9.0)   # beside the swap only by evicting H[2]
+    assert mem.checkpoint("e", b"h5", 5 * BS, False)
+    mem.release("e")
+    check_conservation(mem)
+    assert list(host.entries) == [H[3]] and host.swapped == {"s1": 2 * SLOT_BYTES}  # the swap's bytes stayed
+    with pytest.raises(RuntimeError, match="swapped out twice"):
+        host.hold("s1", 1)
+    host.let_go("s1")
+    host.let_go("never-held")  # nothing held: nothing changes
+    assert host.swap_bytes == 0 and host.swapped == {}
+    assert host.hold("s2", 3 * SLOT_BYTES - 1) and list(host.entries) == []

@@ -170,7 +170,11 @@ def check_conservation(mgr):
     host = mgr.recurrent.host
     if host is not None:  # conservation per tier: one tier per key, the host's bytes within budget
         assert not set(mgr.recurrent.checkpoints) & set(host.entries), "a checkpoint in two tiers"
-        assert host.used_bytes == sum(e.nbytes for e in host.entries.values()) <= host.budget_bytes
+        assert host.used_bytes == sum(e.nbytes for e in host.entries.values())
+        # swap holds host bytes too: exactly the swapped requests', within one budget with the entries
+        assert set(host.swapped) == {r.request_id for r in mgr.requests.values() if r.status == RequestStatus.SWAPPED}
+        assert host.swap_bytes == sum(host.swapped.values())
+        assert host.used_bytes + host.swap_bytes <= host.budget_bytes
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -404,8 +408,11 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), mode=st.sampled_from(["recompute", "swap"]))
     def preempt(self, data, mode):
         rid = data.draw(st.sampled_from(self.ids(RequestStatus.RUNNING)))
-        self.mgr.preempt(rid, mode)
-        assert self.mgr.request(rid).status == (RequestStatus.WAITING if mode == "recompute" else RequestStatus.SWAPPED)
+        used = self.mgr.preempt(rid, mode)
+        if used != mode:  # a swap the host budget could not hold (memory/host_tier.py)
+            assert mode == "swap" and used == "recompute" and self.mgr.recurrent.host is not None
+            EVENTS["swap refused by the host budget"] += 1
+        assert self.mgr.request(rid).status == (RequestStatus.WAITING if used == "recompute" else RequestStatus.SWAPPED)
 
     @precondition(lambda self: self.ids(RequestStatus.WAITING) or self.ids(RequestStatus.SWAPPED))
     @rule(data=st.data())
@@ -559,7 +566,8 @@ def test_manager_state_machine_with_host_tier():
         max_examples=100, stateful_step_count=50, deadline=None, derandomize=True,
         suppress_health_check=[HealthCheck.too_slow]))
     print(dict(EVENTS))
-    for what in ["host demotion", "host promotion", "host eviction", "host entry checked", "prefix hit"]:
+    for what in ["host demotion", "host promotion", "host eviction", "host entry checked", "prefix hit",
+                 "swap refused by the host budget", "resumed after swap"]:
         assert EVENTS[what] > 0, f"the random runs never exercised {what}: {EVENTS}"
 
 
