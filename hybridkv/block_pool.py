@@ -53,6 +53,10 @@ class BlockPool:
         self.pinned_until: dict[int, float] = {}
         self.pins_reclaimed = 0  # pinned blocks taken before their deadline
         self.mirror = None
+        # the host KV tier of this pool (memory/host_kv_tier.py; None: none): told of the cached
+        # blocks an allocation evicts, before their new owner writes them (`evicting([(block, hash,
+        # parent hash)])`), and of each hash a device block answers for again (`superseded(hash)`)
+        self.host_kv = None
 
     @property
     def num_free(self) -> int:
@@ -70,12 +74,18 @@ class BlockPool:
         free, refcount, block_hash, out = self.free, self.refcount, self.block_hash, []
         for b in reversed(self._unpinned_first(n) if self.pinned_until else ()):
             free.move_to_end(b, last=False)  # the blocks to take, at the front in their order
+        evicted = [] if self.host_kv is not None else None
         for _ in range(n):
             b = free.popitem(last=False)[0]
-            if block_hash[b] is not None:  # a cached block: its hash goes
+            h = block_hash[b]
+            if h is not None:  # a cached block: its hash goes
+                if evicted is not None and self.cached.get(h) == b:
+                    evicted.append((b, h, self.parent[b]))
                 self._drop_hash(b)
             refcount[b] = 1
             out.append(b)
+        if evicted:
+            self.host_kv.evicting(evicted)
         return out
 
     def pin(self, blocks: Sequence[int], until: float) -> None:
@@ -119,6 +129,8 @@ class BlockPool:
                 free[b] = None
                 if h is not None and self.cached.setdefault(h, b) == b:
                     self._link(b, h)
+                    if self.host_kv is not None:  # (it may answer anew: a twin that answered was evicted)
+                        self.host_kv.superseded(h)
                     continue  # findable: kept at the back
                 self.block_hash[b] = None  # unhashed, or a duplicate another block answers for
                 free.move_to_end(b, last=False)
@@ -133,6 +145,8 @@ class BlockPool:
         self.block_hash[block] = h
         if self.cached.setdefault(h, block) == block:
             self._link(block, h)
+            if self.host_kv is not None:  # one tier at a time: the device's block supersedes a host copy
+                self.host_kv.superseded(h)
 
     def _link(self, block: int, h: bytes) -> None:
         if self.parent[block] is not None:

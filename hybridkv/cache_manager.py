@@ -187,8 +187,9 @@ class HybridCacheManager:
         return hit
 
     def _start(self, r: Request, num_new_tokens: Optional[int], dry_run: bool = False) -> Optional[int]:
-        def fits(match) -> bool:  # every kind can admit r at match with its first chunk now
-            end = len(r.token_ids) if num_new_tokens is None else match.blocks * self.block_size + num_new_tokens
+        def fits(match) -> bool:  # every kind can admit r at match with its first chunk now (no further than its tokens)
+            end = len(r.token_ids) if num_new_tokens is None else \
+                min(len(r.token_ids), match.blocks * self.block_size + num_new_tokens)
             return all(k.can_admit(r.block_hashes, match.blocks, end) for k in self.kinds)
         match = self.prefix_cache.match(r) if dry_run else self.prefix_cache.deepest_match(r, fits)
         if not fits(match):

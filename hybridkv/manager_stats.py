@@ -57,6 +57,9 @@ class ManagerStats:
                     for g in mgr.attention_groups.values() for r in running)
         hits = mgr.prefix_cache.hits
         tiers = dict(s.get("tiers", {}))
+        host_kv = mgr.prefix_cache.host_kv
+        if host_kv is not None:  # evicted KV blocks beside the host's states
+            tiers["host"] = {**tiers.get("host", {"budget_bytes": host_kv.budget_bytes}), **host_kv.stats()}
         if mgr.disk is not None:
             tiers["disk"] = mgr.disk.stats()
         return cls(

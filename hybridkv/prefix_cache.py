@@ -52,6 +52,7 @@ class PrefixCache:
         self.hits = PrefixHitCounter()
         self.pinned_turns = 0  # turns that ended pinned (pin)
         self.disk = disk  # the disk tier (memory/disk_tier.py): KV and states in files that outlive the process
+        self.host_kv = kinds.host_kv  # evicted KV blocks in host memory (memory/host_kv_tier.py)
         # without recurrent layers no checkpoint writes a prefix's KV through: each full block goes as it fills
         self._kv_write_through = disk is not None and kinds.recurrent is None
         self.bursts = BurstRule(block_size, self.prompt_hashes, lambda hashes, n: self._match(hashes, n).blocks)
@@ -96,18 +97,32 @@ class PrefixCache:
         return self._match(self.hashes(r), len(r.token_ids)) if self.enabled else NO_MATCH
 
     def deepest_match(self, r: Request, fits: Callable[[PrefixMatch], bool]) -> PrefixMatch:
-        """match(r), deepened from the disk tier when it holds more of r's prefix (its files are
-        loaded into the device pools, then r is matched again). The deeper hit is taken only when
-        `fits` (every kind can take it and its first chunk now); else the shallower one, if the
-        loads left it usable."""
-        match = self.match(r)
+        """match(r), deepened from the lower tiers when they hold more of r's prefix: the host KV
+        tier, then the disk (what they hold is promoted into the device pools, then r is matched
+        again). The deeper hit is taken only when `fits` (every kind can take it and its first
+        chunk now); else the shallower one, if the promotions left it usable."""
+        match = deeper = self.match(r)
         limit = min((len(r.token_ids) - 1) // self.block_size, len(r.block_hashes))
-        if self.disk is None or not self.disk.promote(r.block_hashes, limit, match.blocks):
+        if self.host_kv is not None and self.host_kv.promote(r.block_hashes, limit, deeper.blocks,
+                                                             lambda m: self._state_at(r.block_hashes, m)):
+            deeper = self.match(r)
+        if self.disk is not None and self.disk.promote(r.block_hashes, limit, deeper.blocks):
+            deeper = self.match(r)
+        if deeper is match:
             return match
-        deeper = self.match(r)
         if fits(deeper) or not all(k.usable_prefix(r.block_hashes, match.blocks) == match.blocks for k in self.kinds):
             return deeper
         return match
+
+    def _state_at(self, hashes: Sequence[bytes], m: int) -> bool:
+        """Whether a state checkpoint after m blocks is on the device or (checked) in the host tier;
+        always for a model without state."""
+        if self.recurrent is None:
+            return True
+        key, position = hashes[m - 1], m * self.block_size
+        c = self.recurrent.checkpoints.get(key)
+        host = self.recurrent.host
+        return c is not None and c.position == position or host is not None and host.usable(key, position)
 
     def leaving_state(self, r: Request, ending: bool = False) -> Optional[tuple[bytes, int]]:
         """donation(r), written through to the disk tier when there is one (a restart finds it);

@@ -86,6 +86,7 @@ class HostStateTier:
         self.used_bytes = 0     # the entries'
         self.swapped: dict = {}  # request id -> the bytes its swapped-out memory holds here
         self.swap_bytes = 0
+        self.kv = None  # the host KV tier (memory/host_kv_tier.py) sharing the budget: it gives way to states and swaps
         self.counters = TierCounters()
 
     def __contains__(self, key: bytes) -> bool:
@@ -98,7 +99,7 @@ class HostStateTier:
     def _victims(self, position: int, last_used: int, nbytes: int) -> Optional[list[bytes]]:
         """The entries to evict so that a state of `nbytes` at `position` fits, or None when it is
         not worth its bytes (the rule would evict it first, or it exceeds the budget)."""
-        free = self.budget_bytes - self.swap_bytes - self.used_bytes
+        free = self.budget_bytes - self.swap_bytes - self.used_bytes  # KV entries' bytes count as free: they give way
         if nbytes > free + self.used_bytes:
             return None
         gone = [k for k in self.entries if not self.reachable(k)]  # useless: their KV is gone
@@ -135,6 +136,7 @@ class HostStateTier:
         for k in victims:
             self._remove(k)
             self.counters.evictions += 1
+        self._kv_gives_way(nbytes)
         layout = {(p, i): (tuple(t.shape), t.dtype) for p, part in (("conv", conv), ("ssm", ssm))
                   for i, t in part.items()}
         self.entries[key] = HostEntry(key, position, last_used, conv, ssm, layout, checksum(conv, ssm), nbytes)
@@ -152,7 +154,8 @@ class HostStateTier:
         if nbytes > self.budget_bytes - self.swap_bytes:
             self.counters.swaps_refused += 1
             return False
-        while self.budget_bytes - self.swap_bytes - self.used_bytes < nbytes:
+        self._kv_gives_way(nbytes)
+        while self.budget_bytes - self.swap_bytes - self.used_bytes - self._kv_bytes() < nbytes:
             keys = sorted(self.entries, key=lambda k: self.entries[k].last_used)
             gone = [k for k in keys if not self.reachable(k)]
             if gone:
@@ -166,6 +169,14 @@ class HostStateTier:
         self.swapped[rid] = nbytes
         self.swap_bytes += nbytes
         return True
+
+    def _kv_bytes(self) -> int:
+        return self.kv.used_bytes if self.kv is not None else 0
+
+    def _kv_gives_way(self, nbytes: int) -> None:
+        """Evict host KV entries until `nbytes` fit beside the states and swaps (or no KV is left)."""
+        if self.kv is not None:
+            self.kv.shrink(nbytes - (self.budget_bytes - self.swap_bytes - self.used_bytes - self.kv.used_bytes))
 
     def let_go(self, rid) -> None:
         """Request rid's swapped memory left the host (swapped back in, or it ended)."""

@@ -17,6 +17,7 @@ from hybridkv.plan import attention_groups, lead_group
 from hybridkv.specs import AttentionSpec, LayerSpec
 
 from .full_attention import FullAttentionMemory
+from .host_kv_tier import HostKvTier
 from .layer_memory import LayerMemory
 from .recurrent import RecurrentMemory
 from .sliding_window import SlidingWindowMemory
@@ -26,11 +27,13 @@ from .sliding_window import SlidingWindowMemory
 class ModelKinds:
     """attention_groups: {window: memory}, full attention first; attention: the lead group (None
     without attention layers); recurrent: None without recurrent layers; all: every kind, those
-    that can refuse for lack of a slot first (the coordinator asks them in this order)."""
+    that can refuse for lack of a slot first (the coordinator asks them in this order); host_kv:
+    the host tier of evicted KV blocks (None without a host budget or attention layers)."""
 
     attention_groups: dict[Optional[int], FullAttentionMemory]
     attention: Optional[FullAttentionMemory]
     recurrent: Optional[RecurrentMemory]
+    host_kv: Optional[HostKvTier] = None
 
     @property
     def all(self) -> list[LayerMemory]:
@@ -43,7 +46,8 @@ def make_kinds(specs: Mapping[int, LayerSpec], block_size: int, num_blocks: int 
                draft_slots: int = 0, host_cache_bytes: int = 0) -> ModelKinds:
     """num_blocks: one count for every attention group, or {window: count}; num_slots: state slots
     including the null slot 0, `draft_slots` of them kept from checkpoints (speculative decoding);
-    host_cache_bytes: the recurrent kind's host tier (memory/host_tier.py; 0: none).
+    host_cache_bytes: the host tier's budget (0: none): evicted state checkpoints
+    (memory/host_tier.py) and evicted KV blocks (memory/host_kv_tier.py) share it, states first.
     Raises MemoryBudgetError naming the pool that is too small."""
     if not specs:
         raise MemoryBudgetError("specs are empty: the model declares no attention and no recurrent layer")
@@ -64,7 +68,11 @@ def make_kinds(specs: Mapping[int, LayerSpec], block_size: int, num_blocks: int 
         w: FullAttentionMemory(layers, block_size, blocks[w], device) if w is None else
         SlidingWindowMemory(layers, block_size, blocks[w], device, max_chunk_tokens=max_num_batched_tokens)
         for w, layers in attn_layers.items()}
-    lead = groups[lead_group(attn_layers)] if attn_layers else None
+    lead_window = lead_group(attn_layers) if attn_layers else None
+    lead = groups[lead_window] if attn_layers else None
+    host_kv = HostKvTier(groups, block_size, host_cache_bytes) if host_cache_bytes and groups else None
+    # a state's prefix is reachable while its last block is on the device or in the host KV tier
+    reachable = (lambda h: host_kv.reachable(lead_window, h)) if host_kv else lead.is_cached if lead else None
     recurrent = None
     if recurrent_layers:
         attn = [s for s in specs.values() if isinstance(s, AttentionSpec)]
@@ -74,7 +82,10 @@ def make_kinds(specs: Mapping[int, LayerSpec], block_size: int, num_blocks: int 
         recurrent = RecurrentMemory(
             recurrent_layers, block_size, num_slots, device, eviction=checkpoint_eviction,
             saved_flops=lambda p: lin * p + quad * p * p + p,
-            reachable=lead.is_cached if lead else (lambda h: True),
+            reachable=reachable or (lambda h: True),
             branches=lead.num_children if lead else (lambda h: 0), draft_reserve=draft_slots,
             host_cache_bytes=host_cache_bytes)
-    return ModelKinds(groups, lead, recurrent)
+        if host_kv is not None:  # one host budget: states and swaps first, KV in what they leave
+            recurrent.host.kv = host_kv
+            host_kv.held_elsewhere = lambda: recurrent.host.used_bytes + recurrent.host.swap_bytes
+    return ModelKinds(groups, lead, recurrent, host_kv)

@@ -35,9 +35,15 @@ _TIER_SERIES = (
     ("gauge", "swap_bytes", "swap_bytes", "Bytes of swapped-out requests the tier's budget holds (host only)."),
     ("counter", "swaps_refused", "swaps_refused", "Swap preemptions the budget could not hold: preempted by "
      "recompute instead (host only)."),
-    ("gauge", "kv_entries", "kv_entries", "KV blocks held (disk only)."),
-    ("counter", "kv_promotions", "kv_promotions", "KV blocks loaded from the tier into device blocks (disk only)."),
-    ("counter", "kv_demotions", "kv_demotions", "KV blocks queued for writing to the tier (disk only)."),
+    ("gauge", "kv_entries", "kv_entries", "KV blocks held (host and disk)."),
+    ("gauge", "kv_bytes", "kv_bytes", "Bytes of the KV blocks held (host only)."),
+    ("counter", "kv_promotions", "kv_promotions", "KV blocks loaded from the tier into device blocks (host and disk)."),
+    ("counter", "kv_demotions", "kv_demotions", "KV blocks copied to the host as the device evicted them, or "
+     "queued for writing to the disk."),
+    ("counter", "kv_evictions", "kv_evictions", "KV blocks dropped from the tier for room (host only)."),
+    ("counter", "kv_refused_corrupt", "kv_refused_corrupt", "KV blocks that failed the layout/CRC check (host "
+     "only; dropped unused)."),
+    ("counter", "kv_promotion_seconds", "kv_promotion_seconds", "Seconds spent promoting KV blocks (host only)."),
     ("counter", "write_seconds", "write_seconds", "Seconds the tier's writer spent writing entries (disk only)."),
     ("counter", "write_errors", "write_errors", "Entries whose write failed (disk only; logged, dropped)."),
     ("counter", "dropped_writes", "dropped_writes", "Entries not written: too many writes were pending (disk only)."),

@@ -100,7 +100,7 @@ def test_the_cli_flag_and_metrics_carry_the_tiers(bamba, tiers):
     assert by_tier["host"]["promotions"] >= 4 and by_tier["host"]["promotion_seconds"] > 0, by_tier
     for tier, st in by_tier.items():
         for key, v in st.items():
-            gauge = key in ("entries", "bytes", "budget_bytes", "swap_bytes")
+            gauge = key in ("entries", "bytes", "budget_bytes", "swap_bytes", "kv_entries", "kv_bytes")
             name = f"checkpoint_tier_{key}" + ("" if gauge else "_total")
             assert f'hybridkv:{name}{{model_name="m",tier="{tier}"}} {float(v)}' in text, (name, tier, v)
     assert 'hybridkv:checkpoint_tier_demotions_total{model_name="m",tier="device"}' not in text
@@ -123,3 +123,30 @@ def test_a_fresh_prompts_trail_serves_a_request_that_branches_inside_it(bamba, t
         hits[host] = got[1].num_cached_tokens
         assert_no_leaks(llm)
     assert hits == {0: 0, tiers.host_bytes: 64}
+
+
+@pytest.mark.parametrize("family", ["bamba", "llama"])
+def test_kv_blocks_evicted_to_the_host_serve_the_second_pass(tmp_path, family):
+    """KV blocks in the host tier (memory/host_kv_tier.py): with KV for about two prompts on the
+    device, the second pass over six prefixes finds the evicted blocks on the host (and, on the
+    hybrid, the states on the device or the host): more cached tokens, and tokens equal to the
+    engine without a host tier. (Also the case a promotion once missed: a second request admitted
+    in the same step as the first must fit its hit plus its chunk, never more than its tokens.)"""
+    path = str(make_tiny_checkpoint(family, tmp_path))
+    specs = LLM(path, memory_budget_bytes=16 << 20).model.cache_specs()
+    slots = 1 + 2 + 8 if family == "bamba" else 0
+    kw = dict(max_num_seqs=2, checkpoint_share=0.5 if slots else 0.0,
+              memory_budget_bytes=tight_budget(specs, 16, blocks=10, slots=slots))
+    rng = random.Random(3)
+    prefixes = [[rng.randrange(4, 128) for _ in range(48)] for _ in range(6)]
+    plain = LLM(path, **kw)
+    want = two_passes(plain, prefixes)
+    host_bytes = 64 * (tight_budget(specs, 16, blocks=1, slots=0) + (state_bytes_per_slot(specs) if slots else 0))
+    llm = LLM(path, host_cache_bytes=host_bytes, **kw)
+    assert two_passes(llm, prefixes) == want
+    s, base = llm.stats(), plain.stats()
+    host = s["checkpoint_tiers"]["host"]
+    assert host["kv_demotions"] > 0 and host["kv_promotions"] >= 6 * 3 // 2, host
+    # every prompt of the second pass resumes after its whole 48-token prefix; without the tier few do
+    assert s["prefix_hit_tokens"] == 6 * 48 > base["prefix_hit_tokens"], (s["prefix_hit_tokens"], base["prefix_hit_tokens"])
+    assert_no_leaks(llm)

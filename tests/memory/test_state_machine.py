@@ -40,7 +40,7 @@ from hybridkv.memory.full_attention import NO_BLOCK
 from hybridkv.scheduler.batch_builder import BatchBuilder
 from hybridkv.scheduler.scheduler import ScheduledChunk
 from hybridkv.request import Request
-from hybridkv.plan import state_bytes_per_slot
+from hybridkv.plan import kv_bytes_per_block, state_bytes_per_slot
 from hybridkv.specs import AttentionSpec, RecurrentSpec, with_cache_dtypes
 from hybridkv.state_pool import CHECKPOINT, FREE, LIVE, NULL
 
@@ -174,7 +174,12 @@ def check_conservation(mgr):
         # swap holds host bytes too: exactly the swapped requests', within one budget with the entries
         assert set(host.swapped) == {r.request_id for r in mgr.requests.values() if r.status == RequestStatus.SWAPPED}
         assert host.swap_bytes == sum(host.swapped.values())
-        assert host.used_bytes + host.swap_bytes <= host.budget_bytes
+        kv = host.kv.used_bytes if host.kv is not None else 0  # the host KV tier shares the budget
+        assert host.used_bytes + host.swap_bytes + kv <= host.budget_bytes
+        if host.kv is not None:
+            assert host.kv.used_bytes == sum(e.nbytes for e in host.kv.entries.values())
+            for w, h in host.kv.entries:  # one tier at a time: a host KV block is not cached on the device
+                assert h not in mgr.attention_groups[w].pool.cached, "a KV block in two tiers"
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -208,6 +213,8 @@ class ManagerMachine(RuleBasedStateMachine):
             host_entries, caching = max(host_entries, 1), True
             kw["enable_prefix_caching"] = True
         host = host_entries * state_bytes_per_slot(specs)
+        if self.force_host_tier:  # room for KV blocks too (the host KV tier; pure attention gets a tier)
+            host += host_entries * 3 * kv_bytes_per_block(specs, bs)
         if self.force_disk_tier:
             kw.update(enable_prefix_caching=True, disk_cache_dir=tempfile.mkdtemp(prefix="sm-disk-"))
         self.make = lambda: HybridCacheManager(specs, bs, num_blocks, num_slots, host_cache_bytes=host, **kw)
@@ -225,7 +232,7 @@ class ManagerMachine(RuleBasedStateMachine):
         bs = self.mgr.block_size
         for i, h in enumerate(r.block_hashes[: r.num_computed_tokens // bs]):
             self.expected_ckpt[h] = state_value(r.token_ids, (i + 1) * bs)
-            if self.force_disk_tier and h not in self.expected_kv:
+            if (self.force_disk_tier or self.force_host_tier) and h not in self.expected_kv:
                 self.expected_kv[h] = kv_values(r.token_ids, (i + 1) * bs)[i * bs:]
 
     def run_chunk(self, rid, n):
@@ -472,14 +479,22 @@ class ManagerMachine(RuleBasedStateMachine):
             for t in list(e.conv.values()) + list(e.ssm.values()):
                 assert bool((values(t) == self.expected_ckpt[h]).all()), "a host entry's state differs"
             EVENTS["host entry checked"] += 1
+        host_kv = self.mgr.prefix_cache.host_kv
+        for (w, h), e in (host_kv.entries.items() if host_kv is not None else ()):  # its block's values
+            for x in e.kv.values():
+                want = self.expected_kv[h].view(1, -1, *[1] * (values(x).dim() - 2)).expand_as(values(x))
+                assert torch.equal(values(x), want), "a host KV entry holds other values"
+            EVENTS["host KV entry checked"] += 1
 
     def teardown(self):
         if hasattr(self, "mgr"):
             host = self.mgr.stats().tiers.get("host")
             if host:
-                EVENTS["host promotion"] += host["promotions"]
-                EVENTS["host demotion"] += host["demotions"]
-                EVENTS["host eviction"] += host["evictions"]
+                EVENTS["host promotion"] += host.get("promotions", 0)
+                EVENTS["host demotion"] += host.get("demotions", 0)
+                EVENTS["host eviction"] += host.get("evictions", 0)
+                EVENTS["host KV promotion"] += host.get("kv_promotions", 0)
+                EVENTS["host KV demotion"] += host.get("kv_demotions", 0)
             self.finish_all()
             if self.mgr.disk is not None:
                 self.count_disk_events()
@@ -567,7 +582,8 @@ def test_manager_state_machine_with_host_tier():
         suppress_health_check=[HealthCheck.too_slow]))
     print(dict(EVENTS))
     for what in ["host demotion", "host promotion", "host eviction", "host entry checked", "prefix hit",
-                 "swap refused by the host budget", "resumed after swap"]:
+                 "swap refused by the host budget", "resumed after swap", "host KV demotion",
+                 "host KV promotion", "host KV entry checked"]:
         assert EVENTS[what] > 0, f"the random runs never exercised {what}: {EVENTS}"
 
 

@@ -1,0 +1,196 @@
+"""The host tier of KV blocks: full, hashed blocks the device pools evict, kept in host memory under
+the host budget (`host_cache_bytes`) and found again by a later prefix match.
+
+- **Demote.** When a pool hands out a free block that still answers for a hash (`BlockPool.allocate`
+  evicts it), it tells this tier before the new owner writes the block (`BlockPool.host_kv`): the
+  blocks are copied to the host in one gather, each kept under (attention group, hash) with its
+  parent hash, its layout and a CRC-32 of its bytes.
+- **One budget.** States and swapped requests come first (memory/host_tier.py): KV entries use what
+  they leave of the budget and give way, least recently used first, when a state or a swap needs
+  room; among themselves KV entries go least recently used first. On a hybrid a KV block alone
+  saves nothing (a hit needs a state at the same position), while a state saves its whole prefix.
+- **Promote.** At admission (`PrefixCache.deepest_match`), when the device hit could go deeper:
+  the deepest position past it whose KV is all on the device or here (every attention group: the
+  blocks a hit there attends to) and, on a model with state, whose state checkpoint is on the
+  device or in the host state tier. Every entry used is checked first (key, layout, CRC-32); one
+  that fails is dropped and counted (`kv_refused_corrupt`) and that position is not used. The
+  blocks go into free device blocks as cached blocks (chain order) and LEAVE the host (a block is
+  in one tier at a time: a device block that comes to answer for a hash the host holds, as when
+  the prefix is recomputed, drops the host copy; evicted again, it is demoted again). Then the
+  ordinary match runs: the
+  hybrid hit rule is unchanged.
+
+A model without attention layers has no KV tier. With tensor parallelism the pool's gather
+returns every rank's heads, which the tier keeps whole.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional, Sequence
+
+import torch
+
+from .host_tier import checksum
+
+
+@dataclass
+class HostKvEntry:
+    parent: Optional[bytes]  # the hash of the block before it (b"" for a first block)
+    kv: dict                 # {layer: host tensor of one block}
+    crc: int
+    nbytes: int
+
+
+@dataclass
+class KvTierCounters:
+    kv_promotions: int = 0        # blocks copied from here into device blocks
+    kv_demotions: int = 0         # evicted device blocks copied here
+    kv_evictions: int = 0         # entries dropped for room
+    kv_refused_corrupt: int = 0   # entries that failed the check (dropped unused)
+    kv_promotion_seconds: float = 0.0
+
+
+class HostKvTier:
+    """Host copies of evicted KV blocks of `groups` ({window: FullAttentionMemory}) within
+    `budget_bytes`, less what `held_elsewhere()` (the state tier's entries and swapped requests)
+    takes. Registers itself as every group pool's `host_kv` hook (_PoolHook)."""
+
+    def __init__(self, groups: Mapping[Optional[int], object], block_size: int, budget_bytes: int,
+                 held_elsewhere: Callable[[], int] = lambda: 0):
+        self.groups = dict(groups)
+        self.block_size = block_size
+        self.budget_bytes = budget_bytes
+        self.held_elsewhere = held_elsewhere
+        self.entries: OrderedDict[tuple, HostKvEntry] = OrderedDict()  # (window, hash); least recently used first
+        self.used_bytes = 0
+        self.counters = KvTierCounters()
+        self._layout = {w: {i: (tuple(t.shape[1:]), t.dtype) for i, t in g.pool.kv.items()}
+                        for w, g in self.groups.items()}
+        self._block_bytes = {w: sum(t[0].numel() * t.element_size() for t in g.pool.kv.values())
+                             for w, g in self.groups.items()}
+        for w, g in self.groups.items():
+            g.pool.host_kv = _PoolHook(self, w)
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self.entries
+
+    def reachable(self, window: Optional[int], h: bytes) -> bool:
+        """Whether group `window` holds block `h` on the device or here."""
+        return h in self.groups[window].pool.cached or (window, h) in self.entries
+
+    # ---- demotion ----------------------------------------------------------------------------
+    def demote(self, window: Optional[int], evicted: Sequence[tuple[int, bytes, Optional[bytes]]]) -> None:
+        """Blocks (block, hash, parent hash) group `window`'s pool is evicting, least useful first:
+        as many of the last ones as the budget can hold are copied here (older KV entries go)."""
+        nb = self._block_bytes[window]
+        room = self.budget_bytes - self.held_elsewhere()
+        todo = [e for e in evicted if (window, e[1]) not in self.entries][-(room // nb):] if room >= nb and nb else []
+        if not todo:
+            return
+        self.shrink(len(todo) * nb - (room - self.used_bytes))
+        data = self.groups[window].pool.gather([b for b, _, _ in todo], "cpu")
+        for j, (_, h, parent) in enumerate(todo):
+            kv = {i: t[j].clone() for i, t in data.items()}
+            self.entries[(window, h)] = HostKvEntry(parent, kv, checksum(kv, {}), nb)
+            self.used_bytes += nb
+        self.counters.kv_demotions += len(todo)
+
+    def shrink(self, nbytes: int) -> None:
+        """Free at least `nbytes` of this tier's bytes (least recently used entries first)."""
+        freed = 0
+        while freed < nbytes and self.entries:
+            freed += self.entries.popitem(last=False)[1].nbytes
+            self.counters.kv_evictions += 1
+        self.used_bytes -= freed
+
+    def drop(self, window: Optional[int], h: bytes) -> None:
+        """Forget the host copy of block `h` of group `window` (a device block answers for it again)."""
+        e = self.entries.pop((window, h), None)
+        if e is not None:
+            self.used_bytes -= e.nbytes
+
+    # ---- promotion ---------------------------------------------------------------------------
+    def _usable(self, window: Optional[int], h: bytes) -> bool:
+        """The entry exists and passes the check (layout, CRC-32); a failing one is dropped, counted."""
+        e = self.entries.get((window, h))
+        if e is None:
+            return False
+        if {i: (tuple(t.shape), t.dtype) for i, t in e.kv.items()} == self._layout[window] and checksum(e.kv, {}) == e.crc:
+            return True
+        self.used_bytes -= self.entries.pop((window, h)).nbytes
+        self.counters.kv_refused_corrupt += 1
+        return False
+
+    def promote(self, hashes: Sequence[bytes], limit: int, m0: int, state_at: Callable[[int], bool]) -> int:
+        """Copy into device blocks the host KV of the deepest hit past m0 blocks (at most `limit`)
+        whose KV is all on the device or here and whose state `state_at(m)` exists; returns its
+        blocks, or 0 when nothing was promoted."""
+        if limit <= m0 or not self.entries:
+            return 0
+        t0 = time.perf_counter()
+        if None in self.groups:  # full attention needs every block: no deeper than its first gap
+            limit = next((i for i in range(limit) if not self.reachable(None, hashes[i])), limit)
+        for m in range(limit, m0, -1):
+            need = {w: [i for i in range(g.first_needed_block(m * self.block_size), m)
+                        if hashes[i] not in g.pool.cached] for w, g in self.groups.items()}
+            if not any(need.values()) or not state_at(m) or \
+                    not all((w, hashes[i]) in self.entries for w, idx in need.items() for i in idx):
+                continue
+            if not all([self._usable(w, hashes[i]) for w, idx in need.items() for i in idx]):
+                continue  # every failing entry is dropped now; try a shallower position
+            placed = self._place(hashes, m, need)
+            self.counters.kv_promotion_seconds += time.perf_counter() - t0
+            return m if placed else 0
+        return 0
+
+    def _place(self, hashes: Sequence[bytes], m: int, need: dict) -> bool:
+        """Move the needed entries into free blocks of each group as cached blocks, the device's own
+        blocks of the prefix held meanwhile; False (nothing moved) when a pool lacks room."""
+        for w, idx in need.items():
+            pool, g = self.groups[w].pool, self.groups[w]
+            protected = sum(1 for i in range(g.first_needed_block(m * self.block_size), m)
+                            if hashes[i] in pool.cached and pool.refcount[pool.cached[hashes[i]]] == 0)
+            if pool.num_free - protected < len(idx):
+                return False
+        for w, idx in need.items():
+            if not idx:
+                continue
+            g = self.groups[w]
+            pool = g.pool
+            entries = [self.entries.pop((w, hashes[i])) for i in idx]  # leaving: a block is in one tier
+            self.used_bytes -= sum(e.nbytes for e in entries)
+            needed = range(g.first_needed_block(m * self.block_size), m)
+            held = {i: pool.cached[hashes[i]] for i in needed if hashes[i] in pool.cached}
+            pool.ref(list(held.values()))  # the prefix's own device blocks are not evicted for these
+            new = pool.allocate(len(idx))
+            pool.scatter(new, {layer: torch.stack([e.kv[layer] for e in entries]) for layer in pool.kv})
+            for b, i, e in zip(new, idx, entries):
+                pool.set_hash(b, hashes[i], e.parent)
+                held[i] = b
+            pool.release([held[i] for i in needed])  # chain order: the prefix's first block is kept longest
+            self.counters.kv_promotions += len(idx)
+        return True
+
+    def stats(self) -> dict:
+        c = self.counters
+        return {"kv_entries": len(self.entries), "kv_bytes": self.used_bytes, "kv_promotions": c.kv_promotions,
+                "kv_demotions": c.kv_demotions, "kv_evictions": c.kv_evictions,
+                "kv_refused_corrupt": c.kv_refused_corrupt, "kv_promotion_seconds": c.kv_promotion_seconds}
+
+
+class _PoolHook:
+    """What a group's BlockPool calls (`pool.host_kv`): evicting(blocks) and superseded(hash)."""
+
+    __slots__ = ("tier", "window")
+
+    def __init__(self, tier: HostKvTier, window: Optional[int]):
+        self.tier, self.window = tier, window
+
+    def evicting(self, evicted) -> None:
+        self.tier.demote(self.window, evicted)
+
+    def superseded(self, h: bytes) -> None:
+        if self.tier.entries:
+            self.tier.drop(self.window, h)
