@@ -232,7 +232,7 @@ class ManagerMachine(RuleBasedStateMachine):
         bs = self.mgr.block_size
         for i, h in enumerate(r.block_hashes[: r.num_computed_tokens // bs]):
             self.expected_ckpt[h] = state_value(r.token_ids, (i + 1) * bs)
-            if (self.force_disk_tier or self.force_host_tier) and h not in self.expected_kv:
+            if h not in self.expected_kv:
                 self.expected_kv[h] = kv_values(r.token_ids, (i + 1) * bs)[i * bs:]
 
     def run_chunk(self, rid, n):
