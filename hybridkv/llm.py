@@ -29,6 +29,7 @@ from hybridkv.scheduler.engine import Engine
 from hybridkv.scheduler.hit_guard import HitGuard
 from hybridkv.scheduler.speculation import Speculation
 from hybridkv.speculative.draft_model import DRAFT_BUDGET_SHARE, DRAFT_CHECKPOINT_POLICY, DraftModelDrafter
+from hybridkv.speculative.mtp import MtpDrafter
 from hybridkv.scheduler.preemption import PreemptionPolicy
 from hybridkv.scheduler.profiler import Profile, profile_model
 from hybridkv.scheduler.scheduler import Scheduler
@@ -74,8 +75,9 @@ class LLM:
     `cuda_graphs=True` replays decode steps as CUDA graphs (scheduler/decode_graphs.py; off by
     default: never run on a GPU yet); refused on a CPU ('dry_run' is the tests' CPU stand-in).
     `speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
-    "prompt_lookup_min": 2}` (vLLM's shape) makes decodes verify drafted tokens, k + 1 positions
-    in one forward, with the output token for token what it would be without (docs/design.md,
+    "prompt_lookup_min": 2}` (vLLM's shape; methods 'ngram', 'draft_model' with "model", 'mtp':
+    the checkpoint's own MTP head) makes decodes verify drafted tokens, k + 1 positions in one
+    forward, with the output token for token what it would be without (docs/design.md,
     "Speculative decoding").
     """
 
@@ -105,10 +107,15 @@ class LLM:
         if quantized and (tensor_parallel_size != 1 or graph_mode is not None):
             raise ValueError("kv_cache_dtype / state_cache_dtype other than 'auto' run without tensor parallelism "
                              "and without CUDA graphs in this version; drop one of them")
+        spec = self.config.speculative_config
+        with_mtp = spec is not None and spec.method == "mtp"
+        if with_mtp and (tensor_parallel_size != 1 or graph_mode is not None or quantized):
+            raise ValueError("speculative method 'mtp' runs without tensor parallelism, CUDA graphs and quantized "
+                             "caches in this version (the head runs eagerly after each step's forward); drop one")
         self.model_path = model
         shard = ShardLoad(0, tensor_parallel_size) if tensor_parallel_size != 1 else None  # rank 0's rows only
         self.model = load_model(model, device=device, dtype=_dtype(dtype), max_model_len=max_model_len,
-                                shard=shard)
+                                shard=shard, with_mtp=with_mtp)
         configure_cpu_threads(self.model.device)  # measured default; HYBRIDKV_CPU_THREADS overrides
         self.tensor_parallel = None  # ranks 1..N-1 hold the other shards (hybridkv/parallel/)
         if tensor_parallel_size != 1:
@@ -144,6 +151,8 @@ class LLM:
                 draft = LLM(spec.model, device=str(device), block_size=block_size, memory_budget_bytes=draft_budget,
                             max_num_seqs=max_num_seqs, checkpoint_policy=DRAFT_CHECKPOINT_POLICY)
                 drafter = DraftModelDrafter(draft, self.model.vocab_size)
+            elif with_mtp:  # the model runner computes its head's proposals each step
+                drafter = MtpDrafter()
             scheduler.speculation = Speculation(spec, block_size, drafter)
         if c.verify_cache_hits > 0:  # a sampled fraction of prefix hits recomputed cold (scheduler/hit_guard.py)
             scheduler.hit_guard = HitGuard(c.verify_cache_hits, seed, self.manager.prefix_cache.invalidate,

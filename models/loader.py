@@ -182,22 +182,35 @@ def load_tokenizer(path: Path):
         raise
 
 
-def build_model(config, device="cpu", dtype=torch.float32, cut=None) -> HybridModel:
+def build_model(config, device="cpu", dtype=torch.float32, cut=None, with_mtp: bool = False) -> HybridModel:
     """The family's model for `config`, parameters allocated but NOT initialised (meta -> device).
 
     Family modules must not compute non-parameter tensors on the default device in __init__
     (it is `meta` here): use an explicit device="cpu" and move lazily, as rotary.py does.
     `cut(model)`, when given, runs on the meta model before allocation (a tensor-parallel shard).
+    with_mtp: build the checkpoint's multi-token-prediction head too (speculative method 'mtp').
     """
     arch = (getattr(config, "architectures", None) or [None])[0]
     module = family_module(arch)
     with torch.device("meta"):
-        model = module.MODEL_CLASS(config)
+        model = module.MODEL_CLASS(config, with_mtp=True) if with_mtp else module.MODEL_CLASS(config)
     model = model.to(dtype=dtype)
     model.architecture = module.ARCHITECTURE
     if cut is not None:
         cut(model)
     return model.to_empty(device=torch.device(device))
+
+
+def check_mtp(arch: str, ckpt: CheckpointTensors, path: Path) -> None:
+    """Refuse MTP drafting, by name, for a family without an MTP head or a checkpoint without its
+    weights."""
+    weights = getattr(family_module(arch).MODEL_CLASS, "mtp_weights", None)
+    if weights is None:
+        raise ValueError(f"speculative method 'mtp': {arch} has no multi-token-prediction head in this version "
+                         f"(Qwen3-Next checkpoints ship one as mtp.*); use 'ngram' or 'draft_model'")
+    if weights not in ckpt:
+        raise ValueError(f"speculative method 'mtp': the checkpoint {path} has no MTP weights ({weights} and the "
+                         f"rest of mtp.* are missing); use 'ngram' or 'draft_model'")
 
 
 def _check_max_model_len(max_model_len) -> None:
@@ -209,7 +222,7 @@ def _check_max_model_len(max_model_len) -> None:
 
 
 def load_model(path: str | Path, device="cpu", dtype: DType = torch.float32,
-               max_model_len: Optional[int] = None, shard=None) -> HybridModel:
+               max_model_len: Optional[int] = None, shard=None, with_mtp: bool = False) -> HybridModel:
     """Checkpoint directory (or a model id in the local Hugging Face cache: `resolve_checkpoint`)
     -> HybridModel in eval mode on `device` ("auto": cuda if available) with parameters in `dtype`.
 
@@ -217,6 +230,8 @@ def load_model(path: str | Path, device="cpu", dtype: DType = torch.float32,
     none). max_model_len: caps the checkpoint's own limit (None keeps it). shard: a tensor-parallel
     rank's hybridkv.parallel.ShardLoad (its `cut` on the meta model, its `load` for the weights).
     Sets `generation_defaults` (GenerationDefaults from generation_config.json) on the model.
+    with_mtp: load the checkpoint's MTP head too (speculative method 'mtp'); a family without one,
+    or a checkpoint without its weights, is refused by name (ValueError).
     Raises FileNotFoundError (no directory / config.json), UnsupportedArchitectureError (listing
     the supported ones), ValueError for a bad dtype or max_model_len, and CheckpointError naming
     the file for everything wrong inside the directory (malformed JSON, an index without
@@ -232,11 +247,13 @@ def load_model(path: str | Path, device="cpu", dtype: DType = torch.float32,
     family_module(arch)  # fail on the architecture before reading any weights
     defaults = read_generation_defaults(path)
     ckpt = CheckpointTensors(path)
+    if with_mtp:
+        check_mtp(arch, ckpt, path)
     if dtype == "auto":
         dtype = checkpoint_dtype(raw, path / "config.json")
         log.info("dtype='auto': computing in %s, the dtype config.json names (float32 when none)", dtype)
     try:
-        model = build_model(config, device=device, dtype=dtype, cut=shard and shard.cut)
+        model = build_model(config, device=device, dtype=dtype, cut=shard and shard.cut, with_mtp=with_mtp)
     except ValueError as e:  # a family refusing its config (heads that do not divide, ...)
         raise CheckpointError(f"{path / 'config.json'}: {e}") from e
     if shard is None:

@@ -60,6 +60,8 @@ class RunnerOutput:
         `batch_logprobs`; `batch_finite`: per row whether its logits are finite (None: all);
         `sampled` / `sampled_np`: a decode batch alone all greedy: the argmax as a tensor [R]
         (the next step's input ids) and a numpy view on the CPU.
+    drafts: with the target's MTP head (speculative method 'mtp'), its proposal for each sequence
+        that sampled: {request id: (the index the proposed token would take, token)}.
     """
 
     error: Optional[BaseException] = None
@@ -74,6 +76,7 @@ class RunnerOutput:
     batch_finite: Optional[list[bool]] = None
     sampled: Optional[torch.Tensor] = None
     sampled_np: Optional[np.ndarray] = None
+    drafts: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -163,8 +166,11 @@ class ModelRunner:
                 result = self._decode_batch(step.out.decodes, logits)
             else:
                 result = self._sampled(step.chunks, logits, step.rows, step.rows.finite(logits), step.fork_rows)
-                if step.out.decodes is not None:
-                    result = self._split(result, step.out)
+            if getattr(self.model, "mtp", None) is not None:
+                with torch.inference_mode():
+                    result.drafts = self._mtp_drafts(step, result)
+            if step.rows is not None and step.out.decodes is not None:
+                result = self._split(result, step.out)
         except Exception as e:
             log.exception("the forward pass failed; its %d requests end with an error", step.out.num_seqs)
             result = RunnerOutput(error=e)
@@ -209,12 +215,44 @@ class ModelRunner:
                              tokens={i - r: t for i, t in both.tokens.items() if i >= r},
                              logprobs={i - r: t for i, t in both.logprobs.items() if i >= r},
                              prompt_logprobs={i - r: t for i, t in both.prompt_logprobs.items() if i >= r},
-                             kept_logits=both.kept_logits)
+                             kept_logits=both.kept_logits, drafts=both.drafts)
         split.batch_tokens = [both.tokens[i][0] if i in both.tokens else None for i in range(r)]
         split.batch_logprobs = [both.logprobs[i][0] if i in both.logprobs else None for i in range(r)]
         if not all(both.finite[:r]):
             split.batch_finite = both.finite[:r]
         return split
+
+    def _mtp_drafts(self, step: StepInputs, result: RunnerOutput) -> dict:
+        """The target's MTP head after the forward (models/qwen3_next_mtp.py), over every position
+        the step computed, each reading the token after it: the prompt's next token, the draft or
+        accepted token of a verifying run, or what this step sampled (a position whose next token
+        is unknown reads 0: it was rejected, or its request fails). Returns the proposal for each
+        sequence that sampled, read at its last kept position: {request id: (index, token)}."""
+        nxt, rows, owners = [], [], []
+        if step.chunks is None:  # a decode batch alone: one row a sequence, its next token its draw
+            for i, (seq, tok) in enumerate(zip(step.out.decodes.seqs, result.batch_tokens)):
+                ok = tok.__class__ is int
+                nxt.append(tok if ok else 0)
+                if ok:
+                    rows.append(i)
+                    owners.append((seq.request_id, len(seq.token_ids) + 1))
+        else:
+            at = 0
+            for i, c in enumerate(step.chunks):
+                seq, n = c.seq, c.num_tokens
+                drawn = result.tokens.get(i, [])
+                run = drawn if c.draft else drawn[:1]  # the sequence's own tokens (not its forks')
+                if not all(t.__class__ is int for t in run):
+                    run = []
+                ids = list(run) if c.draft else seq.token_ids[c.start + 1:c.start + n + 1] + run
+                nxt.extend(ids[:n] + [0] * (n - len(ids)))
+                if run:
+                    rows.append(at + (len(run) - 1 if c.draft else n - 1))
+                    owners.append((seq.request_id, len(seq.token_ids) + len(run)))
+                at += n
+        ids = torch.tensor(nxt, dtype=torch.long).to(self.device)
+        tokens = self.model.mtp_drafts(step.batch, self.caches, ids, rows)
+        return {rid: (index, tok) for (rid, index), tok in zip(owners, tokens)}
 
     # ---- sampling --------------------------------------------------------------------------
     def _sampled(self, chunks: list[ScheduledChunk], logits: torch.Tensor, rows: LogitRows,

@@ -260,6 +260,8 @@ class Scheduler:
             return reported
         if result.kept_logits:
             self.hit_guard.observe(result.kept_logits)
+        if result.drafts:  # the target's MTP head proposed these in the forward pass (speculative/mtp.py)
+            self.speculation.drafter.record(result.drafts)
         checkpoints = out.chunks or (out.decodes is not None and out.decodes.checkpoints)
         with self.mgr.prefix_cache.batched_checkpoints() if checkpoints else nullcontext():  # they copy together
             if out.decodes is not None:

@@ -74,7 +74,7 @@ class Speculation:
 
     def __init__(self, config: SpeculativeConfig, block_size: int, drafter=None):
         """drafter: what proposes (None: the n-gram drafter; LLM passes a DraftModelDrafter for
-        method 'draft_model'); any object with `propose_many([(request id, token ids, k)]) ->
+        method 'draft_model', an MtpDrafter for 'mtp'); any object with `propose_many([(request id, token ids, k)]) ->
         [draft]` (a draft may be shorter than k, or empty) and `forget(request id)`."""
         self.config = config
         self.k_max = self.max_draft(config, block_size)
@@ -87,10 +87,11 @@ class Speculation:
 
     @staticmethod
     def max_draft(config: SpeculativeConfig, block_size: int) -> int:
-        """The most tokens a request drafts: num_speculative_tokens, below block_size."""
+        """The most tokens a request drafts: num_speculative_tokens, below block_size (one with
+        'mtp': the checkpoint's one MTP layer proposes one token a step)."""
         if block_size < 2:
             raise ValueError(f"speculative decoding needs block_size >= 2, got {block_size}")
-        return min(config.num_speculative_tokens, block_size - 1)
+        return min(1 if config.method == "mtp" else config.num_speculative_tokens, block_size - 1)
 
     @staticmethod
     def draft_slots(config: Optional[SpeculativeConfig], block_size: int, max_num_seqs: int) -> int:

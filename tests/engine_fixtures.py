@@ -37,3 +37,33 @@ def hf_model(path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def steer_mtp_drafts(llm, truth: dict, p_right: float, seed: int = 0) -> dict:
+    """Record every proposal the runner hands the drafter ({(request id, index): token}, returned),
+    and hand the drafter the true token instead (truth: {prompt tuple: the plain engine's tokens})
+    with probability p_right, so that verification runs are accepted too (random MTP weights
+    propose the right token about once in 100)."""
+    seen, rng, drafter = {}, random.Random(seed), llm.engine.scheduler.speculation.drafter
+    record = drafter.record
+
+    def record_steered(drafts):
+        out = {}
+        for rid, (i, tok) in drafts.items():
+            seen[(rid, i)] = tok
+            r = llm.manager.requests.get(rid)
+            full = truth.get(tuple(r.token_ids[:r.num_prompt_tokens])) if r is not None else None
+            if full is not None and i < len(full) and rng.random() < p_right:
+                tok = full[i]
+            out[rid] = (i, tok)
+        record(out)
+
+    drafter.record = record_steered
+    return seen
+
+
+def plain_truth(path, prompts, params, **kw) -> tuple[list, dict]:
+    """The engine without speculation: (its outputs, {prompt: prompt + output tokens})."""
+    kw.setdefault("memory_budget_bytes", 32 << 20)
+    outs = LLM(str(path), **kw).generate(prompts, params, use_tqdm=False)
+    return outs, {tuple(p): list(p) + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)}

@@ -7,14 +7,14 @@ from dataclasses import dataclass, fields
 from typing import Mapping, Optional, Union
 
 METHODS = ("ngram", "draft_model", "mtp")
-BUILT = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """method: 'ngram' (prompt lookup: the proposal continues an earlier occurrence of the
-    request's last n tokens; no model) or 'draft_model' (`model`, a checkpoint with the target's
-    vocabulary, proposes greedily; draft_model.py). num_speculative_tokens: the most tokens drafted per step
+    request's last n tokens; no model), 'draft_model' (`model`, a checkpoint with the target's
+    vocabulary, proposes greedily; draft_model.py) or 'mtp' (the target checkpoint's own
+    multi-token-prediction head, Qwen3-Next's `mtp.*`: one token a step, whatever k; mtp.py). num_speculative_tokens: the most tokens drafted per step
     for a request (its k; adaptive below that, scheduler/speculation.py). prompt_lookup_max /
     prompt_lookup_min: the longest and shortest n-gram matched. model: the draft checkpoint
     (method 'draft_model'). max_speculating_seqs (ours): how many running requests of a model
@@ -54,9 +54,6 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config method {self.method!r}; choose one of {METHODS}")
-        if self.method not in BUILT:
-            raise ValueError(f"speculative_config method {self.method!r} is not available in this version; "
-                             f"available: {BUILT}")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_speculating_seqs"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

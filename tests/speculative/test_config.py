@@ -16,7 +16,7 @@ def test_a_dict_or_its_json_gives_the_config():
 
 @pytest.mark.parametrize("value, words", [
     ({"method": "eagle"}, "method 'eagle'"),
-    ({"method": "mtp"}, "not available"),
+    ({"method": "mtp", "model": "x"}, "'model' is for method 'draft_model'"),
     ({"method": "draft_model"}, "needs 'model'"),
     ({"method": "ngram", "model": "x"}, "'model' is for method 'draft_model'"),
     ({"off_when_slower": 1}, "off_when_slower=1"),

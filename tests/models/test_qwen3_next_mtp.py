@@ -1,0 +1,111 @@
+"""Qwen3-Next's MTP head (models/qwen3_next_mtp.py) drafting in the engine (speculative method
+'mtp'), against an oracle built from transformers' own modules: the target's last hidden states
+from transformers' Qwen3NextModel, then the published head's arithmetic (pre-fc norms, fc, one
+transformers Qwen3NextDecoderLayer as full attention, final norm, the target's lm_head) over the
+whole token list. Every proposal the engine's runner makes — after prefill chunks, decodes and
+verification runs alike — equals the oracle's greedy token at that position. A family or a
+checkpoint without MTP weights is refused by name."""
+import copy
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_fixtures import hf_model, plain_truth, steer_mtp_drafts as steered
+from hybridkv import LLM, SamplingParams
+from hybridkv.models.tiny import add_tiny_mtp_weights, make_tiny_checkpoint
+
+MTP = {"method": "mtp", "off_when_slower": False}
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(tmp_path_factory):
+    return add_tiny_mtp_weights(make_tiny_checkpoint("qwen3_next", tmp_path_factory.mktemp("qwen3_next_mtp")))
+
+
+def reference_drafts(hf, weights: dict, tokens: list[int]) -> list[int]:
+    """ref[p]: the head's greedy token at position p (proposing index p + 2) over `tokens`."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as m
+
+    config = copy.deepcopy(hf.config)
+    config.layer_types = ["full_attention"] + list(config.layer_types[1:])
+    config._attn_implementation = "eager"
+    layer = m.Qwen3NextDecoderLayer(config, 0).eval()
+    prefix = "mtp.layers.0."
+    state = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix) and ".experts." not in k}
+    experts = range(config.num_experts)  # published per-expert tensors -> transformers' fused ones
+    w = lambda e, name: weights[f"{prefix}mlp.experts.{e}.{name}.weight"]
+    state["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([w(e, "gate_proj"), w(e, "up_proj")]) for e in experts])
+    state["mlp.experts.down_proj"] = torch.stack([w(e, "down_proj") for e in experts])
+    layer.load_state_dict(state)
+
+    def norm(name):
+        n = m.Qwen3NextRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        n.weight.data.copy_(weights[f"mtp.{name}.weight"])
+        return n
+
+    ids = torch.tensor([tokens])
+    t = len(tokens) - 1
+    with torch.no_grad():
+        h = hf.model(ids).last_hidden_state[0, :t]  # after the final norm
+        e = hf.model.embed_tokens(ids[0, 1:])        # the token after each position
+        x = F.linear(torch.cat([norm("pre_fc_norm_embedding")(e), norm("pre_fc_norm_hidden")(h)], dim=-1),
+                     weights["mtp.fc.weight"])[None]
+        pos = torch.arange(t)[None]
+        mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+        y = layer(x, position_embeddings=hf.model.rotary_emb(x, pos), attention_mask=mask, position_ids=pos)
+        return hf.lm_head(norm("norm")(y)[0]).argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("chunk", [2048, 16], ids=["whole-prompts", "chunked-prefill"])
+def test_every_proposal_equals_the_transformers_oracle(mtp_checkpoint, chunk):
+    """Most proposals (70%) are replaced by the true token before the drafter gets them, so runs are
+    accepted and the head's next positions read accepted draft tokens; the output stays the plain
+    engine's."""
+    from safetensors.torch import load_file
+
+    rng = random.Random(1)
+    prompts = [[rng.randrange(4, 128) for _ in range(n)] for n in (5, 23, 40)]
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    plain, truth = plain_truth(mtp_checkpoint, prompts, greedy)
+    llm = LLM(str(mtp_checkpoint), memory_budget_bytes=32 << 20, max_num_batched_tokens=chunk, speculative_config=MTP)
+    seen = steered(llm, truth, 0.7)
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    hf, weights = hf_model(mtp_checkpoint), load_file(str(mtp_checkpoint / "model.safetensors"))
+    checked = 0
+    rids = sorted({rid for rid, _ in seen}, key=lambda rid: rid[-1])  # generate()'s keys, in submission order
+    assert len(rids) == len(prompts), rids
+    for prompt, out, key in zip(prompts, outs, rids):
+        tokens = prompt + list(out.outputs[0].token_ids)
+        ref = reference_drafts(hf, weights, tokens)
+        mine = {i: tok for (rid, i), tok in seen.items() if rid == key}
+        assert min(mine) == len(prompt) + 1 and max(mine) == len(tokens), sorted(mine)  # from the prompt's end on
+        for i, tok in mine.items():
+            assert tok == ref[i - 2], (out.request_id, i, tok, ref[i - 2])
+            checked += 1
+    assert checked >= 40
+    s = llm.stats()
+    assert s["spec_verify_runs"] > 0 and s["spec_draft_tokens"] == s["spec_verify_runs"]  # one token a run
+    assert s["spec_accepted_tokens"] >= 8, s["spec_accepted_tokens"]
+
+
+def test_families_and_checkpoints_without_mtp_are_refused_by_name(tmp_path):
+    plain = make_tiny_checkpoint("qwen3_next", tmp_path / "plain")
+    with pytest.raises(ValueError, match="no MTP weights .*mtp.fc.weight"):
+        LLM(str(plain), memory_budget_bytes=16 << 20, speculative_config=MTP)
+    bamba = make_tiny_checkpoint("bamba", tmp_path / "bamba")
+    with pytest.raises(ValueError, match="BambaForCausalLM has no multi-token-prediction head"):
+        LLM(str(bamba), memory_budget_bytes=16 << 20, speculative_config=MTP)
+    with pytest.raises(ValueError, match="'mtp' runs without tensor parallelism, CUDA graphs and quantized caches"):
+        LLM(str(plain), memory_budget_bytes=16 << 20, speculative_config=MTP, kv_cache_dtype="int8")
+
+
+def test_the_head_keeps_its_kv_in_the_targets_pools(mtp_checkpoint):
+    """One more attention layer in the plan (index num_hidden_layers), none without MTP."""
+    with_head = LLM(str(mtp_checkpoint), memory_budget_bytes=16 << 20, speculative_config=MTP)
+    without = LLM(str(mtp_checkpoint), memory_budget_bytes=16 << 20)
+    layers = with_head.model.config.num_hidden_layers
+    assert sorted(with_head.manager.kv_caches) == sorted(without.manager.kv_caches) + [layers]
+    assert without.model.mtp is None
