@@ -14,7 +14,12 @@ Each row also gives what a step costs (CPU ms): a plain decode step, a step of t
 engine (without drafting; probes and steps without a draft included), and drafting per step.
 `--part costs` measures what verifying k drafted tokens costs against a plain decode step (drafts
 that are always right: every step of that engine verifies k + 1 positions), from which the
-arithmetic of where speculation pays follows (BENCHMARKS.md). `--json PATH` also writes the figures.
+arithmetic of where speculation pays follows (BENCHMARKS.md). `--part mtp` measures the MTP
+drafter (`mtp_costs`) on a random Qwen3-Next of tiny-code's size with random `mtp.*` weights (no
+trained checkpoint with an MTP head is on this machine): what the head costs a step, and the
+speed against speculation off when a given share of its proposals is right (the proposals are
+replaced by the true token at that rate; 'own' is the random head's). `--json PATH` also writes
+the figures.
 
     python benchmarks/bench_speculative.py --repeats 5
 """
@@ -127,6 +132,83 @@ def verify_costs(args, params) -> dict:
     return out
 
 
+MTP_CONFIG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64,
+                  layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+                  num_experts=8, moe_intermediate_size=128, shared_expert_intermediate_size=256, mlp_only_layers=[])
+
+
+class Steered:
+    """Hands the MTP drafter the true token instead of the head's with probability p (`truth`:
+    {prompt tuple: plain tokens}); p None keeps the head's own proposals."""
+
+    def __init__(self, llm, truth, p):
+        import random
+
+        self.rng, self.p, self.llm, self.truth = random.Random(0), p, llm, truth
+        drafter = llm.engine.scheduler.speculation.drafter
+        self.record, drafter.record = drafter.record, self
+
+    def __call__(self, drafts):
+        out = {}
+        for rid, (i, tok) in drafts.items():
+            r = self.llm.manager.requests.get(rid)
+            full = self.truth.get(tuple(r.token_ids[:r.num_prompt_tokens])) if r is not None else None
+            if self.p is not None and full is not None and i < len(full) and self.rng.random() < self.p:
+                tok = full[i]
+            out[rid] = (i, tok)
+        self.record(out)
+
+
+def mtp_costs(args, params) -> dict:
+    """The MTP drafter at batch 1 on a random Qwen3-Next (MTP_CONFIG) with random MTP weights: CPU
+    time per step with the head running and nothing drafted, against a plain step; generated
+    tokens per CPU second against speculation off when a share p of the proposals is right."""
+    import random
+    import tempfile
+
+    from hybridkv import LLM
+    from hybridkv.models.tiny import add_tiny_mtp_weights, make_tiny_checkpoint
+
+    path = add_tiny_mtp_weights(make_tiny_checkpoint("qwen3_next", tempfile.mkdtemp(), **MTP_CONFIG))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(4, 128) for _ in range(64)]]
+    kw = dict(device="cpu", memory_budget_bytes=64 << 20)
+    off = LLM(str(path), **kw)
+    plain = off.generate(prompts, params, use_tqdm=False)
+    truth = {tuple(p): list(p) + list(o.outputs[0].token_ids) for p, o in zip(prompts, plain)}
+    head_only = LLM(str(path), speculative_config={"method": "mtp", "off_when_slower": False}, **kw)
+    head_only.engine.scheduler.speculation.drafter.propose_many = lambda asks: [[] for _ in asks]
+    engines = {"head, no drafts": head_only}
+    for p in (None, 0.5, 0.8, 1.0):
+        llm = LLM(str(path), speculative_config={"method": "mtp", "off_when_slower": False}, **kw)
+        Steered(llm, truth, p)
+        engines["own proposals" if p is None else f"{p:.0%} right"] = llm
+    for llm in (off, *engines.values()):
+        run(llm, prompts, params)
+    per = {name: [] for name in engines}
+    steps = {name: [] for name in engines}
+    for _ in range(args.repeats):
+        t_off, n_off, s_off = run(off, prompts, params)
+        for name, llm in engines.items():
+            t, n, s = run(llm, prompts, params)
+            assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == \
+                [o.outputs[0].token_ids for o in plain], name
+            per[name].append((n / t) / (n_off / t_off))
+            steps[name].append((t / s) / (t_off / s_off))
+    out = {}
+    print("MTP drafter, batch 1, random Qwen3-Next (8 layers, hidden 256) with random mtp.* weights:")
+    for name, llm in engines.items():
+        s = llm.stats()
+        acc = s["spec_accepted_tokens"] / s["spec_draft_tokens"] if s["spec_draft_tokens"] else 0.0
+        out[name] = dict(ratio=statistics.median(per[name]), min=min(per[name]), max=max(per[name]),
+                         step_ratio=statistics.median(steps[name]), acceptance=acc)
+        r = out[name]
+        print(f"  {name:16} tokens/s {r['ratio']:.2f}x ({r['min']:.2f}-{r['max']:.2f}) of speculation off; "
+              f"a step {r['step_ratio']:.2f}x a plain step; acceptance {acc:.2f}")
+    return out
+
+
 def run(llm, prompts, params) -> tuple[float, int, int]:
     """(CPU seconds, generated tokens, engine steps) of one generate."""
     steps = llm.stats()["steps"]
@@ -140,14 +222,14 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--part", choices=["workloads", "costs"], default="workloads")
+    ap.add_argument("--part", choices=["workloads", "costs", "mtp"], default="workloads")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     from hybridkv import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    if args.part == "costs":
-        costs = verify_costs(args, params)
+    if args.part in ("costs", "mtp"):
+        costs = verify_costs(args, params) if args.part == "costs" else mtp_costs(args, params)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(costs, f, indent=1)

@@ -62,15 +62,19 @@ def make_tiny_checkpoint(family: str, path: str | Path, seed: int = 0, **config_
 def add_tiny_mtp_weights(path: str | Path, seed: int = 0, scale: float = 0.1) -> Path:
     """Give a tiny Qwen3-Next checkpoint (make_tiny_checkpoint("qwen3_next", path)) random MTP weights
     in the published layout (`mtp.*`, which transformers neither makes nor reads): `mtp.layers.0.*`
-    shaped as the checkpoint's first full-attention MoE layer, `mtp.fc.weight` [H, 2H] and the three
-    norms; N(0, scale) values from `seed`. Rewrites model.safetensors; returns `path`."""
+    shaped as the checkpoint's first full-attention layer (its MLP of the kind layer 0's rule gives:
+    a sparse MoE in tiny_config), `mtp.fc.weight` [H, 2H] and the three norms; N(0, scale) values
+    from `seed`. Rewrites model.safetensors; returns `path`."""
+    import json
+
     from safetensors.torch import load_file, save_file
 
     path = Path(path)
     tensors = load_file(str(path / "model.safetensors"))
     gen = torch.Generator().manual_seed(seed)
     hidden = tensors["model.embed_tokens.weight"].shape[1]
-    template = "model.layers.1."  # tiny_config's layer 1: full attention with a sparse MoE
+    layer_types = json.loads((path / "config.json").read_text())["layer_types"]
+    template = f"model.layers.{layer_types.index('full_attention')}."
     new = {"mtp.layers.0." + k[len(template):]: v for k, v in tensors.items() if k.startswith(template)}
     new.update({"mtp.fc.weight": torch.empty(hidden, 2 * hidden), "mtp.norm.weight": torch.empty(hidden),
                 "mtp.pre_fc_norm_embedding.weight": torch.empty(hidden),
