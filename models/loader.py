@@ -207,7 +207,7 @@ def check_mtp(arch: str, ckpt: CheckpointTensors, path: Path) -> None:
     weights = getattr(family_module(arch).MODEL_CLASS, "mtp_weights", None)
     if weights is None:
         raise ValueError(f"speculative method 'mtp': {arch} has no multi-token-prediction head in this version "
-                         f"(Qwen3-Next checkpoints ship one as mtp.*); use 'ngram' or 'draft_model'")
+                         f"(Qwen3-Next and Qwen3.5 checkpoints ship one as mtp.*); use 'ngram' or 'draft_model'")
     if weights not in ckpt:
         raise ValueError(f"speculative method 'mtp': the checkpoint {path} has no MTP weights ({weights} and the "
                          f"rest of mtp.* are missing); use 'ngram' or 'draft_model'")

@@ -26,6 +26,7 @@ from .gdn_mixer import GatedDeltaNetMixer
 from .mlp import GatedMLP
 from .moe import PerExpertView
 from .norms import RMSNorm
+from .mtp_head import WithMtp
 
 ARCHITECTURE = "Qwen3_5ForCausalLM"
 _LAYER_TYPES = ("linear_attention", "full_attention")
@@ -134,19 +135,21 @@ class _Qwen3_5Body(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, zero_centered=True)
 
 
-class Qwen3_5Model(HybridModel):
+class Qwen3_5Model(WithMtp, HybridModel):
     """Parameter names equal the HF checkpoint's (model.layers.N.linear_attn.in_proj_qkv.weight,
-    ...). MTP weights are ignored. Subclasses pass another `make_mlp` (Qwen3.5-MoE)."""
+    ...). The MTP weights (`mtp.*`) load only when the engine drafts with them (`with_mtp`:
+    models/mtp_head.py). Subclasses pass another `make_mlp` (Qwen3.5-MoE)."""
 
     architecture = ARCHITECTURE
 
-    def __init__(self, config, make_mlp=dense_mlp):
+    def __init__(self, config, make_mlp=dense_mlp, with_mtp: bool = False):
         config = getattr(config, "text_config", None) or config  # a multimodal checkpoint's text model
         super().__init__(config)
         self.model = _Qwen3_5Body(config, make_mlp)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # partial_rotary_factor (0.25 by default) comes from config.rope_parameters
         self.rotary = rotary_for(config, self.model.layers)
+        self.init_mtp(config, lambda c, i: Qwen3_5DecoderLayer(c, i, make_mlp), with_mtp)
 
     def load_weights(self, ckpt) -> None:
         """Text-model names as saved by Qwen3_5ForCausalLM or the multimodal layout; MoE experts
@@ -154,12 +157,12 @@ class Qwen3_5Model(HybridModel):
         super().load_weights(PerExpertView(LanguageModelView(ckpt)))
 
     def cache_specs(self) -> dict[int, LayerSpec]:
-        return layer_cache_specs(self.model.layers, self.dtype)
+        return self.mtp_specs(layer_cache_specs(self.model.layers, self.dtype))
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         h = run_layers(self.model.layers, self.model.embed_tokens(batch.input_ids), self.rotary,
                        batch, caches)
-        return self.compute_logits(self.model.norm(h), batch, self.lm_head)
+        return self.compute_logits(self.keep_hidden(self.model.norm(h)), batch, self.lm_head)
 
 
 MODEL_CLASS = Qwen3_5Model

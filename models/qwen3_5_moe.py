@@ -45,8 +45,8 @@ class Qwen3_5MoeModel(Qwen3_5Model):
 
     architecture = ARCHITECTURE
 
-    def __init__(self, config):
-        super().__init__(config, make_mlp=moe_mlp)
+    def __init__(self, config, with_mtp: bool = False):
+        super().__init__(config, make_mlp=moe_mlp, with_mtp=with_mtp)
 
     def checkpoint_name(self, name: str) -> str | None:
         return published_router_name(name)

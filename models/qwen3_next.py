@@ -20,7 +20,7 @@ from .gdn_mixer import GatedDeltaNetMixer
 from .mlp import GatedMLP
 from .moe import PerExpertView, SparseMoE, published_router_name
 from .norms import RMSNorm
-from .qwen3_next_mtp import Qwen3NextMtp
+from .mtp_head import WithMtp
 
 ARCHITECTURE = "Qwen3NextForCausalLM"
 _LAYER_TYPES = ("linear_attention", "full_attention")
@@ -101,13 +101,12 @@ class _Qwen3NextBody(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, zero_centered=True)
 
 
-class Qwen3NextModel(HybridModel):
+class Qwen3NextModel(WithMtp, HybridModel):
     """Parameter names equal the HF checkpoint's, except the MoE router: ours `mlp.router`,
     the checkpoint's `mlp.gate` (mapped in `checkpoint_name`). The MTP weights (`mtp.*`) are
-    loaded only when the engine drafts with them (`with_mtp`: models/qwen3_next_mtp.py)."""
+    loaded only when the engine drafts with them (`with_mtp`: models/mtp_head.py)."""
 
     architecture = ARCHITECTURE
-    mtp_weights = "mtp.fc.weight"  # a checkpoint holding this ships an MTP head (loader.load_model)
 
     def __init__(self, config, with_mtp: bool = False):
         super().__init__(config)
@@ -115,8 +114,7 @@ class Qwen3NextModel(HybridModel):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # partial_rotary_factor (0.25 by default) comes from config.rope_parameters
         self.rotary = rotary_for(config, self.model.layers)
-        self.mtp = Qwen3NextMtp(config, Qwen3NextDecoderLayer, config.num_hidden_layers) if with_mtp else None
-        self.mtp_hidden = None  # with an MTP head: the last forward's hidden states, after the final norm
+        self.init_mtp(config, Qwen3NextDecoderLayer, with_mtp)
 
     def checkpoint_name(self, name: str) -> str | None:
         return published_router_name(name)
@@ -126,28 +124,12 @@ class Qwen3NextModel(HybridModel):
         super().load_weights(PerExpertView(ckpt))
 
     def cache_specs(self) -> dict[int, LayerSpec]:
-        specs = layer_cache_specs(self.model.layers, self.dtype)
-        if self.mtp is not None:  # the MTP layer's KV: one more attention layer in the same pools
-            specs[self.mtp.layer_index] = self.mtp.layers[0].cache_spec(self.dtype)
-        return specs
+        return self.mtp_specs(layer_cache_specs(self.model.layers, self.dtype))
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        h = self.model.norm(run_layers(self.model.layers, self.model.embed_tokens(batch.input_ids), self.rotary,
-                                       batch, caches))
-        if self.mtp is not None:
-            self.mtp_hidden = h
-        return self.compute_logits(h, batch, self.lm_head)
-
-    def mtp_drafts(self, batch: ForwardBatch, caches: ModelCaches, next_ids: torch.Tensor,
-                   rows: list[int]) -> list[int]:
-        """After forward(batch): the MTP head over the same positions, each reading the token that
-        follows it (`next_ids` [T]); writes the head's KV there and returns the greedy proposal at
-        each of `rows` (the token two positions on)."""
-        h = self.mtp(self.mtp_hidden, self.model.embed_tokens(next_ids), self.rotary(batch.positions), batch, caches)
-        self.mtp_hidden = None
-        if not rows:
-            return []
-        return self.lm_head(h[rows]).argmax(dim=-1).tolist()
+        h = run_layers(self.model.layers, self.model.embed_tokens(batch.input_ids), self.rotary,
+                       batch, caches)
+        return self.compute_logits(self.keep_hidden(self.model.norm(h)), batch, self.lm_head)
 
 
 MODEL_CLASS = Qwen3NextModel

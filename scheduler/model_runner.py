@@ -223,7 +223,7 @@ class ModelRunner:
         return split
 
     def _mtp_drafts(self, step: StepInputs, result: RunnerOutput) -> dict:
-        """The target's MTP head after the forward (models/qwen3_next_mtp.py), over every position
+        """The target's MTP head after the forward (models/mtp_head.py), over every position
         the step computed, each reading the token after it: the prompt's next token, the draft or
         accepted token of a verifying run, or what this step sampled (a position whose next token
         is unknown reads 0: it was rejected, or its request fails). Returns the proposal for each

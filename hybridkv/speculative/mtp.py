@@ -1,5 +1,5 @@
 """MTP drafting: the target checkpoint's own multi-token-prediction head proposes the next token
-(models/qwen3_next_mtp.py). The head runs inside the target's step, after sampling, over every
+(models/mtp_head.py). The head runs inside the target's step, after sampling, over every
 position the step computed (its KV is kept in the target's pools), so a proposal costs no extra
 step: the model runner returns, for each sequence that sampled, the token its head proposes two
 positions on (`RunnerOutput.drafts`); the scheduler records them here and the next step verifies

@@ -1,11 +1,12 @@
-"""Qwen3-Next's MTP head (models/qwen3_next_mtp.py) drafting in the engine (speculative method
-'mtp'), against an oracle built from transformers' own modules: the target's last hidden states
-from transformers' Qwen3NextModel, then the published head's arithmetic (pre-fc norms, fc, one
-transformers Qwen3NextDecoderLayer as full attention, final norm, the target's lm_head) over the
-whole token list. Every proposal the engine's runner makes — after prefill chunks, decodes and
+"""The MTP head (models/mtp_head.py) of Qwen3-Next, Qwen3.5 and Qwen3.5-MoE drafting in the engine
+(speculative method 'mtp'), against an oracle built from transformers' own modules: the target's
+last hidden states from transformers' model, then the published head's arithmetic (pre-fc norms,
+fc, one transformers decoder layer of the family as full attention, final norm, the target's
+lm_head) over the whole token list. Every proposal the engine's runner makes — after prefill chunks, decodes and
 verification runs alike — equals the oracle's greedy token at that position. A family or a
 checkpoint without MTP weights is refused by name."""
 import copy
+import importlib
 import random
 
 import pytest
@@ -19,30 +20,35 @@ from hybridkv.models.tiny import add_tiny_mtp_weights, make_tiny_checkpoint
 MTP = {"method": "mtp", "off_when_slower": False}
 
 
-@pytest.fixture(scope="module")
-def mtp_checkpoint(tmp_path_factory):
-    return add_tiny_mtp_weights(make_tiny_checkpoint("qwen3_next", tmp_path_factory.mktemp("qwen3_next_mtp")))
+FAMILIES = {"qwen3_next": "Qwen3Next", "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe"}  # transformers' prefixes
 
 
-def reference_drafts(hf, weights: dict, tokens: list[int]) -> list[int]:
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def mtp_checkpoint(request, tmp_path_factory):
+    family = request.param
+    return family, add_tiny_mtp_weights(make_tiny_checkpoint(family, tmp_path_factory.mktemp(f"{family}_mtp")))
+
+
+def reference_drafts(family: str, hf, weights: dict, tokens: list[int]) -> list[int]:
     """ref[p]: the head's greedy token at position p (proposing index p + 2) over `tokens`."""
-    from transformers.models.qwen3_next import modeling_qwen3_next as m
-
+    m = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    name = FAMILIES[family]
     config = copy.deepcopy(hf.config)
     config.layer_types = ["full_attention"] + list(config.layer_types[1:])
     config._attn_implementation = "eager"
-    layer = m.Qwen3NextDecoderLayer(config, 0).eval()
+    layer = getattr(m, f"{name}DecoderLayer")(config, 0).eval()
     prefix = "mtp.layers.0."
     state = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix) and ".experts." not in k}
-    experts = range(config.num_experts)  # published per-expert tensors -> transformers' fused ones
-    w = lambda e, name: weights[f"{prefix}mlp.experts.{e}.{name}.weight"]
-    state["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([w(e, "gate_proj"), w(e, "up_proj")]) for e in experts])
-    state["mlp.experts.down_proj"] = torch.stack([w(e, "down_proj") for e in experts])
+    if getattr(config, "num_experts", 0):  # published per-expert tensors -> transformers' fused ones
+        experts = range(config.num_experts)
+        w = lambda e, part: weights[f"{prefix}mlp.experts.{e}.{part}.weight"]
+        state["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([w(e, "gate_proj"), w(e, "up_proj")]) for e in experts])
+        state["mlp.experts.down_proj"] = torch.stack([w(e, "down_proj") for e in experts])
     layer.load_state_dict(state)
 
-    def norm(name):
-        n = m.Qwen3NextRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        n.weight.data.copy_(weights[f"mtp.{name}.weight"])
+    def norm(part):
+        n = getattr(m, f"{name}RMSNorm")(config.hidden_size, eps=config.rms_norm_eps)
+        n.weight.data.copy_(weights[f"mtp.{part}.weight"])
         return n
 
     ids = torch.tensor([tokens])
@@ -65,6 +71,7 @@ def test_every_proposal_equals_the_transformers_oracle(mtp_checkpoint, chunk):
     engine's."""
     from safetensors.torch import load_file
 
+    family, mtp_checkpoint = mtp_checkpoint
     rng = random.Random(1)
     prompts = [[rng.randrange(4, 128) for _ in range(n)] for n in (5, 23, 40)]
     greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -79,7 +86,7 @@ def test_every_proposal_equals_the_transformers_oracle(mtp_checkpoint, chunk):
     assert len(rids) == len(prompts), rids
     for prompt, out, key in zip(prompts, outs, rids):
         tokens = prompt + list(out.outputs[0].token_ids)
-        ref = reference_drafts(hf, weights, tokens)
+        ref = reference_drafts(family, hf, weights, tokens)
         mine = {i: tok for (rid, i), tok in seen.items() if rid == key}
         assert min(mine) == len(prompt) + 1 and max(mine) == len(tokens), sorted(mine)  # from the prompt's end on
         for i, tok in mine.items():
@@ -91,7 +98,7 @@ def test_every_proposal_equals_the_transformers_oracle(mtp_checkpoint, chunk):
     assert s["spec_accepted_tokens"] >= 8, s["spec_accepted_tokens"]
 
 
-def test_families_and_checkpoints_without_mtp_are_refused_by_name(tmp_path):
+def test_families_and_checkpoints_without_mtp_are_refused_by_name(tmp_path):  # (once, not per family)
     plain = make_tiny_checkpoint("qwen3_next", tmp_path / "plain")
     with pytest.raises(ValueError, match="no MTP weights .*mtp.fc.weight"):
         LLM(str(plain), memory_budget_bytes=16 << 20, speculative_config=MTP)
@@ -104,6 +111,7 @@ def test_families_and_checkpoints_without_mtp_are_refused_by_name(tmp_path):
 
 def test_the_head_keeps_its_kv_in_the_targets_pools(mtp_checkpoint):
     """One more attention layer in the plan (index num_hidden_layers), none without MTP."""
+    _, mtp_checkpoint = mtp_checkpoint
     with_head = LLM(str(mtp_checkpoint), memory_budget_bytes=16 << 20, speculative_config=MTP)
     without = LLM(str(mtp_checkpoint), memory_budget_bytes=16 << 20)
     layers = with_head.model.config.num_hidden_layers
