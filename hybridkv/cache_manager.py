@@ -11,7 +11,7 @@ verb over the model's kinds and is the one place that says how their answers com
 Attention layers form one group per window (`attention_groups`, None: full attention), each with
 its own pool share and block tables. The verbs take the scheduler's `Request` objects (kept by
 id, never copied) and change their memory fields. Kinds: memory/kinds.py; a draft run's verbs:
-draft_runs.py; a decode batch's: decode_rows.py; snapshots: snapshot_transfer.py.
+draft_runs.py; a decode batch's: decode_rows.py; snapshots: snapshot_transfer.py; swap: swap.py.
 Invariant at every step boundary: every kind holds the request's memory of exactly
 `num_computed_tokens` tokens. The verbs over each kind: docs/design.md ("The manager's verbs").
 """
@@ -22,7 +22,7 @@ from typing import Hashable, Mapping, Optional, Sequence
 
 import torch
 
-from hybridkv import snapshot_transfer
+from hybridkv import snapshot_transfer, swap
 from hybridkv.checkpoint_policy import DEFAULT_POLICY, HOST_TIER_TRAIL, CheckpointPolicy
 from hybridkv.decode_rows import DecodeRows
 from hybridkv.draft_runs import DraftRuns
@@ -124,6 +124,12 @@ class HybridCacheManager:
     @property
     def num_slots(self) -> int:
         return self.recurrent.num_slots if self.recurrent else 0
+
+    @property
+    def host(self):
+        """The host tier of state checkpoints (memory/host_tier.py), which also holds swapped
+        requests' bytes; None without one."""
+        return self.recurrent.host if self.recurrent is not None else None
 
     @property
     def requests(self) -> Mapping[Hashable, Request]:
@@ -327,7 +333,7 @@ class HybridCacheManager:
         for kind in self.kinds:
             kind.forget(req_id)
         self.prefix_cache.bursts.drop(req_id)
-        self._swapped_back(r)
+        swap.drop(r, self.host)
         r.shared.clear()
         del self._reqs[req_id]
 
@@ -335,33 +341,21 @@ class HybridCacheManager:
         """recompute: every kind lets go (the state at the last block boundary is kept as a
         checkpoint); resume() re-matches the prefix. swap: every kind copies to host, then lets go;
         with a host tier its budget must hold the copy (memory/host_tier.py), else the request is
-        preempted by recompute. Returns the mode used."""
+        preempted by recompute (swap.py). Returns the mode used."""
         r = self.running(req_id)
-        host = self.recurrent.host if self.recurrent is not None else None
-        if mode == "swap" and host is not None and not host.hold(
-                req_id, sum(k.swap_bytes(req_id, r.num_computed_tokens) for k in self.kinds)):
+        if mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption mode {mode!r}; choose 'recompute' or 'swap'")
+        if mode == "recompute" or not swap.swap_out(r, self.kinds, self.host):
             mode = "recompute"
-        if mode == "recompute":
             donate = self.prefix_cache.leaving_state(r)
             for kind in self.kinds:
                 kind.release(req_id, donate)
             r.num_computed_tokens = r.num_hashed_blocks = 0
             r.shared.clear()
             r.status = WAITING
-        elif mode == "swap":
-            r.swapped = {kind.name: kind.swap_out(req_id, r.num_computed_tokens) for kind in self.kinds}
-            r.status = SWAPPED
-        else:
-            raise ValueError(f"preemption mode {mode!r}; choose 'recompute' or 'swap'")
         self.prefix_cache.bursts.drop(req_id)
         self.preemptions[mode] += 1
         return mode
-
-    def _swapped_back(self, r: Request) -> None:
-        """r's host copy is gone (swapped in, or r ended): the host budget no longer holds it."""
-        if r.swapped is not None and self.recurrent is not None and self.recurrent.host is not None:
-            self.recurrent.host.let_go(r.request_id)
-        r.swapped = None
 
     def close(self) -> None:
         """Finish the disk tier's queued writes and stop its writer (nothing to do without one)."""
@@ -375,16 +369,7 @@ class HybridCacheManager:
             return self._start(r, num_new_tokens)
         if r.status is not SWAPPED:
             raise RequestStateError(f"request {req_id!r} is {r.status}, not preempted")
-        nc = r.num_computed_tokens
-        end = len(r.token_ids) if num_new_tokens is None else nc + num_new_tokens
-        if not all(k.can_swap_in(r.swapped[k.name], end) for k in self.kinds):
-            return None
-        hashes = r.block_hashes if self.prefix_cache.enabled else []
-        for kind in self.kinds:
-            kind.swap_in(req_id, r.swapped[kind.name], hashes, nc)
-        self._swapped_back(r)
-        r.status, r.resumed_from = RUNNING, nc
-        return nc
+        return swap.swap_in(r, self.kinds, r.block_hashes if self.prefix_cache.enabled else [], num_new_tokens, self.host)
 
     def export_snapshot(self, req_id: Hashable, device: torch.device | str = "cpu",
                         sampling_state=None) -> RequestSnapshot:

@@ -8,13 +8,11 @@ into a fresh live slot (copy-on-hit). When slots run short, checkpoints are evic
 unreachable ones first (the attention KV before them is gone), then by the eviction rule.
 An output checkpoint (inside generated tokens; only a continuation of that answer can use it)
 may displace only other output checkpoints; each request keeps one, rolling forward.
-A request verifying a draft of k tokens holds k + 1 draft slots for one step (the state after
-each token of the run; the kernels never write its live slot then): accepting j tokens makes
-draft slot j - 1 its live slot and frees the rest (`take_draft_slots`, `accept_draft`). Draft
-slots come only from free slots: speculation never evicts a checkpoint.
+A request verifying a draft of k tokens holds k + 1 draft slots (from free slots only) for one
+step: accepting j tokens makes draft slot j - 1 its live slot, frees the rest (`accept_draft`).
 With a host tier (`host_cache_bytes` > 0; memory/host_tier.py) a checkpoint evicted by the rule is
-demoted to host memory instead of dropped when it is worth its bytes there; a prefix match sees
-host entries as checkpoints, and an admission that hits one promotes it into its live slot.
+demoted to host memory when worth its bytes there; a prefix match sees host entries as
+checkpoints, and an admission that hits one promotes it into its live slot.
 """
 from __future__ import annotations
 
