@@ -326,8 +326,7 @@ class HybridCacheManager:
         becomes a checkpoint, and only the blocks hashed before (complete, committed) stay findable."""
         r = self.request(req_id)
         if r.status is RUNNING:
-            keep = self.prefix_cache.policy.keeps_final_state and not discard
-            donate = self.prefix_cache.leaving_state(r, ending=True) if keep else None
+            donate = None if discard else self.prefix_cache.leaving_state(r, ending=True)
             for kind in self.kinds:
                 kind.release(req_id, donate)
         for kind in self.kinds:

@@ -126,8 +126,9 @@ class PrefixCache:
 
     def leaving_state(self, r: Request, ending: bool = False) -> Optional[tuple[bytes, int]]:
         """donation(r), written through to the disk tier when there is one (a restart finds it);
-        `ending` (r finishes, not preempted): a pinned turn's memory is pinned too (pin)."""
-        donate = self.donation(r)
+        `ending` (r finishes, not preempted): none unless the policy keeps final states, and a
+        pinned turn's memory is pinned (pin) whatever the policy."""
+        donate = self.donation(r) if not ending or self.policy.keeps_final_state else None
         if self.disk is not None and donate is not None:
             self.disk.write(r.request_id, r.block_hashes, donate[1], self.recurrent.live_slot(r.request_id))
         if ending:
@@ -144,8 +145,10 @@ class PrefixCache:
             return
         until = time.monotonic() + ttl
         for kind in self.kinds:
-            if isinstance(kind, FullAttentionMemory):
-                kind.pool.pin([b for b in kind.block_ids(r.request_id)[:r.num_hashed_blocks] if b != NO_BLOCK], until)
+            if isinstance(kind, FullAttentionMemory):  # the block that answers each hash: r's own, or a
+                cached = kind.pool.cached  # twin's when one answered first (r's then goes unhashed at release)
+                held = kind.block_ids(r.request_id)[:r.num_hashed_blocks]
+                kind.pool.pin([cached.get(h, b) for h, b in zip(r.block_hashes, held) if b != NO_BLOCK], until)
         if self.recurrent is not None:  # every state kept along its blocks, and the one it leaves
             hashes = r.block_hashes[:r.num_hashed_blocks]
             for h in [h for h in hashes if h in self.recurrent.checkpoints] + ([donate[0]] if donate else []):
