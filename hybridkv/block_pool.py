@@ -174,6 +174,29 @@ class BlockPool:
                         del self.children[p]
             self.parent[b] = None
 
+    # ---- blocks loaded from a lower tier (memory/host_kv_tier.py, memory/disk_tier.py) ----------
+    def has_room_for(self, hashes: Sequence[bytes], needed: range, n: int) -> bool:
+        """Whether `n` loaded blocks fit beside the free cached blocks of the prefix `needed`
+        (indices into hashes) that adopting them must keep."""
+        kept = sum(1 for i in needed if hashes[i] in self.cached and self.refcount[self.cached[hashes[i]]] == 0)
+        return self.num_free - kept >= n
+
+    def adopt(self, hashes: Sequence[bytes], needed: range, blocks: Sequence[tuple]) -> None:
+        """Make loaded blocks cached blocks: `blocks` = (index into hashes, {layer: one block's
+        tensor}, parent hash) for the indices of the prefix `needed` that the pool lacks
+        (has_room_for first). The prefix's own blocks are held meanwhile, so none is evicted for
+        these, and all are released in chain order (the prefix's first block kept longest)."""
+        if not blocks:
+            return
+        held = {i: self.cached[hashes[i]] for i in needed if hashes[i] in self.cached}
+        self.ref(list(held.values()))
+        new = self.allocate(len(blocks))
+        self.scatter(new, {layer: torch.stack([kv[layer] for _, kv, _ in blocks]) for layer in self.kv})
+        for b, (i, _, parent) in zip(new, blocks):
+            self.set_hash(b, hashes[i], parent)
+            held[i] = b
+        self.release([held[i] for i in needed])
+
     def copy_block(self, src: int, dst: int) -> None:
         """Copy block `src` into `dst` in every layer (copy-on-write of a shared partial block)."""
         for t in self.kv.values():

@@ -31,8 +31,6 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-import torch
-
 from .disk_store import DiskStore
 from .kinds import ModelKinds
 
@@ -221,28 +219,12 @@ class DiskTier:
         """Put verified KV into free blocks of each group (they become cached blocks, kept longest
         in chain order) and the state into a checkpoint slot; False when a pool lacks room (then
         no block is touched: every group's room is counted first)."""
+        if not all(self.groups[w].pool.has_room_for(hashes, self._needed(w, m), len(blocks)) for w, blocks in kv.items()):
+            return False
         for w, blocks in kv.items():
             pool = self.groups[w].pool
-            protected = sum(1 for i in self._needed(w, m)
-                            if hashes[i] in pool.cached and pool.refcount[pool.cached[hashes[i]]] == 0)
-            if pool.num_free - protected < len(blocks):
-                return False
-        for w, blocks in kv.items():
-            if not blocks:
-                continue
-            pool = self.groups[w].pool
-            needed = list(self._needed(w, m))
-            held = {i: pool.cached[hashes[i]] for i in needed if hashes[i] in pool.cached}
-            pool.ref(list(held.values()))  # the device's own blocks of the prefix are not evicted for these
-            new = pool.allocate(len(blocks))
-            if new is None:
-                pool.release(list(held.values()))
-                return False
-            pool.scatter(new, {layer: torch.stack([t[f"kv.{layer}"] for _, t in blocks]) for layer in pool.kv})
-            for b, (i, _) in zip(new, blocks):
-                pool.set_hash(b, hashes[i], hashes[i - 1] if i else b"")
-                held[i] = b
-            pool.release([held[i] for i in needed])  # chain order: the prefix's first block is kept longest
+            pool.adopt(hashes, self._needed(w, m), [(i, {layer: t[f"kv.{layer}"] for layer in pool.kv},
+                                                     hashes[i - 1] if i else b"") for i, t in blocks])
             self.counters.kv_promotions += len(blocks)
         if self.recurrent is None:
             self.counters.kv_hits += 1

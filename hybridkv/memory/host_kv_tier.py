@@ -30,7 +30,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
-import torch
 
 from .host_tier import checksum
 
@@ -146,30 +145,15 @@ class HostKvTier:
         return 0
 
     def _place(self, hashes: Sequence[bytes], m: int, need: dict) -> bool:
-        """Move the needed entries into free blocks of each group as cached blocks, the device's own
-        blocks of the prefix held meanwhile; False (nothing moved) when a pool lacks room."""
+        """Move the needed entries into free blocks of each group as cached blocks
+        (BlockPool.adopt); False (nothing moved) when a pool lacks room."""
+        needed = {w: range(g.first_needed_block(m * self.block_size), m) for w, g in self.groups.items()}
+        if not all(self.groups[w].pool.has_room_for(hashes, needed[w], len(idx)) for w, idx in need.items()):
+            return False
         for w, idx in need.items():
-            pool, g = self.groups[w].pool, self.groups[w]
-            protected = sum(1 for i in range(g.first_needed_block(m * self.block_size), m)
-                            if hashes[i] in pool.cached and pool.refcount[pool.cached[hashes[i]]] == 0)
-            if pool.num_free - protected < len(idx):
-                return False
-        for w, idx in need.items():
-            if not idx:
-                continue
-            g = self.groups[w]
-            pool = g.pool
             entries = [self.entries.pop((w, hashes[i])) for i in idx]  # leaving: a block is in one tier
             self.used_bytes -= sum(e.nbytes for e in entries)
-            needed = range(g.first_needed_block(m * self.block_size), m)
-            held = {i: pool.cached[hashes[i]] for i in needed if hashes[i] in pool.cached}
-            pool.ref(list(held.values()))  # the prefix's own device blocks are not evicted for these
-            new = pool.allocate(len(idx))
-            pool.scatter(new, {layer: torch.stack([e.kv[layer] for e in entries]) for layer in pool.kv})
-            for b, i, e in zip(new, idx, entries):
-                pool.set_hash(b, hashes[i], e.parent)
-                held[i] = b
-            pool.release([held[i] for i in needed])  # chain order: the prefix's first block is kept longest
+            self.groups[w].pool.adopt(hashes, needed[w], [(i, e.kv, e.parent) for i, e in zip(idx, entries)])
             self.counters.kv_promotions += len(idx)
         return True
 
