@@ -87,6 +87,10 @@ class HostStateTier:
         self.swapped: dict = {}  # request id -> the bytes its swapped-out memory holds here
         self.swap_bytes = 0
         self.kv = None  # the host KV tier (memory/host_kv_tier.py) sharing the budget: it gives way to states and swaps
+        # pinned turns' states (RecurrentMemory sets both): `pinned(key)`; `reclaimed(key)` when a
+        # swap (a running request's memory) takes one before its deadline. A demotion never evicts a pin.
+        self.pinned: Callable[[bytes], bool] = lambda key: False
+        self.reclaimed: Callable[[bytes], None] = lambda key: None
         self.counters = TierCounters()
 
     def __contains__(self, key: bytes) -> bool:
@@ -107,9 +111,11 @@ class HostStateTier:
         if free >= nbytes:
             return gone
         new = object()  # the candidate itself, ranked with the others by when it was last used
-        rest = sorted([k for k in self.entries if k not in gone] + [new],
+        rest = sorted([k for k in self.entries if k not in gone and not self.pinned(k)] + [new],
                       key=lambda k: last_used if k is new else self.entries[k].last_used)
         while free < nbytes:
+            if len(rest) == 1:  # only the candidate is left: the pins stay, it is not kept
+                return None
             positions = [position if k is new else self.entries[k].position for k in rest]
             branches = [self.branches(k) if k is not new else 0 for k in rest]
             i = choose_victim(self.rule, positions, self.saved_flops, self.flop_weight, branches=branches)
@@ -158,12 +164,16 @@ class HostStateTier:
         while self.budget_bytes - self.swap_bytes - self.used_bytes - self._kv_bytes() < nbytes:
             keys = sorted(self.entries, key=lambda k: self.entries[k].last_used)
             gone = [k for k in keys if not self.reachable(k)]
+            unpinned = [k for k in keys if not self.pinned(k)]
             if gone:
                 victim = gone[0]
-            else:  # the rule's victim among the entries (least recently used first on ties)
-                es = [self.entries[k] for k in keys]
-                victim = keys[choose_victim(self.rule, [e.position for e in es], self.saved_flops, self.flop_weight,
-                                            branches=[self.branches(k) for k in keys])]
+            elif unpinned:  # the rule's victim among the unpinned entries (least recently used first on ties)
+                es = [self.entries[k] for k in unpinned]
+                victim = unpinned[choose_victim(self.rule, [e.position for e in es], self.saved_flops, self.flop_weight,
+                                                branches=[self.branches(k) for k in unpinned])]
+            else:  # only pins left: a running request's memory takes one (counted)
+                victim = keys[0]
+                self.reclaimed(victim)
             self._remove(victim)
             self.counters.evictions += 1
         self.swapped[rid] = nbytes

@@ -6,13 +6,10 @@ written in place by the kernels, and (b) checkpoints: copies of a live state at 
 keyed by the hash of the block ending there, never written again. A hit copies the checkpoint
 into a fresh live slot (copy-on-hit). When slots run short, checkpoints are evicted:
 unreachable ones first (the attention KV before them is gone), then by the eviction rule.
-An output checkpoint (inside generated tokens; only a continuation of that answer can use it)
-may displace only other output checkpoints; each request keeps one, rolling forward.
-A request verifying a draft of k tokens holds k + 1 draft slots (from free slots only) for one
-step: accepting j tokens makes draft slot j - 1 its live slot, frees the rest (`accept_draft`).
-With a host tier (`host_cache_bytes` > 0; memory/host_tier.py) a checkpoint evicted by the rule is
-demoted to host memory when worth its bytes there; a prefix match sees host entries as
-checkpoints, and an admission that hits one promotes it into its live slot.
+An output checkpoint (only a continuation of that answer can use it) displaces only output
+checkpoints; each request keeps one, rolling forward. A draft of k tokens holds k + 1 free slots
+for a step; accepting j makes slot j - 1 the live one (`accept_draft`). A host tier (memory/
+host_tier.py) keeps evicted states worth their bytes there, seen by matches, promoted on a hit.
 """
 from __future__ import annotations
 
@@ -80,6 +77,8 @@ class RecurrentMemory(LayerMemory):
         self.host: Optional[HostStateTier] = None
         if host_cache_bytes:
             self.host = HostStateTier(host_cache_bytes, eviction, self.saved_flops, branches, reachable, flop_weight)
+            self.host.pinned = lambda h: self.pinned_until.get(h, 0.0) > time.monotonic()  # (see pin)
+            self.host.reclaimed = self._reclaimed
         self._slot_bytes = sum(t[0].numel() * t.element_size() for t in self.states._tensors())
         self.device_counts = {"hits": 0, "evictions": 0}  # the device tier's (the host's: host.counters)
         self.disk_hits = 0  # admissions that used a checkpoint the disk tier loaded (memory/disk_tier.py)
@@ -134,14 +133,17 @@ class RecurrentMemory(LayerMemory):
         return self.states.allocate(kind) if self.states.num_free > keep else None
 
     def pin(self, h: bytes, until: float) -> None:
-        """Keep the checkpoint keyed h (kept now or by the release that follows) on the device
-        until the monotonic time `until`: eviction takes it only when every candidate is pinned."""
+        """Keep the checkpoint keyed h (kept now or by the release that follows) findable until the
+        monotonic time `until`: eviction takes it only for a running request's memory (counted)."""
         self.pinned_until[h] = max(until, self.pinned_until.get(h, until))
 
+    def _reclaimed(self, h: bytes) -> None:  # a pin taken before its deadline (the host tier's too)
+        del self.pinned_until[h]
+        self.pins_reclaimed += 1
+
     def _victim(self, keys: list[bytes], for_live: bool = False) -> Optional[bytes]:
-        """The checkpoint the eviction rule gives up first among `keys` (least recently used
-        first), an unpinned one while there is one; a pinned one only `for_live` (a running
-        request needs the slot; another checkpoint never displaces a pin)."""
+        """The checkpoint the eviction rule gives up first among `keys` (least recently used first),
+        unpinned while one is; a pinned one only `for_live` (a running request needs the slot)."""
         if self.pinned_until and keys:
             now = time.monotonic()
             for h in [h for h, t in self.pinned_until.items() if t <= now]:
@@ -150,9 +152,7 @@ class RecurrentMemory(LayerMemory):
             if not unpinned and not for_live:
                 return None
             if not unpinned:  # the pin gives way
-                h = self._victim_by_rule(keys)
-                del self.pinned_until[h]
-                self.pins_reclaimed += 1
+                self._reclaimed(h := self._victim_by_rule(keys))
                 return h
             keys = unpinned
         return self._victim_by_rule(keys)

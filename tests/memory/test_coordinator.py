@@ -313,3 +313,26 @@ def test_discard_keeps_nothing_of_a_failed_step():
     assert s.slots_checkpoint == before.slots_checkpoint  # the advanced live state is not kept
     assert s.preemptions == {"recompute": 0, "swap": 0}
     assert m.admit(Request("b", list(range(18)))) == 0  # blocks 0-3 hashed before stay findable, no state at 16
+
+
+def test_a_pinned_turn_pins_the_blocks_that_answer_its_hashes_whatever_the_policy():
+    """Under checkpoint_policy 'none' (no final state kept) a pinned turn still pins its KV; where
+    a twin answered a hash first, the twin is pinned (the turn's own block goes unhashed at release)."""
+    from hybridkv.sampling_params import SamplingParams
+
+    m = mgr(checkpoint_policy="none", blocks=16)
+    pinned = SamplingParams(max_tokens=4, cache_pin_ttl_s=600.0)
+    prompt = list(range(1, 10))  # 2 full blocks of 4 before the last token
+    m.admit(Request("first", prompt, max_tokens=4))
+    m.admit(Request("twin", prompt, pinned))  # admitted before "first" commits: computes the same blocks
+    run(m, "first", 8)
+    run(m, "twin", 8)
+    pool, hashes = m.attention.pool, m.request("twin").block_hashes[:2]
+    twin_blocks = m.block_ids("twin")[:2]
+    assert [pool.cached[h] for h in hashes] == m.block_ids("first")[:2] != twin_blocks  # "first" answers
+    m.finish("twin")
+    assert sorted(pool.pinned_until) == sorted(pool.cached[h] for h in hashes)  # the answering blocks
+    m.finish("first")
+    assert all(pool.cached[h] in pool.pinned_until for h in hashes)
+    assert m.stats().pins["blocks"] == 2
+

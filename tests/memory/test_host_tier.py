@@ -200,3 +200,18 @@ def test_a_swap_holds_host_bytes_and_evicts_entries_for_them():
     host.let_go("never-held")  # nothing held: nothing changes
     assert host.swap_bytes == 0 and host.swapped == {}
     assert host.hold("s2", 3 * SLOT_BYTES - 1) and list(host.entries) == []
+
+
+def test_a_pinned_entry_stays_until_a_swap_needs_its_bytes():
+    """A demotion never evicts a pinned turn's host entry (the newcomer is dropped instead); a
+    swapped request's bytes (a running request's memory) take it last, counted as reclaimed."""
+    mem = memory(host_entries=1)
+    keep(mem, "a", 0, 1.0)
+    keep(mem, "b", 1, 2.0)  # one device checkpoint slot: H[0] is demoted to the host
+    assert list(mem.host.entries) == [H[0]]
+    mem.pin(H[0], 1e12)
+    keep(mem, "c", 2, 3.0)  # H[1] leaves the device; the host's one place is pinned: H[1] is dropped
+    assert list(mem.host.entries) == [H[0]] and list(mem.checkpoints) == [H[2]]
+    assert H[1] not in mem.host and mem.pins_reclaimed == 0
+    assert mem.host.hold("swapped", SLOT_BYTES)  # only a pin is left to give way: it does, counted
+    assert len(mem.host) == 0 and mem.pins_reclaimed == 1 and H[0] not in mem.pinned_until

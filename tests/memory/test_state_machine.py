@@ -184,7 +184,6 @@ def check_conservation(mgr):
 
 class ManagerMachine(RuleBasedStateMachine):
     force_host_tier = False
-    force_caching = False
     force_disk_tier = False
 
     @initialize(host_entries=st.sampled_from([0, 0, 0, 1, 4]),
@@ -212,7 +211,7 @@ class ManagerMachine(RuleBasedStateMachine):
                   fingerprint="sm", checkpoint_every_n=2)
         if self.force_host_tier:
             host_entries, caching = max(host_entries, 1), True
-        if self.force_host_tier or self.force_caching:
+        if self.force_host_tier:
             kw["enable_prefix_caching"] = True
         host = host_entries * state_bytes_per_slot(specs)
         if self.force_host_tier:  # room for KV blocks too (the host KV tier; pure attention gets a tier)
@@ -538,68 +537,6 @@ class HostTierMachine(ManagerMachine):
     force_host_tier = True
 
 
-class PinnedTurnsMachine(ManagerMachine):
-    """The same machine with pinned turns (SamplingParams.cache_pin_ttl_s, a TTL far past the run):
-    a rule ends a running request as a pinned turn, and after every rule a block or a state that
-    was pinned is still findable (the block still answers for its hash; the state still a
-    checkpoint on the device or in the host tier), unless the documented rule took it: eviction
-    takes a pin only when nothing unpinned is left for a running request's memory, and counts
-    it (`pins_reclaimed`)."""
-
-    force_caching = True  # (no pin without prefix caching)
-
-    @precondition(lambda self: self.ids(RequestStatus.RUNNING))
-    @rule(data=st.data())
-    def finish_pinned(self, data):
-        rid = data.draw(st.sampled_from(self.ids(RequestStatus.RUNNING)))
-        mgr = self.mgr
-        r = mgr.request(rid)
-        held = {w: [(r.block_hashes[i], b) for i, b in enumerate(g.block_ids(rid)[:r.num_hashed_blocks]) if b >= 0]
-                for w, g in mgr.attention_groups.items()} if r.status == RequestStatus.RUNNING else {}
-        r.params = SamplingParams(max_tokens=max(1, r.max_tokens), cache_pin_ttl_s=1e6)
-        mgr.finish(rid)
-        tracked = self.__dict__.setdefault("pinned_hashes", {})
-        for w, blocks in held.items():  # the turn's KV: each hash held by a pinned block that answers for it,
-            pool = mgr.attention_groups[w].pool  # or (a twin still held elsewhere) will when let go
-            for h, own in blocks:
-                b = pool.cached.get(h, own)
-                assert b in pool.pinned_until and pool.block_hash[b] == h, "a pinned turn's block does not hold its hash"
-                tracked.setdefault(w, {})[h] = b
-        EVENTS["pinned turn"] += 1
-
-    @invariant()
-    def pins_hold(self):
-        if not hasattr(self, "mgr"):
-            return
-        mgr, seen = self.mgr, getattr(self, "pins_seen", None)
-        now = {}
-        tracked = self.__dict__.setdefault("pinned_hashes", {})
-        for w, g in mgr.attention_groups.items():
-            pool = g.pool
-            now[w] = pool.pins_reclaimed
-            if seen is not None and w in seen:
-                # lost: no longer answering, or no longer pinned (a reclaim that handed the block to the
-                # same content again); either is the reclaim rule's, counted once
-                lost = {h: b for h, b in tracked.get(w, {}).items() if pool.block_hash[b] != h or b not in pool.pinned_until}
-                assert len(lost) <= pool.pins_reclaimed - seen[w], \
-                    f"pinned blocks lost their hash without being reclaimed: " + "; ".join(
-                        f"block {b} (pinned {b in pool.pinned_until}, refcount {pool.refcount[b]}, hash now "
-                        f"{pool.block_hash[b] == h}, answered by {pool.cached.get(h)})" for h, b in lost.items())
-                tracked[w] = {h: b for h, b in tracked.get(w, {}).items() if h not in lost}
-                EVENTS["pinned block checked"] += len(tracked.get(w, ()))
-                EVENTS["pinned block reclaimed"] += pool.pins_reclaimed - seen[w]
-        rec = mgr.recurrent
-        if rec is not None:
-            host = rec.host.entries if rec.host is not None else {}
-            now["states"] = (set(rec.pinned_until), rec.pins_reclaimed)  # (a state pinned after the turn's release too)
-            if seen is not None and "states" in seen:
-                before, reclaimed = seen["states"]
-                lost = [h for h in before if h not in rec.checkpoints and h not in host]
-                assert len(lost) <= rec.pins_reclaimed - reclaimed, "a pinned state was dropped without being reclaimed"
-                EVENTS["pinned state checked"] += len(before)
-        self.pins_seen = now
-
-
 class DiskTierMachine(ManagerMachine):
     """The same machine with a disk tier on every run (in a fresh directory) and a rule that
     restarts the manager on it: every request ends, the manager is closed, and a new one on the
@@ -622,7 +559,7 @@ class DiskTierMachine(ManagerMachine):
 def test_manager_state_machine():
     EVENTS.clear()
     # 360: the derandomized runs change with the machine's code and the manager's behaviour; at 320,
-    # after the pinned-turns and host-KV rules were added to the file, no run stored a checkpoint
+    # after the host-KV and swap rules were added to the file, no run stored a checkpoint
     # from a batched decode (at 300 none did after the host tier's trail); 340-400 all do
     run_state_machine_as_test(ManagerMachine, settings=settings(
         max_examples=360, stateful_step_count=60, deadline=None, derandomize=True,
@@ -649,17 +586,6 @@ def test_manager_state_machine_with_host_tier():
     for what in ["host demotion", "host promotion", "host eviction", "host entry checked", "prefix hit",
                  "swap refused by the host budget", "resumed after swap", "host KV demotion",
                  "host KV promotion", "host KV entry checked"]:
-        assert EVENTS[what] > 0, f"the random runs never exercised {what}: {EVENTS}"
-
-
-@pytest.mark.slow  # ~10 s: 100 examples of 50 steps
-def test_manager_state_machine_with_pinned_turns():
-    EVENTS.clear()
-    run_state_machine_as_test(PinnedTurnsMachine, settings=settings(
-        max_examples=100, stateful_step_count=50, deadline=None, derandomize=True,
-        suppress_health_check=[HealthCheck.too_slow]))
-    print(dict(EVENTS))
-    for what in ["pinned turn", "pinned block checked", "pinned block reclaimed", "pinned state checked", "prefix hit"]:
         assert EVENTS[what] > 0, f"the random runs never exercised {what}: {EVENTS}"
 
 
