@@ -103,6 +103,8 @@ def stream_until_end(url: str, max_tokens: int, got: dict) -> None:
                     got["chunks"] = got.get("chunks", 0) + 1
                     for c in json.loads(line[6:]).get("choices", []):
                         got["finish"] = c.get("finish_reason") or got.get("finish")
+                        if got["finish"] and "finished_at" not in got:
+                            got["finished_at"] = time.monotonic()
                         got["tokens"] = got.get("tokens", 0) + len(c.get("token_ids") or [])
     except httpx.HTTPError as e:
         got["error"] = repr(e)
@@ -123,6 +125,7 @@ def wait_for_json(url: str, max_tokens: int, got: dict) -> None:
     try:
         r = httpx.post(url + "/v1/completions", json=_body(max_tokens, False), timeout=120)
         got["status"] = r.status_code
+        got["finished_at"] = time.monotonic()
         got["finish"] = r.json()["choices"][0]["finish_reason"]
         got["tokens"] = r.json()["usage"]["completion_tokens"]
     except httpx.HTTPError as e:
@@ -163,6 +166,7 @@ def test_signal_drains_then_stops_every_process(extra, sig, expect_procs, ctrl_c
         while _requests_in(url) < 2 and time.monotonic() < deadline:  # the non-streamed one arrived too
             time.sleep(0.02)  # (on a loaded machine its POST can lag the stream's first chunks)
         kids = descendants(proc.pid)
+        signal_at = time.monotonic()
         if ctrl_c:
             os.killpg(proc.pid, sig)
         else:
@@ -188,9 +192,13 @@ def test_signal_drains_then_stops_every_process(extra, sig, expect_procs, ctrl_c
         if drain is True:  # both finished their work during the drain
             assert streamed["finish"] == "length" and streamed["tokens"] == max_tokens, streamed
             assert waited["finish"] == "length" and waited["tokens"] == max_tokens, waited
-        else:  # no drain (or the drain was cut short): 500 tokens are not done three chunks in
-            assert streamed["finish"] == "abort" and waited["finish"] == "abort", (streamed, waited)
-            assert "finish_reason 'abort'" in log, log[-3000:]
+        else:  # no drain (or the drain was cut short): 500 tokens are not done three chunks in ...
+            # ... unless a stalled machine let one finish before the signal went (CI once did, with 2
+            # replicas: both ended "length" first): such a one says nothing; every other is aborted
+            for got in (streamed, waited):
+                assert got["finish"] == "abort" or got["finished_at"] < signal_at, (streamed, waited, signal_at)
+            if "abort" in (streamed["finish"], waited["finish"]):
+                assert "finish_reason 'abort'" in log, log[-3000:]
         assert "Traceback" not in log, log[-3000:]
     finally:
         if proc.poll() is None:
