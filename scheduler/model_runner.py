@@ -114,6 +114,7 @@ class ModelRunner:
         self.staging = staging if staging.active else None
         self.decode_graphs = None
         self.model_seconds = 0.0
+        self.has_mtp = getattr(model, "mtp", None) is not None  # a head to run after each step (mtp_head.py)
 
     def execute(self, out: SchedulerOutput, groups: dict) -> RunnerOutput:
         """Forward and sample for `out`; groups: the requests by key (read only: which collect
@@ -166,7 +167,7 @@ class ModelRunner:
                 result = self._decode_batch(step.out.decodes, logits)
             else:
                 result = self._sampled(step.chunks, logits, step.rows, step.rows.finite(logits), step.fork_rows)
-            if getattr(self.model, "mtp", None) is not None:
+            if self.has_mtp:
                 with torch.inference_mode():
                     result.drafts = self._mtp_drafts(step, result)
             if step.rows is not None and step.out.decodes is not None:
