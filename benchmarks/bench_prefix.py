@@ -202,7 +202,7 @@ def tiers_markdown(report: dict) -> str:
             "|---|---|---|---|---|---|---|---|---|\n")
     lines = [f"| {r['trace']} | {r['checkpoint_slots']} | {r['ceiling']:.1%} ({r['ceiling_4x_kv']:.1%}) "
              f"| {r['one_tier']:.1%} ({r['one_tier_of_ceiling']:.0%}) | {r['host_tier']:.1%} "
-             f"(**{r['host_tier_of_ceiling']:.0%}**) | {r['host']['hits']} | {r['host']['demotions']} "
+             f"(**{r['host_tier_of_ceiling']:.1%}**) | {r['host']['hits']} | {r['host']['demotions']} "
              f"({r['host']['refused_demotions']}) | {r['host']['evictions']} "
              f"| {r['prefill_chunks']['ceiling']} / {r['prefill_chunks']['one_tier']} / {r['prefill_chunks']['host_tier']} |"
              for r in report["rows"]]

@@ -34,13 +34,16 @@ def check_rule(rule: str) -> None:
 
 
 def choose_victim(rule: str, positions: Sequence[int], saved_flops: Callable[[int], float],
-                  flop_weight: float = 1.0, *, branches: Optional[Sequence[int]] = None) -> int:
+                  flop_weight: float = 1.0, *, branches: Optional[Sequence[int]] = None,
+                  passed_penalty: float = PASSED_PENALTY) -> int:
     """Index into the candidates of the checkpoint to evict.
 
     positions: [n] token position of each candidate checkpoint, least recently used first.
     saved_flops(p): prefill FLOPs a hit at position p saves.
     branches: [n] optional, per candidate the number of distinct cached blocks that continue its
-        prefix (the prefix tree's out-degree at the checkpoint); used by 'utility'."""
+        prefix (the prefix tree's out-degree at the checkpoint); used by 'utility'.
+    passed_penalty: what 'utility' takes off a state some request ran past (the host tier's is 0:
+        memory/host_tier.py)."""
     if rule == "lru" or len(positions) == 1:
         return 0
     flops = [saved_flops(p) for p in positions]
@@ -48,6 +51,6 @@ def choose_victim(rule: str, positions: Sequence[int], saved_flops: Callable[[in
     n = len(positions) - 1
     tree = [0.0] * len(positions)
     if rule == "utility" and branches is not None:
-        tree = [JUNCTION_BONUS if b >= 2 else -PASSED_PENALTY if b == 1 else 0.0 for b in branches]
+        tree = [JUNCTION_BONUS if b >= 2 else -passed_penalty if b == 1 else 0.0 for b in branches]
     scores = [i / n + flop_weight * f / top + t for i, (f, t) in enumerate(zip(flops, tree))]
     return min(range(len(positions)), key=scores.__getitem__)

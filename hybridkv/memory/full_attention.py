@@ -71,6 +71,11 @@ class FullAttentionMemory(LayerMemory):
     def is_cached(self, h: bytes) -> bool:
         return h in self.pool.cached
 
+    def parent_hash(self, h: bytes) -> Optional[bytes]:
+        """The hash of the block before the cached block keyed h (None: not cached, or the first)."""
+        b = self.pool.cached.get(h)
+        return None if b is None else self.pool.parent[b]
+
     def num_children(self, h: bytes) -> int:
         return len(self.pool.children.get(h, ()))
 

@@ -4,7 +4,13 @@ memory under a byte budget of their own, still usable for prefix hits.
 When the device slots must evict a checkpoint (memory/recurrent.py), the state is DEMOTED here
 instead of dropped if it is worth its bytes: it competes with the host entries under the same
 eviction rule as the device (hybridkv/eviction.py; unreachable entries first, then the lowest
-score), and it is refused when it would be the victim itself. A prefix match sees a host entry as
+score), and it is refused when it would be the victim itself. Two differences from the device,
+both for the states a host tier exists to keep (BENCHMARKS.md, "Memory tiers"):
+- No penalty for a state some request ran past: here an inner state is a fallback for the next
+  request that branches off below the deeper states of its chain (the policy's trail).
+- An output state (inside a request's answer) is worth the tokens since the nearest state kept
+  before it on its path, not its whole position (Marconi's FLOPs of a tree node's edge): the
+  state after a short answer to a prompt whose end is kept saves only the answer's tokens. A prefix match sees a host entry as
 a checkpoint; the admission that uses it PROMOTES it: the state is copied into the new live slot
 (the host entry stays, as a device checkpoint stays after a copy-on-hit). Before an entry is used
 its key, position, tensor shapes, dtypes and a CRC-32 of its bytes are checked; an entry that fails
@@ -55,6 +61,7 @@ class HostEntry:
     layout: dict
     crc: int
     nbytes: int
+    worth: int  # the tokens its saved FLOPs are counted for: its position, or an output state's edge
 
 
 @dataclass
@@ -91,6 +98,11 @@ class HostStateTier:
         # swap (a running request's memory) takes one before its deadline. A demotion never evicts a pin.
         self.pinned: Callable[[bytes], bool] = lambda key: False
         self.reclaimed: Callable[[bytes], None] = lambda key: None
+        # the prefix tree, for an output state's edge (memory/kinds.py sets both): the hash of the
+        # block before the block keyed `key` (None: unknown), and whether a device checkpoint has a key
+        self.parent_of: Callable[[bytes], Optional[bytes]] = lambda key: None
+        self.on_device: Callable[[bytes], bool] = lambda key: False
+        self.block_size = 1
         self.counters = TierCounters()
 
     def __contains__(self, key: bytes) -> bool:
@@ -100,9 +112,27 @@ class HostStateTier:
         return len(self.entries)
 
     # ---- demotion ----------------------------------------------------------------------------
-    def _victims(self, position: int, last_used: int, nbytes: int) -> Optional[list[bytes]]:
-        """The entries to evict so that a state of `nbytes` at `position` fits, or None when it is
-        not worth its bytes (the rule would evict it first, or it exceeds the budget)."""
+    def _worth(self, key: bytes, position: int, output: bool) -> int:
+        """An output state's tokens since the nearest state kept before it (here or on the device)
+        on its path, found by walking the prefix tree's parents; any other state's position."""
+        if not output:
+            return position
+        p, k = position, key
+        while p > 0 and (k := self.parent_of(k)) is not None:
+            p -= self.block_size
+            if k in self.entries or self.on_device(k):
+                return position - p
+        return position
+
+    def _rank(self, keys: list[bytes], worth: list[int]) -> int:
+        """The index of the rule's victim among `keys` (least recently used first), their worths in tokens."""
+        branches = [self.branches(k) for k in keys]
+        return choose_victim(self.rule, worth, self.saved_flops, self.flop_weight, branches=branches,
+                             passed_penalty=0.0)
+
+    def _victims(self, key: bytes, worth: int, last_used: int, nbytes: int) -> Optional[list[bytes]]:
+        """The entries to evict so that the state keyed `key`, of `nbytes` worth `worth` tokens, fits,
+        or None when it is not worth its bytes (the rule would evict it first, or it exceeds the budget)."""
         free = self.budget_bytes - self.swap_bytes - self.used_bytes  # KV entries' bytes count as free: they give way
         if nbytes > free + self.used_bytes:
             return None
@@ -110,32 +140,32 @@ class HostStateTier:
         free += sum(self.entries[k].nbytes for k in gone)
         if free >= nbytes:
             return gone
-        new = object()  # the candidate itself, ranked with the others by when it was last used
-        rest = sorted([k for k in self.entries if k not in gone and not self.pinned(k)] + [new],
-                      key=lambda k: last_used if k is new else self.entries[k].last_used)
+        # the candidate itself (`key`), ranked with the others by when it was last used
+        rest = sorted([k for k in self.entries if k not in gone and not self.pinned(k)] + [key],
+                      key=lambda k: last_used if k is key else self.entries[k].last_used)
         while free < nbytes:
             if len(rest) == 1:  # only the candidate is left: the pins stay, it is not kept
                 return None
-            positions = [position if k is new else self.entries[k].position for k in rest]
-            branches = [self.branches(k) if k is not new else 0 for k in rest]
-            i = choose_victim(self.rule, positions, self.saved_flops, self.flop_weight, branches=branches)
-            if rest[i] is new:
+            i = self._rank(rest, [worth if k is key else self.entries[k].worth for k in rest])
+            if rest[i] is key:
                 return None
             free += self.entries[rest[i]].nbytes
             gone.append(rest.pop(i))
         return gone
 
-    def worth(self, position: int, last_used: int, nbytes: int) -> bool:
+    def worth(self, key: bytes, position: int, last_used: int, nbytes: int, output: bool = False) -> bool:
         """Whether put() would keep a state of these bytes now (no change; to skip a useless copy)."""
-        return self._victims(position, last_used, nbytes) is not None
+        return self._victims(key, self._worth(key, position, output), last_used, nbytes) is not None
 
-    def put(self, key: bytes, position: int, last_used: int, conv: dict, ssm: dict) -> bool:
+    def put(self, key: bytes, position: int, last_used: int, conv: dict, ssm: dict, output: bool = False) -> bool:
         """Keep a host copy (tensors on the host, owned by the tier from now) under `key`,
-        evicting entries for room; False (nothing changed) when it is not worth its bytes."""
+        evicting entries for room; False (nothing changed) when it is not worth its bytes.
+        output: a state inside a request's generated tokens (its worth is its edge)."""
         if key in self.entries:
             raise RuntimeError("a state demoted twice under one key: a key is never in two tiers")
         nbytes = sum(t.numel() * t.element_size() for part in (conv, ssm) for t in part.values())
-        victims = self._victims(position, last_used, nbytes)
+        worth = self._worth(key, position, output)
+        victims = self._victims(key, worth, last_used, nbytes)
         if victims is None:
             self.counters.refused_demotions += 1
             return False
@@ -145,7 +175,7 @@ class HostStateTier:
         self._kv_gives_way(nbytes)
         layout = {(p, i): (tuple(t.shape), t.dtype) for p, part in (("conv", conv), ("ssm", ssm))
                   for i, t in part.items()}
-        self.entries[key] = HostEntry(key, position, last_used, conv, ssm, layout, checksum(conv, ssm), nbytes)
+        self.entries[key] = HostEntry(key, position, last_used, conv, ssm, layout, checksum(conv, ssm), nbytes, worth)
         self.entries.move_to_end(key)
         self.used_bytes += nbytes
         self.counters.demotions += 1
@@ -168,9 +198,7 @@ class HostStateTier:
             if gone:
                 victim = gone[0]
             elif unpinned:  # the rule's victim among the unpinned entries (least recently used first on ties)
-                es = [self.entries[k] for k in unpinned]
-                victim = unpinned[choose_victim(self.rule, [e.position for e in es], self.saved_flops, self.flop_weight,
-                                                branches=[self.branches(k) for k in unpinned])]
+                victim = unpinned[self._rank(unpinned, [self.entries[k].worth for k in unpinned])]
             else:  # only pins left: a running request's memory takes one (counted)
                 victim = keys[0]
                 self.reclaimed(victim)

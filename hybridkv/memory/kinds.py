@@ -85,6 +85,9 @@ def make_kinds(specs: Mapping[int, LayerSpec], block_size: int, num_blocks: int 
             reachable=reachable or (lambda h: True),
             branches=lead.num_children if lead else (lambda h: 0), draft_reserve=draft_slots,
             host_cache_bytes=host_cache_bytes)
+        if recurrent.host is not None and lead is not None:  # an output state's edge (memory/host_tier.py)
+            recurrent.host.parent_of, recurrent.host.block_size = lead.parent_hash, block_size
+            recurrent.host.on_device = recurrent.checkpoints.__contains__
         if host_kv is not None:  # one host budget: states and swaps first, KV in what they leave
             recurrent.host.kv = host_kv
             host_kv.held_elsewhere = lambda: recurrent.host.used_bytes + recurrent.host.swap_bytes

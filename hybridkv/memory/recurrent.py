@@ -126,7 +126,7 @@ class RecurrentMemory(LayerMemory):
             if not only_output or self.host is not None:
                 victim = self._victim([h for h in self.checkpoints if h != protect], for_live=kind != CHECKPOINT)
             if only_output and (victim is None or not self.checkpoints[victim].output and not self.host.worth(
-                    self.checkpoints[victim].position, self.checkpoints[victim].last_used, self._slot_bytes)):
+                    victim, self.checkpoints[victim].position, self.checkpoints[victim].last_used, self._slot_bytes)):
                 victim = self._victim([h for h, c in self.checkpoints.items() if h != protect and c.output])
             if victim is not None:
                 self._evict(victim)
@@ -175,9 +175,9 @@ class RecurrentMemory(LayerMemory):
         """Copy the checkpoint keyed h to the host tier if it is worth its bytes there (the caller
         then removes it from the device: a key is never in two tiers)."""
         c = self.checkpoints[h]
-        if self.host is not None and self.host.worth(c.position, c.last_used, self._slot_bytes):
+        if self.host is not None and self.host.worth(h, c.position, c.last_used, self._slot_bytes, c.output):
             conv, ssm = self.states.to_host(c.slot, "cpu", pin=any(t.is_cuda for t in self.states._tensors()))
-            self.host.put(h, c.position, c.last_used, conv, ssm)
+            self.host.put(h, c.position, c.last_used, conv, ssm, c.output)
 
     def _can_take_slot(self) -> bool:
         return self.states.num_free > 0 or bool(self.checkpoints)

@@ -102,7 +102,7 @@ def test_not_worth_its_bytes_is_dropped():
     ssm = {0: torch.ones(2, 2)}
     assert tier.put(b"deep", 16, last_used=5, conv=conv, ssm=ssm)
     # older and shallower than what the host holds: the rule would evict it first
-    assert not tier.worth(4, 1, SLOT_BYTES)
+    assert not tier.worth(b"shallow", 4, 1, SLOT_BYTES)
     assert not tier.put(b"shallow", 4, last_used=1, conv=conv, ssm=ssm)
     assert list(tier.entries) == [b"deep"] and tier.counters.refused_demotions == 1
     assert tier.put(b"deeper", 32, last_used=6, conv=conv, ssm=ssm)  # better: the old one goes
@@ -215,3 +215,59 @@ def test_a_pinned_entry_stays_until_a_swap_needs_its_bytes():
     assert H[1] not in mem.host and mem.pins_reclaimed == 0
     assert mem.host.hold("swapped", SLOT_BYTES)  # only a pin is left to give way: it does, counted
     assert len(mem.host) == 0 and mem.pins_reclaimed == 1 and H[0] not in mem.pinned_until
+
+
+def _tier(entries, rule, branches=lambda h: 0):
+    return HostStateTier(entries * SLOT_BYTES, rule, saved_flops=float, branches=branches, reachable=lambda h: True)
+
+
+def _state():
+    return {0: torch.ones(2, 3), 1: torch.ones(2, 1)}, {0: torch.ones(2, 2)}
+
+
+def test_an_output_state_is_worth_the_tokens_since_the_state_kept_before_it():
+    tier = _tier(2, "flop")
+    tier.block_size = BS
+    parents = {b"o40": b"p36", b"p36": b"e32", b"e32": b"p28", b"lone": b"x"}
+    tier.parent_of = parents.get
+    tier.put(b"e32", 32, 1, *_state())  # a prompt's end
+    tier.put(b"o40", 40, 2, *_state(), output=True)  # its answer's state, 8 tokens past it
+    assert tier.entries[b"o40"].worth == 8 and tier.entries[b"e32"].worth == 32
+    # a newer inner state: the answer's state goes, not the prompt's end (by position it would be
+    # e32: flop scores e32 0 + 32/40, o40 1/2 + 1, new 1 + 16/40)
+    assert tier.put(b"t16", 16, 3, *_state())
+    assert set(tier.entries) == {b"e32", b"t16"}
+    # with nothing kept before it on its path, an output state is worth its position
+    assert tier._worth(b"lone", 44, output=True) == 44
+    # a device checkpoint counts as kept
+    tier.on_device = {b"x"}.__contains__
+    assert tier._worth(b"lone", 44, output=True) == 4
+
+
+def test_a_state_some_request_ran_past_is_not_penalised_in_the_host():
+    """The device's 'utility' rule takes 1 off a passed state (eviction.PASSED_PENALTY); the host
+    keeps it as a fallback for a request branching below it, so ranks it by recency and FLOPs."""
+    tier = _tier(2, "utility", branches=lambda h: 1 if h == b"inner" else 0)
+    tier.put(b"inner", 32, 1, *_state())
+    tier.put(b"leaf", 8, 2, *_state())
+    # scores: inner 0/2 + 32/32 (- 1 on the device), leaf 1/2 + 8/32, the newcomer 1 + 8/32
+    assert tier.put(b"new", 8, 3, *_state())
+    assert set(tier.entries) == {b"inner", b"new"}
+
+
+def test_the_manager_gives_the_host_the_prefix_tree_and_the_device_keys():
+    """make_kinds wires the host's parent_of (the attention pool's parent hashes) and on_device."""
+    from hybridkv.memory.kinds import make_kinds
+    from hybridkv.specs import AttentionSpec
+
+    kinds = make_kinds({0: AttentionSpec(1, 4, torch.float32), **{i + 1: s for i, s in SPECS.items()}}, BS, 8,
+                       4, "cpu", "utility", None, None, host_cache_bytes=4 * SLOT_BYTES)
+    host, pool = kinds.recurrent.host, kinds.attention.pool
+    assert host.block_size == BS
+    pool.set_hash(1, b"first")
+    pool.set_hash(2, b"second", parent=b"first")
+    assert host.parent_of(b"second") == b"first" and host.parent_of(b"first") is None
+    assert host.parent_of(b"unknown") is None
+    kinds.recurrent.admit("r", [], 0)
+    assert kinds.recurrent.checkpoint("r", b"second", 2 * BS, False)
+    assert host.on_device(b"second") and not host.on_device(b"first")
