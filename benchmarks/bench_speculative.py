@@ -139,7 +139,7 @@ MTP_CONFIG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8, n
 
 
 class Steered:
-    """Hands the MTP drafter the true token instead of the head's with probability p (`truth`:
+    """Hands the MTP drafter the true token instead of each of the head's with probability p (`truth`:
     {prompt tuple: plain tokens}); p None keeps the head's own proposals."""
 
     def __init__(self, llm, truth, p):
@@ -151,19 +151,21 @@ class Steered:
 
     def __call__(self, drafts):
         out = {}
-        for rid, (i, tok) in drafts.items():
+        for rid, (i, toks) in drafts.items():
             r = self.llm.manager.requests.get(rid)
             full = self.truth.get(tuple(r.token_ids[:r.num_prompt_tokens])) if r is not None else None
-            if self.p is not None and full is not None and i < len(full) and self.rng.random() < self.p:
-                tok = full[i]
-            out[rid] = (i, tok)
+            if self.p is not None and full is not None:  # each chained token on its own
+                toks = [full[i + j] if i + j < len(full) and self.rng.random() < self.p else t
+                        for j, t in enumerate(toks)]
+            out[rid] = (i, toks)
         self.record(out)
 
 
 def mtp_costs(args, params) -> dict:
     """The MTP drafter at batch 1 on a random Qwen3-Next (MTP_CONFIG) with random MTP weights: CPU
     time per step with the head running and nothing drafted, against a plain step; generated
-    tokens per CPU second against speculation off when a share p of the proposals is right."""
+    tokens per CPU second against speculation off when a share p of the proposed tokens is right,
+    one token a step (k = 1) and chained to k = 3."""
     import random
     import tempfile
 
@@ -177,13 +179,15 @@ def mtp_costs(args, params) -> dict:
     off = LLM(str(path), **kw)
     plain = off.generate(prompts, params, use_tqdm=False)
     truth = {tuple(p): list(p) + list(o.outputs[0].token_ids) for p, o in zip(prompts, plain)}
-    head_only = LLM(str(path), speculative_config={"method": "mtp", "off_when_slower": False}, **kw)
+    head_only = LLM(str(path), speculative_config={"method": "mtp", "off_when_slower": False,
+                                                   "num_speculative_tokens": 1}, **kw)
     head_only.engine.scheduler.speculation.drafter.propose_many = lambda asks: [[] for _ in asks]
     engines = {"head, no drafts": head_only}
-    for p in (None, 0.5, 0.8, 1.0):
-        llm = LLM(str(path), speculative_config={"method": "mtp", "off_when_slower": False}, **kw)
+    for k, p in ((1, None), (1, 0.5), (1, 0.8), (1, 1.0), (3, None), (3, 0.8), (3, 1.0)):
+        llm = LLM(str(path), speculative_config={"method": "mtp", "off_when_slower": False,
+                                                 "num_speculative_tokens": k}, **kw)
         Steered(llm, truth, p)
-        engines["own proposals" if p is None else f"{p:.0%} right"] = llm
+        engines[f"k={k}, " + ("own proposals" if p is None else f"{p:.0%} right")] = llm
     for llm in (off, *engines.values()):
         run(llm, prompts, params)
     per = {name: [] for name in engines}
@@ -204,7 +208,7 @@ def mtp_costs(args, params) -> dict:
         out[name] = dict(ratio=statistics.median(per[name]), min=min(per[name]), max=max(per[name]),
                          step_ratio=statistics.median(steps[name]), acceptance=acc)
         r = out[name]
-        print(f"  {name:16} tokens/s {r['ratio']:.2f}x ({r['min']:.2f}-{r['max']:.2f}) of speculation off; "
+        print(f"  {name:20} tokens/s {r['ratio']:.2f}x ({r['min']:.2f}-{r['max']:.2f}) of speculation off; "
               f"a step {r['step_ratio']:.2f}x a plain step; acceptance {acc:.2f}")
     return out
 

@@ -160,6 +160,8 @@ class LLM:
         tp = self.tensor_parallel  # its executor sends each step to ranks 1..N-1, then runs rank 0's
         self.engine = Engine(self.model, self.manager, scheduler, seed=seed, executor=tp.executor if tp else None,
                              quantize_stochastic=c.quantize_stochastic)
+        if with_mtp:  # the head chains its proposals to k tokens (models/mtp_head.py)
+            self.engine.runner.mtp_tokens = scheduler.speculation.next_k
         if graph_mode is not None:  # decode steps replay graphs (scheduler/decode_graphs.py)
             self.engine.runner.decode_graphs = DecodeGraphs.for_engine(self.engine, graph_mode)
         self._ids_counter = itertools.count()

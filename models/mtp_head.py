@@ -16,14 +16,26 @@ swap and migration carry them with the target's. Its decoder layer is the family
 layer 0 (vLLM numbers the MTP layer 0 within `mtp.layers`: its MoE-or-dense rule is layer 0's).
 A family model takes `WithMtp`: `init_mtp` in its constructor, `mtp_specs` in `cache_specs`,
 `keep_hidden` on its final-norm hidden states in `forward`.
+
+Chained proposals (num_speculative_tokens k > 1; vLLM chains its MTP layer the same way): after
+the head's pass over the step, each proposing sequence runs the head again, one position on,
+reading its own output (in place of the target's hidden state, which does not exist yet) and the
+token it just proposed: step j at position p + j proposes the token at p + j + 2. Each such step
+writes the head's KV at p + j, a position the target has not computed; the target's next step
+computes it and the head's pass over that step writes it again before anything reads it (a read
+covers only computed positions), so nothing of a chain outlives the proposal. A chain stays in
+the block of its last computed position p (no block is allocated for it): it stops where p + j
+would leave that block, so a proposal is shorter than k there (1 token when p ends its block).
 """
 from __future__ import annotations
 
 import copy
+from typing import Optional
 
 import torch
 from torch import nn
 
+from .forward_batch import ForwardBatch
 from .norms import RMSNorm
 
 
@@ -74,10 +86,48 @@ class WithMtp:
             self.mtp_hidden = h
         return h
 
-    def mtp_drafts(self, batch, caches, next_ids: torch.Tensor, rows: list[int]) -> list[int]:
+    def mtp_drafts(self, batch, caches, next_ids: torch.Tensor, rows: list[int],
+                   steps: Optional[list[int]] = None) -> list[list[int]]:
         """After forward(batch): the head over the same positions, each reading the token that
         follows it (`next_ids` [T]); writes the head's KV there and returns the greedy proposal at
-        each of `rows` (the token two positions on)."""
+        each of `rows`: the token two positions on, then up to steps[i] - 1 chained ones (module
+        doc; None: none)."""
         h = self.mtp(self.mtp_hidden, self.model.embed_tokens(next_ids), self.rotary(batch.positions), batch, caches)
         self.mtp_hidden = None
-        return self.lm_head(h[rows]).argmax(dim=-1).tolist() if rows else []
+        if not rows:
+            return []
+        h = h[rows]
+        tokens = self.lm_head(h).argmax(dim=-1)
+        drafts = [[t] for t in tokens.tolist()]
+        if steps is not None and max(steps) > 1:
+            self._chain(batch, caches, torch.tensor(rows, device=h.device), h, tokens, drafts, steps)
+        return drafts
+
+    def _chain(self, batch, caches, rows: torch.Tensor, h: torch.Tensor, tokens: torch.Tensor,
+               drafts: list[list[int]], steps: list[int]) -> None:
+        """Chained proposals (module doc): up to steps[i] - 1 more tokens for each of `rows` (the
+        step's rows at which the head proposed `tokens` from its output `h`), appended to drafts."""
+        bs = caches.block_size
+        pos = batch.positions[rows]
+        first = pos.tolist()
+        req = torch.searchsorted(batch.query_start_loc[1:], rows, right=True)  # each row's request
+        table = batch.kv_tables(None)[0]  # the head's layer is full attention
+        for j in range(1, max(steps)):
+            live = [i for i, p in enumerate(first) if j < steps[i] and p % bs + j < bs]  # p + j in p's block
+            if not live:
+                return
+            idx = torch.tensor(live, device=h.device)
+            p, tab, n = pos[idx] + j, table[req[idx]], len(live)
+            one = torch.arange(n + 1, dtype=torch.int32, device=h.device)
+            sub = ForwardBatch(
+                input_ids=tokens[idx], positions=p, query_start_loc=one, seq_lens=(p + 1).to(torch.int32),
+                block_table=tab, slot_mapping=tab[one[:n].long(), p // bs].long() * bs + p % bs,
+                state_slots=torch.zeros(n, dtype=torch.int32, device=h.device),
+                has_initial_state=torch.ones(n, dtype=torch.bool, device=h.device),
+                query_lens_cpu=[1] * n, seq_lens_cpu=[q + j + 1 for q in (first[i] for i in live)])
+            out = self.mtp(h[idx], self.model.embed_tokens(tokens[idx]), self.rotary(p), sub, caches)
+            new = self.lm_head(out).argmax(dim=-1)
+            h, tokens = h.clone(), tokens.clone()
+            h[idx], tokens[idx] = out, new
+            for i, t in zip(live, new.tolist()):
+                drafts[i].append(t)

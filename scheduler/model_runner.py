@@ -20,7 +20,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Hashable, Optional
 
 import numpy as np
 import torch
@@ -115,6 +115,9 @@ class ModelRunner:
         self.decode_graphs = None
         self.model_seconds = 0.0
         self.has_mtp = getattr(model, "mtp", None) is not None  # a head to run after each step (mtp_head.py)
+        # how many tokens the head proposes for a request id (chained past the first): LLM hands
+        # the speculation's next k (scheduler/speculation.py, Speculation.next_k; read only)
+        self.mtp_tokens: Callable[[Hashable], int] = lambda request_id: 1
 
     def execute(self, out: SchedulerOutput, groups: dict) -> RunnerOutput:
         """Forward and sample for `out`; groups: the requests by key (read only: which collect
@@ -228,7 +231,8 @@ class ModelRunner:
         the step computed, each reading the token after it: the prompt's next token, the draft or
         accepted token of a verifying run, or what this step sampled (a position whose next token
         is unknown reads 0: it was rejected, or its request fails). Returns the proposal for each
-        sequence that sampled, read at its last kept position: {request id: (index, token)}."""
+        sequence that sampled, read at its last kept position, chained to `mtp_tokens(its id)`:
+        {request id: (the index its first token would take, [tokens])}."""
         nxt, rows, owners = [], [], []
         if step.chunks is None:  # a decode batch alone: one row a sequence, its next token its draw
             for i, (seq, tok) in enumerate(zip(step.out.decodes.seqs, result.batch_tokens)):
@@ -252,8 +256,9 @@ class ModelRunner:
                     owners.append((seq.request_id, len(seq.token_ids) + len(run)))
                 at += n
         ids = torch.tensor(nxt, dtype=torch.long).to(self.device)
-        tokens = self.model.mtp_drafts(step.batch, self.caches, ids, rows)
-        return {rid: (index, tok) for (rid, index), tok in zip(owners, tokens)}
+        steps = [self.mtp_tokens(rid) for rid, _ in owners]
+        drafts = self.model.mtp_drafts(step.batch, self.caches, ids, rows, steps)
+        return {rid: (index, d) for (rid, index), d in zip(owners, drafts)}
 
     # ---- sampling --------------------------------------------------------------------------
     def _sampled(self, chunks: list[ScheduledChunk], logits: torch.Tensor, rows: LogitRows,

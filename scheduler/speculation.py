@@ -87,11 +87,10 @@ class Speculation:
 
     @staticmethod
     def max_draft(config: SpeculativeConfig, block_size: int) -> int:
-        """The most tokens a request drafts: num_speculative_tokens, below block_size (one with
-        'mtp': the checkpoint's one MTP layer proposes one token a step)."""
+        """The most tokens a request drafts: num_speculative_tokens, below block_size."""
         if block_size < 2:
             raise ValueError(f"speculative decoding needs block_size >= 2, got {block_size}")
-        return min(1 if config.method == "mtp" else config.num_speculative_tokens, block_size - 1)
+        return min(config.num_speculative_tokens, block_size - 1)
 
     @staticmethod
     def draft_slots(config: Optional[SpeculativeConfig], block_size: int, max_num_seqs: int) -> int:
@@ -100,6 +99,12 @@ class Speculation:
         if config is None:
             return 0
         return (Speculation.max_draft(config, block_size) + 1) * min(max_num_seqs, config.max_speculating_seqs)
+
+    def next_k(self, request_id: Hashable) -> int:
+        """The most tokens the request drafts at its next step (1 while it skips drafting: an MTP
+        head's first token costs nothing more, its chain would)."""
+        pace = self._pace.get(request_id)
+        return self.k_max if pace is None else 1 if pace.skip else pace.k
 
     def wanted(self, seq: Request, budget: int) -> int:
         """How many tokens seq drafts this step (0: none): its k, within the budget and what its

@@ -40,22 +40,25 @@ def hf_model(path):
 
 
 def steer_mtp_drafts(llm, truth: dict, p_right: float, seed: int = 0) -> dict:
-    """Record every proposal the runner hands the drafter ({(request id, index): token}, returned),
-    and hand the drafter the true token instead (truth: {prompt tuple: the plain engine's tokens})
-    with probability p_right, so that verification runs are accepted too (random MTP weights
-    propose the right token about once in 100)."""
+    """Record every proposal the runner hands the drafter ({(request id, index of its first token):
+    its tokens}, returned), and hand the drafter the true token instead of each of its tokens
+    (truth: {prompt tuple: the plain engine's tokens}) with probability p_right, so that
+    verification runs are accepted too (random MTP weights propose the right token about once in 100)."""
     seen, rng, drafter = {}, random.Random(seed), llm.engine.scheduler.speculation.drafter
     record = drafter.record
 
     def record_steered(drafts):
         out = {}
-        for rid, (i, tok) in drafts.items():
-            seen[(rid, i)] = tok
+        for rid, (i, toks) in drafts.items():
             r = llm.manager.requests.get(rid)
             full = truth.get(tuple(r.token_ids[:r.num_prompt_tokens])) if r is not None else None
-            if full is not None and i < len(full) and rng.random() < p_right:
-                tok = full[i]
-            out[rid] = (i, tok)
+            seen[(rid, i)] = list(toks)
+            steered = []
+            for j, tok in enumerate(toks):  # each chained token steered on its own
+                if full is not None and i + j < len(full) and rng.random() < p_right:
+                    tok = full[i + j]
+                steered.append(tok)
+            out[rid] = (i, steered)
         record(out)
 
     drafter.record = record_steered

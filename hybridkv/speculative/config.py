@@ -14,7 +14,7 @@ class SpeculativeConfig:
     """method: 'ngram' (prompt lookup: the proposal continues an earlier occurrence of the
     request's last n tokens; no model), 'draft_model' (`model`, a checkpoint with the target's
     vocabulary, proposes greedily; draft_model.py) or 'mtp' (the target checkpoint's own
-    multi-token-prediction head, Qwen3-Next's `mtp.*`: one token a step, whatever k; mtp.py). num_speculative_tokens: the most tokens drafted per step
+    multi-token-prediction head, Qwen3-Next's `mtp.*`, chained to k tokens; mtp.py). num_speculative_tokens: the most tokens drafted per step
     for a request (its k; adaptive below that, scheduler/speculation.py). prompt_lookup_max /
     prompt_lookup_min: the longest and shortest n-gram matched. model: the draft checkpoint
     (method 'draft_model'). max_speculating_seqs (ours): how many running requests of a model

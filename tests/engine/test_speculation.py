@@ -420,6 +420,26 @@ def test_the_cost_model_drafts_where_measured_faster():
     assert costs.choose(4) is True  # another batch size measures afresh
 
 
+def test_next_k_is_the_pace_of_the_next_draft():
+    """What an MTP head chains to for a request (Speculation.next_k): k_max before its first run,
+    then its adaptive k, and 1 while it skips drafting."""
+    from types import SimpleNamespace
+
+    from hybridkv.scheduler.speculation import Speculation
+    from hybridkv.speculative.config import SpeculativeConfig
+    from hybridkv.speculative.mtp import MtpDrafter
+
+    spec = Speculation(SpeculativeConfig(method="mtp", num_speculative_tokens=3), 16, MtpDrafter())
+    seq = SimpleNamespace(request_id="r", num_prompt_tokens=4, max_tokens=100, token_ids=[1] * 5)
+    assert spec.next_k("r") == 3 and spec.wanted(seq, 64) == 3
+    spec.observe(seq, 3, 1)  # one of three taken: k falls to 2
+    assert spec.next_k("r") == 2
+    spec.observe(seq, 2, 0)  # none taken: k 1 and a step without drafting
+    assert spec.next_k("r") == 1 and spec.wanted(seq, 64) == 0
+    spec.observe(seq, 1, 1)
+    assert spec.next_k("r") == 2
+
+
 @pytest.mark.slow  # tensor-parallel workers are processes
 def test_tensor_parallel_ranks_verify_the_same_drafts(tmp_path):
     """TP = 2 (gloo): rank 1 runs each draft run's per-position state slots from the batch it is

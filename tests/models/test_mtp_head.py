@@ -29,8 +29,8 @@ def mtp_checkpoint(request, tmp_path_factory):
     return family, add_tiny_mtp_weights(make_tiny_checkpoint(family, tmp_path_factory.mktemp(f"{family}_mtp")))
 
 
-def reference_drafts(family: str, hf, weights: dict, tokens: list[int]) -> list[int]:
-    """ref[p]: the head's greedy token at position p (proposing index p + 2) over `tokens`."""
+def _oracle_head(family: str, hf, weights: dict):
+    """The published head's pieces from transformers' modules: (decoder layer, norm(part))."""
     m = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     name = FAMILIES[family]
     config = copy.deepcopy(hf.config)
@@ -51,17 +51,49 @@ def reference_drafts(family: str, hf, weights: dict, tokens: list[int]) -> list[
         n.weight.data.copy_(weights[f"mtp.{part}.weight"])
         return n
 
+    return layer, norm
+
+
+def _head_inputs(hf, weights, norm, hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+    e = hf.model.embed_tokens(next_ids)
+    return F.linear(torch.cat([norm("pre_fc_norm_embedding")(e), norm("pre_fc_norm_hidden")(hidden)], dim=-1),
+                    weights["mtp.fc.weight"])
+
+
+def _head_layer(hf, layer, x: torch.Tensor) -> torch.Tensor:
+    """The decoder layer over x [t, H] at positions 0..t-1, causal."""
+    t = x.shape[0]
+    pos = torch.arange(t)[None]
+    mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+    return layer(x[None], position_embeddings=hf.model.rotary_emb(x[None], pos), attention_mask=mask,
+                 position_ids=pos)[0]
+
+
+def reference_drafts(family: str, hf, weights: dict, tokens: list[int]) -> list[int]:
+    """ref[p]: the head's greedy token at position p (proposing index p + 2) over `tokens`."""
+    layer, norm = _oracle_head(family, hf, weights)
     ids = torch.tensor([tokens])
-    t = len(tokens) - 1
     with torch.no_grad():
-        h = hf.model(ids).last_hidden_state[0, :t]  # after the final norm
-        e = hf.model.embed_tokens(ids[0, 1:])        # the token after each position
-        x = F.linear(torch.cat([norm("pre_fc_norm_embedding")(e), norm("pre_fc_norm_hidden")(h)], dim=-1),
-                     weights["mtp.fc.weight"])[None]
-        pos = torch.arange(t)[None]
-        mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
-        y = layer(x, position_embeddings=hf.model.rotary_emb(x, pos), attention_mask=mask, position_ids=pos)
-        return hf.lm_head(norm("norm")(y)[0]).argmax(dim=-1).tolist()
+        h = hf.model(ids).last_hidden_state[0, :-1]  # after the final norm
+        y = _head_layer(hf, layer, _head_inputs(hf, weights, norm, h, ids[0, 1:]))
+        return hf.lm_head(norm("norm")(y)).argmax(dim=-1).tolist()
+
+
+def reference_chain(family: str, hf, weights: dict, context: list[int], steps: int) -> list[int]:
+    """The head's chained proposal after `context` (the head at its second-to-last position p, then
+    at p + 1, p + 2, ... reading its own last output and proposal): `steps` tokens, the first the
+    one proposed for index len(context) + 1."""
+    layer, norm = _oracle_head(family, hf, weights)
+    ids = torch.tensor([context])
+    with torch.no_grad():
+        h = hf.model(ids).last_hidden_state[0, :-1]
+        x = _head_inputs(hf, weights, norm, h, ids[0, 1:])
+        out = []
+        for _ in range(steps):
+            last = norm("norm")(_head_layer(hf, layer, x)[-1:])
+            out.append(int(hf.lm_head(last).argmax(dim=-1)))
+            x = torch.cat([x, _head_inputs(hf, weights, norm, last, torch.tensor([out[-1]]))])
+        return out
 
 
 @pytest.mark.parametrize("chunk", [2048, 16], ids=["whole-prompts", "chunked-prefill"])
@@ -76,7 +108,8 @@ def test_every_proposal_equals_the_transformers_oracle(mtp_checkpoint, chunk):
     prompts = [[rng.randrange(4, 128) for _ in range(n)] for n in (5, 23, 40)]
     greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     plain, truth = plain_truth(mtp_checkpoint, prompts, greedy)
-    llm = LLM(str(mtp_checkpoint), memory_budget_bytes=32 << 20, max_num_batched_tokens=chunk, speculative_config=MTP)
+    llm = LLM(str(mtp_checkpoint), memory_budget_bytes=32 << 20, max_num_batched_tokens=chunk,
+              speculative_config={**MTP, "num_speculative_tokens": 1})
     seen = steered(llm, truth, 0.7)
     outs = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
@@ -87,7 +120,7 @@ def test_every_proposal_equals_the_transformers_oracle(mtp_checkpoint, chunk):
     for prompt, out, key in zip(prompts, outs, rids):
         tokens = prompt + list(out.outputs[0].token_ids)
         ref = reference_drafts(family, hf, weights, tokens)
-        mine = {i: tok for (rid, i), tok in seen.items() if rid == key}
+        mine = {i: toks[0] for (rid, i), toks in seen.items() if rid == key}
         assert min(mine) == len(prompt) + 1 and max(mine) == len(tokens), sorted(mine)  # from the prompt's end on
         for i, tok in mine.items():
             assert tok == ref[i - 2], (out.request_id, i, tok, ref[i - 2])
@@ -96,6 +129,43 @@ def test_every_proposal_equals_the_transformers_oracle(mtp_checkpoint, chunk):
     s = llm.stats()
     assert s["spec_verify_runs"] > 0 and s["spec_draft_tokens"] == s["spec_verify_runs"]  # one token a run
     assert s["spec_accepted_tokens"] >= 8, s["spec_accepted_tokens"]
+
+
+@pytest.mark.parametrize("k", [3])
+def test_every_chained_proposal_equals_the_transformers_oracle(mtp_checkpoint, k):
+    """num_speculative_tokens k > 1: the head chained on its own output and proposals, each chain
+    at most the request's next k (adaptive) and as long as the block of its last computed position
+    allows (block size 8 here, so chains are cut often), every token equal to the oracle's chain
+    from the same context; the output stays the plain engine's."""
+    from safetensors.torch import load_file
+
+    family, mtp_checkpoint = mtp_checkpoint
+    rng = random.Random(5)
+    prompts = [[rng.randrange(4, 128) for _ in range(n)] for n in (6, 21)]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain, truth = plain_truth(mtp_checkpoint, prompts, greedy)
+    bs = 8
+    llm = LLM(str(mtp_checkpoint), memory_budget_bytes=32 << 20, block_size=bs,
+              speculative_config={**MTP, "num_speculative_tokens": k})
+    seen = steered(llm, truth, 0.85)
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    hf, weights = hf_model(mtp_checkpoint), load_file(str(mtp_checkpoint / "model.safetensors"))
+    rids = sorted({rid for rid, _ in seen}, key=lambda rid: rid[-1])
+    lengths, cut = set(), False
+    for prompt, out, key in zip(prompts, outs, rids):
+        tokens = prompt + list(out.outputs[0].token_ids)
+        for (rid, i), chain in seen.items():
+            if rid != key or i > len(tokens):
+                continue
+            p = i - 2  # the head's last computed position: the chain runs at p, p + 1, ...
+            assert len(chain) <= 1 + min(k - 1, bs - 1 - p % bs), (i, chain)  # (adaptive k: shorter too)
+            assert chain == reference_chain(family, hf, weights, tokens[:i], len(chain)), (key, i)
+            lengths.add(len(chain))
+            cut |= len(chain) < k and p % bs + len(chain) == bs  # stopped by its block's end
+    assert lengths == {1, 2, 3} and cut, (lengths, cut)
+    s = llm.stats()
+    assert s["spec_draft_tokens"] > s["spec_verify_runs"] and s["spec_accepted_tokens"] > s["spec_verify_runs"], s
 
 
 def test_families_and_checkpoints_without_mtp_are_refused_by_name(tmp_path):  # (once, not per family)

@@ -27,8 +27,10 @@ def tokens(outs):
 
 def test_the_drafter_proposes_only_for_the_next_token():
     d = MtpDrafter()
-    d.record({"a": (5, 42), "b": (3, 7)})
-    assert d.propose_many([("a", [0] * 5, 3), ("b", [0] * 4, 1), ("c", [0], 1), ("a", [0] * 5, 0)]) == [[42], [], [], []]
+    d.record({"a": (5, [42, 43, 44]), "b": (3, [7])})
+    assert d.propose_many([("a", [0] * 5, 2), ("b", [0] * 4, 1), ("c", [0], 1), ("a", [0] * 5, 0)]) == [
+        [42, 43], [], [], []]
+    assert d.propose("a", [0] * 5, 4) == [42, 43, 44]
     d.forget("a")
     assert d.propose("a", [0] * 5, 1) == []
 
@@ -64,16 +66,17 @@ def test_prefix_hits_and_a_migration_keep_the_plain_tokens(qwen3_next):
         assert_no_leaks(engine)
 
 
+@pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_in_both_modes_keeps_the_plain_tokens(qwen3_next, mode):
+def test_preemption_in_both_modes_keeps_the_plain_tokens(qwen3_next, mode, k):
     rng = random.Random(3)
     prompts = [[rng.randrange(4, 128) for _ in range(n)] for n in (5, 19, 30, 11, 24)]
     params = greedy(32)
     plain, truth = plain_truth(qwen3_next, prompts, params)
     specs = LLM(str(qwen3_next), memory_budget_bytes=16 << 20, speculative_config=MTP).model.cache_specs()
-    llm = LLM(str(qwen3_next), speculative_config=MTP, preemption_mode=mode, max_num_seqs=3,
-              max_num_batched_tokens=24, checkpoint_share=0.0,
-              memory_budget_bytes=tight_budget(specs, 16, blocks=7, slots=1 + 3 + 2 * 3))
+    llm = LLM(str(qwen3_next), speculative_config={**MTP, "num_speculative_tokens": k}, preemption_mode=mode,
+              max_num_seqs=3, max_num_batched_tokens=24, checkpoint_share=0.0,
+              memory_budget_bytes=tight_budget(specs, 16, blocks=7, slots=1 + 3 + (k + 1) * 3))
     steer_mtp_drafts(llm, truth, 0.7)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert tokens(outs) == tokens(plain)
