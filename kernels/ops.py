@@ -109,7 +109,8 @@ mamba2_state_update and its norm).""")
 quantized_decode_attention = declare(
     "quantized_decode_attention(q, fresh, pool, layout, slot_mapping, block_table, seq_lens, scale, soft_cap,"
     " sliding_window, sinks, plan_cache)",
-    "attention_decode_quantized:quantized_decode_attention", None, """
+    "attention_decode_quantized:quantized_decode_attention",
+    "attention_decode_quantized_triton:quantized_decode_attention_triton", """
 A step of one-token decodes over a quantized KV pool (uint8 codes and scales, hybridkv.cache_dtype): the
 new K/V fresh [R, 2, 1, Hkv, D] encoded into the pool, then attended with the pool's codes and the new
 token at full precision -> out [R, Hq, D] fp32, or None (nothing written; the caller decodes the pages).""")
