@@ -26,8 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import quantize
-from .quant_rows_triton import decode_codes, encode_codes, row_amax, row_scale
+from .quant_rows_triton import decode_codes, encode_codes, fp8_values_on, row_amax, row_scale
 from .triton_math import device_guard, interpreted
 
 LOG2E = 1.4426950408889634
@@ -151,16 +150,6 @@ def _attend_tile(tile, m_i, l_i, acc, q, row_ok, offs_d, d_ok, pool_ptr, pool_sc
     return m_new, l_i, acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
 
 
-_TABLES: dict = {}  # device -> fp8 values table there
-
-
-def _fp8_values(device: torch.device) -> torch.Tensor:
-    got = _TABLES.get(device)
-    if got is None:
-        got = _TABLES[device] = quantize.fp8_values_table().to(device)
-    return got
-
-
 def quantized_decode_attention_triton(q: torch.Tensor, fresh: torch.Tensor, pool: torch.Tensor, layout,
                                       slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                                       scale: float, soft_cap: Optional[float], sliding_window: Optional[int],
@@ -191,7 +180,7 @@ def quantized_decode_attention_triton(q: torch.Tensor, fresh: torch.Tensor, pool
     sink = None if sinks is None else sinks.detach().to(device=q.device, dtype=torch.float32).contiguous()
     with device_guard(q):
         _quantized_decode_kernel[(R, hkv)](
-            out, q, fresh, pool, pool.view(torch.float32), _fp8_values(pool.device) if fp8 else out,
+            out, q, fresh, pool, pool.view(torch.float32), fp8_values_on(pool.device) if fp8 else out,
             slot_mapping, table, seq_lens, out if sink is None else sink, float(scale), float(soft_cap or 0.0),
             int(sliding_window or 0), q.stride(0), q.stride(1), out.stride(0), out.stride(1), fresh.stride(0),
             table.stride(0), HKV=hkv, NBYTES=layout.nbytes, CODE_BYTES=layout.code_bytes, GROUP=group,

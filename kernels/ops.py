@@ -117,7 +117,7 @@ token at full precision -> out [R, Hq, D] fp32, or None (nothing written; the ca
 mamba2_mixer_decode_q = declare(
     "mamba2_mixer_decode_q(proj, slot_idx, *, conv_pool, conv_layout, ssm_pool, ssm_layout, num_heads, head_dim,"
     " n_groups, conv_weight, conv_bias, A_log, dt_bias, D, norm_weight, norm_group, eps, norm_mode, cache)",
-    "mamba2_native:mamba2_mixer_decode_q", None, """
+    "mamba2_native:mamba2_mixer_decode_q", "mamba2_quantized_triton:mamba2_mixer_decode_q_triton", """
 mamba2_mixer_decode over quantized state pools (uint8 codes and scales, hybridkv.cache_dtype), each slot
 decoded, updated and encoded back in one C pass -> y [B, H P], or None (nothing written; the caller
 runs the float path on decoded slots).""")

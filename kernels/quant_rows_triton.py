@@ -18,10 +18,22 @@ Exact on the interpreter and compiled alike, which takes three choices:
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
+from . import quantize
+
 FLT_MAX = 3.4028234663852886e38
+_FP8_VALUES: dict = {}  # device -> quantize.fp8_values_table() there
+
+
+def fp8_values_on(device: torch.device) -> torch.Tensor:
+    """The 256 float32 values of the e4m3fn codes (what decode_codes looks fp8 codes up in), on `device`."""
+    got = _FP8_VALUES.get(device)
+    if got is None:
+        got = _FP8_VALUES[device] = quantize.fp8_values_table().to(device)
+    return got
 
 
 @triton.jit
