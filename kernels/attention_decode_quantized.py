@@ -35,13 +35,25 @@ PAGED_DECODE_ATTENTION_Q = CFunction(
     out=f32("T", "hkv * group", "d", strides=("out_tok", "out_head", 1)), out_tok=I64, out_head=I64)
 
 
+def _pool_ok(pool: torch.Tensor, layout) -> bool:
+    """pool [num_blocks, 2, bs, Hkv, nbytes] uint8, contiguous, of items of one head's vector (int8 or fp8)."""
+    return (pool.dtype == torch.uint8 and pool.dim() == 5 and pool.is_contiguous() and pool.shape[1] == 2
+            and pool.shape[-1] == layout.nbytes and len(layout.shape) == 1 and layout.dtype in ("int8", "fp8_e4m3"))
+
+
 def usable(pool: torch.Tensor, layout) -> bool:
     """Whether a step's decodes over `pool` ([num_blocks, 2, bs, Hkv, nbytes] uint8, contiguous)
     can run here: on the CPU, the kernels built, a layout of one head's vector (int8 or fp8)."""
-    return (pool.is_cpu and pool.dtype == torch.uint8 and pool.dim() == 5 and pool.is_contiguous()
-            and pool.shape[1] == 2 and pool.shape[-1] == layout.nbytes and len(layout.shape) == 1
-            and layout.dtype in ("int8", "fp8_e4m3") and PAGED_DECODE_ATTENTION_Q.available()
+    return (pool.is_cpu and _pool_ok(pool, layout) and PAGED_DECODE_ATTENTION_Q.available()
             and quantize.ENCODE_SCATTER.available())
+
+
+def reads_in_place(pool: torch.Tensor, layout) -> bool:
+    """Whether ops.quantized_decode_attention reads `pool` in place on its device: on the CPU when
+    `usable`, on CUDA the Triton kernel (attention_decode_quantized_triton.py: head_dim up to 256)."""
+    if pool.is_cuda:
+        return _pool_ok(pool, layout) and layout.shape[0] <= 256
+    return usable(pool, layout)
 
 
 def page_runs(slots: torch.Tensor, shape) -> torch.Tensor:

@@ -119,8 +119,9 @@ mamba2_mixer_decode_q = declare(
     " n_groups, conv_weight, conv_bias, A_log, dt_bias, D, norm_weight, norm_group, eps, norm_mode, cache)",
     "mamba2_native:mamba2_mixer_decode_q", "mamba2_quantized_triton:mamba2_mixer_decode_q_triton", """
 mamba2_mixer_decode over quantized state pools (uint8 codes and scales, hybridkv.cache_dtype), each slot
-decoded, updated and encoded back in one C pass -> y [B, H P], or None (nothing written; the caller
-runs the float path on decoded slots).""")
+decoded, updated and encoded back in place (one C pass on CPU; on CUDA a conv and an SSD-step Triton
+kernel, then the norm) -> y [B, H P], or None (nothing written; the caller runs the float path on
+decoded slots).""")
 gdn_state_update = declare(
     "gdn_state_update(state, q, k, v, g, beta, slot_idx, scale=None, use_qk_l2norm=True)",
     "gdn_cpu:gdn_state_update_cpu", "gdn:gdn_state_update_triton", """

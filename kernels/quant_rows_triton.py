@@ -24,7 +24,7 @@ import triton.language as tl
 
 from . import quantize
 
-FLT_MAX = 3.4028234663852886e38
+FLT_MAX = tl.constexpr(3.4028234663852886e38)  # (a global a kernel reads must be a constexpr)
 _FP8_VALUES: dict = {}  # device -> quantize.fp8_values_table() there
 
 

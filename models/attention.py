@@ -110,8 +110,8 @@ class PagedAttention(RowParallel, nn.Module):
         T, Hq, Hkv, D = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         own = plans.get(("own_slots", T))
         if own is None:  # the new tokens' slots in their one-token pages, once per step
-            own = plans[("own_slots", T)] = torch.arange(T)
-        fresh = torch.empty(T, 2, 1, Hkv, D, dtype=torch.float32)
+            own = plans[("own_slots", T)] = torch.arange(T, device=qkv.device)
+        fresh = torch.empty(T, 2, 1, Hkv, D, dtype=torch.float32, device=qkv.device)
         q = gate = None
         if self.q_norm is None and not self.output_gate:
             q = ops.rope_write_kv(qkv, rope, Hq, Hkv, D, fresh, own, plan_cache=plans)

@@ -4,11 +4,11 @@ layer's rows a step touches decoded before the layer runs and encoded back after
 Under a quantized cache dtype (hybridkv/cache_dtype.py) a pool holds codes and scales. In a step of
 one-token decodes the caches offer each layer its pool's codes (`ModelCaches.kv_codes`,
 `state_codes`: QuantizedPages / QuantizedState with the step's own tables and slots); a layer whose
-kernel reads them (PagedAttention, Mamba2Mixer on the CPU in float32) updates them in place and is
-never staged. For everything else `CacheStaging.stage` gives the model a batch whose state slots
-and KV block ids are renumbered into small working tensors (in a step of decodes, the KV tables
-only when a layer first asks for pages), and caches whose `kv[i]`, `conv[i]` and `state[i]` are
-those working tensors in the layer's compute dtype, made when the layer first asks for them
+kernel reads them (PagedAttention, Mamba2Mixer in float32: C kernels on the CPU, Triton on CUDA)
+updates them in place and is never staged. For everything else `CacheStaging.stage` gives the model
+a batch whose state slots and KV block ids are renumbered into small working tensors (in a step of
+decodes, the KV tables only when a layer first asks for pages), and caches whose `kv[i]`, `conv[i]`
+and `state[i]` are those working tensors in the layer's compute dtype, made when the layer first asks for them
 (`_StagedLayers`): the rows of the step's slots, or the blocks its requests' tables name, decoded
 straight from the pool (quantize.decode_gather). When the model asks for a third entry of one kind
 while two are staged (and at the end of the step) the one asked for longest ago is encoded back
@@ -184,27 +184,28 @@ class CacheStaging:
 
     def _state_codes(self, batch: ForwardBatch, caches: ModelCaches):
         """ModelCaches.state_codes for a step of one-token decodes: layer i's conv and state pools as
-        QuantizedState with the step's own slots, where both are quantized on the CPU and the layer
-        computes in float32; else None (the layer reads conv[i] and state[i])."""
+        QuantizedState with the step's own slots, where both are quantized, the layer computes in
+        float32 and a kernel reads them (C on the CPU, Triton on CUDA); else None (the layer reads
+        conv[i] and state[i])."""
         conv_layouts, ssm_layouts = self.state_layouts["conv"], self.state_layouts["ssm"]
         slots = batch.state_slots
 
         def state_codes(i: int) -> Optional[QuantizedState]:
             if i not in conv_layouts or i not in ssm_layouts or conv_layouts[i][1] != torch.float32 \
-                    or ssm_layouts[i][1] != torch.float32 or not caches.state[i].is_cpu:  # (C kernels only)
+                    or ssm_layouts[i][1] != torch.float32 or caches.state[i].device.type not in ("cpu", "cuda"):
                 return None
             return QuantizedState(caches.conv[i], conv_layouts[i][0], caches.state[i], ssm_layouts[i][0], slots)
         return state_codes
 
     def _kv_codes(self, batch: ForwardBatch, pools: Mapping[int, torch.Tensor]):
         """ModelCaches.kv_codes for a step of one-token decodes: layer i's pool as QuantizedPages
-        with the step's own tables, where the layer computes in float32 and the C kernel reads that
-        pool; else None (the layer reads kv[i])."""
+        with the step's own tables, where the layer computes in float32 and a kernel reads that pool
+        in place on its device (C on the CPU, Triton on CUDA); else None (the layer reads kv[i])."""
         tables: dict = {}
 
         def kv_codes(i: int) -> Optional[QuantizedPages]:
             layout, dtype, window = self.kv_layouts.get(i, (None, None, None))
-            if layout is None or dtype != torch.float32 or not attention_decode_quantized.usable(pools[i], layout):
+            if layout is None or dtype != torch.float32 or not attention_decode_quantized.reads_in_place(pools[i], layout):
                 return None
             got = tables.get(window)
             if got is None:  # once per KV group: every new token has a slot
