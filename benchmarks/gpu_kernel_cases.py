@@ -8,6 +8,7 @@ import math
 
 import torch
 
+import gpu_quantized_case
 from hybridkv.kernels import (attention_ref, conv1d_ref, gdn_ref, kda_ref, lightning_ref, mamba1_ref,
                               mamba2_ref)
 
@@ -207,6 +208,7 @@ CHECKS = {
     "gdn_state_update": lambda dt, dev, g, small: _state("gdn", dt, dev, g, small),
     "lightning_state_update": lambda dt, dev, g, small: _state("lightning", dt, dev, g, small),
     "kda_state_update": lambda dt, dev, g, small: _state("kda", dt, dev, g, small),
+    **gpu_quantized_case.CHECKS,  # the kernels over quantized caches (int8 / fp8 pools in place)
 }
 
 

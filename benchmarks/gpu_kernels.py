@@ -10,7 +10,8 @@ rewritten after each, so a crash or a timeout keeps what was measured:
 4. timings (triton.testing.do_bench, median): paged decode at batch 64 x 4k and at batch 1 x 32k
    with split-KV on (the rule's choice) and off, in bytes/s against the copy bandwidth, against
    torch SDPA on the same KV stored contiguously and a naive torch gather + SDPA paged path; a
-   varlen prefill batch in TFLOP/s; the decode state updates at batch 256 in bytes/s;
+   varlen prefill batch in TFLOP/s; the decode state updates at batch 256 in bytes/s; the kernels
+   over quantized caches against the float kernels they replace (gpu_quantized_case.py);
 5. one Mamba2 and one attention layer at Bamba-9B width (gpu_layer_case.py): 4096-token prefill
    checked against the torch backend, decode step GPU vs host CPU time at batch 1 and 64;
 6. a tiny Bamba through the engine, Triton backend against torch backend (identical tokens);
@@ -44,6 +45,7 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_kernel_cases as cases  # noqa: E402
 import gpu_layer_case  # noqa: E402
+import gpu_quantized_case  # noqa: E402
 import gpu_model_case  # noqa: E402
 from hybridkv.kernels import attention_ref  # noqa: E402
 
@@ -338,6 +340,8 @@ def main():
     report["timings"] += section("prefill", lambda: prefill_rows(dev, dtype, ms_of, dry)) or []
     report["timings"] += section("state_updates", lambda: state_rows(
         dev, dtype, ms_of, dry, copy_bw)) or []
+    report["timings"] += section("quantized_caches", lambda: gpu_quantized_case.timing_rows(
+        dev, ms_of, dry, copy_bw)) or []
     report["timings"] += section("bamba9b_layers", lambda: gpu_layer_case.bamba9b_layer_rows(
         dev, small=dry)) or []
     report["timings"] += section("tiny_bamba_engine", lambda: gpu_model_case.bamba_rows(
