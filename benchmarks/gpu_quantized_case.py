@@ -116,10 +116,18 @@ def _mixer_check(dtype, dev, gen, small, cache):
     want_conv[s], want_ssm[s] = cl.encode(conv_f[s]), sl.encode(ssm_f[s])
     got = mamba2_mixer_decode_q_triton(proj, slots, conv_pool=conv_q, conv_layout=cl, ssm_pool=ssm_q, ssm_layout=sl,
                                        cache={}, **w)
-    codes = lambda raw: raw[:, :sl.numel].view(torch.int8 if cache == "int8" else torch.uint8).int()  # noqa: E731
-    beyond_one_step = ((codes(ssm_q) - codes(want_ssm)).abs() - 1).clamp_min(0).float()
-    return [(got, want), (conv_q.float(), want_conv.float()), 
+    beyond_one_step = ((_steps(ssm_q[:, :sl.numel], cache) - _steps(want_ssm[:, :sl.numel], cache)).abs() - 1)
+    beyond_one_step = beyond_one_step.clamp_min(0).float()
+    return [(got, want), (conv_q.float(), want_conv.float()),
             (beyond_one_step + 1, torch.ones_like(beyond_one_step))]  # rel err: the most steps beyond one
+
+
+def _steps(codes: torch.Tensor, cache: str) -> torch.Tensor:
+    """Codes as integers in the order of their values (fp8: sign and magnitude, -0 = +0)."""
+    if cache == "int8":
+        return codes.view(torch.int8).int()
+    c = codes.int()
+    return torch.where(c >= 128, -(c - 128), c)
 
 
 CHECKS = {
