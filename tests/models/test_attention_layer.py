@@ -69,3 +69,39 @@ def test_layer_matches_transformers(kind):
         with torch.no_grad():
             outs.append(ours(x[a:b], rope(p), batch, kv))
     torch.testing.assert_close(torch.cat(outs), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow  # interpreted Triton
+@pytest.mark.parametrize("cache", ["int8", "fp8_e4m3"])
+def test_decode_over_codes_takes_the_triton_column_as_the_c_one(cache, monkeypatch):
+    """PagedAttention.forward_codes on the op's CUDA column (HYBRIDKV_BACKEND=triton: the Triton
+    kernels, interpreted; new K/V written by write_kv_triton into pages made on the layer's device)
+    writes the pool bytes the C column writes and returns its output within fp32 rounding (GQA, a
+    window, ragged contexts over shuffled blocks)."""
+    from hybridkv.cache_dtype import kv_layout
+    from hybridkv.models.forward_batch import QuantizedPages
+
+    torch.manual_seed(1)
+    layer = PagedAttention(32, 4, 2, 16, sliding_window=7).eval()
+    layout = kv_layout(cache, 16)
+    lens = [5, 14, 1]
+    blocks = torch.randperm(12).to(torch.int32)[:12].view(3, 4)  # each request's 4 blocks of 4
+    pool = layout.encode(torch.randn(12, 2, BS, 2, 16) * torch.exp(torch.randn(12, 2, BS, 2, 1)))
+    last = torch.tensor(lens) - 1
+    slots = blocks.long().gather(1, (last // BS)[:, None])[:, 0] * BS + last % BS
+    hidden = torch.randn(3, 32)
+    got = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("HYBRIDKV_BACKEND", backend)
+        batch = ForwardBatch(
+            input_ids=last, positions=last, query_start_loc=torch.arange(4, dtype=torch.int32),
+            seq_lens=torch.tensor(lens, dtype=torch.int32), block_table=blocks, slot_mapping=slots,
+            state_slots=torch.zeros(3, dtype=torch.int32), has_initial_state=torch.ones(3, dtype=torch.bool),
+            query_lens_cpu=[1, 1, 1], seq_lens_cpu=lens)
+        p = pool.clone()
+        with torch.no_grad():
+            out = layer.forward_codes(hidden, None, batch, QuantizedPages(p, layout, blocks, slots))
+        assert out is not None
+        got[backend] = (out, p)
+    assert torch.equal(got["triton"][1], got["torch"][1]) and not torch.equal(got["torch"][1], pool)
+    torch.testing.assert_close(got["triton"][0], got["torch"][0], rtol=1e-5, atol=1e-5)

@@ -70,3 +70,37 @@ def test_native_decode_matches_torch_path(kw, monkeypatch):
                 assert (a - w).abs().max() <= 1e-5 * w.abs().max()
     assert len(ran) == 3 and all(y is not None for y in ran)  # the three decode-only steps ran in C
     assert len(built) == 1  # its arguments were set up once for these pools and weights
+
+
+@pytest.mark.slow  # interpreted Triton
+@pytest.mark.parametrize("cache", ["int8", "fp8_e4m3"])
+def test_decode_over_codes_takes_the_triton_column_as_the_c_one(cache, monkeypatch):
+    """Mamba2Mixer.forward_codes on the op's CUDA column (HYBRIDKV_BACKEND=triton: the Triton kernels,
+    interpreted) writes the conv windows' bytes the C column writes, the states' codes within one step
+    of its (another order of float operations), and returns its output within fp32 rounding."""
+    from hybridkv.cache_dtype import conv_layout, state_layout
+    from hybridkv.models.forward_batch import QuantizedState
+
+    mixer = random_mixer(5, n_groups=2)
+    cl, sl = conv_layout(cache, (mixer.conv_dim, 3)), state_layout(cache, (4, 8, 6))
+    g = torch.Generator().manual_seed(2)
+    conv_q = cl.encode(torch.randn(SLOTS, mixer.conv_dim, 3, generator=g))
+    ssm_q = sl.encode(torch.randn(SLOTS, 4, 8, 6, generator=g) * torch.exp(torch.randn(SLOTS, 4, 8, 1, generator=g)))
+    hidden = torch.randn(3, 32, generator=g)
+    slots = [5, 2, 7]
+    got = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("HYBRIDKV_BACKEND", backend)
+        conv, state = conv_q.clone(), ssm_q.clone()
+        with torch.no_grad():
+            y = mixer.forward_codes(hidden, batch([1, 1, 1], [4, 9, 2], slots),
+                                    QuantizedState(conv, cl, state, sl, torch.tensor(slots, dtype=torch.int32)))
+        assert y is not None
+        got[backend] = (y, conv, state)
+    (y_t, conv_t, state_t), (y_c, conv_c, state_c) = got["triton"], got["torch"]
+    torch.testing.assert_close(y_t, y_c, rtol=1e-5, atol=1e-5)
+    assert torch.equal(conv_t, conv_c) and not torch.equal(conv_c, conv_q)
+    assert torch.equal(state_t[:, sl.numel:][[0, 1, 3, 4, 6]], ssm_q[:, sl.numel:][[0, 1, 3, 4, 6]])  # untouched slots
+    codes = (lambda raw: raw[:, :sl.numel].view(torch.int8).int()) if cache == "int8" else \
+        (lambda raw: torch.where(raw[:, :sl.numel].int() >= 128, 128 - raw[:, :sl.numel].int(), raw[:, :sl.numel].int()))
+    assert int((codes(state_t) - codes(state_c)).abs().max()) <= 1
