@@ -225,9 +225,10 @@ def _quantized_pool(gen, device, layout, *lead):
 
 
 def quantized_decode_attention_inputs(dims, dtype, device, gen):
-    """One new token per request over ragged contexts of a quantized KV pool, blocks in order."""
+    """One new token per request over ragged contexts of a quantized KV pool, blocks in order (a
+    longest context of 2048 keys: split-KV and its merge)."""
     hkv, d, bs = 2, dims["head_dim"], dims["block_size"]
-    lens = [40, 17]
+    lens = [dims["keys"], 17]
     need = [math.ceil(s / bs) for s in lens]
     layout = _RowLayout(dims["cache"], (d,), 1)
     pool = _quantized_pool(gen, device, layout, sum(need) + 1, 2, bs, hkv)

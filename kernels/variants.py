@@ -99,8 +99,9 @@ ENGINE_KERNELS = [
     # quantized caches, read and written in place: fp32 compute (the only one the codes path takes)
     Entry("quantized_decode_attention", "attention_decode_quantized_triton", "quantized_decode_attention_triton",
           {"head_dim": (128, 64, 256), "group": (4, 1, 8), "feature": ("plain", "window", "softcap", "sinks"),
-           "cache": ("int8", "fp8_e4m3"), "block_size": (16, 32)},
-          edges=({"head_dim": 256, "group": 8, "cache": "fp8_e4m3", "feature": "softcap"},), dtypes=(torch.float32,)),
+           "cache": ("int8", "fp8_e4m3"), "block_size": (16, 32), "keys": (40, 2048)},
+          edges=({"head_dim": 256, "group": 8, "cache": "fp8_e4m3", "feature": "softcap"},
+                 {"keys": 2048, "feature": "sinks"}), dtypes=(torch.float32,)),
     Entry("mamba2_mixer_decode_q", "mamba2_quantized_triton", "mamba2_mixer_decode_q_triton",
           {"heads": (8, 4), "head_dim": (64, 32), "n_state": (128, 16, 256), "groups": (1, 2),
            "cache": ("int8", "fp8_e4m3")},

@@ -3,13 +3,14 @@ interpreted, against the torch reference of the same arithmetic: the new K/V enc
 torch path (the same bytes), the pool decoded by it with each request's new token put back at full
 precision, attended by paged_attention_ref (within fp32 tolerance; and against the CPU's C kernel).
 Random inputs of many magnitudes, blocks handed out shuffled, ragged lengths, GQA, window, soft cap,
-sinks, NaN rows, int8 and fp8. Tiny shapes: the interpreter is slow."""
+sinks, split-KV, NaN rows, int8 and fp8. Tiny shapes: the interpreter is slow."""
 import math
 
 import pytest
 import torch
 
 from hybridkv.cache_dtype import QuantLayout
+from hybridkv.kernels import attention_decode_quantized_triton as adqt
 from hybridkv.kernels import ops
 from hybridkv.kernels.attention_decode_quantized_triton import quantized_decode_attention_triton
 from hybridkv.kernels.attention_ref import paged_attention_ref
@@ -64,13 +65,18 @@ def run(q, fresh, pool, layout, slots, table, lens, scale, soft_cap=None, window
                                              scale, soft_cap, window, sinks, {})
 
 
+@pytest.mark.parametrize("splits", [None, 4], ids=["by-rule", "4-splits"])
 @pytest.mark.parametrize("dtype", ["int8", "fp8_e4m3"])
 @pytest.mark.parametrize("lens,bs,hkv,group,d,window,soft_cap,sinks", [
-    ([1, 17, 70, 5], 16, 2, 2, 32, None, None, False),
+    ([1, 17, 140, 5], 16, 2, 2, 32, None, None, False),
     ([33, 8, 64], 8, 1, 4, 32, 12, None, True),  # a window that starts inside a tile
     ([3, 29], 16, 2, 1, 12, None, 30.0, False),  # head_dim not a power of two
 ])
-def test_quantized_decodes_match_the_reference(dtype, lens, bs, hkv, group, d, window, soft_cap, sinks):
+def test_quantized_decodes_match_the_reference(dtype, lens, bs, hkv, group, d, window, soft_cap, sinks, splits,
+                                               monkeypatch):
+    """Split-KV too (4 shares of the keys, some of them empty, merged: share 0 holds the new token
+    and the sink)."""
+    monkeypatch.setattr(adqt, "FORCE_SPLITS", splits)
     layout, pool, fresh, slots, q, table = case(lens, bs, hkv, group, d, dtype, seed=len(lens) + d)
     sink = torch.randn(hkv * group) * 2 if sinks else None
     before = pool.clone()
