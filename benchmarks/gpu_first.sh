@@ -4,7 +4,8 @@
 #      for old wheel / setuptools that cannot build an editable wheel: PYTHONPATH over a tree of
 #      links laid out as the installed package, kernels/ models/ scheduler/ under hybridkv/);
 #   2. print versions (python, torch, triton, transformers, GPU, driver);
-#   3. run benchmarks/gpu_kernels.py (warm-ups that compile every variant, checks, timings, the
+#   3. run benchmarks/gpu_kernels.py (warm-ups that compile every variant, checks, timings (the
+#      kernels over quantized caches against the float ones among them), the
 #      Bamba-9B-width layers, the tiny Bamba engine, and decode steps with CUDA graphs on vs off
 #      at batch 1 and 64, CPU and GPU time; each section isolated, JSON after each)
 #      under a 7-minute timeout, writing $OUT/gpu_kernels.json and $OUT/gpu_kernels.log.
