@@ -155,8 +155,8 @@ class Mamba2Mixer(RowParallel, nn.Module):
         """`forward` for a step of one-token decodes over quantized pools updated in place
         (ModelCaches.state_codes; ops.mamba2_mixer_decode_q): each slot decoded, stepped and encoded
         back in place (one C pass on the CPU, Triton kernels on CUDA), what forward computes on the
-        slots decoded, encoded after. None when it
-        cannot run here (nothing written: the caller runs forward on decoded slots)."""
+        slots decoded, encoded after. None when it cannot run here (nothing written: the caller runs
+        forward on decoded slots)."""
         proj = self.in_proj(hidden * self.in_multiplier if self.in_multiplier != 1.0 else hidden)
         if self.zxbcdt_multipliers is not None:
             proj = proj * self._mup_vector(proj)

@@ -8,9 +8,9 @@ kernel reads them (PagedAttention, Mamba2Mixer in float32: C kernels on the CPU,
 updates them in place and is never staged. For everything else `CacheStaging.stage` gives the model
 a batch whose state slots and KV block ids are renumbered into small working tensors (in a step of
 decodes, the KV tables only when a layer first asks for pages), and caches whose `kv[i]`, `conv[i]`
-and `state[i]` are those working tensors in the layer's compute dtype, made when the layer first asks for them
-(`_StagedLayers`): the rows of the step's slots, or the blocks its requests' tables name, decoded
-straight from the pool (quantize.decode_gather). When the model asks for a third entry of one kind
+and `state[i]` are those working tensors in the layer's compute dtype, made when the layer first
+asks for them (`_StagedLayers`): the rows of the step's slots, or the blocks its requests' tables
+name, decoded straight from the pool (quantize.decode_gather). When the model asks for a third entry of one kind
 while two are staged (and at the end of the step) the one asked for longest ago is encoded back
 into the pool (quantize.encode_scatter): every slot of the step (the kernels wrote them) and the KV
 vectors of the tokens the step wrote. Every kernel, mixer and attention variant runs unchanged on
