@@ -10,14 +10,14 @@ a batch whose state slots and KV block ids are renumbered into small working ten
 decodes, the KV tables only when a layer first asks for pages), and caches whose `kv[i]`, `conv[i]`
 and `state[i]` are those working tensors in the layer's compute dtype, made when the layer first
 asks for them (`_StagedLayers`): the rows of the step's slots, or the blocks its requests' tables
-name, decoded straight from the pool (quantize.decode_gather). When the model asks for a third entry of one kind
-while two are staged (and at the end of the step) the one asked for longest ago is encoded back
-into the pool (quantize.encode_scatter): every slot of the step (the kernels wrote them) and the KV
-vectors of the tokens the step wrote. Every kernel, mixer and attention variant runs unchanged on
-values that are exactly what the pool keeps; the working tensors live in two buffers per kind,
-kept between steps (a layer finds its rows at the same address each step, so the C calls built for
-them are reused). tests/engine/test_cache_staging.py holds every family to a reference that
-decodes the whole pools.
+name, decoded straight from the pool (quantize.decode_gather). When the model asks for a third entry
+of one kind while two are staged (and at the end of the step) the one asked for longest ago is
+encoded back into the pool (quantize.encode_scatter): every slot of the step (the kernels wrote
+them) and the KV vectors of the tokens the step wrote. Every kernel, mixer and attention variant
+runs unchanged on values that are exactly what the pool keeps; the working tensors live in two
+buffers per kind, kept between steps (a layer finds its rows at the same address each step, so the C
+calls built for them are reused). tests/engine/test_cache_staging.py holds every family to a
+reference that decodes the whole pools.
 
 The arithmetic is that of kernels which would dequantize on read and quantize on write: a state is
 quantized each time it is written to its slot (after each decoded token, at the end of each
