@@ -7,6 +7,8 @@ preempting or evicting. `commit` keeps the accepted positions: they are committe
 checkpoint due inside the run is copied from its position's draft slot, the state after the last
 kept token becomes the live one (a slot move), and the KV and draft slots of rejected positions
 go back. A run that is never committed is freed by the manager's `finish` / `preempt`.
+A draft model's own manager (speculative/draft_model.py) runs its proposals as such a run of
+k = 0 or more speculative tokens after its last real one and keeps none of it (`commit(rid, 0)`).
 
 Owned by the HybridCacheManager (`mgr.drafts`); it runs over the manager's kinds and leaves the
 request's progress to the manager's `commit`.
@@ -30,16 +32,16 @@ class DraftRuns:
 
     def allocate(self, req_id: Hashable, num_draft: int) -> Optional[tuple[list[int], list[int]]]:
         """For a running request with exactly one token left to compute, to verify a draft of
-        num_draft tokens: (KV write slots of its num_draft + 1 positions from num_computed_tokens,
+        num_draft >= 0 tokens: (KV write slots of its num_draft + 1 positions from num_computed_tokens,
         -1 each without attention; its state slot chain [live slot, then a draft slot per
         position], [] without recurrent layers). None when a pool cannot give them without
         evicting (speculation never preempts, never evicts a checkpoint); then nothing changed."""
         mgr = self.mgr
         r = mgr.running(req_id)
         n = num_draft + 1
-        if len(r.token_ids) - r.num_computed_tokens != 1 or num_draft < 1:
+        if len(r.token_ids) - r.num_computed_tokens != 1 or num_draft < 0:
             raise RequestStateError(f"draft of {num_draft} tokens for {req_id!r}: it must have exactly one "
-                                    f"token left to compute and a draft of at least one")
+                                    f"token left to compute and a draft of zero or more")
         start = r.num_computed_tokens
         rec = mgr.recurrent
         if rec is not None and not rec.can_take_draft_slots(n):
@@ -54,7 +56,8 @@ class DraftRuns:
 
     def commit(self, req_id: Hashable, num_tokens: int) -> None:
         """The verified run keeps its first num_tokens positions (the token before the draft, then
-        the accepted draft tokens; its token list holds them now). On a raise,
+        the accepted draft tokens; its token list holds them now); 0: none (the live state and
+        num_computed_tokens stay as they were). On a raise,
         `finish(req_id, discard=True)` frees what is left."""
         mgr = self.mgr
         r = mgr.running(req_id)

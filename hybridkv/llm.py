@@ -28,7 +28,7 @@ from hybridkv.scheduler.decode_graphs import check_option as check_graphs_option
 from hybridkv.scheduler.engine import Engine
 from hybridkv.scheduler.hit_guard import HitGuard
 from hybridkv.scheduler.speculation import Speculation
-from hybridkv.speculative.draft_model import DRAFT_BUDGET_SHARE, DRAFT_CHECKPOINT_POLICY, DraftModelDrafter
+from hybridkv.speculative.draft_model import DRAFT_BUDGET_SHARE, DraftModelDrafter
 from hybridkv.speculative.mtp import MtpDrafter
 from hybridkv.scheduler.preemption import PreemptionPolicy
 from hybridkv.scheduler.profiler import Profile, profile_model
@@ -134,7 +134,8 @@ class LLM:
         budget = self._budget(self.profile)
         spec = c.speculative_config
         draft_budget = budget // DRAFT_BUDGET_SHARE if spec is not None and spec.method == "draft_model" else 0
-        budget -= draft_budget  # the draft engine's pools come out of the same budget
+        budget -= draft_budget  # the draft's pools come out of the same budget
+        draft_slots = Speculation.draft_slots(c.speculative_config, block_size, max_num_seqs)
         self.manager = HybridCacheManager.from_budget(
             specs, budget, block_size, max_num_seqs, c.checkpoint_share,
             device=self.model.device, enable_prefix_caching=enable_prefix_caching,
@@ -142,15 +143,16 @@ class LLM:
             checkpoint_eviction=c.checkpoint_eviction, fingerprint=self.model.fingerprint,
             host_cache_bytes=c.host_cache_bytes, disk_cache_dir=c.disk_cache_dir, disk_cache_bytes=c.disk_cache_bytes,
             flops_per_token=2.0 * params, max_num_batched_tokens=max_num_batched_tokens,
-            draft_slots=Speculation.draft_slots(c.speculative_config, block_size, max_num_seqs))
+            draft_slots=draft_slots)
         policy = PreemptionPolicy(preemption_mode, specs, block_size, self.profile, enable_prefix_caching)
         scheduler = Scheduler(self.manager, policy, max_num_batched_tokens, max_num_seqs)
         if spec is not None:  # decodes verify drafts (scheduler/speculation.py)
             drafter = None
-            if draft_budget:  # an engine of its own for the draft
-                draft = LLM(spec.model, device=str(device), block_size=block_size, memory_budget_bytes=draft_budget,
-                            max_num_seqs=max_num_seqs, checkpoint_policy=DRAFT_CHECKPOINT_POLICY)
-                drafter = DraftModelDrafter(draft, self.model.vocab_size)
+            if draft_budget:  # the draft model, with pools of its own, runs inside the scheduler's step
+                drafter = DraftModelDrafter.load(
+                    spec.model, self.model.vocab_size, draft_budget, device=self.model.device, dtype=_dtype(dtype),
+                    block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                    draft_slots=draft_slots)
             elif with_mtp:  # the model runner computes its head's proposals each step
                 drafter = MtpDrafter()
             scheduler.speculation = Speculation(spec, block_size, drafter)

@@ -17,7 +17,8 @@ class ForwardBatch:
     seq_lens:         [R] int32, tokens in the sequence after this step (context + new)
     block_table:      [R, max_blocks] int32, KV block ids (unused entries may hold anything)
     slot_mapping:     [T] long, KV write slot `block * block_size + pos % block_size`, -1 skips
-    state_slots:      [R] int32, the request's live slot in every recurrent layer's pool
+    state_slots:      [R] int32, the request's live slot in every recurrent layer's pool (for a
+                      request in verify_slots: its chain's first slot, the state its run starts from)
     has_initial_state:[R] bool, False when the request starts from position 0 (state is zero)
     return_all_logits: logits for every token instead of the last of each request
     logits_indices:   [N] long, when set: the tokens whose logits come back, in this order
@@ -27,9 +28,11 @@ class ForwardBatch:
                       own pool; an attention layer then reads its group's table and slots
                       (kv_tables()). Empty: block_table and slot_mapping serve every layer.
     verify_slots:     {request index: [live slot, then a state slot per token]} of the requests
-                      that verify a draft (speculative decoding): their recurrent layers leave the
-                      state after each token in that token's slot and never write the live one
-                      (slot_split.py; token_shift.py). Empty: none verifies.
+                      that verify a draft (speculative decoding): their recurrent layers read the
+                      first slot, leave the state after each token in that token's slot and never
+                      write the first one (slot_split.py; token_shift.py). The first slot is the
+                      live one, except in a draft model's later rounds (speculative/draft_model.py),
+                      which continue from a draft slot. Empty: none verifies.
     requantize:       None, or under a quantized state cache dtype `requantize(pool, slots)` -> the
                       rows `pool[slots]` as the pool would keep them (scheduler/cache_staging.py):
                       a verified draft token's state passes through it before the next token's

@@ -56,9 +56,13 @@ class BatchBuilder:
             lead = next(groups[w] for w, g in mgr.attention_groups.items() if g is mgr.attention)
         else:
             lead = mgr.block_table(rids).numpy()
-        batch = self._build(ids, np.array(starts, dtype=np.int64), counts, lead, groups, mgr.live_slots(rids),
+        state_slots = mgr.live_slots(rids)
+        verify = {i: list(c.verify_slots) for i, c in enumerate(chunks) if c.verify_slots}
+        for i, chain in verify.items():  # a verifying run starts from its chain's first slot
+            state_slots[i] = chain[0]
+        batch = self._build(ids, np.array(starts, dtype=np.int64), counts, lead, groups, state_slots,
                             logits_indices)
-        batch.verify_slots = {i: list(c.verify_slots) for i, c in enumerate(chunks) if c.verify_slots}
+        batch.verify_slots = verify
         return batch
 
     def build_decodes(self, batch: DecodeBatch) -> ForwardBatch:

@@ -37,8 +37,10 @@ class ScheduledChunk:
     the prompt: no prompt logprobs, no forks to make). `draft`: a decode that verifies these
     proposed tokens (speculation.py): its tokens are its last one then the draft, every position
     is sampled, and `verify_slots` is its state slot chain (live slot, then one per token; []
-    without recurrent layers). `keep_logits`: the runner returns the raw logits of its sampled row
-    (the prefix-hit guard, hit_guard.py)."""
+    without recurrent layers). `verify_slots` without a draft: a draft model's speculative
+    position (speculative/draft_model.py): its tokens are the sequence's, their states go to the
+    chain's slots after the first, which they start from. `keep_logits`: the runner returns the
+    raw logits of its sampled row (the prefix-hit guard, hit_guard.py)."""
 
     seq: Request
     start: int

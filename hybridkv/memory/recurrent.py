@@ -258,9 +258,12 @@ class RecurrentMemory(LayerMemory):
         return self._draft.get(rid, [])
 
     def accept_draft(self, rid: Hashable, num_tokens: int) -> None:
-        """The first num_tokens (>= 1) tokens of rid's run are kept: the state after the last of
-        them becomes rid's live state (a slot move, no copy); the old live slot and the other
-        draft slots are freed."""
+        """The first num_tokens tokens of rid's run are kept: the state after the last of them
+        becomes rid's live state (a slot move, no copy); the old live slot and the other draft
+        slots are freed. 0: none is kept, the live slot stays and every draft slot is freed."""
+        if num_tokens == 0:
+            self._drop_draft(rid)
+            return
         slots = self._draft.pop(rid)
         kept = slots[num_tokens - 1]
         self.states.free(self._slot[rid])
