@@ -11,6 +11,7 @@ import random
 import pytest
 
 from engine_fixtures import assert_no_leaks, greedy, plain_truth, tight_budget
+from family_checks import FAMILIES
 from hybridkv import LLM, SamplingParams
 from hybridkv.models.tiny import make_tiny_checkpoint
 from hybridkv.speculative.draft_model import DraftModelDrafter
@@ -21,13 +22,18 @@ K = 4
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """name -> a tiny checkpoint: the target (Bamba) and the drafts (each vocabulary 128)."""
+    """name -> a tiny checkpoint: the target (Bamba) and the drafts (family_checks.FAMILIES rows;
+    each of vocabulary 128)."""
     made = {}
 
     def get(name):
         if name not in made:
-            family, seed = {"target": ("bamba", 2), "qwen3_next": ("qwen3_next", 5), "rwkv": ("rwkv", 6)}[name]
-            made[name] = make_tiny_checkpoint(family, tmp_path_factory.mktemp(name), seed=seed)
+            path = tmp_path_factory.mktemp(name)
+            if name == "target":
+                made[name] = make_tiny_checkpoint("bamba", path, seed=2)
+            else:  # the family table's checkpoint, whose recurrent state moves the logits
+                fam = FAMILIES[name]
+                made[name] = fam.make(fam.name, path, seed=fam.seed, **fam.overrides)
         return made[name]
 
     return get
@@ -77,6 +83,43 @@ def rand_prompts(seed, lengths):
 
 
 # ---- the proposals --------------------------------------------------------------------------
+@pytest.mark.parametrize("draft", ["qwen3_next", "rwkv", "lfm2", "self"])
+def test_the_drafter_proposes_its_own_greedy_continuation(checkpoints, draft):
+    """The drafter alone, asked as the scheduler asks: three requests (prompts of 5 to 75 tokens:
+    catch-ups in several forwards of at most 32 tokens, cut at checkpoints) for k of 1 to 4 tokens a
+    step, each step taking a random part of its proposal and one token of its own, as a target
+    would; a fourth, sharing the second's prompt, joins once the second ended. Every proposal is what
+    a plain engine of the draft checkpoint generates greedily after the same tokens; the draft
+    computed each real token once (less its prefix hits) and k - 1 speculative positions a proposal."""
+    path = draft_path(checkpoints, draft)
+    drafter = DraftModelDrafter.load(str(path), 128, 32 << 20, device="cpu", dtype="float32", block_size=16,
+                                     max_num_seqs=4, max_num_batched_tokens=32, draft_slots=4 * (K + 1))
+    rng = random.Random(7)
+    seqs = dict(zip("abc", rand_prompts(8, (5, 40, 75))))
+    seen, last = [], {}
+    for step in range(14):
+        if step == 7:
+            drafter.forget("b")
+            seqs["d"] = seqs.pop("b")[:40] + rand_prompts(9, (30,))[0]
+        asks = [(rid, list(t), rng.randint(1, K)) for rid, t in seqs.items()]
+        for (rid, t, k), proposal in zip(asks, drafter.propose_many(asks)):
+            assert len(proposal) == k
+            seen.append((t, k, proposal))
+            last[rid] = len(t)
+            seqs[rid].extend(proposal[:rng.randint(0, k)] + [rng.randrange(4, 128)])
+    own = LLM(str(path), memory_budget_bytes=32 << 20).generate(
+        [t for t, _, _ in seen], [greedy(k) for _, k, _ in seen], use_tqdm=False)
+    assert [p for _, _, p in seen] == [list(o.outputs[0].token_ids) for o in own]
+    c = drafter.counters
+    assert c["draft_real_tokens"] == sum(last.values()) - drafter.mgr.stats().prefix_hit_tokens
+    assert c["draft_speculative_tokens"] == sum(k - 1 for _, k, _ in seen)
+    assert drafter.mgr.stats().prefix_hit_tokens >= 32  # "d" resumes from "b"'s prompt-end state
+    for rid in list(seqs):
+        drafter.forget(rid)
+    s = drafter.mgr.stats()
+    assert s.kv_blocks_used == 0 and s.slots_live == 0 and not drafter.mgr.requests
+
+
 @pytest.mark.parametrize("draft", ["qwen3_next", "rwkv", "self"])
 def test_every_proposal_is_the_drafts_own_greedy_continuation(checkpoints, draft):
     """Three requests at once, 40 tokens each: each proposal equals what a plain engine of the draft
