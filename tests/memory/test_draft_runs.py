@@ -108,13 +108,35 @@ def test_a_chain_never_committed_is_freed_with_the_request(end):
     assert m.stats().kv_blocks_used == 0
 
 
-def test_a_draft_needs_one_token_left_and_at_least_one_draft_token():
+def test_a_draft_needs_one_token_left_and_no_negative_draft():
     m, r = decoding()
     with pytest.raises(RequestStateError, match="exactly one token left"):
-        m.drafts.allocate("a", 0)
+        m.drafts.allocate("a", -1)
     r.token_ids.append(98)
     with pytest.raises(RequestStateError, match="exactly one token left"):
         m.drafts.allocate("a", 2)
+
+
+@pytest.mark.parametrize("draft", [0, 3])
+def test_a_run_kept_none_leaves_the_request_as_it_was(draft):
+    """A draft model's run (speculative/draft_model.py): positions computed past the last real token
+    and none kept (`commit(rid, 0)`): the live slot and its state, num_computed_tokens and the block
+    table are as before the run; every draft slot and the blocks allocated for the run go back."""
+    m, r = decoding(prompt_len=7)
+    live, blocks = m.live_slot("a"), m.block_ids("a")
+    fill(m, live, 7.0)
+    used = m.stats().kv_blocks_used
+    _, chain = m.drafts.allocate("a", draft)
+    assert len(chain) == draft + 2
+    for j, s in enumerate(chain[1:]):
+        fill(m, s, float(j + 1))
+    r.token_ids.extend([50, 51, 52][:draft])
+    m.drafts.commit("a", 0)
+    del r.token_ids[7 + 1:]
+    assert r.num_computed_tokens == 7 and m.live_slot("a") == live and slot_value(m, live) == 7.0
+    assert m.block_ids("a") == blocks and m.stats().kv_blocks_used == used
+    assert m.recurrent.states.kind.count(DRAFT) == 0
+    assert all(m.recurrent.states.kind[s] == FREE for s in chain[1:])
 
 
 def test_checkpoints_leave_the_draft_reserve_free():
