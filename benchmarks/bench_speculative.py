@@ -9,7 +9,7 @@ Workloads, on the built-in trained model (hybridkv/tiny-code, a small Bamba):
   model does not choose): what verification costs when it never pays, after adaptive k backs off.
 - batch: 8 copy prompts at once.
 - draft model (batch 1): the copy prompt with the built-in draft (hybridkv/tiny-code-draft, 2 layers
-  of 128) proposing num_speculative_tokens = 4 greedily from an engine of its own.
+  of 128) proposing num_speculative_tokens = 4 greedily, inside the target's steps on pools of its own.
 Each row also gives what a step costs (CPU ms): a plain decode step, a step of the speculating
 engine (without drafting; probes and steps without a draft included), and drafting per step.
 `--part costs` measures what verifying k drafted tokens costs against a plain decode step (drafts
