@@ -88,7 +88,8 @@ def test_the_drafter_proposes_its_own_greedy_continuation(checkpoints, draft):
     """The drafter alone, asked as the scheduler asks: three requests (prompts of 5 to 75 tokens:
     catch-ups in several forwards of at most 32 tokens, cut at checkpoints) for k of 1 to 4 tokens a
     step, each step taking a random part of its proposal and one token of its own, as a target
-    would; a fourth, sharing the second's prompt, joins once the second ended. Every proposal is what
+    would; a fourth, sharing the second's prompt, joins once the second ended; an ask repeated
+    without a new token gets the same proposal for no computation. Every proposal is what
     a plain engine of the draft checkpoint generates greedily after the same tokens; the draft
     computed each real token once (less its prefix hits) and k - 1 speculative positions a proposal."""
     path = draft_path(checkpoints, draft)
@@ -102,7 +103,11 @@ def test_the_drafter_proposes_its_own_greedy_continuation(checkpoints, draft):
             drafter.forget("b")
             seqs["d"] = seqs.pop("b")[:40] + rand_prompts(9, (30,))[0]
         asks = [(rid, list(t), rng.randint(1, K)) for rid, t in seqs.items()]
-        for (rid, t, k), proposal in zip(asks, drafter.propose_many(asks)):
+        proposals = drafter.propose_many(asks)
+        if step == 3:  # asked again without a new token (a request preempted by swap after its proposal)
+            before = dict(drafter.counters)
+            assert drafter.propose_many(asks) == proposals and drafter.counters == before
+        for (rid, t, k), proposal in zip(asks, proposals):
             assert len(proposal) == k
             seen.append((t, k, proposal))
             last[rid] = len(t)
