@@ -261,17 +261,14 @@ class RecurrentMemory(LayerMemory):
         """The first num_tokens tokens of rid's run are kept: the state after the last of them
         becomes rid's live state (a slot move, no copy); the old live slot and the other draft
         slots are freed. 0: none is kept, the live slot stays and every draft slot is freed."""
-        if num_tokens == 0:
-            self._drop_draft(rid)
-            return
-        slots = self._draft.pop(rid)
-        kept = slots[num_tokens - 1]
-        self.states.free(self._slot[rid])
-        self.states.mark(kept, LIVE)
-        self._slot[rid] = kept
-        for s in slots:
-            if s != kept:
-                self.states.free(s)
+        slots = self._draft.pop(rid, [])
+        kept = slots[num_tokens - 1] if num_tokens else self._slot[rid]
+        if num_tokens:
+            self.states.free(self._slot[rid])
+            self.states.mark(kept, LIVE)
+            self._slot[rid] = kept
+        for s in (s for s in slots if s != kept):
+            self.states.free(s)
 
     def _drop_draft(self, rid: Hashable) -> None:
         for s in self._draft.pop(rid, ()):
