@@ -74,7 +74,7 @@ class Engine:
     def counters(self) -> dict:
         """The engine's, the scheduler's and the runner's counters in one dict (a copy)."""
         spec, guard = self.scheduler.speculation, self.scheduler.hit_guard
-        return {**self._counts, **self.scheduler.counters, **(spec.counters if spec is not None else {}),
+        return {**self._counts, **self.scheduler.counters, **(spec.all_counters() if spec is not None else {}),
                 **(guard.counters if guard is not None else {}),
                 "model_seconds": self.runner.model_seconds}
 

@@ -39,4 +39,7 @@ def speculation_stats(c: dict) -> dict:
     runs, drafted, accepted = (c.get(k, 0) for k in ("spec_verify_runs", "spec_draft_tokens", "spec_accepted_tokens"))
     return {"spec_verify_runs": runs, "spec_draft_tokens": drafted, "spec_accepted_tokens": accepted,
             "spec_acceptance_rate": accepted / drafted if drafted else 0.0,
-            "spec_mean_accepted_length": (accepted + runs) / runs if runs else 0.0}
+            "spec_mean_accepted_length": (accepted + runs) / runs if runs else 0.0,
+            # a draft model's work in the target's steps (zeros for the other drafters)
+            "spec_draft_model": {k: c.get(f"draft_{k}", 0) for k in
+                                 ("forwards", "real_tokens", "speculative_tokens", "evictions")}}

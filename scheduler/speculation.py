@@ -177,6 +177,11 @@ class Speculation:
             self.observe(seq, len(c.draft), accepted)
             append([seq] * len(run), run, lps)
 
+    def all_counters(self) -> dict:
+        """The verification counters and the drafter's own (a draft model's: draft_forwards,
+        draft_real_tokens, draft_speculative_tokens, draft_evictions; other drafters keep none)."""
+        return {**self.counters, **getattr(self.drafter, "counters", {})}
+
     def step_done(self, out: SchedulerOutput, tokens: int, seconds: float) -> None:
         """The engine's step (`out`) ended: `tokens` generated in `seconds`. A decode-only step
         counts towards the costs of its batch size."""

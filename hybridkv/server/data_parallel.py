@@ -39,7 +39,7 @@ _SUMMED = ("kv_blocks_used", "kv_blocks_cached", "kv_blocks_total", "state_slots
            "aborted", "failed", "running", "waiting", "swapped", "steps", "generated_tokens", "tokens_per_second",
            "generated_tokens_per_second", "spec_verify_runs", "spec_draft_tokens", "spec_accepted_tokens",
            "cache_hit_checks", "cache_hit_mismatches")
-_SUMMED_BY_KEY = ("prefix_misses", "preemptions", "migrations", "cache_pins")
+_SUMMED_BY_KEY = ("prefix_misses", "preemptions", "migrations", "cache_pins", "spec_draft_model")
 
 
 class DataParallelLLM(StreamingEngine):

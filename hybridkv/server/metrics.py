@@ -107,6 +107,14 @@ class _EngineCollector:
                           s["spec_acceptance_rate"])
         yield self._gauge("spec_decode_mean_accepted_length", "Tokens a verification run yields on average "
                           "(accepted + 1).", s["spec_mean_accepted_length"])
+        d = s["spec_draft_model"]
+        yield self._counter("spec_decode_draft_model_forwards", "Forward passes of the draft model (method draft_model).",
+                            {"": d["forwards"]})
+        yield self._counter("spec_decode_draft_model_tokens", "Positions the draft model computed: real (the "
+                            "target's tokens, each once) or speculative (its own proposals).",
+                            {"real": d["real_tokens"], "speculative": d["speculative_tokens"]}, "kind")
+        yield self._counter("spec_decode_draft_model_evictions", "Draft requests freed for room in the draft's pools.",
+                            {"": d["evictions"]})
         yield self._counter("cache_hit_checks", "Prefix hits recomputed cold and compared (verify_cache_hits).",
                             {"": s["cache_hit_checks"]})
         yield self._counter("cache_hit_mismatches", "Checked prefix hits whose logits differed from the cold "

@@ -132,7 +132,9 @@ def test_metrics_scrape(chat_server, client):
     for name in ["num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc",
                  "kv_blocks_total", "state_slots_live", "state_slots_checkpoint", "state_slots_total",
                  "num_preemptions_total{mode=recompute}", "num_preemptions_total{mode=swap}",
-                 "num_swaps_total", "num_migrations_total{direction=out}"]:
+                 "num_swaps_total", "num_migrations_total{direction=out}", "spec_decode_num_drafts_total",
+                 "spec_decode_draft_model_forwards_total", "spec_decode_draft_model_tokens_total{kind=real}",
+                 "spec_decode_draft_model_tokens_total{kind=speculative}", "spec_decode_draft_model_evictions_total"]:
         assert "hybridkv:" + name in m, name
     assert m["hybridkv:prefix_cache_hits_total"] >= 64
     assert m["hybridkv:prefix_cache_queries_total"] >= 140

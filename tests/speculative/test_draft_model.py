@@ -148,6 +148,8 @@ def test_every_proposal_is_the_drafts_own_greedy_continuation(checkpoints, draft
     assert c["draft_speculative_tokens"] == sum(k - 1 for _, k, _ in asked)
     assert c["draft_evictions"] == 0
     s = llm.stats()
+    assert s["spec_draft_model"] == {"forwards": c["draft_forwards"], "real_tokens": c["draft_real_tokens"],
+                                     "speculative_tokens": c["draft_speculative_tokens"], "evictions": 0}
     if draft == "self":
         assert s["spec_accepted_tokens"] == s["spec_draft_tokens"] > 60
     assert_no_leaks(llm)
