@@ -133,6 +133,8 @@ class BlockPool:
                         self.host_kv.superseded(h)
                     continue  # findable: kept at the back
                 self.block_hash[b] = None  # unhashed, or a duplicate another block answers for
+                if h is not None and b in self.pinned_until:  # a pinned twin: the answering block keeps the pin
+                    self.pin([self.cached[h]], self.pinned_until.pop(b))
                 free.move_to_end(b, last=False)
 
     def set_hash(self, block: int, h: bytes, parent: Optional[bytes] = None) -> None:

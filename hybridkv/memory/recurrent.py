@@ -9,7 +9,8 @@ unreachable ones first (the attention KV before them is gone), then by the evict
 An output checkpoint (only a continuation of that answer can use it) displaces only output
 checkpoints; each request keeps one, rolling forward. A draft of k tokens holds k + 1 free slots
 for a step; accepting j makes slot j - 1 the live one (`accept_draft`). A host tier (memory/
-host_tier.py) keeps evicted states worth their bytes there, seen by matches, promoted on a hit.
+host_tier.py) keeps evicted states worth their bytes there, seen by matches, promoted on a hit. A
+pinned turn's state (`pin`) goes only for a live slot (its pin reclaimed, counted) or unreachable.
 """
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ class RecurrentMemory(LayerMemory):
         self.host: Optional[HostStateTier] = None
         if host_cache_bytes:
             self.host = HostStateTier(host_cache_bytes, eviction, self.saved_flops, branches, reachable, flop_weight)
-            self.host.pinned = lambda h: self.pinned_until.get(h, 0.0) > time.monotonic()  # (see pin)
+            self.host.pinned = self.pinned
             self.host.reclaimed = self._reclaimed
         self._slot_bytes = sum(t[0].numel() * t.element_size() for t in self.states._tensors())
         self.device_counts = {"hits": 0, "evictions": 0}  # the device tier's (the host's: host.counters)
@@ -133,13 +134,15 @@ class RecurrentMemory(LayerMemory):
         return self.states.allocate(kind) if self.states.num_free > keep else None
 
     def pin(self, h: bytes, until: float) -> None:
-        """Keep the checkpoint keyed h (kept now or by the release that follows) findable until the
-        monotonic time `until`: eviction takes it only for a running request's memory (counted)."""
+        """Keep the checkpoint keyed h (kept now or by the release that follows) until monotonic `until`."""
         self.pinned_until[h] = max(until, self.pinned_until.get(h, until))
 
-    def _reclaimed(self, h: bytes) -> None:  # a pin taken before its deadline (the host tier's too)
-        del self.pinned_until[h]
-        self.pins_reclaimed += 1
+    def pinned(self, h: bytes) -> bool:  # (a pin past its deadline is dropped at the next eviction)
+        return self.pinned_until.get(h, 0.0) > time.monotonic()
+
+    def _reclaimed(self, h: bytes) -> None:  # h's pin gives way (the host tier's too); counted if not expired
+        if self.pinned_until.pop(h, 0.0) > time.monotonic():
+            self.pins_reclaimed += 1
 
     def _victim(self, keys: list[bytes], for_live: bool = False) -> Optional[bytes]:
         """The checkpoint the eviction rule gives up first among `keys` (least recently used first),
@@ -184,10 +187,10 @@ class RecurrentMemory(LayerMemory):
 
     def checkpoint(self, rid: Hashable, h: bytes, position: int, output: bool, source: Optional[int] = None) -> bool:
         src = self._slot[rid] if source is None else source
-        if output:  # one rolling output state per request: the new one replaces the old
-            old = self._rolling.get(rid)
+        if output:  # one rolling output state per request: the new one replaces the old, unless a
+            old = self._rolling.get(rid)  # pinned turn (a twin that ended) pinned the old: it stays
             self._rolling[rid] = h
-            if old is not None and old != h and old in self.checkpoints:
+            if old is not None and old != h and old in self.checkpoints and not self.pinned(old):
                 if h not in self.checkpoints:
                     # the new state takes the old one's slot in place: what freeing it and taking a
                     # slot would do (the free list hands the slot just freed back first)
@@ -245,13 +248,9 @@ class RecurrentMemory(LayerMemory):
         can_take_draft_slots first); they are rid's until accept_draft or release."""
         if rid in self._draft:
             raise RuntimeError(f"request {rid!r} already holds draft slots")
-        slots = [self.states.allocate(DRAFT) for _ in range(n)]
-        if None in slots:
-            for s in slots:
-                if s is not None:
-                    self.states.free(s)
+        if not self.can_take_draft_slots(n):
             raise RuntimeError(f"take_draft_slots for {rid!r} without {n} free slots: ask can_take_draft_slots")
-        self._draft[rid] = slots
+        self._draft[rid] = slots = [self.states.allocate(DRAFT) for _ in range(n)]
         return slots
 
     def draft_slots(self, rid: Hashable) -> list[int]:
@@ -307,6 +306,7 @@ class RecurrentMemory(LayerMemory):
             self.device_counts["hits"] += 1
         slot = self._take_slot(LIVE, protect=key)
         if slot is None:  # the hit's checkpoint is the only slot left: it becomes the live slot
+            self._reclaimed(key)  # (a pin on it gives way to the live slot, counted, as in _victim)
             self._demote(key)  # (a host copy of it stays findable, when worth its bytes)
             del self.checkpoints[key]
             self.states.mark(src.slot, LIVE)

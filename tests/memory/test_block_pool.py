@@ -129,3 +129,25 @@ def test_pinned_blocks_go_last_and_only_until_their_deadline(monkeypatch):
     clock[0] = 161.0  # past the deadline: a plain free block, taken in LRU order
     p.allocate(1)
     assert not p.pinned_until and p.pins_reclaimed == 1
+
+
+def test_a_pinned_twin_let_go_after_another_block_answers_its_hash_passes_on_its_pin():
+    """A pinned turn pins a held twin of a hash nobody answers (prefix_cache.pin). When another block
+    answers the hash before the twin is let go, the twin goes unhashed at release and the answering
+    block takes its pin: the hash stays findable until the deadline, ahead of unpinned blocks."""
+    p = pool(n=4)
+    first, twin = p.allocate(2)
+    p.set_hash(first, b"h")
+    p.set_hash(twin, b"h")  # a duplicate: `first` answers
+    p.release([first])
+    x, y, z = p.allocate(3)  # evicts `first`: nobody answers h now, the held twin still holds it
+    assert first in (x, y, z) and p.lookup(b"h") is None
+    p.pin([twin], until=1e12)  # (what a pinned turn's end does for its held twin)
+    p.set_hash(x, b"h")  # another request computes the same block: x answers h
+    p.set_hash(y, b"k")
+    p.release([twin])  # the twin goes unhashed: x takes over its pin
+    assert p.block_hash[twin] is None and p.lookup(b"h") == x and list(p.pinned_until) == [x]
+    p.release([x])
+    p.release([y, z])  # free, front to back: twin and z (unhashed), x, y
+    p.allocate(3)
+    assert p.lookup(b"h") == x and p.lookup(b"k") is None and p.pins_reclaimed == 0

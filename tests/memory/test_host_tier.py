@@ -271,3 +271,19 @@ def test_the_manager_gives_the_host_the_prefix_tree_and_the_device_keys():
     kinds.recurrent.admit("r", [], 0)
     assert kinds.recurrent.checkpoint("r", b"second", 2 * BS, False)
     assert host.on_device(b"second") and not host.on_device(b"first")
+
+
+def test_a_pinned_checkpoint_that_becomes_the_last_live_slot_is_reclaimed_and_demoted():
+    """A hit takes the only slot, a pinned turn's state, as its live slot: the pin gives way to the
+    live slot (counted, as when a pinned state is evicted for one) and the state is demoted to the
+    host first, so it stays findable there."""
+    mem = memory(checkpoint_slots=0)  # one slot
+    mem.admit("a", [], 0)
+    fill(mem, "a", 1.5)
+    mem.pin(H[0], 1e12)  # a pinned turn that ends after one block: its live state stays as H[0]
+    mem.release("a", (H[0], BS))
+    mem.admit("b", H, 1)
+    assert not mem.checkpoints and list(mem.host.entries) == [H[0]] and live_value(mem, "b") == 1.5
+    assert H[0] not in mem.pinned_until and mem.pins_reclaimed == 1
+    assert mem.usable_prefix(H, 1) == 1
+    check_conservation(mem)

@@ -42,6 +42,33 @@ def test_last_slot_hit_turns_the_checkpoint_into_the_live_slot():
     assert mem.live_slot("a") == slot and not mem.checkpoints
 
 
+def test_a_pinned_checkpoint_that_becomes_the_last_live_slot_is_counted_as_reclaimed():
+    """A hit on a pinned turn's state when no other slot can be freed: the state becomes the live
+    slot (a running request's memory takes the pin, as the rule allows), so its pin is reclaimed and
+    counted; a pin past its deadline goes uncounted."""
+    for deadline, counted in [(1e12, 1), (0.0, 0)]:
+        mem = make(n_slots=2)  # one usable slot, held by the checkpoint
+        slot = checkpoint(mem, b"h0", 4)
+        mem.pin(b"h0", deadline)
+        mem.admit("a", [b"h0"], 1)
+        assert mem.live_slot("a") == slot and not mem.checkpoints
+        assert mem.pins_reclaimed == counted and b"h0" not in mem.pinned_until
+
+
+def test_a_rolling_output_state_a_pinned_turn_pinned_is_not_replaced_by_the_next():
+    """Each request keeps one rolling output state, the next replacing the old in its slot. When a
+    pinned turn pinned the old one (a twin with the same tokens ended pinned), it stays: the new one
+    takes a slot as any checkpoint does (none here: it is not kept) and never displaces the pin.
+    A pin past its deadline is no pin: the old state is replaced as usual."""
+    for deadline, kept in [(1e12, [b"o1"]), (0.0, [b"o2"])]:
+        mem = make(n_slots=3)  # the live slot and one more
+        mem.admit("a", [], 0)
+        assert mem.checkpoint("a", b"o1", 8, True)
+        mem.pin(b"o1", deadline)
+        assert mem.checkpoint("a", b"o2", 12, True) == (kept == [b"o2"])
+        assert list(mem.checkpoints) == kept and mem.pins_reclaimed == 0
+
+
 def test_take_slot_reclaims_unreachable_first_then_lru():
     gone = {b"c"}
     mem = make(n_slots=4, reachable=lambda h: h not in gone)  # 3 usable slots

@@ -184,6 +184,7 @@ def check_conservation(mgr):
 
 class ManagerMachine(RuleBasedStateMachine):
     force_host_tier = False
+    force_caching = False  # (the pinned-turns machine: no pin without prefix caching)
     force_disk_tier = False
 
     @initialize(host_entries=st.sampled_from([0, 0, 0, 1, 4]),
@@ -211,7 +212,7 @@ class ManagerMachine(RuleBasedStateMachine):
                   fingerprint="sm", checkpoint_every_n=2)
         if self.force_host_tier:
             host_entries, caching = max(host_entries, 1), True
-        if self.force_host_tier:
+        if self.force_host_tier or self.force_caching:
             kw["enable_prefix_caching"] = True
         host = host_entries * state_bytes_per_slot(specs)
         if self.force_host_tier:  # room for KV blocks too (the host KV tier; pure attention gets a tier)

@@ -1,0 +1,174 @@
+"""The manager's state machine (test_state_machine.py) with pinned turns (prefix_cache.pin,
+SamplingParams.cache_pin_ttl_s) and a clock the test drives.
+
+A rule ends a running request as a pinned turn with a TTL of tens of seconds or of days, and a rule
+moves the clock forward; the pins read a fake monotonic clock, so a run never depends on wall time.
+After every rule, whatever the verbs did (admissions and hits, chunks, batched decodes, forks,
+checkpoints, swaps and recomputes, migrations), the documented rule holds (docs/design.md,
+"Memory tiers", "Pinned turns"):
+- a pinned KV block keeps the hash it was pinned for, and answers for it when free, until its pin
+  is reclaimed (counted in its pool's `pins_reclaimed`) or its deadline passes;
+- a pinned state stays findable, a checkpoint on the device or an entry of the host tier, until its
+  pin is reclaimed (counted in `pins_reclaimed`), its deadline passes, or it is dropped as
+  unreachable because a pinned block's reclaim (counted there) took the KV it resumes from;
+- a pin that leaves before its deadline is counted, once, unless a pinned block passes its pin on
+  to the block that answers its hash (a pinned twin let go: block_pool.release).
+"""
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import invariant, precondition, rule, run_state_machine_as_test
+
+import hybridkv.block_pool
+import hybridkv.manager_stats
+import hybridkv.memory.recurrent
+import hybridkv.prefix_cache
+from hybridkv.request import RequestStatus
+from hybridkv.sampling_params import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).parent))  # the manager's machine, which this one extends
+from test_state_machine import EVENTS, ManagerMachine  # noqa: E402
+
+
+class FakeClock:
+    """The monotonic clock the pins read: it moves only when the machine says."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+CLOCK = FakeClock()
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """Every module that reads the pins' clock reads CLOCK (perf_counter, for timings, stays real)."""
+    import time
+    shim = types.SimpleNamespace(monotonic=CLOCK.monotonic, perf_counter=time.perf_counter)
+    for module in (hybridkv.block_pool, hybridkv.memory.recurrent, hybridkv.prefix_cache, hybridkv.manager_stats):
+        monkeypatch.setattr(module, "time", shim)
+    return CLOCK
+
+
+class PinnedTurnsMachine(ManagerMachine):
+    """The manager's machine with prefix caching on, a rule that ends a running request as a pinned
+    turn, a rule that moves the clock, and the pins' invariant (module docstring)."""
+
+    force_caching = True  # (no pin without prefix caching)
+
+    @precondition(lambda self: self.ids(RequestStatus.RUNNING))
+    @rule(data=st.data(), ttl=st.sampled_from([30.0, 1e6, 1e6]))
+    def finish_pinned(self, data, ttl):
+        """A running request ends as a pinned turn of `ttl` seconds."""
+        rid = data.draw(st.sampled_from(self.ids(RequestStatus.RUNNING)))
+        mgr = self.mgr
+        r = mgr.request(rid)
+        hashes = r.block_hashes[:r.num_hashed_blocks]
+        held = {w: [(h, b) for h, b in zip(hashes, g.block_ids(rid)) if b >= 0] for w, g in mgr.attention_groups.items()}
+        r.params = SamplingParams(max_tokens=max(1, r.max_tokens), cache_pin_ttl_s=ttl)
+        turns = mgr.prefix_cache.pinned_turns
+        self.pinning = True
+        mgr.finish(rid)
+        assert mgr.prefix_cache.pinned_turns == turns + 1
+        until = CLOCK.now + ttl
+        for w, blocks in held.items():  # each hash it held: pinned in the block that answers it (or will)
+            pool = mgr.attention_groups[w].pool
+            for h, own in blocks:
+                b = pool.cached.get(h, own)
+                assert pool.pinned_until.get(b, 0) >= until and pool.block_hash[b] == h, \
+                    "a pinned turn's block does not hold its hash"
+        rec = mgr.recurrent
+        if rec is not None:  # every state it kept along its blocks
+            kept = [h for h in hashes if h in rec.checkpoints]
+            assert all(rec.pinned_until.get(h, 0) >= until for h in kept), "a pinned turn's state is not pinned"
+            EVENTS["pinned turn kept a state"] += bool(kept)
+        EVENTS["pinned turn"] += 1
+
+    @rule(seconds=st.sampled_from([1.0, 20.0, 45.0]))
+    def advance_clock(self, seconds):
+        CLOCK.now += seconds
+
+    @invariant()
+    def pins_hold(self):
+        if not hasattr(self, "mgr"):
+            return
+        mgr, now = self.mgr, CLOCK.now
+        pinning, self.pinning = getattr(self, "pinning", False), False
+        seen = self.__dict__.setdefault("pins_seen", {})
+        reclaimed_kv = self.__dict__.setdefault("reclaimed_kv", set())  # hashes whose lead block's pin was reclaimed
+        gone_with_kv = self.__dict__.setdefault("gone_with_kv", set())  # pinned states dropped as unreachable
+        for w, g in mgr.attention_groups.items():
+            pool = g.pool
+            before, reclaimed = seen.get(w, ({}, 0))  # {block: (the hash it was pinned for, deadline)}
+            gone = [b for b in before if b not in pool.pinned_until and before[b][1] > now]
+            # a pin that left before its deadline was reclaimed (counted) unless it passed to the block that
+            # answers its hash (a pinned twin let go: block_pool.release)
+            holders = {pool.block_hash[b]: t for b, t in pool.pinned_until.items() if b not in before}
+            passed = [b for b in gone if holders.get(before[b][0], 0) >= before[b][1]
+                      or any(before[c][0] == before[b][0] and pool.pinned_until.get(c, 0) >= before[b][1] for c in before)]
+            taken = [b for b in gone if b not in passed]
+            assert len(taken) <= pool.pins_reclaimed - reclaimed <= len(gone), \
+                f"{len(taken)} pinned blocks let go before their deadline and no other holds their hash, " \
+                f"{pool.pins_reclaimed - reclaimed} reclaims counted"
+            if g is mgr.attention:
+                reclaimed_kv.update(before[b][0] for b in taken)
+            passed_hashes = {before[b][0] for b in passed}
+            for b, until in pool.pinned_until.items():
+                h = before[b][0] if b in before else pool.block_hash[b]
+                assert b in before or pinning or h in passed_hashes, f"block {b} was pinned by a verb that ends no pinned turn"
+                if until <= now:
+                    continue  # past its deadline: eviction may take it
+                assert pool.block_hash[b] == h, f"pinned block {b} lost its hash without being reclaimed"
+                assert pool.refcount[b] or pool.cached.get(h) == b, f"free pinned block {b} no longer answers its hash"
+                EVENTS["pinned block checked"] += 1
+            EVENTS["pinned block reclaimed"] += pool.pins_reclaimed - reclaimed
+            EVENTS["pinned block passed its pin on"] += len(passed)
+            EVENTS["pinned block expired"] += sum(1 for b in before if b not in pool.pinned_until and before[b][1] <= now)
+            seen[w] = ({b: (before[b][0] if b in before else pool.block_hash[b], t)
+                        for b, t in pool.pinned_until.items()}, pool.pins_reclaimed)
+        rec = mgr.recurrent
+        if rec is None:
+            return
+        host = rec.host.entries if rec.host is not None else {}
+        before, reclaimed = seen.get("states", ({}, 0))
+        gone = [h for h in before if h not in rec.pinned_until]
+        taken = [h for h in gone if before[h] > now]
+        assert len(taken) == rec.pins_reclaimed - reclaimed, \
+            f"{len(taken)} pinned states let go before their deadline, {rec.pins_reclaimed - reclaimed} reclaims counted"
+        for h, until in rec.pinned_until.items():
+            assert h in before or pinning, "a state was pinned by a verb that ends no pinned turn"
+            if until <= now:
+                continue
+            if h in rec.checkpoints or h in host:
+                EVENTS["pinned state checked"] += 1
+                continue
+            # gone only as an unreachable checkpoint: a pinned block's reclaim (counted there) took its KV
+            # (the KV may be back by now: the prefix recomputed; the stale pin then stays in pinned_until)
+            assert h in reclaimed_kv, f"a pinned state was dropped without being reclaimed (its KV reachable: " \
+                                      f"{rec.reachable(h)})"
+            EVENTS["pinned state unreachable after its block's reclaim"] += h not in gone_with_kv
+            gone_with_kv.add(h)
+        EVENTS["pinned state reclaimed"] += len(taken)
+        seen["states"] = (dict(rec.pinned_until), rec.pins_reclaimed)
+
+
+def run_pinned_turns(machine=None, max_examples: int = 100, steps: int = 50) -> None:
+    EVENTS.clear()
+    run_state_machine_as_test(machine or PinnedTurnsMachine, settings=settings(
+        max_examples=max_examples, stateful_step_count=steps, deadline=None, derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow]))
+
+
+def test_pinned_turns_state_machine(fake_clock):
+    run_pinned_turns()
+    print(dict(EVENTS))
+    for what in ["pinned turn", "pinned turn kept a state", "pinned block checked", "pinned block reclaimed",
+                 "pinned block expired", "pinned state checked", "pinned state reclaimed", "prefix hit"]:
+        assert EVENTS[what] > 0, f"the random runs never exercised {what}: {EVENTS}"
