@@ -144,14 +144,18 @@ class PrefixCache:
         if not ttl or not self.enabled:
             return
         until = time.monotonic() + ttl
+        hashes, kv_pinned = r.block_hashes[:r.num_hashed_blocks], None  # (None: no attention, no KV to keep)
         for kind in self.kinds:
-            if isinstance(kind, FullAttentionMemory):  # the block that answers each hash: r's own, or a
-                cached = kind.pool.cached  # twin's when one answered first (r's then goes unhashed at release)
-                held = kind.block_ids(r.request_id)[:r.num_hashed_blocks]
-                kind.pool.pin([cached.get(h, b) for h, b in zip(r.block_hashes, held) if b != NO_BLOCK], until)
-        if self.recurrent is not None:  # every state kept along its blocks, and the one it leaves
-            hashes = r.block_hashes[:r.num_hashed_blocks]
-            for h in [h for h in hashes if h in self.recurrent.checkpoints] + ([donate[0]] if donate else []):
+            if isinstance(kind, FullAttentionMemory):  # the block that answers each hash: r's own, or a twin's
+                cached = kind.pool.cached  # when one answered first (r's then goes unhashed at release), or
+                held = kind.block_ids(r.request_id)[:r.num_hashed_blocks]  # one r let go (it left the window)
+                blocks = [cached.get(h, b) for h, b in zip(hashes, held)]
+                kind.pool.pin([b for b in blocks if b != NO_BLOCK], until)
+                if kind is self.attention:
+                    kv_pinned = {h for h, b in zip(hashes, blocks) if b != NO_BLOCK}
+        if self.recurrent is not None:  # every state kept at its blocks whose KV the lead group keeps pinned
+            kept = [h for h in hashes if h in self.recurrent.checkpoints and (kv_pinned is None or h in kv_pinned)]
+            for h in kept + ([donate[0]] if donate else []):  # (one whose KV went is dropped), and the one it leaves
                 self.recurrent.pin(h, until)
         self.pinned_turns += 1
 

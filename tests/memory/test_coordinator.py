@@ -336,3 +336,28 @@ def test_a_pinned_turn_pins_the_blocks_that_answer_its_hashes_whatever_the_polic
     assert all(pool.cached[h] in pool.pinned_until for h in hashes)
     assert m.stats().pins["blocks"] == 2
 
+
+
+def test_a_pinned_turn_pins_the_blocks_of_its_states_that_left_its_sliding_window():
+    """A sliding-window request lets go of the blocks that leave its window; they stay cached. A
+    pinned turn pins the blocks that answer all its hashes, those included, so the states it kept
+    at their boundaries (pinned too) keep their KV while other requests churn the pool."""
+    from hybridkv.sampling_params import SamplingParams
+
+    specs = {0: RecurrentSpec((3, 2), (2, 4), torch.float32), 1: AttentionSpec(2, 4, torch.float32, 4)}
+    m = mgr(specs, blocks=8, slots=5, checkpoint_policy="none")
+    a = Request("a", list(range(1, 14)), SamplingParams(max_tokens=1, cache_pin_ttl_s=600.0))
+    m.admit(a)
+    for _ in range(3):  # 12 tokens, a state kept at each block boundary
+        run(m, "a", 4)
+        assert m.prefix_cache.checkpoint("a")
+    pool, hashes = m.attention.pool, a.block_hashes[:3]
+    assert m.block_ids("a")[:2] == [-1, -1]  # blocks 0 and 1 left the window (cached, free)
+    m.finish("a")
+    assert sorted(pool.pinned_until) == sorted(pool.cached[h] for h in hashes)
+    assert sorted(m.recurrent.pinned_until) == sorted(hashes)
+    m.admit(Request("b", list(range(100, 130))))
+    for _ in range(7):  # takes 7 blocks, one at a time: only unpinned ones
+        run(m, "b", 4)
+    assert all(h in pool.cached and m.recurrent.reachable(h) and h in m.recurrent.checkpoints for h in hashes)
+    assert m.stats().pins["reclaimed_blocks"] == 0

@@ -71,22 +71,26 @@ class PinnedTurnsMachine(ManagerMachine):
         mgr = self.mgr
         r = mgr.request(rid)
         hashes = r.block_hashes[:r.num_hashed_blocks]
-        held = {w: [(h, b) for h, b in zip(hashes, g.block_ids(rid)) if b >= 0] for w, g in mgr.attention_groups.items()}
+        # each of its hashes: the block that answers it, r's own when none does (it will when let go), or
+        # none (NO_BLOCK: it left the window and no block answers its hash now)
+        answering = {w: [(h, g.pool.cached.get(h, b)) for h, b in zip(hashes, g.block_ids(rid))]
+                     for w, g in mgr.attention_groups.items()}
         r.params = SamplingParams(max_tokens=max(1, r.max_tokens), cache_pin_ttl_s=ttl)
         turns = mgr.prefix_cache.pinned_turns
         self.pinning = True
         mgr.finish(rid)
         assert mgr.prefix_cache.pinned_turns == turns + 1
         until = CLOCK.now + ttl
-        for w, blocks in held.items():  # each hash it held: pinned in the block that answers it (or will)
+        for w, blocks in answering.items():  # pinned, holding that hash
             pool = mgr.attention_groups[w].pool
-            for h, own in blocks:
-                b = pool.cached.get(h, own)
-                assert pool.pinned_until.get(b, 0) >= until and pool.block_hash[b] == h, \
+            for h, b in blocks:
+                assert b < 0 or pool.pinned_until.get(b, 0) >= until and pool.block_hash[b] == h, \
                     "a pinned turn's block does not hold its hash"
         rec = mgr.recurrent
-        if rec is not None:  # every state it kept along its blocks
-            kept = [h for h in hashes if h in rec.checkpoints]
+        if rec is not None:  # every state it kept along its blocks whose KV the lead group pinned
+            lead = [blocks for w, blocks in answering.items() if mgr.attention_groups[w] is mgr.attention]
+            kv = {h for h, b in lead[0] if b >= 0} if lead else None
+            kept = [h for h in hashes if h in rec.checkpoints and (kv is None or h in kv)]
             assert all(rec.pinned_until.get(h, 0) >= until for h in kept), "a pinned turn's state is not pinned"
             EVENTS["pinned turn kept a state"] += bool(kept)
         EVENTS["pinned turn"] += 1
