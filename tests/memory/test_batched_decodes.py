@@ -167,6 +167,27 @@ def test_batched_decodes_leave_the_same_state_as_one_by_one(model, seed):
     assert continued[0], "a round continued the handle's last one (the starts its commit left)"
 
 
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_a_batched_decode_short_of_blocks_leaves_the_rest_to_allocate_alone(model):
+    """Two requests whose next token starts a block, one free block: the batched allocate gives it
+    to one and leaves the other as it was (the scheduler allocates it alone, preempting as needed);
+    the twins stay equal."""
+    a, b = (twin(MODELS[model], 3, "none") for _ in range(2))
+    for m in (a, b):
+        for rid in (0, 1):
+            m.admit(Request(rid, [rid + 1] * BS, max_tokens=8))
+            slots = m.allocate(rid, BS)
+            for j, s_ in enumerate(slots):
+                model_writes(m, rid, s_, j, 0.5 + j)
+            m.commit(rid, BS)
+            m.append_tokens(rid, [7])
+    free = [len(g.pool.free) for g in a.attention_groups.values()]
+    assert decode_batched(a, [0, 1], [0.25, 0.75]), free  # one was left to allocate alone
+    decode_one_by_one(b, [0, 1], [0.25, 0.75])
+    assert same(snapshot(a), snapshot(b))
+    assert sorted(a.request(r).num_computed_tokens for r in (0, 1)) == [BS, BS + 1]
+
+
 @pytest.mark.parametrize("ssm_shape", [(2, 4), (64, 80)])  # small slots: gathered; 20 KiB: copied one by one
 def test_deferred_copies_equal_copies_in_order(ssm_shape):
     """StatePool.deferred_copies: the copies at the exit, the same slots as copying each at once,

@@ -560,9 +560,10 @@ class DiskTierMachine(ManagerMachine):
 def test_manager_state_machine():
     EVENTS.clear()
     # The runs depend on the hash order of the process (PYTHONHASHSEED), not only on the seed:
-    # a checkpoint stored by a batched decode appeared in some processes and not in others (CI,
-    # twice), so it is counted but not required here; tests/memory/test_batched_decodes.py checks
-    # those checkpoints against the one-by-one verbs deterministically
+    # a checkpoint stored by a batched decode, and a batched decode that left a row to allocate
+    # alone, appeared in some processes and not in others (CI twice; a local run once), so they
+    # are counted but not required here; tests/memory/test_batched_decodes.py checks both against
+    # the one-by-one verbs deterministically
     run_state_machine_as_test(ManagerMachine, settings=settings(
         max_examples=360, stateful_step_count=60, deadline=None, derandomize=True,
         suppress_health_check=[HealthCheck.too_slow]))
@@ -571,8 +572,7 @@ def test_manager_state_machine():
     for what in ["prefix hit", "allocate refused", "copy-on-write", "checkpoint stored", "resumed after swap",
                  "resumed by recompute", "imported elsewhere", "fork", "sliding window held blocks bounded",
                  "checked with two attention groups", "batch slots checked per group", "probe found a prefix",
-                 "batched decode", "batched decode allocated a block",
-                 "batched decode left one to allocate alone", "quantized pools"]:
+                 "batched decode", "batched decode allocated a block", "quantized pools"]:
         assert EVENTS[what] > 0, f"the random runs never exercised {what}: {EVENTS}"
 
 
