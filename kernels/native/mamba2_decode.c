@@ -79,9 +79,58 @@ int conv1d_update(float *conv_state, int64_t num_slots, const int32_t *slots, in
     return 0;
 }
 
-/* one request: state [H, P, N] updated in place; y [H, P] */
-static void ssm_row(float *state, int64_t H, int64_t P, int64_t N, int64_t G, const float *x,
-                    const float *dt_in, const float *B, const float *C, const float *A,
+/* one state row s [N] stepped in place: s = s dA + xdt B; returns s . C (the float and the quantized
+ * paths share it, so a quantized row is summed as its decoded row would be in float) */
+static inline float ssm_step(float *s, int64_t N, float dA, float xdt, const float *B, const float *C) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t n = 0; n < N; n++) {
+        const float v = s[n] * dA + xdt * B[n];
+        s[n] = v;
+        acc += v * C[n];
+    }
+    return acc;
+}
+
+/* A quantized state item read and written in place (quant_rows.h): its codes [H P][N] (rows along N)
+ * from `codes`, then a float32 scale per row at `codes + code_bytes`; NULL codes: a float state. */
+struct quantized_rows {
+    uint8_t *codes;
+    int64_t code_bytes;
+    const float *fp8_values;  /* the e4m3fn codes' values (fp8), or NULL (int8) */
+    int write;                /* 0: the rows are decoded and stepped, their codes left as they were */
+};
+
+/* The rows [row0, row0 + n) of a quantized state (n <= ENCODE_ROWS_MAX) stepped as ssm_step steps a
+ * float row, in scratch rows [n][N] that stay in L1: each decoded, stepped (y [n]) and its max taken,
+ * then all encoded back (quant_rows.h encode_rows), so the codes are read and written once and no
+ * float copy of the whole state is made. */
+static void step_quantized_rows(const struct quantized_rows *q, int64_t row0, int64_t n, int64_t N, float *rows,
+                                float dA, float dt, const float *x, const float *B, const float *C, float *y) {
+    uint8_t *codes = q->codes + row0 * N, *scales_at = q->codes + q->code_bytes + 4 * row0;
+    float scales[ENCODE_ROWS_MAX];
+    uint32_t max_bits[ENCODE_ROWS_MAX];
+    memcpy(scales, scales_at, (size_t)(4 * n));
+    /* in sweeps over the rows, so that consecutive steps' sums overlap as in the float loop */
+    for (int64_t r = 0; r < n; r++) {
+        if (N == 32 && !q->fp8_values)  /* the usual d_state: copies compiled for it */
+            decode_contiguous_row(codes + r * 32, scales[r], rows + r * 32, 32, NULL);
+        else
+            decode_contiguous_row(codes + r * N, scales[r], rows + r * N, N, q->fp8_values);
+    }
+    for (int64_t r = 0; r < n; r++) y[r] = ssm_step(rows + r * N, N, dA, dt * x[r], B, C);
+    for (int64_t r = 0; r < n; r++) max_bits[r] = N == 32 ? row_max_bits(rows + r * 32, 32) : row_max_bits(rows + r * N, N);
+    if (q->write) {
+        encode_rows(rows, max_bits, codes, scales, n, N, q->fp8_values != NULL, q->fp8_values ? 448.0f : 127.0f);
+        memcpy(scales_at, scales, (size_t)(4 * n));
+    }
+}
+
+/* one request: state [H, P, N] updated in place; y [H, P]:
+ *     s = s exp(dt A) + (dt x) B ;  y = s . C + D x   (row by row)
+ * With q's codes, `state` is scratch of ENCODE_ROWS_MAX rows [N] (step_quantized_rows). */
+static void ssm_row(float *state, const struct quantized_rows *q, int64_t H, int64_t P, int64_t N, int64_t G,
+                    const float *x, const float *dt_in, const float *B, const float *C, const float *A,
                     const float *dt_bias, const float *D, int dt_softplus, int has_limit,
                     float dt_min, float dt_max, float *y) {
     const int64_t hpg = H / G;
@@ -94,18 +143,14 @@ static void ssm_row(float *state, int64_t H, int64_t P, int64_t N, int64_t G, co
         const float *Bg = B + (h / hpg) * N, *Cg = C + (h / hpg) * N;
         const float *xh = x + h * P;
         float *yh = y + h * P;
-        for (int64_t p = 0; p < P; p++) {
-            float *s = state + (h * P + p) * N;
-            const float xdt = dt * xh[p];
-            float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-            for (int64_t n = 0; n < N; n++) {
-                const float v = s[n] * dA + xdt * Bg[n];
-                s[n] = v;
-                acc += v * Cg[n];
-            }
-            yh[p] = acc + d * xh[p];
+        if (q) {
+            for (int64_t p0 = 0; p0 < P; p0 += ENCODE_ROWS_MAX)
+                step_quantized_rows(q, h * P + p0, P - p0 < ENCODE_ROWS_MAX ? P - p0 : ENCODE_ROWS_MAX, N, state,
+                                    dA, dt, xh + p0, Bg, Cg, yh + p0);
+        } else {
+            for (int64_t p = 0; p < P; p++) yh[p] = ssm_step(state + (h * P + p) * N, N, dA, dt * xh[p], Bg, Cg);
         }
+        for (int64_t p = 0; p < P; p++) yh[p] += d * xh[p];
     }
 }
 
@@ -120,7 +165,7 @@ int mamba2_state_update(float *state, int64_t num_slots, const int32_t *slots, i
     const int64_t HP = H * P;
     for (int64_t r = 0; r < nb; r++) {
         float *yr = y + r * HP;
-        ssm_row(state + (int64_t)slots[r] * HP * N, H, P, N, G, x + r * x_row, dt + r * dt_row,
+        ssm_row(state + (int64_t)slots[r] * HP * N, NULL, H, P, N, G, x + r * x_row, dt + r * dt_row,
                 B + r * B_row, C + r * C_row, A, dt_bias, D, dt_softplus, has_limit, dt_min,
                 dt_max, yr);
         if (z) {
@@ -198,18 +243,16 @@ int mamba2_mixer_decode(const struct mamba2_mixer_args *a) {
         float *win = a->conv_q ? a->conv_state : a->conv_state + slot * conv_dim * (k - 1);
         float *st = a->ssm_q ? a->ssm_state : a->ssm_state + slot * HP * N;
         uint8_t *cq = a->conv_q ? a->conv_q + slot * a->conv_nbytes : NULL;
-        uint8_t *sq = a->ssm_q ? a->ssm_q + slot * a->ssm_nbytes : NULL;
+        const struct quantized_rows sq = {a->ssm_q ? a->ssm_q + slot * a->ssm_nbytes : NULL, a->ssm_code_bytes,
+                                          a->ssm_fp8 ? a->fp8_values : NULL, slot != 0};
         if (cq) decode_item(cq, win, a->conv_A, a->conv_L, a->conv_B, a->conv_code_bytes, a->conv_fp8 ? a->fp8_values : NULL);
-        if (sq) decode_item(sq, st, a->ssm_A, a->ssm_L, a->ssm_B, a->ssm_code_bytes, a->ssm_fp8 ? a->fp8_values : NULL);
         conv_row(win, row + HP, a->conv_w, a->conv_b, conv_dim, k, 1, a->xbc);
         float *yr = a->y + r * HP;
-        ssm_row(st, H, P, N, G, a->xbc, row + HP + conv_dim, a->xbc + HP, a->xbc + HP + G * N, a->A, a->dt_bias,
-                a->D, 1, 0, 0.0f, 0.0f, yr);
+        ssm_row(st, sq.codes ? &sq : NULL, H, P, N, G, a->xbc, row + HP + conv_dim, a->xbc + HP, a->xbc + HP + G * N,
+                a->A, a->dt_bias, a->D, 1, 0, 0.0f, 0.0f, yr);
         gated_norm_row(yr, row, a->norm_w, HP, a->norm_group, a->eps, a->norm_mode);
         if (cq && slot != 0)
             encode_item(win, cq, a->conv_A, a->conv_L, a->conv_B, a->conv_code_bytes, a->conv_fp8, a->conv_fp8 ? 448.0f : 127.0f);
-        if (sq && slot != 0)
-            encode_item(st, sq, a->ssm_A, a->ssm_L, a->ssm_B, a->ssm_code_bytes, a->ssm_fp8, a->ssm_fp8 ? 448.0f : 127.0f);
     }
     return 0;
 }

@@ -1,0 +1,102 @@
+"""Per call: the recurrent decode ops over quantized state pools against their float twins (issue 27).
+
+    python benchmarks/bench_quantized_decode.py --repeats 7
+
+What a step of one-token decodes costs one recurrent layer between its projections, on the CPU, one
+torch thread: `ops.mamba2_mixer_decode` (float pools) against `ops.mamba2_mixer_decode_q` (int8 and
+fp8 pools, each slot decoded, stepped and encoded in place), and the gated delta rule's decode
+(`ops.conv1d_update` + `ops.gdn_state_update` on float pools) against `ops.gdn_decode_q`. Shapes:
+the Mamba2 layer of hybridkv/tiny-code (bench_quantized.py's model: 8 heads of 64, d_state 32, one
+group, d_conv 4) and a GDN layer of Qwen3-Next's head sizes scaled down (4 key heads, 8 value heads,
+head dims 64, d_conv 4); batch 8 over slots scattered in a pool of 32 (as the engine's are). Each
+repeat runs every variant in turn (alternating, on the same inputs); a repeat's figure is CPU time
+(`time.process_time`) per call averaged over `--inner` calls. Printed: the median and min-max over
+repeats, and each quantized variant's median over its float twin's.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from hybridkv.cache_dtype import conv_layout, state_layout
+from hybridkv.kernels import ops
+
+BATCH, SLOTS = 8, 32
+
+
+def mamba2_case(dtype, H=8, P=64, N=32, G=1, k=4, seed=0):
+    """(float call, quantized call) of one Mamba2 layer's decode at tiny-code's shapes."""
+    g = torch.Generator().manual_seed(seed)
+    HP, conv_dim = H * P, H * P + 2 * G * N
+    conv = torch.randn(SLOTS, conv_dim, k - 1, generator=g)
+    ssm = torch.randn(SLOTS, H, P, N, generator=g) * 0.3
+    weights = dict(num_heads=H, head_dim=P, n_groups=G, conv_weight=torch.randn(conv_dim, k, generator=g) * 0.5,
+                   conv_bias=torch.randn(conv_dim, generator=g), A_log=torch.randn(H, generator=g) * 0.5,
+                   dt_bias=torch.randn(H, generator=g) * 0.5, D=torch.randn(H, generator=g),
+                   norm_weight=torch.randn(HP, generator=g), norm_group=HP, eps=1e-5, norm_mode=1)
+    proj = torch.randn(BATCH, HP + conv_dim + H, generator=g)
+    slots = torch.randperm(SLOTS - 1, generator=g)[:BATCH].add(1).to(torch.int32)
+    cl, sl = conv_layout(dtype, (conv_dim, k - 1)), state_layout(dtype, (H, P, N))
+    conv_q, ssm_q = cl.encode(conv), sl.encode(ssm)
+    fc, qc = {}, {}
+
+    def float_call():
+        return ops.mamba2_mixer_decode(proj, slots, conv_state=conv, ssm_state=ssm, cache=fc, **weights)
+
+    def quantized_call():
+        return ops.mamba2_mixer_decode_q(proj, slots, conv_pool=conv_q, conv_layout=cl, ssm_pool=ssm_q,
+                                         ssm_layout=sl, cache=qc, **weights)
+    return float_call, quantized_call
+
+
+def alternate(fns: dict, repeats: int, inner: int) -> dict:
+    """{name: [CPU seconds per call, one per repeat]}, every variant run in turn in each repeat."""
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            fn()
+            t0 = time.process_time()
+            for _ in range(inner):
+                fn()
+            times[name].append((time.process_time() - t0) / inner)
+    return times
+
+
+def cases():
+    """{label: (float call, {dtype: quantized call})}; every call is checked to run its kernel."""
+    out = {}
+    for label, make in (("Mamba2 mixer decode", mamba2_case),) + _GDN:
+        calls = {dtype: make(dtype) for dtype in ("int8", "fp8_e4m3")}
+        float_call = calls["int8"][0]
+        assert float_call() is not None and all(q() is not None for _, q in calls.values()), label
+        out[label] = (float_call, {dtype: q for dtype, (_, q) in calls.items()})
+    return out
+
+
+_GDN: tuple = ()
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--inner", type=int, default=200)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    res = {}
+    print(f"batch {BATCH} of {SLOTS} slots, 1 thread, CPU us per call, median of {a.repeats} (min-max):")
+    for label, (float_call, quantized) in cases().items():
+        t = alternate({"float32": float_call, **quantized}, a.repeats, a.inner)
+        res[label] = t
+        base = statistics.median(t["float32"])
+        for name, ts in t.items():
+            ratio = "" if name == "float32" else f"  {statistics.median(ts) / base:.2f}x float32"
+            print(f"  {label:24s} {name:9s} {1e6 * statistics.median(ts):7.1f} "
+                  f"({1e6 * min(ts):.1f}-{1e6 * max(ts):.1f}){ratio}")
+    return res
+
+
+if __name__ == "__main__":
+    main()
