@@ -18,7 +18,7 @@ import ctypes
 import torch
 
 from . import native_cpu, quantize
-from .native_args import F32, I64, INT, CFunction, as_rows, f32, fp32_cpu, i32, ptr, slots_int32
+from .native_args import F32, I64, INT, CFunction, Ptr, as_rows, f32, fp32_cpu, i32, ptr, slots_int32
 
 _P = ctypes.c_void_p
 # native/mamba2_decode.c, declared parameter by parameter (native_args.py)
@@ -27,6 +27,12 @@ CONV1D_UPDATE = CFunction(
     conv_state=f32("num_slots", "dim", "k - 1"), num_slots=I64, slots=i32("nb"), nb=I64, dim=I64, k=I64,
     x=f32("nb", "dim", strides=("x_row", 1)), x_row=I64, weight=f32("dim", "k"), bias=f32("dim", optional=True),
     act=INT, y=f32("nb", "dim", strides=("y_row", 1), new=True), y_row=I64)
+CONV1D_UPDATE_Q = CFunction(  # over a quantized pool (gdn_quantized.py)
+    "mamba2_decode", "conv1d_update_q", INT,
+    pool=Ptr(torch.uint8, ("num_slots", "nbytes")), num_slots=I64, slots=i32("nb"), nb=I64, dim=I64, k=I64,
+    nbytes=I64, code_bytes=I64, A=I64, L=I64, B=I64, fp8_values=f32(256, optional=True),
+    x=f32("nb", "dim", strides=("x_row", 1)), x_row=I64, weight=f32("dim", "k"), bias=f32("dim", optional=True),
+    act=INT, y=f32("nb", "dim", strides=("y_row", 1), new=True), y_row=I64, window=f32("dim * (k - 1)", new=True))
 MAMBA2_STATE_UPDATE = CFunction(
     "mamba2_decode", "mamba2_state_update", INT,
     state=f32("num_slots", "H", "P", "N"), num_slots=I64, slots=i32("nb"), nb=I64, H=I64, P=I64, N=I64, G=I64,
@@ -114,8 +120,9 @@ class Mamba2MixerDecode:
         quant_ok = True
         if quantized is not None:  # the pools are codes: the float "pools" are one slot of scratch
             conv_q, conv_layout, ssm_q, ssm_layout = quantized
-            quant_ok = _quantized_ok(conv_q, conv_layout, (conv_dim, k - 1)) and \
-                _quantized_ok(ssm_q, ssm_layout, (H, P, ssm_layout.shape[-1])) and conv_q.shape[0] == ssm_q.shape[0]
+            quant_ok = quantize.is_quantized_pool(conv_q, conv_layout, (conv_dim, k - 1)) and \
+                quantize.is_quantized_pool(ssm_q, ssm_layout, (H, P, ssm_layout.shape[-1])) and \
+                conv_q.shape[0] == ssm_q.shape[0]
             conv_state = torch.empty(1, *conv_layout.shape, dtype=torch.float32)
             ssm_state = torch.empty(1, *ssm_layout.shape, dtype=torch.float32)
         N = ssm_state.shape[-1]
@@ -170,13 +177,6 @@ class Mamba2MixerDecode:
         a.slots, a.y = slots.data_ptr(), y.data_ptr()
         rc = fn(ctypes.byref(a))
         return y if rc == 0 else None
-
-
-def _quantized_ok(pool: torch.Tensor, layout, shape: tuple) -> bool:
-    """pool [slots, nbytes] uint8 on the CPU, contiguous, of items of `shape` (int8 or fp8)."""
-    return (pool.dtype == torch.uint8 and pool.is_cpu and pool.dim() == 2 and pool.is_contiguous()
-            and pool.shape[1] == layout.nbytes and tuple(layout.shape) == tuple(shape)
-            and layout.dtype in ("int8", "fp8_e4m3"))
 
 
 def mamba2_mixer_decode_q(proj, slot_idx, *, conv_pool, conv_layout, ssm_pool, ssm_layout, num_heads, head_dim,

@@ -122,6 +122,14 @@ mamba2_mixer_decode over quantized state pools (uint8 codes and scales, hybridkv
 decoded, updated and encoded back in place (one C pass on CPU; on CUDA a conv and an SSD-step Triton
 kernel, then the norm) -> y [B, H P], or None (nothing written; the caller runs the float path on
 decoded slots).""")
+gdn_decode_q = declare(
+    "gdn_decode_q(mixed, g, beta, slot_idx, *, conv_pool, conv_layout, state_pool, state_layout, conv_weight,"
+    " num_k_heads, head_k_dim, num_v_heads, head_v_dim)",
+    "gdn_quantized:gdn_decode_q", None, """
+A GDN layer's decode from the conv's input rows mixed [B, conv_dim] (and g, beta [B, HV]) to the core
+output over quantized pools (uint8 codes and scales, hybridkv.cache_dtype): conv windows and states
+decoded, stepped and encoded back in place in C -> o [B, HV, dv], or None (nothing written; the caller
+runs the float path on decoded slots).""")
 gdn_state_update = declare(
     "gdn_state_update(state, q, k, v, g, beta, slot_idx, scale=None, use_qk_l2norm=True)",
     "gdn_cpu:gdn_state_update_cpu", "gdn:gdn_state_update_triton", """

@@ -46,6 +46,14 @@ def layout_dims(layout) -> tuple[int, int, int]:
     return got[1]
 
 
+def is_quantized_pool(pool: torch.Tensor, layout, shape: tuple) -> bool:
+    """pool [slots, nbytes] uint8 on the CPU, contiguous, of `layout`'s items of `shape` (int8 or fp8):
+    what the C decode kernels that update quantized slots in place take."""
+    return (pool.dtype == torch.uint8 and pool.is_cpu and pool.dim() == 2 and pool.is_contiguous()
+            and pool.shape[1] == layout.nbytes and tuple(layout.shape) == tuple(shape)
+            and layout.dtype in ("int8", "fp8_e4m3"))
+
+
 def _long(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype is torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 

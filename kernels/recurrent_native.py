@@ -1,6 +1,7 @@
 """The Mamba1 and gated-delta-rule decode steps in C (kernels/native/mamba1_decode.c,
 gdn_decode.c), called through ctypes: one pass over each state for Mamba1 (torch: the decay
-tensor exp(dt A), then three passes), two for the gated delta rule (torch: five).
+tensor exp(dt A), then three passes), two for the gated delta rule (torch: five). GDN_STATE_UPDATE_Q,
+the gated delta rule over a quantized pool, is called by gdn_quantized.py.
 
 Same contracts as `mamba1_ref.mamba1_state_update_ref` and `gdn_ref.gdn_state_update_ref`.
 Each function returns None when it cannot run here and the caller (mamba1_cpu.py, gdn_cpu.py)
@@ -10,7 +11,9 @@ outside the pool.
 """
 from __future__ import annotations
 
-from .native_args import I64, INT, CFunction, as_rows, f32, fp32_cpu, i32, slots_int32
+import torch
+
+from .native_args import I64, INT, CFunction, Ptr, as_rows, f32, fp32_cpu, i32, slots_int32
 
 # native/mamba1_decode.c and gdn_decode.c, declared parameter by parameter (native_args.py)
 MAMBA1_STATE_UPDATE = CFunction(
@@ -28,6 +31,15 @@ GDN_STATE_UPDATE = CFunction(
     v_row=I64, g=f32("nb", "HV", strides=("g_row", 1)), g_row=I64,
     beta=f32("nb", "HV", strides=("beta_row", 1)), beta_row=I64, o=f32("nb", "HV", "V", new=True),
     scratch=f32("2 * V", new=True))
+
+GDN_STATE_UPDATE_Q = CFunction(  # over a quantized pool (gdn_quantized.py)
+    "gdn_decode", "gdn_state_update_q", INT,
+    pool=Ptr(torch.uint8, ("num_slots", "nbytes")), num_slots=I64, slots=i32("nb"), nb=I64, HV=I64, K=I64, V=I64,
+    nbytes=I64, code_bytes=I64, fp8_values=f32(256, optional=True),
+    q=f32("nb", "HV", "K"), k=f32("nb", "HV", "K"), v=f32("nb", "HV", "V", strides=("v_row", "V", 1)),
+    v_row=I64, g=f32("nb", "HV", strides=("g_row", 1)), g_row=I64,
+    beta=f32("nb", "HV", strides=("beta_row", 1)), beta_row=I64, o=f32("nb", "HV", "V", new=True),
+    scratch=f32("2 * V + max(4096, V)", new=True))
 
 
 def mamba1_state_update_native(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, dt_softplus=True):

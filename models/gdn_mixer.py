@@ -2,8 +2,14 @@
 
 Projections are split exactly as transformers' Qwen3NextGatedDeltaNet does: `in_proj_qkvz` is laid
 out per key head as [q, k, v-group, z-group], `in_proj_ba` per key head as [b-group, a-group].
+Under a quantized state cache a step of one-token decodes on the CPU may update the slots' codes in
+place (`forward_codes`, ops.gdn_decode_q; subclasses change only the projections, so theirs too):
+Qwen3-Next, Qwen3.5 and Qwen3.5-MoE layers reach it through HybridDecoderLayer.mix_recurrent;
+OLMo-Hybrid's own layer calls `forward`, on staged slots.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +18,7 @@ from torch import nn
 from hybridkv.kernels import ops
 from hybridkv.specs import RecurrentSpec
 
-from .forward_batch import ForwardBatch
+from .forward_batch import ForwardBatch, QuantizedState
 from .norms import GatedRMSNorm
 from .row_parallel import RowParallel
 from .slot_split import SlotSplit, split_decode_prefill
@@ -72,7 +78,6 @@ class GatedDeltaNetMixer(RowParallel, nn.Module):
         updated in place at `batch.state_slots`. `split` may be shared across layers.
         """
         split = split or split_decode_prefill(batch)
-        T = hidden.shape[0]
         mixed, z, b, a = self._split_projections(hidden)
         weight = self.conv1d.weight.squeeze(1)
         mixed = split.run(
@@ -82,8 +87,7 @@ class GatedDeltaNetMixer(RowParallel, nn.Module):
                                                     s.prefill_slots, s.prefill_has_init),
             states=(conv_state,),
         )
-        beta = b.sigmoid() * self.beta_scale
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        g, beta = self._gates(a, b)
 
         # One packed row per token so the split gathers every per-token input at once.
         packed = torch.cat([mixed.float(), g, beta.float()], dim=-1)
@@ -106,6 +110,32 @@ class GatedDeltaNetMixer(RowParallel, nn.Module):
                                       s.prefill_has_init, use_qk_l2norm=True)
 
         core = split.run(packed, decode=decode, prefill=prefill, states=(ssm_state,))  # [T, HV, dv]
-        core = self.norm(core.to(hidden.dtype).reshape(-1, self.head_v_dim),
-                         z.reshape(-1, self.head_v_dim))
-        return self.rank_sum(self.out_proj(core.reshape(T, self.value_dim)))
+        return self._output(core, z, hidden)
+
+    @property
+    def reads_codes(self) -> bool:
+        """Whether forward_codes stands for this mixer's forward (not a subclass's own)."""
+        return type(self).forward is GatedDeltaNetMixer.forward
+
+    def forward_codes(self, hidden: torch.Tensor, batch: ForwardBatch, codes: QuantizedState) -> Optional[torch.Tensor]:
+        """`forward` for a step of one-token decodes over quantized pools updated in place
+        (ModelCaches.state_codes; ops.gdn_decode_q): what forward computes on the slots decoded, the
+        slots encoded after. None when it cannot run here (nothing written: the caller runs forward
+        on decoded slots)."""
+        mixed, z, b, a = self._split_projections(hidden)
+        g, beta = self._gates(a, b)
+        core = ops.gdn_decode_q(
+            mixed, g, beta.float(), codes.slots, conv_pool=codes.conv, conv_layout=codes.conv_layout,
+            state_pool=codes.state, state_layout=codes.state_layout, conv_weight=self.conv1d.weight,
+            num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim, num_v_heads=self.num_v_heads,
+            head_v_dim=self.head_v_dim)
+        return None if core is None else self._output(core, z, hidden)
+
+    def _gates(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """a, b [T, HV] -> (g log-decay fp32, beta) [T, HV]."""
+        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias), b.sigmoid() * self.beta_scale
+
+    def _output(self, core: torch.Tensor, z: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """core [T, HV, dv] -> gated norm by z [T, HV, dv], out_proj -> [T, hidden_size]."""
+        core = self.norm(core.to(hidden.dtype).reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.rank_sum(self.out_proj(core.reshape(hidden.shape[0], self.value_dim)))

@@ -9,6 +9,8 @@
  *                       in_proj output row [z | xBC | dt] to the input row of out_proj; over
  *                       float pools, or quantized ones (int8 / fp8 codes and scales), each slot
  *                       decoded into scratch, updated and encoded back in the same pass.
+ * conv1d_update_q:      conv1d_update over a quantized pool the same way (the GDN's conv; the
+ *                       null slot 0 is read, never written back, as in the mixer).
  *
  * Slots index the pools directly (in place). Every function first checks the slots (in range,
  * none repeated) and returns 1 (repeated) or 2 (out of range) before writing anything: the
@@ -68,6 +70,23 @@ static void conv_row(float *win, const float *x, const float *w, const float *bi
     }
 }
 
+/* A conv window kept as one quantized item (quant_rows.h: [A][L][B] with its rows, the time steps,
+ * along L) updated in place: decoded into win [dim, k-1] scratch, conv_row, encoded back (write 0:
+ * left as it was: the null slot). */
+struct quantized_window {
+    int64_t code_bytes, A, L, B;
+    const float *fp8_values;  /* the e4m3fn codes' values (fp8), or NULL (int8) */
+};
+
+static void conv_row_codes(uint8_t *item, const struct quantized_window *qw, float *win, const float *x,
+                           const float *w, const float *bias, int64_t dim, int64_t k, int act, float *y, int write) {
+    decode_item(item, win, qw->A, qw->L, qw->B, qw->code_bytes, qw->fp8_values);
+    conv_row(win, x, w, bias, dim, k, act, y);
+    if (write)
+        encode_item(win, item, qw->A, qw->L, qw->B, qw->code_bytes, qw->fp8_values != NULL,
+                    qw->fp8_values ? 448.0f : 127.0f);
+}
+
 int conv1d_update(float *conv_state, int64_t num_slots, const int32_t *slots, int64_t nb,
                   int64_t dim, int64_t k, const float *x, int64_t x_row, const float *weight,
                   const float *bias, int act, float *y, int64_t y_row) {
@@ -76,6 +95,22 @@ int conv1d_update(float *conv_state, int64_t num_slots, const int32_t *slots, in
     for (int64_t r = 0; r < nb; r++)
         conv_row(conv_state + (int64_t)slots[r] * dim * (k - 1), x + r * x_row, weight, bias, dim,
                  k, act, y + r * y_row);
+    return 0;
+}
+
+/* conv1d_update over a quantized pool [num_slots, nbytes] (each slot one item of the window's codes
+ * and scales, as conv_row_codes reads it): the slot 0, the null slot, is read but never written.
+ * window: [dim (k-1)] scratch. */
+int conv1d_update_q(uint8_t *pool, int64_t num_slots, const int32_t *slots, int64_t nb, int64_t dim, int64_t k,
+                    int64_t nbytes, int64_t code_bytes, int64_t A, int64_t L, int64_t B, const float *fp8_values,
+                    const float *x, int64_t x_row, const float *weight, const float *bias, int act, float *y,
+                    int64_t y_row, float *window) {
+    int rc = check_slots(slots, nb, num_slots);
+    if (rc) return rc;
+    const struct quantized_window qw = {code_bytes, A, L, B, fp8_values};
+    for (int64_t r = 0; r < nb; r++)
+        conv_row_codes(pool + (int64_t)slots[r] * nbytes, &qw, window, x + r * x_row, weight, bias, dim, k, act,
+                       y + r * y_row, slots[r] != 0);
     return 0;
 }
 
@@ -245,14 +280,16 @@ int mamba2_mixer_decode(const struct mamba2_mixer_args *a) {
         uint8_t *cq = a->conv_q ? a->conv_q + slot * a->conv_nbytes : NULL;
         const struct quantized_rows sq = {a->ssm_q ? a->ssm_q + slot * a->ssm_nbytes : NULL, a->ssm_code_bytes,
                                           a->ssm_fp8 ? a->fp8_values : NULL, slot != 0};
-        if (cq) decode_item(cq, win, a->conv_A, a->conv_L, a->conv_B, a->conv_code_bytes, a->conv_fp8 ? a->fp8_values : NULL);
-        conv_row(win, row + HP, a->conv_w, a->conv_b, conv_dim, k, 1, a->xbc);
+        const struct quantized_window qw = {a->conv_code_bytes, a->conv_A, a->conv_L, a->conv_B,
+                                            a->conv_fp8 ? a->fp8_values : NULL};
+        if (cq)
+            conv_row_codes(cq, &qw, win, row + HP, a->conv_w, a->conv_b, conv_dim, k, 1, a->xbc, slot != 0);
+        else
+            conv_row(win, row + HP, a->conv_w, a->conv_b, conv_dim, k, 1, a->xbc);
         float *yr = a->y + r * HP;
         ssm_row(st, sq.codes ? &sq : NULL, H, P, N, G, a->xbc, row + HP + conv_dim, a->xbc + HP, a->xbc + HP + G * N,
                 a->A, a->dt_bias, a->D, 1, 0, 0.0f, 0.0f, yr);
         gated_norm_row(yr, row, a->norm_w, HP, a->norm_group, a->eps, a->norm_mode);
-        if (cq && slot != 0)
-            encode_item(win, cq, a->conv_A, a->conv_L, a->conv_B, a->conv_code_bytes, a->conv_fp8, a->conv_fp8 ? 448.0f : 127.0f);
     }
     return 0;
 }

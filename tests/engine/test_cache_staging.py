@@ -234,14 +234,16 @@ def test_migration_carries_codes_and_scales_and_refuses_another_cache_dtype(bamb
     assert_no_leaks(src)
 
 
-@pytest.mark.parametrize("name,kv", [("bamba", "int8"), ("llama", "fp8_e4m3"), ("gpt_oss", "int8")])
+@pytest.mark.parametrize("name,kv", [("bamba", "int8"), ("llama", "fp8_e4m3"), ("gpt_oss", "int8"),
+                                     ("qwen3_next", "int8")])
 def test_decode_steps_read_quantized_pages_in_place(name, kv, tmp_path, monkeypatch):
     """In steps of one-token decodes, attention layers read their pool's codes in place
     (ModelCaches.kv_codes -> PagedAttention.forward_codes: no page is decoded for them), and so do
-    Mamba2 mixers their conv and state slots (state_codes -> Mamba2Mixer.forward_codes: each slot
-    decoded, stepped and encoded back in one C pass); the tokens and pool bytes are still the
-    whole-pool reference's (gpt_oss: sliding and full KV groups, sinks)."""
+    Mamba2 and GDN mixers their conv and state slots (state_codes -> forward_codes: each slot
+    decoded, stepped and encoded back in C); the tokens and pool bytes are still the whole-pool
+    reference's (gpt_oss: sliding and full KV groups, sinks; qwen3_next: GDN and gated attention)."""
     from hybridkv.models.attention import PagedAttention
+    from hybridkv.models.gdn_mixer import GatedDeltaNetMixer
     from hybridkv.models.mamba2_mixer import Mamba2Mixer
 
     fam = FAMILIES[name]
@@ -250,13 +252,12 @@ def test_decode_steps_read_quantized_pages_in_place(name, kv, tmp_path, monkeypa
     calls, mixed = [], []
     real = PagedAttention.forward_codes
     monkeypatch.setattr(PagedAttention, "forward_codes", lambda self, *a: calls.append(1) or real(self, *a))
-    real_mixer = Mamba2Mixer.forward_codes
-
-    def mixer_codes(self, *a):
-        y = real_mixer(self, *a)
-        mixed.append(y is not None)
-        return y
-    monkeypatch.setattr(Mamba2Mixer, "forward_codes", mixer_codes)
+    for mixer in (Mamba2Mixer, GatedDeltaNetMixer):
+        def mixer_codes(self, *a, real_mixer=mixer.forward_codes):
+            y = real_mixer(self, *a)
+            mixed.append(y is not None)
+            return y
+        monkeypatch.setattr(mixer, "forward_codes", mixer_codes)
     results = []
     for reference in (False, True):
         llm = LLM(str(path), memory_budget_bytes=16 << 20, max_num_batched_tokens=32, kv_cache_dtype=kv,
@@ -269,7 +270,7 @@ def test_decode_steps_read_quantized_pages_in_place(name, kv, tmp_path, monkeypa
             assert len(calls) == before  # the reference decodes every page
         else:
             assert len(calls) > 0
-            assert (len(mixed) > 0 and all(mixed)) if name == "bamba" else not mixed
+            assert (len(mixed) > 0 and all(mixed)) if name in ("bamba", "qwen3_next") else not mixed
         results.append(([o.outputs[0].token_ids for o in outs], pools(llm)))
     (staged, staged_pools), (ref, ref_pools) = results
     assert staged == ref
