@@ -52,6 +52,32 @@ def mamba2_case(dtype, H=8, P=64, N=32, G=1, k=4, seed=0):
     return float_call, quantized_call
 
 
+def gdn_case(dtype, Hk=4, HV=8, dk=64, dv=64, k=4, seed=0):
+    """(float call, quantized call) of one GDN layer's decode from the conv's input to the core output."""
+    g = torch.Generator().manual_seed(seed)
+    key_dim, conv_dim = Hk * dk, 2 * Hk * dk + HV * dv
+    conv = torch.randn(SLOTS, conv_dim, k - 1, generator=g)
+    state = torch.randn(SLOTS, HV, dk, dv, generator=g) * 0.3
+    weight = torch.randn(conv_dim, k, generator=g) * 0.5
+    mixed = torch.randn(BATCH, conv_dim, generator=g)
+    gate, beta = -torch.rand(BATCH, HV, generator=g), torch.rand(BATCH, HV, generator=g)
+    slots = torch.randperm(SLOTS - 1, generator=g)[:BATCH].add(1).to(torch.int32)
+    cl, sl = conv_layout(dtype, (conv_dim, k - 1)), state_layout(dtype, (HV, dk, dv))
+    conv_q, state_q = cl.encode(conv), sl.encode(state)
+
+    def float_call():  # the mixer's float decode: conv1d_update, then gdn_state_update (q, k prepared inside)
+        x = ops.conv1d_update(mixed, conv, weight, None, slots)
+        q, kk, v = x.split([key_dim, key_dim, HV * dv], -1)
+        return ops.gdn_state_update(state, q.reshape(BATCH, Hk, dk), kk.reshape(BATCH, Hk, dk),
+                                    v.reshape(BATCH, HV, dv), gate, beta, slots)
+
+    def quantized_call():
+        return ops.gdn_decode_q(mixed, gate, beta, slots, conv_pool=conv_q, conv_layout=cl, state_pool=state_q,
+                                state_layout=sl, conv_weight=weight, num_k_heads=Hk, head_k_dim=dk,
+                                num_v_heads=HV, head_v_dim=dv)
+    return float_call, quantized_call
+
+
 def alternate(fns: dict, repeats: int, inner: int) -> dict:
     """{name: [CPU seconds per call, one per repeat]}, every variant run in turn in each repeat."""
     times = {name: [] for name in fns}
@@ -68,7 +94,7 @@ def alternate(fns: dict, repeats: int, inner: int) -> dict:
 def cases():
     """{label: (float call, {dtype: quantized call})}; every call is checked to run its kernel."""
     out = {}
-    for label, make in (("Mamba2 mixer decode", mamba2_case),) + _GDN:
+    for label, make in (("Mamba2 mixer decode", mamba2_case), ("GDN decode", gdn_case)):
         calls = {dtype: make(dtype) for dtype in ("int8", "fp8_e4m3")}
         float_call = calls["int8"][0]
         assert float_call() is not None and all(q() is not None for _, q in calls.values()), label
@@ -76,13 +102,10 @@ def cases():
     return out
 
 
-_GDN: tuple = ()
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--inner", type=int, default=200)
+    ap.add_argument("--inner", type=int, default=100)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     res = {}

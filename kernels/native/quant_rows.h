@@ -11,26 +11,32 @@
 #include <stdint.h>
 #include <string.h>
 
-/* float -> float8 e4m3fn (bias 7, no infinities, 0x7F the NaN), round to nearest even; |v| <= 448
- * (larger magnitudes and infinities give 448). On the float's bits, without branches, so a loop of it
- * vectorises: below 2^-6 the subnormal steps of 2^-9 (8 = 2^-6), else the mantissa rounded to 3 bits
- * (a carry moves into the exponent) and the exponent rebiased from 127 to 7. */
-static inline uint8_t to_e4m3(float v) {
-    union { float f; uint32_t u; } in = {v}, clamped;  /* (a union, not memcpy: the loops vectorise) */
-    const uint32_t sign = (in.u >> 24) & 0x80;
-    const uint32_t abs_bits = in.u & 0x7FFFFFFFu;
-    const int nan = abs_bits > 0x7F800000u;
-    clamped.u = abs_bits > 0x43E00000u ? 0x43E00000u : abs_bits; /* 448 */
-    const uint32_t subnormal = (uint32_t)(int32_t)((clamped.f * 512.0f + 12582912.0f) - 12582912.0f);
-    const uint32_t normal = ((clamped.u + 0x7FFFFu + ((clamped.u >> 20) & 1u)) >> 20) - (120u << 3);
-    uint32_t code = clamped.u < 0x3C800000u ? subnormal : normal; /* 2^-6 */
-    code = code > 0x7Eu ? 0x7Eu : code;
-    return (uint8_t)(sign | (nan ? 0x7Fu : code));
-}
-
 /* A float's bits read in place: an integer view of float arrays the compiler must not assume apart
  * from them (strict aliasing), as it may for a plain uint32_t pointer. */
 typedef uint32_t __attribute__((__may_alias__)) float_bits;
+
+/* float -> float8 e4m3fn (bias 7, no infinities, 0x7F the NaN), round to nearest even; |v| <= 448
+ * (larger magnitudes and infinities give 448), in two parts so that loops of it vectorise: a loop
+ * computes e4m3_subnormal of its floats (below 2^-6, the subnormal steps of 2^-9 rounded by the
+ * float adder; 8 = 2^-6) into one block and the floats into another, a second loop e4m3_code from
+ * the floats' bits (a float_bits view: GCC 12 vectorises neither a union's nor memcpy's bits of an
+ * element, nor one loop reading the same floats as both types). Else the mantissa's bits are rounded
+ * to 3 (a carry moves into the exponent) and the exponent rebiased from 127 to 7. */
+static inline uint32_t e4m3_subnormal(float v) {
+    const float small = fabsf(v) < 0.015625f ? fabsf(v) : 0.0f;  /* (a NaN: 0, never converted) */
+    return (uint32_t)(int32_t)((small * 512.0f + 12582912.0f) - 12582912.0f);
+}
+
+static inline uint32_t e4m3_code(uint32_t bits, uint32_t subnormal) {
+    const uint32_t sign = (bits >> 24) & 0x80;
+    const uint32_t abs_bits = bits & 0x7FFFFFFFu;
+    const int nan = abs_bits > 0x7F800000u;
+    const uint32_t a = abs_bits > 0x43E00000u ? 0x43E00000u : abs_bits; /* 448 */
+    const uint32_t normal = ((a + 0x7FFFFu + ((a >> 20) & 1u)) >> 20) - (120u << 3);
+    uint32_t code = a < 0x3C800000u ? subnormal : normal; /* 2^-6 */
+    code = code > 0x7Eu ? 0x7Eu : code;
+    return sign | (nan ? 0x7Fu : code);  /* (as uint32: a loop narrowing it to bytes does not vectorise) */
+}
 
 /* Round to nearest even for |v| < 2^22 (codes are within +-448): adding and taking away 1.5 x 2^23
  * leaves the integer the float adder rounds to, in a form the compiler vectorises. */
@@ -64,11 +70,22 @@ static inline float row_scale(uint32_t max_bits, float top, float *inv) {
 /* A row's codes (L values at stride B) given the inverse of its scale. */
 static inline void encode_codes(const float *row, uint8_t *codes, int64_t L, int64_t B, float inv, int fp8, float top) {
     if (fp8) {
+        /* the scaled values through a block of floats, then their codes (e4m3_subnormal, e4m3_code) */
+        for (int64_t l0 = 0; l0 < L; l0 += 64) {
+            const int64_t n = L - l0 < 64 ? L - l0 : 64;
+            float t[64];
+            uint32_t sub[64];
 #pragma omp simd
-        for (int64_t l = 0; l < L; l++) {
-            float v = row[l * B] * inv;
-            v = v > top ? top : (v < -top ? -top : v);
-            codes[l * B] = to_e4m3(inv == 0.0f ? 0.0f : v);
+            for (int64_t l = 0; l < n; l++) {
+                float v = row[(l0 + l) * B] * inv;
+                v = v > top ? top : (v < -top ? -top : v);
+                t[l] = inv == 0.0f ? 0.0f : v;
+                sub[l] = e4m3_subnormal(t[l]);
+            }
+            const float_bits *bits = (const float_bits *)t;
+#pragma omp simd
+            for (int64_t l = 0; l < n; l++) sub[l] = e4m3_code(bits[l], sub[l]);
+            for (int64_t l = 0; l < n; l++) codes[(l0 + l) * B] = (uint8_t)sub[l];
         }
     } else if (B == 1 && inv <= 3.4028235e38f) {
         /* inv finite (so is every x inv, within +-127 to rounding): the clamp after the conversion
@@ -188,13 +205,21 @@ static inline void encode_interleaved(const float *x, uint8_t *codes, float *sca
     for (int64_t j = 0; j < W; j++) lane_inv[j] = inv[j % B];
     for (int64_t i0 = 0; i0 < total; i0 += W) {
         const int64_t w = total - i0 < W ? total - i0 : W;
-        if (fp8) {
+        if (fp8) {  /* as encode_codes: through a block of floats, then their codes */
+            float t[16 * INTERLEAVED_ROWS_MAX];
+            uint32_t sub[16 * INTERLEAVED_ROWS_MAX];
 #pragma omp simd
             for (int64_t j = 0; j < w; j++) {
                 float v = x[i0 + j] * lane_inv[j];
                 v = v > top ? top : (v < -top ? -top : v);
-                codes[i0 + j] = to_e4m3(lane_inv[j] == 0.0f ? 0.0f : v);
+                t[j] = lane_inv[j] == 0.0f ? 0.0f : v;
+                sub[j] = e4m3_subnormal(t[j]);
             }
+            const float_bits *bits = (const float_bits *)t;
+#pragma omp simd
+            for (int64_t j = 0; j < w; j++) sub[j] = e4m3_code(bits[j], sub[j]);
+#pragma omp simd
+            for (int64_t j = 0; j < w; j++) codes[i0 + j] = (uint8_t)sub[j];
         } else {
             int32_t t[16 * INTERLEAVED_ROWS_MAX];  /* through int32, as encode_codes does */
 #pragma omp simd

@@ -15,7 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "quant_rows.h" /* to_e4m3, round_even, encode_row, encode_item, decode_item */
+#include "quant_rows.h" /* encode_item, decode_item */
 
 void quant_encode_f32(const float *x, uint8_t *raw, int64_t items, int64_t A, int64_t L, int64_t B,
                       int64_t nbytes, int64_t code_bytes, int fp8) {
