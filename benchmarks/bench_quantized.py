@@ -15,7 +15,8 @@ Parts (`--part`, default all):
   quantized) of the next-token distributions over those positions, in nats.
 - scales: the KV row (a scale per token and head, or per block and head), measured on tiny-code's pages.
 - speed: generated tokens per CPU second of tiny-code (8 prompts x 128 tokens), quantized / unquantized,
-  1 thread, alternating, median of `--repeats` with min-max.
+  1 thread, alternating, median of `--repeats` with min-max; then the same for a tiny random Qwen3-Next
+  of tiny-code's width (GDN_MODEL: the GDN layers' decode reads its quantized slots in place too).
 
     python benchmarks/bench_quantized.py --windows 8 --repeats 5
 """
@@ -179,11 +180,37 @@ def part_scales() -> dict:
 
 
 def part_speed(repeats: int) -> dict:
-    from hybridkv import SamplingParams
-
+    """tiny-code: the float32 engine, int8 KV + int8 state, int8 state only, alternating."""
     engines = {"float32": llm(), "int8 KV + int8 state": llm("int8", "int8"), "int8 state only": llm("auto", "int8")}
     tok = engines["float32"].tokenizer
-    prompts = [{"prompt_token_ids": tok.encode(t)[:64]} for t in held_out_texts()[:8]]
+    return timed_generation(engines, [{"prompt_token_ids": tok.encode(t)[:64]} for t in held_out_texts()[:8]], repeats)
+
+
+# a tiny random Qwen3-Next (models/tiny.py) at tiny-code's width: GDN layers of 2 key heads and 4 value heads
+# of 64 (conv window 384 x 3, state 4 x 64 x 64) and 2 attention layers, dense MLPs
+GDN_MODEL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+                 linear_key_head_dim=64, linear_value_head_dim=64, num_experts=0, vocab_size=4096,
+                 layer_types=["linear_attention", "linear_attention", "full_attention"] * 2)
+
+
+def part_speed_gdn(repeats: int) -> dict:
+    """The GDN path: a tiny Qwen3-Next (GDN_MODEL), float32 against int8 KV + int8 state, alternating."""
+    from hybridkv.models.tiny import make_tiny_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(make_tiny_checkpoint("qwen3_next", Path(tmp), seed=3, **GDN_MODEL))
+        engines = {"float32": llm(model=path), "int8 KV + int8 state": llm("int8", "int8", model=path)}
+        g = torch.Generator().manual_seed(0)
+        prompts = [{"prompt_token_ids": torch.randint(4, 4096, (64,), generator=g).tolist()} for _ in range(8)]
+        return timed_generation(engines, prompts, repeats)
+
+
+def timed_generation(engines: dict, prompts: list, repeats: int) -> dict:
+    """Generated tokens per CPU second of each engine (8 prompts x 128 greedy tokens), alternating; the
+    time ratio to "float32" per repeat: median and min-max."""
+    from hybridkv import SamplingParams
+
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
     times = {n: [] for n in engines}
     for e in engines.values():  # warm-up
@@ -200,6 +227,14 @@ def part_speed(repeats: int) -> dict:
         out[name] = {"tok_per_cpu_s": tokens / statistics.median(times[name]),
                      "time_ratio_median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
     return out
+
+
+def print_speed(title: str, s: dict, repeats: int) -> None:
+    print(f"{title}, 8 prompts x 128 tokens, 1 thread, CPU time, median of {repeats} (min-max):")
+    for name in s["cpu_s"]:
+        v = s[name]
+        print(f"  {name:22s} {v['tok_per_cpu_s']:.0f} tok/CPU-s; time {v['time_ratio_median']:.2f}x float32 "
+              f"({v['min']:.2f}-{v['max']:.2f})")
 
 
 def main(argv=None) -> dict:
@@ -231,12 +266,9 @@ def main(argv=None) -> dict:
         for name in ("per token and head", "per block and head"):
             print(f"  {name:20s} {sc[name]['keys']:.4f} / {sc[name]['values']:.4f}; {sc['bytes_per_value'][name]:.3f} B")
     if a.part in ("speed", "all"):
-        s = res["speed"] = part_speed(a.repeats)
-        print(f"tiny-code, 8 prompts x 128 tokens, 1 thread, CPU time, median of {a.repeats} (min-max):")
-        for name in s["cpu_s"]:
-            v = s[name]
-            print(f"  {name:22s} {v['tok_per_cpu_s']:.0f} tok/CPU-s; time {v['time_ratio_median']:.2f}x float32 "
-                  f"({v['min']:.2f}-{v['max']:.2f})")
+        res["speed"], res["speed_gdn"] = part_speed(a.repeats), part_speed_gdn(a.repeats)
+        print_speed("tiny-code", res["speed"], a.repeats)
+        print_speed("tiny Qwen3-Next (GDN)", res["speed_gdn"], a.repeats)
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
     return res
