@@ -2,9 +2,10 @@
 
 Why: under `state_cache_dtype` int8 / fp8_e4m3 a pool slot is codes and scales
 (hybridkv/cache_dtype.py). Without this op a step of decodes decodes each slot's conv window and state
-to float, runs the float decode and encodes them back (scheduler/cache_staging.py); here the C
-kernels decode each row as they read it and encode it while it is still in L1, with no float copy of
-the slots between (kernels/native/mamba2_decode.c `conv1d_update_q`, gdn_decode.c `gdn_state_update_q`).
+to float, runs the float decode and encodes them back (scheduler/cache_staging.py), passes over whole
+working tensors; here the C kernels decode a slot's window, or a head of its state, into scratch as
+they first read it and encode it back once stepped (kernels/native/mamba2_decode.c `conv1d_update_q`,
+gdn_decode.c `gdn_state_update_q`).
 
 What it computes is what the float decode computes on the decoded slots, value for value, and the
 bytes of encoding its result: the conv is the float conv's own row function (conv_row), q and k are

@@ -39,7 +39,7 @@ GDN_STATE_UPDATE_Q = CFunction(  # over a quantized pool (gdn_quantized.py)
     q=f32("nb", "HV", "K"), k=f32("nb", "HV", "K"), v=f32("nb", "HV", "V", strides=("v_row", "V", 1)),
     v_row=I64, g=f32("nb", "HV", strides=("g_row", 1)), g_row=I64,
     beta=f32("nb", "HV", strides=("beta_row", 1)), beta_row=I64, o=f32("nb", "HV", "V", new=True),
-    scratch=f32("2 * V + max(4096, V)", new=True))
+    scratch=f32("2 * V + K * V", new=True))
 
 
 def mamba1_state_update_native(ssm_state, x, dt, A, B, C, D, z, dt_bias, slot_idx, dt_softplus=True):

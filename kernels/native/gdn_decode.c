@@ -5,11 +5,12 @@
  * computed as two passes over S instead of torch's five: a read for S^T k and S^T q together,
  * then S <- e^g S + k delta^T, with o = e^g S^T q + delta (k . q).
  * gdn_state_update_q: the same over a quantized pool (hybridkv/cache_dtype.py: a slot is one item,
- * the codes of S's rows [HV K][V] then a float32 scale per row), read and written in place: each row
- * decoded as the passes read it (into a row of scratch) and, in the second pass, stepped and encoded
- * back while in L1, a block of rows at a time (quant_rows.h encode_rows). Every value is that of the
- * float function on the decoded rows (the same code per row and column; no sum across a row), and
- * the bytes those of encoding its result; the null slot 0 is read, never written back.
+ * the codes of S's rows [HV K][V] then a float32 scale per row), read and written in place: a head's
+ * rows decoded into scratch (one head: 64 KiB at 128 x 128) as the first pass reads them, stepped
+ * there by the second and encoded back a block of rows at a time (quant_rows.h encode_rows). Every
+ * value is that of the float function on the decoded rows (the same code per row and column; no sum
+ * across a row), and the bytes those of encoding its result; the null slot 0 is read, never written
+ * back.
  * q and k come prepared by the caller (l2-normalised, scaled, one row per value head).
  * Returns 1 (a slot repeated) or 2 (a slot outside the pool) before writing anything, and the
  * caller runs its torch path; 0 on success. Called from kernels/recurrent_native.py and
@@ -30,20 +31,20 @@ struct quantized_head {
     int write;                /* 0: stepped, its codes left as they were (the null slot) */
 };
 
-/* One value head: S [K][V] (float, in place) or, S NULL, qs's rows through `rows` (scratch of
- * max(4096, V) floats: blocks of up to ENCODE_ROWS_MAX rows [V] in 16 KiB). qh, kh [K]; vh, oh [V];
- * sk, sq [V] scratch. */
+/* One value head: S [K][V] (float, in place) or, S NULL, qs's rows decoded into `rows` [K][V]
+ * (scratch) by the first pass, stepped there by the second and encoded back a block of rows at a
+ * time. qh, kh [K]; vh, oh [V]; sk, sq [V] scratch. */
 static void gdn_head(float *S, const struct quantized_head *qs, float *rows, int64_t K, int64_t V, const float *qh,
                      const float *kh, const float *vh, float decay, float b, float *oh, float *sk, float *sq) {
     for (int64_t j = 0; j < V; j++) sk[j] = sq[j] = 0.0f;
     float kq = 0.0f;
     for (int64_t i = 0; i < K; i++) {
         const float ki = kh[i], qi = qh[i];
-        const float *Si = S ? S + i * V : rows;
+        const float *Si = S ? S + i * V : rows + i * V;
         if (!S) {
             float scale;
             memcpy(&scale, qs->scales + 4 * i, 4);
-            decode_contiguous_row(qs->codes + i * V, scale, rows, V, qs->fp8_values);
+            decode_contiguous_row(qs->codes + i * V, scale, rows + i * V, V, qs->fp8_values);
         }
         kq += ki * qi;
 #pragma omp simd
@@ -67,22 +68,19 @@ static void gdn_head(float *S, const struct quantized_head *qs, float *rows, int
         }
         return;
     }
-    const int64_t block = V * ENCODE_ROWS_MAX <= 4096 ? ENCODE_ROWS_MAX : (V < 4096 ? 4096 / V : 1);
-    for (int64_t i0 = 0; i0 < K; i0 += block) {
-        const int64_t n = K - i0 < block ? K - i0 : block;
-        float scales[ENCODE_ROWS_MAX];
+    for (int64_t i0 = 0; i0 < K; i0 += ENCODE_ROWS_MAX) {
+        const int64_t n = K - i0 < ENCODE_ROWS_MAX ? K - i0 : ENCODE_ROWS_MAX;
         uint32_t max_bits[ENCODE_ROWS_MAX];
-        memcpy(scales, qs->scales + 4 * i0, (size_t)(4 * n));
         for (int64_t r = 0; r < n; r++) {
             const float ki = kh[i0 + r];
-            float *Si = rows + r * V;
-            decode_contiguous_row(qs->codes + (i0 + r) * V, scales[r], Si, V, qs->fp8_values);
+            float *Si = rows + (i0 + r) * V;
 #pragma omp simd
             for (int64_t j = 0; j < V; j++) Si[j] = Si[j] * decay + ki * sk[j];
             max_bits[r] = row_max_bits(Si, V);
         }
         if (qs->write) {
-            encode_rows(rows, max_bits, qs->codes + i0 * V, scales, n, V, qs->fp8_values != NULL,
+            float scales[ENCODE_ROWS_MAX];
+            encode_rows(rows + i0 * V, max_bits, qs->codes + i0 * V, scales, n, V, qs->fp8_values != NULL,
                         qs->fp8_values ? 448.0f : 127.0f);
             memcpy(qs->scales + 4 * i0, scales, (size_t)(4 * n));
         }
@@ -121,7 +119,7 @@ int gdn_state_update(float *state, int64_t num_slots, const int32_t *slots, int6
                       beta_row, o, scratch);
 }
 
-/* scratch: [2 V + max(4096, V)] (the rows of gdn_head's blocks; gdn_quantized.py sizes it so) */
+/* scratch: [2 V + K V] (sk, sq and a head's rows: gdn_head) */
 int gdn_state_update_q(uint8_t *pool, int64_t num_slots, const int32_t *slots, int64_t nb, int64_t HV, int64_t K,
                        int64_t V, int64_t nbytes, int64_t code_bytes, const float *fp8_values, const float *q,
                        const float *k, const float *v, int64_t v_row, const float *g, int64_t g_row,
