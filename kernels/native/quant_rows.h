@@ -1,6 +1,7 @@
 /* One item of a quantized cache row layout (hybridkv/cache_dtype.py) encoded from float32 and
  * decoded back: what quantize.c's functions do per item, and what the decode kernels that keep
- * quantized states in place (mamba2_decode.c) do to a slot. Included, not built alone:
+ * quantized caches in place (mamba2_decode.c, gdn_decode.c, paged_attention.c) do to a slot, a
+ * block of a state's rows (encode_rows) or a page's vector. Included, not built alone:
  * native_cpu.py hashes every header of this folder into each library's name. See quantize.c for
  * the arithmetic; compiled with the same flags everywhere, so the same bytes everywhere.
  */
