@@ -5,7 +5,9 @@
 What a step of one-token decodes costs one recurrent layer between its projections, on the CPU, one
 torch thread: `ops.mamba2_mixer_decode` (float pools) against `ops.mamba2_mixer_decode_q` (int8 and
 fp8 pools, each slot decoded, stepped and encoded in place), and the gated delta rule's decode
-(`ops.conv1d_update` + `ops.gdn_state_update` on float pools) against `ops.gdn_decode_q`. Shapes:
+(`ops.conv1d_update` + `ops.gdn_state_update` on float pools) against `ops.gdn_decode_q` and against
+what a step did before it ("staged": the batch's slots decoded into working tensors, the float decode,
+encoded back: quantize.decode_gather / encode_scatter, as scheduler/cache_staging.py does). Shapes:
 the Mamba2 layer of hybridkv/tiny-code (bench_quantized.py's model: 8 heads of 64, d_state 32, one
 group, d_conv 4) and a GDN layer of Qwen3-Next's head sizes scaled down (4 key heads, 8 value heads,
 head dims 64, d_conv 4); batch 8 over slots scattered in a pool of 32 (as the engine's are). Each
@@ -22,7 +24,7 @@ import time
 import torch
 
 from hybridkv.cache_dtype import conv_layout, state_layout
-from hybridkv.kernels import ops
+from hybridkv.kernels import ops, quantize
 
 BATCH, SLOTS = 8, 32
 
@@ -75,6 +77,22 @@ def gdn_case(dtype, Hk=4, HV=8, dk=64, dv=64, k=4, seed=0):
         return ops.gdn_decode_q(mixed, gate, beta, slots, conv_pool=conv_q, conv_layout=cl, state_pool=state_q,
                                 state_layout=sl, conv_weight=weight, num_k_heads=Hk, head_k_dim=dk,
                                 num_v_heads=HV, head_v_dim=dv)
+
+    src, work = slots.long(), torch.arange(BATCH)
+    conv_work = torch.empty(BATCH, conv_dim, k - 1)
+    state_work = torch.empty(BATCH, HV, dk, dv)
+
+    def staged_call():  # what a step did before the op: the slots decoded, the float decode, encoded back
+        quantize.decode_gather(cl, conv_q, src, 1, conv_work)
+        quantize.decode_gather(sl, state_q, src, 1, state_work)
+        x = ops.conv1d_update(mixed, conv_work, weight, None, work)
+        q, kk, v = x.split([key_dim, key_dim, HV * dv], -1)
+        o = ops.gdn_state_update(state_work, q.reshape(BATCH, Hk, dk), kk.reshape(BATCH, Hk, dk),
+                                 v.reshape(BATCH, HV, dv), gate, beta, work)
+        quantize.encode_scatter(cl, conv_work, work, conv_q, src, 1)
+        quantize.encode_scatter(sl, state_work, work, state_q, src, 1)
+        return o
+    quantized_call.staged = staged_call
     return float_call, quantized_call
 
 
@@ -98,7 +116,9 @@ def cases():
         calls = {dtype: make(dtype) for dtype in ("int8", "fp8_e4m3")}
         float_call = calls["int8"][0]
         assert float_call() is not None and all(q() is not None for _, q in calls.values()), label
-        out[label] = (float_call, {dtype: q for dtype, (_, q) in calls.items()})
+        quantized = {dtype: q for dtype, (_, q) in calls.items()}
+        quantized.update({f"{dtype} staged": q.staged for dtype, q in quantized.items() if hasattr(q, "staged")})
+        out[label] = (float_call, quantized)
     return out
 
 
@@ -116,7 +136,7 @@ def main(argv=None) -> dict:
         base = statistics.median(t["float32"])
         for name, ts in t.items():
             ratio = "" if name == "float32" else f"  {statistics.median(ts) / base:.2f}x float32"
-            print(f"  {label:24s} {name:9s} {1e6 * statistics.median(ts):7.1f} "
+            print(f"  {label:20s} {name:16s} {1e6 * statistics.median(ts):7.1f} "
                   f"({1e6 * min(ts):.1f}-{1e6 * max(ts):.1f}){ratio}")
     return res
 
