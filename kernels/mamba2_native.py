@@ -52,8 +52,8 @@ class _MixerArgs(ctypes.Structure):
                 ("dt_bias", _P), ("D", _P), ("norm_w", _P), ("norm_group", I64), ("eps", F32),
                 ("norm_mode", ctypes.c_int32), ("xbc", _P), ("A", _P),
                 ("conv_q", _P), ("ssm_q", _P), ("conv_nbytes", I64), ("conv_code_bytes", I64), ("conv_A", I64),
-                ("conv_L", I64), ("conv_B", I64), ("ssm_nbytes", I64), ("ssm_code_bytes", I64), ("ssm_A", I64),
-                ("ssm_L", I64), ("ssm_B", I64), ("conv_fp8", ctypes.c_int32), ("ssm_fp8", ctypes.c_int32),
+                ("conv_L", I64), ("conv_B", I64), ("ssm_nbytes", I64), ("ssm_code_bytes", I64),
+                ("conv_fp8", ctypes.c_int32), ("ssm_fp8", ctypes.c_int32),
                 ("fp8_values", _P)]
 
 
@@ -143,7 +143,6 @@ class Mamba2MixerDecode:
             a.conv_nbytes, a.conv_code_bytes = conv_layout.nbytes, conv_layout.code_bytes
             a.conv_A, a.conv_L, a.conv_B = quantize.layout_dims(conv_layout)
             a.ssm_nbytes, a.ssm_code_bytes = ssm_layout.nbytes, ssm_layout.code_bytes
-            a.ssm_A, a.ssm_L, a.ssm_B = quantize.layout_dims(ssm_layout)
             a.conv_fp8, a.ssm_fp8 = conv_layout.dtype == "fp8_e4m3", ssm_layout.dtype == "fp8_e4m3"
             if a.conv_fp8 or a.ssm_fp8:
                 self._fp8 = quantize.fp8_values_table()

@@ -261,7 +261,7 @@ struct mamba2_mixer_args {
     uint8_t *conv_q;        /* [num_slots, conv_nbytes] */
     uint8_t *ssm_q;         /* [num_slots, ssm_nbytes] */
     int64_t conv_nbytes, conv_code_bytes, conv_A, conv_L, conv_B;  /* the item as [A][L][B], rows along L */
-    int64_t ssm_nbytes, ssm_code_bytes, ssm_A, ssm_L, ssm_B;
+    int64_t ssm_nbytes, ssm_code_bytes;  /* the state's rows along N (quantized_rows) */
     int32_t conv_fp8, ssm_fp8;
     const float *fp8_values;  /* [256] the e4m3fn codes' values, when either is fp8 */
 };
