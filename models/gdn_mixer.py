@@ -110,7 +110,7 @@ class GatedDeltaNetMixer(RowParallel, nn.Module):
                                       s.prefill_has_init, use_qk_l2norm=True)
 
         core = split.run(packed, decode=decode, prefill=prefill, states=(ssm_state,))  # [T, HV, dv]
-        return self._output(core, z, hidden)
+        return self.rank_sum(self._out_proj(core, z, hidden))
 
     @property
     def reads_codes(self) -> bool:
@@ -129,13 +129,13 @@ class GatedDeltaNetMixer(RowParallel, nn.Module):
             state_pool=codes.state, state_layout=codes.state_layout, conv_weight=self.conv1d.weight,
             num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim, num_v_heads=self.num_v_heads,
             head_v_dim=self.head_v_dim)
-        return None if core is None else self._output(core, z, hidden)
+        return None if core is None else self.rank_sum(self._out_proj(core, z, hidden))
 
     def _gates(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """a, b [T, HV] -> (g log-decay fp32, beta) [T, HV]."""
         return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias), b.sigmoid() * self.beta_scale
 
-    def _output(self, core: torch.Tensor, z: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """core [T, HV, dv] -> gated norm by z [T, HV, dv], out_proj -> [T, hidden_size]."""
+    def _out_proj(self, core: torch.Tensor, z: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """core [T, HV, dv] -> gated norm by z [T, HV, dv], out_proj -> [T, hidden_size] (this rank's part)."""
         core = self.norm(core.to(hidden.dtype).reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-        return self.rank_sum(self.out_proj(core.reshape(hidden.shape[0], self.value_dim)))
+        return self.out_proj(core.reshape(hidden.shape[0], self.value_dim))
