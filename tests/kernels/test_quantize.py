@@ -50,6 +50,27 @@ def test_non_finite_rows_decode_to_nan_alone(dtype, width):
     assert torch.equal(got[keep], want[keep]) and torch.equal(got.isnan(), want.isnan())
 
 
+@pytest.mark.parametrize("dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("shape,row_dim", [((24, 3), 0), ((40, 8), 0), ((2, 37, 5), 1), ((24, 9), 0)])
+def test_interleaved_rows_with_non_finite_values(dtype, shape, row_dim):
+    """Rows interleaved in their item (a conv window's time steps: B of [A][L][B] up to 8 go through the
+    vector sweeps, 9 through the row-by-row loop): the C bytes are the torch path's, and a row with a NaN
+    or an infinity decodes to NaN alone."""
+    needs_native()
+    layout = QuantLayout(dtype, shape, row_dim)
+    x = values((5,), shape, row_dim, 4)
+    assert torch.equal(quantize.encode(layout, x), layout.encode(x))
+    x = x.movedim(1 + row_dim, -1)  # [items, ..., L]: a row is x[i, ..., :]
+    x[1, ..., 2, 3] = float("nan")
+    x[3, ..., 0, 0] = float("inf")
+    x = x.movedim(-1, 1 + row_dim)
+    got = quantize.decode(layout, quantize.encode(layout, x))
+    want = layout.decode(layout.encode(x))
+    assert int(got.isnan().sum()) == 2 * shape[row_dim] * (shape[0] if row_dim and len(shape) == 3 else 1)
+    keep = ~want.isnan()
+    assert torch.equal(got[keep], want[keep]) and torch.equal(got.isnan(), want.isnan())
+
+
 def test_every_fp8_code_round_trips_and_falls_back_without_native():
     """Each of the 254 finite e4m3 values (times a scale of 1) encodes to its own code; with native
     kernels off the torch path runs."""
