@@ -31,17 +31,10 @@ import triton.language as tl
 
 from .quant_rows_triton import decode_codes, encode_codes, fp8_values_on, row_amax, row_scale
 from .split_kv import DEFAULT_NUM_SMS, kv_splits, merge_splits
-from .triton_math import device_guard, interpreted
+from .triton_math import device_guard, interpreted, tanh
 
 LOG2E = tl.constexpr(1.4426950408889634)
 FORCE_SPLITS = None  # a key-share count to use instead of split_kv's rule (a test sets one)
-
-
-@triton.jit
-def _tanh(x):
-    e = tl.exp(-2.0 * tl.abs(x))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x >= 0, t, -t)
 
 
 @triton.jit
@@ -49,7 +42,7 @@ def _logits(s, scale, soft_cap, USE_SOFTCAP: tl.constexpr):
     """Raw q.k -> the softmax's logits in log2 units."""
     s = s * scale
     if USE_SOFTCAP:
-        s = soft_cap * _tanh(s / soft_cap)
+        s = soft_cap * tanh(s / soft_cap)
     return s * LOG2E
 
 

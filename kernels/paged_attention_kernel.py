@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .attention_ref import check_attention_inputs
 from .split_kv import DEFAULT_NUM_SMS, MAX_SPLITS, kv_splits, merge_splits
-from .triton_math import interpreted
+from .triton_math import interpreted, tanh
 
 @triton.jit
 def _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr):
@@ -43,14 +43,6 @@ def _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr):
         else:
             hi = mid
     return lo - 1
-
-
-@triton.jit
-def _tanh(x):
-    # tl.math has no portable tanh across Triton versions; this form is exact and overflow-free
-    e = tl.exp(-2.0 * tl.abs(x))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x >= 0, t, -t)
 
 
 @triton.jit
@@ -160,7 +152,7 @@ def _attend_tile(tile, m_i, l_i, acc, q, q_pos, row_ok, d_ok, offs_d, kv_ptr, bt
     else:
         s = tl.dot(q, k) * scale
     if USE_SOFTCAP:
-        s = soft_cap * _tanh(s / soft_cap)
+        s = soft_cap * tanh(s / soft_cap)
     s = s * 1.4426950408889634  # log2(e): the softmax runs on exp2
     visible = key_ok[None, :] & row_ok[:, None]
     if CAUSAL:

@@ -1,4 +1,4 @@
-"""Small Triton device functions shared by the state kernels."""
+"""Small Triton device functions shared by the kernels."""
 from __future__ import annotations
 
 import contextlib
@@ -21,6 +21,14 @@ def softplus(x):
 @triton.jit
 def silu(x):
     return x / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def tanh(x):
+    """tanh by exp (tl.math has no portable tanh across Triton versions): exact, overflow-free."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x >= 0, t, -t)
 
 
 def device_guard(t: torch.Tensor):

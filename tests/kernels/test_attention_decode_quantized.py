@@ -2,8 +2,6 @@
 the torch reference of the same arithmetic: the pool decoded by the layout's torch path, each
 request's new token put back at full precision, attended by paged_attention_ref (and, value for
 value, by the float C kernel on those decoded pages). Random inputs, NaN rows, int8 and fp8."""
-import math
-
 import pytest
 import torch
 
@@ -11,49 +9,7 @@ from hybridkv.cache_dtype import QuantLayout
 from hybridkv.kernels import attention_decode_quantized as adq
 from hybridkv.kernels.attention_decode_native import NativeDecodes, attend_decodes
 from hybridkv.kernels.attention_ref import paged_attention_ref
-
-
-def case(lens, bs, hkv, group, d, dtype, seed):
-    """A quantized pool with each request's blocks shuffled among spare ones (spare blocks and the
-    unwritten tails hold NaN rows), q, the new K/V `fresh` of each request's last token, the
-    table and the slot of that token."""
-    g = torch.Generator().manual_seed(seed)
-    layout = QuantLayout(dtype, (d,), 0)
-    need = [math.ceil(n / bs) for n in lens]
-    num_blocks = sum(need) + 5
-    vals = torch.randn(num_blocks, 2, bs, hkv, d, generator=g)
-    vals = vals * torch.exp(torch.empty(num_blocks, 2, bs, hkv, 1).uniform_(-3, 3, generator=g))  # rows of many scales
-    perm = torch.randperm(num_blocks, generator=g)
-    table = torch.randint(0, num_blocks, (len(lens), max(need) + 1), generator=g, dtype=torch.int32)
-    used = 0
-    for r, n in enumerate(need):
-        table[r, :n] = perm[used:used + n].to(torch.int32)
-        used += n
-    vals[perm[used:]] = float("nan")  # blocks no request reads
-    for r, n in enumerate(lens):  # the unwritten tail of each last block
-        vals[table[r, (n - 1) // bs], :, (n - 1) % bs + 1:] = float("nan")
-    pool = layout.encode(vals)
-    T = len(lens)
-    fresh = torch.randn(T, 2, 1, hkv, d, generator=g) * 3
-    slots = torch.tensor([int(table[r, (n - 1) // bs]) * bs + (n - 1) % bs for r, n in enumerate(lens)])
-    q = torch.randn(T, hkv * group, d, generator=g)
-    return layout, pool, fresh, slots, q, table
-
-
-def written_pool(layout, pool, fresh, slots, bs):
-    """The pool with each new K and V vector encoded (the layout's torch path) at its token's slot."""
-    want = pool.clone()
-    for t, s in enumerate(slots.tolist()):
-        want[s // bs, :, s % bs] = layout.encode(fresh[t, :, 0])
-    return want
-
-
-def reference_pages(layout, pool, fresh, slots, bs):
-    """The float pages a staged step attends over: the pool decoded, the new tokens at full precision."""
-    pages = layout.decode(pool)
-    for t, s in enumerate(slots.tolist()):
-        pages[s // bs, :, s % bs] = fresh[t, :, 0]
-    return pages
+from quantized_pages import case, reference_pages, written_pool
 
 
 @pytest.mark.parametrize("dtype", ["int8", "fp8_e4m3"])

@@ -4,8 +4,6 @@ torch path (the same bytes), the pool decoded by it with each request's new toke
 precision, attended by paged_attention_ref (within fp32 tolerance; and against the CPU's C kernel).
 Random inputs of many magnitudes, blocks handed out shuffled, ragged lengths, GQA, window, soft cap,
 sinks, split-KV, NaN rows, int8 and fp8. Tiny shapes: the interpreter is slow."""
-import math
-
 import pytest
 import torch
 
@@ -14,50 +12,9 @@ from hybridkv.kernels import attention_decode_quantized_triton as adqt
 from hybridkv.kernels import ops
 from hybridkv.kernels.attention_decode_quantized_triton import quantized_decode_attention_triton
 from hybridkv.kernels.attention_ref import paged_attention_ref
+from quantized_pages import case, reference_pages, written_pool
 
 pytestmark = pytest.mark.slow  # interpreted Triton
-
-
-def case(lens, bs, hkv, group, d, dtype, seed):
-    """A quantized pool whose requests' blocks are shuffled among spare ones (spare blocks and the
-    unwritten tails hold NaN rows), q, the new K/V `fresh` of each request's last token, the block
-    table (entries past a request's blocks: any block) and the slot of that token."""
-    g = torch.Generator().manual_seed(seed)
-    layout = QuantLayout(dtype, (d,), 0)
-    need = [math.ceil(n / bs) for n in lens]
-    num_blocks = sum(need) + 3
-    vals = torch.randn(num_blocks, 2, bs, hkv, d, generator=g)
-    vals = vals * torch.exp(torch.empty(num_blocks, 2, bs, hkv, 1).uniform_(-4, 4, generator=g))  # many scales
-    perm = torch.randperm(num_blocks, generator=g)
-    table = torch.randint(0, num_blocks, (len(lens), max(need) + 1), generator=g, dtype=torch.int32)
-    used = 0
-    for r, n in enumerate(need):
-        table[r, :n] = perm[used:used + n].to(torch.int32)
-        used += n
-    vals[perm[used:]] = float("nan")  # blocks no request reads
-    for r, n in enumerate(lens):  # the unwritten tail of each last block, the new token's slot included
-        vals[table[r, (n - 1) // bs], :, (n - 1) % bs:] = float("nan")
-    fresh = torch.randn(len(lens), 2, 1, hkv, d, generator=g) * torch.exp(
-        torch.empty(len(lens), 2, 1, hkv, 1).uniform_(-4, 4, generator=g))
-    slots = torch.tensor([int(table[r, (n - 1) // bs]) * bs + (n - 1) % bs for r, n in enumerate(lens)])
-    q = torch.randn(len(lens), hkv * group, d, generator=g)
-    return layout, layout.encode(vals), fresh, slots, q, table
-
-
-def written_pool(layout, pool, fresh, slots, bs):
-    """The pool with each new K and V vector encoded (the layout's torch path) at its token's slot."""
-    want = pool.clone()
-    for t, s in enumerate(slots.tolist()):
-        want[s // bs, :, s % bs] = layout.encode(fresh[t, :, 0])
-    return want
-
-
-def reference_pages(layout, pool, fresh, slots, bs):
-    """The float pages a staged step attends over: the pool decoded, the new tokens at full precision."""
-    pages = layout.decode(pool)
-    for t, s in enumerate(slots.tolist()):
-        pages[s // bs, :, s % bs] = fresh[t, :, 0]
-    return pages
 
 
 def run(q, fresh, pool, layout, slots, table, lens, scale, soft_cap=None, window=None, sinks=None):
