@@ -31,7 +31,7 @@ import triton.language as tl
 
 from .quant_rows_triton import decode_codes, encode_codes, fp8_values_on, row_amax, row_scale
 from .split_kv import DEFAULT_NUM_SMS, kv_splits, merge_splits
-from .triton_math import device_guard, interpreted, tanh
+from .triton_math import device_guard, fold_sink, interpreted, tanh
 
 LOG2E = tl.constexpr(1.4426950408889634)
 FORCE_SPLITS = None  # a key-share count to use instead of split_kv's rule (a test sets one)
@@ -114,12 +114,7 @@ def _quantized_decode_kernel(
     if USE_SINKS:  # the head's sink logit joins the denominator once (share 0), with no value
         sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
         sink = tl.where(split == 0, sink, float("-inf"))
-        m_fin = tl.maximum(m_i, sink)
-        m_safe = tl.where(m_fin > float("-inf"), m_fin, 0.0)
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.exp2(sink - m_safe)
-        acc = acc * alpha[:, None]
-        m_i = m_fin
+        m_i, l_i, acc = fold_sink(m_i, l_i, acc, sink)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_off = r.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     tl.store(out_ptr + o_off + split * stride_os, out, mask=row_ok[:, None] & d_ok[None, :])

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .attention_ref import check_attention_inputs
 from .split_kv import DEFAULT_NUM_SMS, MAX_SPLITS, kv_splits, merge_splits
-from .triton_math import interpreted, tanh
+from .triton_math import fold_sink, interpreted, tanh
 
 @triton.jit
 def _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr):
@@ -116,12 +116,7 @@ def _paged_attention_kernel(
     if USE_SINKS:  # the head's sink logit joins the denominator once (split 0), with no value
         sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
         sink = tl.where(split == 0, sink, float("-inf"))
-        m_fin = tl.maximum(m_i, sink)
-        m_safe = tl.where(m_fin > float("-inf"), m_fin, 0.0)
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.exp2(sink - m_safe)
-        acc = acc * alpha[:, None]
-        m_i = m_fin
+        m_i, l_i, acc = fold_sink(m_i, l_i, acc, sink)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_off = tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     o_mask = row_ok[:, None] & d_ok[None, :]

@@ -24,6 +24,16 @@ def silu(x):
 
 
 @triton.jit
+def fold_sink(m_i, l_i, acc, sink):
+    """An attention sink's logit (log2 units, -inf for none) joined to an online softmax's running
+    max m_i, denominator l_i and accumulator acc (rows x d), with no value: (m_i, l_i, acc)."""
+    m_fin = tl.maximum(m_i, sink)
+    m_safe = tl.where(m_fin > float("-inf"), m_fin, 0.0)
+    alpha = tl.exp2(m_i - m_safe)
+    return m_fin, l_i * alpha + tl.exp2(sink - m_safe), acc * alpha[:, None]
+
+
+@triton.jit
 def tanh(x):
     """tanh by exp (tl.math has no portable tanh across Triton versions): exact, overflow-free."""
     e = tl.exp(-2.0 * tl.abs(x))
