@@ -46,6 +46,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -119,8 +120,13 @@ def ceiling_manager(kv_tokens: int = KV_TOKENS) -> HybridCacheManager:
     return HybridCacheManager({0: STAND_IN[0]}, 16, kv_tokens // 16, 0, fingerprint="bench_prefix")
 
 
-def traces(small: bool) -> dict:
-    """name -> (trace, max_active): how many sessions are open at once (the burst: all of it)."""
+def traces(small: bool, seed: Optional[int] = None) -> dict:
+    """name -> (trace, max_active): how many sessions are open at once (the burst: all of it).
+    seed: every trace drawn with this seed instead of its own (the tier table's robustness runs)."""
+    if seed is not None:
+        return {"agent": (agent_sessions(seed=seed), MAX_NUM_SEQS), "few_shot": (few_shot(seed=seed), MAX_NUM_SEQS),
+                "short_prefix": (short_prefixes(seed=seed), MAX_NUM_SEQS), "burst": (burst(seed=seed), 32),
+                "chat": (multi_tenant_chat(seed=seed), MAX_NUM_SEQS)}
     if small:
         out = (20, 60)  # shorter answers (decode steps are most of the replay time), each past a block
         return {"agent": (agent_sessions(num_sessions=6, turns=3, output_len=out), MAX_NUM_SEQS),
@@ -169,12 +175,13 @@ def run(small: bool = False, budgets=None, max_num_seqs: int = MAX_NUM_SEQS) -> 
             "default_eviction": DEFAULT_EVICTION, "ceilings": ceilings, "rows": rows}
 
 
-def run_tiers(small: bool = False, budgets=(2, 4), host_x: int = 8, max_num_seqs: int = MAX_NUM_SEQS) -> dict:
+def run_tiers(small: bool = False, budgets=(2, 4), host_x: int = 8, max_num_seqs: int = MAX_NUM_SEQS,
+              seed: Optional[int] = None) -> dict:
     """The default policy at each device checkpoint budget, one tier and with a host tier of
     host_x times the device checkpoint bytes, per trace, as shares of the attention-only ceiling
-    (and of the ceiling with 4x the KV pool)."""
+    (and of the ceiling with 4x the KV pool). seed: the traces drawn with it (traces())."""
     rows = []
-    for trace_name, (trace, max_active) in traces(small).items():
+    for trace_name, (trace, max_active) in traces(small, seed).items():
         ceil = replay(ceiling_manager(), trace, max_num_seqs=max_num_seqs, max_active=max_active)
         big = replay(ceiling_manager(4 * KV_TOKENS), trace, max_num_seqs=max_num_seqs, max_active=max_active)
         for slots in budgets:
@@ -206,6 +213,22 @@ def tiers_markdown(report: dict) -> str:
              f"({r['host']['refused_demotions']}) | {r['host']['evictions']} "
              f"| {r['prefill_chunks']['ceiling']} / {r['prefill_chunks']['one_tier']} / {r['prefill_chunks']['host_tier']} |"
              for r in report["rows"]]
+    return head + "\n".join(lines) + "\n"
+
+
+def seeds_markdown(by_seed: dict) -> str:
+    """The host tier's share of the ceiling per trace and device budget (rows) for each trace seed
+    (columns), with the minimum and mean."""
+    seeds = list(by_seed)
+    share = {(seed, r["trace"], r["checkpoint_slots"]): r["host_tier_of_ceiling"]
+             for seed, rep in by_seed.items() for r in rep["rows"]}
+    keys = list(dict.fromkeys((t, b) for (_, t, b) in share))
+    head = ("| trace | device ckpt slots | " + " | ".join(f"seed {s}" for s in seeds) + " | min | mean |\n|---|---|"
+            + "---|" * (len(seeds) + 2) + "\n")
+    lines = []
+    for t, b in keys:
+        v = [share[(s, t, b)] for s in seeds]
+        lines.append(f"| {t} | {b} | " + " | ".join(f"{x:.1%}" for x in v) + f" | {min(v):.1%} | {sum(v) / len(v):.1%} |")
     return head + "\n".join(lines) + "\n"
 
 
@@ -285,10 +308,19 @@ def main(argv=None) -> dict:
     ap.add_argument("--host-x", type=int, default=8,
                     help="the memory-tier table's host tier, in device checkpoint bytes (default 8)")
     ap.add_argument("--tiers-only", action="store_true", help="only the memory-tier table (tiers.md, tiers.json)")
+    ap.add_argument("--trace-seeds", type=int, nargs="+", metavar="SEED",
+                    help="only the memory tiers' share of the ceiling with every trace drawn with each seed (seeds.md)")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    if a.trace_seeds:
+        by_seed = {s: run_tiers(host_x=a.host_x, seed=s) for s in a.trace_seeds}
+        table = seeds_markdown(by_seed)
+        (out / "seeds.md").write_text(f"Memory tiers, host tier {a.host_x}x: share of the ceiling by trace seed\n\n{table}")
+        print(table)
+        print(f"wrote {out}/seeds.md in {time.perf_counter() - t0:.1f} s")
+        return by_seed
     tiers = run_tiers(a.small, host_x=a.host_x)
     tier_table = tiers_markdown(tiers)
     (out / "tiers.md").write_text(f"Memory tiers: {DEFAULT_POLICY}, host tier {a.host_x}x the device checkpoint "

@@ -36,11 +36,14 @@ class CheckpointPolicy:
     BENCHMARKS.md, "Prefix-cache policies", has the numbers.
 
     trail (junctions only; the manager sets HOST_TIER_TRAIL when it has a host tier): a fresh
-    prompt (one that resumed from no state) also keeps `trail` states evenly spaced between its
-    deepest junction or burst state and its prompt end. A junction is found only when a second request branches off,
-    after the first has passed it; the second then resumes from the deepest trail state below the
-    junction instead of from nothing. The trail's states are cheap to hold in a host tier (the
-    device's eviction rule demotes them) and not worth device slots without one.
+    prompt (one that resumed from no state, found no junction and leads no burst) also keeps
+    `trail` states evenly spaced before its prompt end. A junction is found only when a second
+    request branches off, after the first has passed it; the second then resumes from the deepest
+    trail state below the junction instead of from nothing. The trail's states are cheap to hold
+    in a host tier (the device's eviction rule demotes them) and not worth device slots without
+    one. A prompt that found a junction or leads a burst knows where its prefix is shared: its
+    state there is kept, and a trail past it would hold the prompt's own tail (in a small host
+    tier it displaced the trails of prompts no one had branched from yet: BENCHMARKS.md, "Memory tiers").
     """
 
     def __init__(self, name: str, block_size: int, every_n: int = 4, trail: int = 0):
@@ -85,9 +88,8 @@ class CheckpointPolicy:
             e = self.prompt_end(num_prompt_tokens)
             if self.name != "junctions" or self._keeps_prompt_end(e, start, resumed_from, branch_point, shared):
                 found.append(e)
-            if self.trail and not resumed_from and start < e:  # a fresh prompt: past its junctions and bursts
-                base = max([0] + [b for b in (branch_point, *shared) if b is not None and b < e])
-                found.append(self._next_trail_state(max(start, base), base, e))
+            if self.trail and not resumed_from and branch_point is None and not shared and start < e:
+                found.append(self._next_trail_state(start, e))  # a fresh prompt no one shares yet
             latest = end // self.block_size * self.block_size
             if latest > num_prompt_tokens:  # in generated tokens: keep the latest boundary (multi-turn)
                 found.append(latest)
@@ -99,11 +101,11 @@ class CheckpointPolicy:
         hits = [b for b in found if start < b <= end and b > 0]
         return min(hits) if hits else None
 
-    def _next_trail_state(self, start: int, base: int, e: int) -> int:
-        """The first of the `trail` block boundaries spread evenly over (base, e) that lies past
+    def _next_trail_state(self, start: int, e: int) -> int:
+        """The first of the `trail` block boundaries spread evenly over (0, e) that lies past
         start (e itself when none does: the prompt end, which the rule weighs on its own)."""
-        step = -(-((e - base) // self.block_size) // (self.trail + 1)) * self.block_size
-        point = base + ((start - base) // step + 1) * step
+        step = -(-(e // self.block_size) // (self.trail + 1)) * self.block_size
+        point = (start // step + 1) * step
         return point if point < e else e
 
     def decodes_due(self, ends: np.ndarray) -> np.ndarray | bool:

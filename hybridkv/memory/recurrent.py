@@ -187,11 +187,14 @@ class RecurrentMemory(LayerMemory):
 
     def checkpoint(self, rid: Hashable, h: bytes, position: int, output: bool, source: Optional[int] = None) -> bool:
         src = self._slot[rid] if source is None else source
-        if output:  # one rolling output state per request: the new one replaces the old, unless a
-            old = self._rolling.get(rid)  # pinned turn (a twin that ended) pinned the old: it stays
+        if output:  # one rolling output state per request, in every tier: the new one replaces the
+            old = self._rolling.get(rid)  # old, unless a pinned turn (a twin that ended) pinned it
             self._rolling[rid] = h
-            if old is not None and old != h and old in self.checkpoints and not self.pinned(old):
-                if h not in self.checkpoints:
+            if old is not None and old != h and not self.pinned(old):
+                if old not in self.checkpoints:  # demoted (or dropped): it leaves the host tier too
+                    if self.host is not None:
+                        self.host.discard(old)
+                elif h not in self.checkpoints:
                     # the new state takes the old one's slot in place: what freeing it and taking a
                     # slot would do (the free list hands the slot just freed back first)
                     c = self.checkpoints.pop(old)
@@ -202,7 +205,8 @@ class RecurrentMemory(LayerMemory):
                     if self.host is not None:
                         self.host.discard(h)
                     return True
-                self._drop(old)
+                else:
+                    self._drop(old)
         if h in self.checkpoints:
             self._touch(h)
             return False

@@ -1,6 +1,8 @@
 """The host tier of state checkpoints (hybridkv/memory/host_tier.py) behind RecurrentMemory:
 demotion of evicted checkpoints, promotion on a hit with the state's bytes intact, the check
 that refuses a corrupted entry, the host budget and its eviction, and a key never in two tiers."""
+import time
+
 import pytest
 import torch
 
@@ -286,4 +288,22 @@ def test_a_pinned_checkpoint_that_becomes_the_last_live_slot_is_reclaimed_and_de
     assert not mem.checkpoints and list(mem.host.entries) == [H[0]] and live_value(mem, "b") == 1.5
     assert H[0] not in mem.pinned_until and mem.pins_reclaimed == 1
     assert mem.usable_prefix(H, 1) == 1
+    check_conservation(mem)
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_a_requests_next_output_state_lets_its_older_one_go_from_the_host_too(pinned):
+    """One rolling output state per request, in every tier: the old one a request ran past leaves
+    the host when the next is kept (it was demoted there), unless a pinned turn holds it."""
+    mem = memory(live=2)
+    mem.admit("b", [], 0)
+    fill(mem, "b", 2.5)
+    assert mem.checkpoint("b", H[1], 2 * BS, True)
+    keep(mem, "a", 0, 1.5)  # a prompt state takes the one device slot: b's output state is demoted
+    assert list(mem.checkpoints) == [H[0]] and list(mem.host.entries) == [H[1]]
+    if pinned:
+        mem.pin(H[1], time.monotonic() + 600)
+    assert mem.checkpoint("b", H[2], 3 * BS, True)  # b's next output state
+    assert list(mem.checkpoints) == [H[0], H[2]]  # (a's live slot is free again)
+    assert list(mem.host.entries) == ([H[1]] if pinned else [])
     check_conservation(mem)

@@ -45,9 +45,9 @@ def test_a_fresh_prompt_leaves_a_trail_when_a_host_tier_can_hold_it():
         cuts.append(b)
         start = b
     assert cuts == [48, 96, 144, 160]
-    # past a junction or a burst cut, the trail spreads over what is left of the prompt
-    assert T.due(0, 161, 161, 64, resumed_from=0) == 64
-    assert [T.due(s, 161, 161, 64, resumed_from=0) for s in (64, 96, 128)] == [96, 128, 160]  # 6 blocks, every 2
+    # a prompt that found a junction or leads a burst keeps its state there and no trail past it
+    assert [T.due(s, 161, 161, 64, resumed_from=0) for s in (0, 64)] == [64, 160]
+    assert [T.due(s, 161, 161, None, shared=[80], resumed_from=0) for s in (0, 80)] == [80, 160]
     # a prompt that resumed from a state keeps no trail (its tail is its own); nor does another
     # policy, nor 'junctions' without a host tier
     assert T.due(960, 1030, 1030, None, resumed_from=960) is None
