@@ -28,6 +28,7 @@ from hybridkv.memory.burst import BurstRule
 from hybridkv.memory.disk_tier import DiskTier
 from hybridkv.memory.full_attention import NO_BLOCK, FullAttentionMemory
 from hybridkv.memory.kinds import ModelKinds
+from hybridkv.memory.tier_reach import TierReach
 from hybridkv.prefix_match import NO_MATCH, PrefixHitCounter, PrefixMatch, match_prefix
 from hybridkv.request import Request, RequestStatus
 
@@ -53,6 +54,7 @@ class PrefixCache:
         self.pinned_turns = 0  # turns that ended pinned (pin)
         self.disk = disk  # the disk tier (memory/disk_tier.py): KV and states in files that outlive the process
         self.host_kv = kinds.host_kv  # evicted KV blocks in host memory (memory/host_kv_tier.py)
+        self.tiers = TierReach(kinds, block_size, disk)  # how deep device, host and disk reach together
         # without recurrent layers no checkpoint writes a prefix's KV through: each full block goes as it fills
         self._kv_write_through = disk is not None and kinds.recurrent is None
         self.bursts = BurstRule(block_size, self.prompt_hashes, lambda hashes, n: self._match(hashes, n).blocks)
@@ -97,32 +99,22 @@ class PrefixCache:
         return self._match(self.hashes(r), len(r.token_ids)) if self.enabled else NO_MATCH
 
     def deepest_match(self, r: Request, fits: Callable[[PrefixMatch], bool]) -> PrefixMatch:
-        """match(r), deepened from the lower tiers when they hold more of r's prefix: the host KV
-        tier, then the disk (what they hold is promoted into the device pools, then r is matched
-        again). The deeper hit is taken only when `fits` (every kind can take it and its first
-        chunk now); else the shallower one, if the promotions left it usable."""
-        match = deeper = self.match(r)
-        limit = min((len(r.token_ids) - 1) // self.block_size, len(r.block_hashes))
-        if self.host_kv is not None and self.host_kv.promote(r.block_hashes, limit, deeper.blocks,
-                                                             lambda m: self._state_at(r.block_hashes, m)):
-            deeper = self.match(r)
-        if self.disk is not None and self.disk.promote(r.block_hashes, limit, deeper.blocks):
-            deeper = self.match(r)
-        if deeper is match:
+        """match(r), deepened from the lower tiers when together they hold more of r's prefix:
+        the deepest position whose every piece is on the device, the host or the disk (each piece
+        from any of them, memory/tier_reach.py) is promoted into the device pools, then r is
+        matched again (a lower-tier entry that fails its check is refused and a shallower position
+        promoted). The deeper hit is taken only when `fits` (every kind can take it and its
+        first chunk now); else the shallower one, if the promotions left it usable."""
+        match = self.match(r)
+        if self.host_kv is None and self.disk is None or not self.enabled:
             return match
+        limit = min((len(r.token_ids) - 1) // self.block_size, len(r.block_hashes))
+        if not self.tiers.promote(r.block_hashes, limit, match.blocks):
+            return match
+        deeper = self.match(r)
         if fits(deeper) or not all(k.usable_prefix(r.block_hashes, match.blocks) == match.blocks for k in self.kinds):
             return deeper
         return match
-
-    def _state_at(self, hashes: Sequence[bytes], m: int) -> bool:
-        """Whether a state checkpoint after m blocks is on the device or (checked) in the host tier;
-        always for a model without state."""
-        if self.recurrent is None:
-            return True
-        key, position = hashes[m - 1], m * self.block_size
-        c = self.recurrent.checkpoints.get(key)
-        host = self.recurrent.host
-        return c is not None and c.position == position or host is not None and host.usable(key, position)
 
     def leaving_state(self, r: Request, ending: bool = False) -> Optional[tuple[bytes, int]]:
         """donation(r), written through to the disk tier when there is one (a restart finds it);
@@ -165,11 +157,14 @@ class PrefixCache:
 
     def usable_tokens(self, token_ids: Sequence[int], cache_salt: Optional[str] = None) -> int:
         """Tokens of a prompt admitted now would take from cache under the hybrid hit rule (KV of
-        every kind and a state checkpoint at the same position); block-aligned. Changes nothing
-        (no stats, no LRU touch): the data-parallel router asks every replica this."""
+        every kind and a state checkpoint at the same position), each piece from any tier: what
+        deepest_match would promote and hit, given intact entries and room (memory/tier_reach.py);
+        block-aligned. Changes nothing (no stats, no LRU touch, no file read, no checksum): the
+        data-parallel router asks every replica this."""
         if not self.enabled or len(token_ids) <= self.block_size:
             return 0
-        return self._match(self.prompt_hashes(token_ids, cache_salt), len(token_ids)).blocks * self.block_size
+        hashes = self.prompt_hashes(token_ids, cache_salt)
+        return self.tiers.deepest(hashes, (len(token_ids) - 1) // self.block_size) * self.block_size
 
     def admitted(self, r: Request, match: PrefixMatch) -> None:
         """r started at `match`: its hit is counted, its hints set (num_hashed_blocks,

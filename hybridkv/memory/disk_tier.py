@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -149,91 +148,34 @@ class DiskTier:
             self.store.remove(n)
         return bool(names)
 
-    # ---- reads -------------------------------------------------------------------------------
-    def _kv_available(self, hashes: Sequence[bytes], m: int) -> bool:
-        for w, g in self.groups.items():
-            cached = g.pool.cached
-            for i in self._needed(w, m):
-                if hashes[i] not in cached and not self.store.has(self.kv_name(w, i, hashes[i])):
-                    return False
-        return True
+    # ---- reads (the admission's: memory/tier_reach.py decides what a hit takes from here) ------
+    def has_kv(self, window: Optional[int], index: int, key: bytes) -> bool:
+        """Whether the index lists block `index` (hash `key`) of group `window` (no I/O, no LRU touch)."""
+        return self.store.has(self.kv_name(window, index, key))
 
-    def _candidates(self, hashes: Sequence[bytes], limit: int, m0: int):
-        """Positions (in blocks) deeper than the hit m0 the disk may serve, deepest first."""
-        if None in self.groups:  # full attention needs every block: no deeper than its first gap
-            cached = self.groups[None].pool.cached
-            limit = next((i for i in range(limit) if hashes[i] not in cached
-                          and not self.store.has(self.kv_name(None, i, hashes[i]))), limit)
-        if self.recurrent is not None:
-            for m in range(limit, m0, -1):
-                if self.store.has(self.state_name(hashes[m - 1], m * self.block_size)):
-                    yield m
-            return
-        for m in range(limit, m0, -1):  # no state: the deepest position whose KV is all there
-            if self._kv_available(hashes, m):
-                yield m
-                return
+    def has_state(self, key: bytes, position: int) -> bool:
+        """Whether the index lists the state after `position` tokens keyed `key` (no I/O, no LRU touch)."""
+        return self.recurrent is not None and self.store.has(self.state_name(key, position))
 
-    def promote(self, hashes: Sequence[bytes], limit: int, m0: int) -> int:
-        """Load the deepest prefix past m0 blocks (at most `limit`) that the disk (with the device)
-        holds whole and that passes every check into device blocks and a checkpoint slot; returns
-        its blocks, or 0 when nothing was loaded."""
-        if limit <= m0:
-            return 0
-        t0 = time.perf_counter()
-        for m in self._candidates(hashes, limit, m0):
-            if self.recurrent is not None and not self._kv_available(hashes, m):
-                continue
-            loaded = self._load(hashes, m)
-            if loaded is None:
-                continue  # a file failed its check (deleted, counted): try a shallower position
-            placed = self._place(hashes, m, *loaded)
-            self.counters.promotion_seconds += time.perf_counter() - t0
-            return m if placed else 0
-        return 0
+    def read_kv(self, window: Optional[int], index: int, key: bytes) -> Optional[dict]:
+        """{layer: one block's host tensor} of that file, verified; None when it is missing or
+        fails a check (then deleted and counted)."""
+        t = self.store.read(self.kv_name(window, index, key), "kv", key, (index + 1) * self.block_size,
+                            self._kv_layout[window])
+        return None if t is None else {layer: t[f"kv.{layer}"] for layer in self.groups[window].pool.kv}
 
-    def _load(self, hashes: Sequence[bytes], m: int):
-        """({window: [(block index, tensors)]}, state tensors or None) of what the device lacks
-        for a hit after m blocks, every file verified; None if any fails or is missing. Every file
-        is read even after one fails, so each damaged one is refused (deleted) now and written
-        afresh when the prefix is recomputed, rather than found again behind the first."""
-        kv, ok = {}, True
-        for w, g in self.groups.items():
-            kv[w] = []
-            for i in self._needed(w, m):
-                if hashes[i] in g.pool.cached:
-                    continue
-                t = self.store.read(self.kv_name(w, i, hashes[i]), "kv", hashes[i], (i + 1) * self.block_size,
-                                    self._kv_layout[w])
-                ok = ok and t is not None
-                if ok:
-                    kv[w].append((i, t))
-        state = None
-        if self.recurrent is not None and hashes[m - 1] not in self.recurrent.checkpoints:
-            state = self.store.read(self.state_name(hashes[m - 1], m * self.block_size), "state", hashes[m - 1],
-                                    m * self.block_size, self._state_layout)
-            ok = ok and state is not None
-        return (kv, state) if ok else None
+    def read_state(self, key: bytes, position: int) -> Optional[tuple[dict, dict]]:
+        """(conv, ssm) {layer: host tensor} of that state file, verified; None as read_kv."""
+        t = self.store.read(self.state_name(key, position), "state", key, position, self._state_layout)
+        if t is None:
+            return None
+        st = self.recurrent.states
+        return {i: t[f"conv.{i}"] for i in st.conv}, {i: t[f"ssm.{i}"] for i in st.ssm}
 
-    def _place(self, hashes: Sequence[bytes], m: int, kv: dict, state: Optional[dict]) -> bool:
-        """Put verified KV into free blocks of each group (they become cached blocks, kept longest
-        in chain order) and the state into a checkpoint slot; False when a pool lacks room (then
-        no block is touched: every group's room is counted first)."""
-        if not all(self.groups[w].pool.has_room_for(hashes, self._needed(w, m), len(blocks)) for w, blocks in kv.items()):
-            return False
-        for w, blocks in kv.items():
-            pool = self.groups[w].pool
-            pool.adopt(hashes, self._needed(w, m), [(i, {layer: t[f"kv.{layer}"] for layer in pool.kv},
-                                                     hashes[i - 1] if i else b"") for i, t in blocks])
-            self.counters.kv_promotions += len(blocks)
-        if self.recurrent is None:
-            self.counters.kv_hits += 1
-            return True
-        if state is None:  # the device holds the checkpoint already
-            return True
-        conv = {i: state[f"conv.{i}"] for i in self.recurrent.states.conv}
-        ssm = {i: state[f"ssm.{i}"] for i in self.recurrent.states.ssm}
-        if not self.recurrent.adopt(hashes[m - 1], m * self.block_size, conv, ssm):
+    def adopt_state(self, key: bytes, position: int, state: tuple[dict, dict]) -> bool:
+        """Make a state read_state() returned the device checkpoint keyed `key` (its first hit
+        counts as the disk's); False when no checkpoint slot can be freed."""
+        if not self.recurrent.adopt(key, position, *state):
             return False
         self.counters.promotions += 1
         return True

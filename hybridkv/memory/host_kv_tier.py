@@ -25,7 +25,6 @@ returns every rank's heads, which the tier keeps whole.
 """
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
@@ -110,8 +109,8 @@ class HostKvTier:
         if e is not None:
             self.used_bytes -= e.nbytes
 
-    # ---- promotion ---------------------------------------------------------------------------
-    def _usable(self, window: Optional[int], h: bytes) -> bool:
+    # ---- promotion (the admission's: memory/tier_reach.py decides what a hit takes from here) --
+    def check(self, window: Optional[int], h: bytes) -> bool:
         """The entry exists and passes the check (layout, CRC-32); a failing one is dropped, counted."""
         e = self.entries.get((window, h))
         if e is None:
@@ -122,40 +121,12 @@ class HostKvTier:
         self.counters.kv_refused_corrupt += 1
         return False
 
-    def promote(self, hashes: Sequence[bytes], limit: int, m0: int, state_at: Callable[[int], bool]) -> int:
-        """Copy into device blocks the host KV of the deepest hit past m0 blocks (at most `limit`)
-        whose KV is all on the device or here and whose state `state_at(m)` exists; returns its
-        blocks, or 0 when nothing was promoted."""
-        if limit <= m0 or not self.entries:
-            return 0
-        t0 = time.perf_counter()
-        if None in self.groups:  # full attention needs every block: no deeper than its first gap
-            limit = next((i for i in range(limit) if not self.reachable(None, hashes[i])), limit)
-        for m in range(limit, m0, -1):
-            need = {w: [i for i in range(g.first_needed_block(m * self.block_size), m)
-                        if hashes[i] not in g.pool.cached] for w, g in self.groups.items()}
-            if not any(need.values()) or not state_at(m) or \
-                    not all((w, hashes[i]) in self.entries for w, idx in need.items() for i in idx):
-                continue
-            if not all([self._usable(w, hashes[i]) for w, idx in need.items() for i in idx]):
-                continue  # every failing entry is dropped now; try a shallower position
-            placed = self._place(hashes, m, need)
-            self.counters.kv_promotion_seconds += time.perf_counter() - t0
-            return m if placed else 0
-        return 0
-
-    def _place(self, hashes: Sequence[bytes], m: int, need: dict) -> bool:
-        """Move the needed entries into free blocks of each group as cached blocks
-        (BlockPool.adopt); False (nothing moved) when a pool lacks room."""
-        needed = {w: range(g.first_needed_block(m * self.block_size), m) for w, g in self.groups.items()}
-        if not all(self.groups[w].pool.has_room_for(hashes, needed[w], len(idx)) for w, idx in need.items()):
-            return False
-        for w, idx in need.items():
-            entries = [self.entries.pop((w, hashes[i])) for i in idx]  # leaving: a block is in one tier
-            self.used_bytes -= sum(e.nbytes for e in entries)
-            self.groups[w].pool.adopt(hashes, needed[w], [(i, e.kv, e.parent) for i, e in zip(idx, entries)])
-            self.counters.kv_promotions += len(idx)
-        return True
+    def take(self, window: Optional[int], h: bytes) -> HostKvEntry:
+        """Remove a checked entry to put it into a device block: a block is in one tier at a time."""
+        e = self.entries.pop((window, h))
+        self.used_bytes -= e.nbytes
+        self.counters.kv_promotions += 1
+        return e
 
     def stats(self) -> dict:
         c = self.counters

@@ -17,8 +17,9 @@ machine): a key is in one tier at most, host bytes stay within the budget and eq
 every host entry holds the state of its prefix, and hits promoted from the host read it back.
 With a disk tier (memory/disk_tier.py; every run of the disk-tier machine, which also restarts the
 manager on its directory): hits loaded from disk read back their prefix's KV and state, a hit is
-never shallower than the probe's (which does not read the disk), and every file at the end holds
-its prefix's values.
+as deep as the probe's (which sees every tier, host and disk included, without reading a file) or,
+when the pools lack room for that, the device's own, and every file at the end holds its prefix's
+values.
 """
 import os
 import shutil
@@ -283,20 +284,42 @@ class ManagerMachine(RuleBasedStateMachine):
                 EVENTS["batch slots checked per group"] += 1
 
     def probe_prefix(self, prompt, salt):
-        """prefix_cache.usable_tokens is the largest block count every kind accepts, and changes nothing."""
+        """prefix_cache.usable_tokens is the largest position whose every piece some tier holds (each
+        attention group's blocks there on the device, in the host KV tier or on disk; a state there on
+        the device, the host or the disk), and changes nothing. Returns (the probe's tokens, the
+        largest position every kind accepts on the device alone)."""
         mgr = self.mgr
         before = mgr.stats()
         got = mgr.prefix_cache.usable_tokens(prompt, salt)
         assert mgr.stats() == before
-        want = 0
+        want = device = 0
         if mgr.prefix_cache.enabled and len(prompt) > mgr.block_size:
             hashes = mgr.prefix_cache.prompt_hashes(prompt, salt)
             limit = min(len(hashes), (len(prompt) - 1) // mgr.block_size)
-            want = max(m for m in range(limit + 1) if all(k.usable_prefix(hashes, m) == m for k in mgr.kinds))
-            want *= mgr.block_size
+            device = max(m for m in range(limit + 1) if all(k.usable_prefix(hashes, m) == m for k in mgr.kinds))
+            want = max(m for m in range(limit + 1) if self.every_tier_holds(hashes, m))
+            want, device = want * mgr.block_size, device * mgr.block_size
         assert got == want, (got, want)
         EVENTS["probe found a prefix"] += got > 0
-        return got
+        EVENTS["probe found a prefix in a lower tier"] += got > device
+        if got > device:
+            reach = next(mgr.prefix_cache.tiers.reaches(hashes, limit))
+            EVENTS["a probed hit mixes host and disk KV"] += any(reach.host_kv.values()) and any(reach.disk_kv.values())
+        return got, device
+
+    def every_tier_holds(self, hashes, m):
+        """Brute force: every piece of a hit after m blocks is in some tier (m = 0: always)."""
+        if m == 0:
+            return True
+        mgr, bs, disk, host_kv = self.mgr, self.mgr.block_size, self.mgr.disk, self.mgr.prefix_cache.host_kv
+        for w, g in mgr.attention_groups.items():
+            for i in range(g.first_needed_block(m * bs), m):
+                if not (hashes[i] in g.pool.cached or host_kv is not None and (w, hashes[i]) in host_kv.entries
+                        or disk is not None and disk.store.has(disk.kv_name(w, i, hashes[i]))):
+                    return False
+        rec, key = mgr.recurrent, hashes[m - 1]
+        return rec is None or key in rec.checkpoints or rec.host is not None and key in rec.host.entries or \
+            disk is not None and disk.store.has(disk.state_name(key, m * bs))
 
     @rule(base=st.integers(0, 1), plen=st.integers(1, 20), suffix=st.lists(st.integers(0, 3), max_size=3),
           max_tokens=st.integers(0, 12), salt=st.sampled_from([None, None, "t2"]), first=st.integers(1, 12),
@@ -307,7 +330,7 @@ class ManagerMachine(RuleBasedStateMachine):
         rid = self.next_id
         self.next_id += 1
         num_new = first if limit_new else None
-        probed = self.probe_prefix(prompt, salt)
+        probed, device = self.probe_prefix(prompt, salt)
         try:
             can = mgr.can_admit(Request(None, prompt, max_tokens=max_tokens, cache_salt=salt), num_new_tokens=num_new)
         except RequestTooLargeError:
@@ -319,11 +342,12 @@ class ManagerMachine(RuleBasedStateMachine):
         if hit is None:
             return
         assert 0 <= hit < len(prompt) and hit % mgr.block_size == 0
+        # the probe's depth, unless the pools lack room for it (then the device's own hit)
+        assert device <= hit <= probed, (device, hit, probed)
         if mgr.disk is None and mgr.prefix_cache.host_kv is None:
             assert hit == probed, "admit takes the hit the probe announced"
-        else:  # the probe reads neither the disk nor host KV; admit may promote a deeper prefix from them
-            assert hit >= probed, (hit, probed)
-            EVENTS["disk deepened a hit" if mgr.disk is not None else "host KV deepened a hit"] += hit > probed
+        EVENTS["a lower tier deepened a hit as probed"] += hit == probed > device
+        EVENTS["a lower tier's depth not taken (no room)"] += hit < probed
         EVENTS["prefix hit"] += hit > 0
         check_request_data(mgr, mgr.request(rid))  # the hit's blocks and copied state are this prefix's
         assert self.run_chunk(rid, min(first if limit_new else len(prompt), len(prompt) - hit)), \
@@ -599,5 +623,5 @@ def test_manager_state_machine_with_disk_tier():
         suppress_health_check=[HealthCheck.too_slow]))
     print(dict(EVENTS))
     for what in ["restart", "disk write", "disk hit", "disk state promotion", "disk KV promotion",
-                 "disk deepened a hit", "disk file checked", "prefix hit", "quantized pools"]:
+                 "a lower tier deepened a hit as probed", "disk file checked", "prefix hit", "quantized pools"]:
         assert EVENTS[what] > 0, f"the random runs never exercised {what}: {EVENTS}"
