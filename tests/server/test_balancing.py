@@ -10,6 +10,7 @@ import pytest
 from hybridkv import LLM, SamplingParams
 from hybridkv.server.balancing import Balancer, probe, requests_free_to_leave
 from hybridkv.server.replica_messages import ReplicaProbe
+from hybridkv.server.router import PrefixRouter
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:
@@ -90,3 +91,27 @@ def test_nothing_moves_without_a_queue_or_without_room():
     assert b.look({0: _probe(2, 0), 1: _probe(0, 0)}, rec) == 0
     assert b.look({0: _probe(2, 2), 1: _probe(2, 1)}, rec) == 0 and b.look({0: _probe(2, 2), 1: _probe(2, 1)}, rec) == 0
     assert rec.calls == []
+
+
+def test_a_prompt_goes_to_the_replica_whose_disk_holds_its_prefix(checkpoints, tmp_path):
+    """The probe sees the disk tier (memory/tier_reach.py): a replica restarted on a directory that
+    holds a prompt's prefix answers its depth without reading a file, the router picks it over a
+    less loaded replica that holds nothing, and the admission there hits exactly that depth."""
+    kw = dict(device="cpu", dtype="float32", block_size=16, memory_budget_bytes=8 << 20, max_num_seqs=4)
+    path, prompt = str(checkpoints["plain"]), _ids(random.Random(1), 52)
+    params = SamplingParams(max_tokens=3, temperature=0)
+    writer = LLM(path, disk_cache_dir=str(tmp_path), **kw)
+    writer.generate([prompt], params, use_tqdm=False)
+    writer.close()
+    replicas = [LLM(path, **kw), LLM(path, disk_cache_dir=str(tmp_path), **kw)]
+    asked = prompt + [7]
+    hits = [probe(llm, asked, None).hit_tokens for llm in replicas]
+    assert hits == [0, 48] and replicas[1].manager.disk.store.stats()["reads"] == 0
+    router = PrefixRouter(2, 16)
+    router.load = [0, 1000]  # the busier replica: only its prefix can win
+    assert router.choose("r", asked, 3, None, hits) == 1
+    out = replicas[1].generate([asked], params, use_tqdm=False)[0]
+    assert out.num_cached_tokens == hits[1]
+    assert replicas[1].stats()["checkpoint_tiers"]["disk"]["hits"] == 1
+    for llm in replicas:
+        llm.close()
