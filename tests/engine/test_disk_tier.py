@@ -254,3 +254,52 @@ def test_the_next_turn_after_a_restart_resumes_past_the_answer(checkpoints, tmp_
     out = again.generate([turn], greedy(6), use_tqdm=False)[0]
     again.close()
     assert out.num_cached_tokens == 64 and out.outputs[0].token_ids == oracle.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("damaged", [False, True], ids=["intact", "damaged"])
+def test_a_hit_mixing_host_and_disk_blocks_gives_the_no_cache_tokens(checkpoints, tmp_path, damaged):
+    """Each prompt's prefix is left with its KV blocks split between the host KV tier and the disk
+    (host-disk-host, disk-host-disk, host-host-disk) and its state on the disk, or where it was (the
+    device or the host): the admission takes the whole prefix from the mix (memory/tier_reach.py),
+    with the tokens of the engine without any cache and nothing leaked. damaged: the disk block of
+    the first prompt is bit-flipped: refused, counted, that prompt hits less, its tokens unchanged."""
+    from engine_fixtures import tight_budget
+
+    path = checkpoints["bamba"]
+    specs = LLM(str(path), memory_budget_bytes=16 << 20).model.cache_specs()
+    kw = dict(max_num_seqs=4, memory_budget_bytes=tight_budget(specs, 16, blocks=16, slots=1 + 4 + 2))
+    ps = prompts()
+    oracle, _ = run(LLM(str(path), enable_prefix_caching=False, **kw), ps)
+    llm = LLM(str(path), disk_cache_dir=str(tmp_path), host_cache_bytes=64 << 20, **kw)
+    assert run(llm, ps) == (oracle, [0, 0, 0])
+    for seed in (9, 10):  # other prompts take every block (16 and a rounding): the first ones' KV goes to the host
+        run(llm, prompts(4, seed=seed))
+    mgr = llm.manager
+    mgr.disk.flush()
+    host_kv, disk = mgr.prefix_cache.host_kv, mgr.disk
+    for p, blocks, state in zip(ps, ["HDH", "DHD", "HHD"], ["disk", "disk", "kept"]):
+        hashes = mgr.prefix_cache.prompt_hashes(p, None)
+        for i, where in enumerate(blocks):
+            assert (None, hashes[i]) in host_kv and disk.has_kv(None, i, hashes[i])
+            if where == "H":
+                disk.store.remove(disk.kv_name(None, i, hashes[i]))
+            else:
+                host_kv.drop(None, hashes[i])
+        if state == "disk":
+            mgr.recurrent.invalidate(hashes[2])  # off the device and the host; its file stays
+    disk.flush()
+    if damaged:
+        hashes = mgr.prefix_cache.prompt_hashes(ps[0], None)
+        flip(Path(disk.store.dir) / disk.kv_name(None, 1, hashes[1]))
+    assert [llm.manager.prefix_cache.usable_tokens(p) for p in ps] == [48, 48, 48]  # the probe reads no file
+    got, cached = run(llm, ps)
+    assert got == oracle
+    s = llm.stats()["checkpoint_tiers"]
+    if damaged:  # block 1 of the first prompt is gone: no hit past 16 tokens there
+        assert cached[0] <= 16 and cached[1:] == [48, 48], cached
+        assert s["disk"]["refused_corrupt"] == 1, s["disk"]
+    else:
+        assert cached == [48, 48, 48], cached
+        assert s["disk"]["refused_corrupt"] == 0 and s["disk"]["kv_promotions"] >= 4 and s["disk"]["promotions"] == 2
+    assert_no_leaks(llm)
+    llm.close()
