@@ -6,7 +6,9 @@ adapter, multimodal hashes, cache_salt). A committed full block's KV is findable
 given to each kind (`hash_blocks`); a recurrent state only where a checkpoint keeps it: the policy
 says at which block boundary (`checkpoint_due`, checkpoint_policy.py), `checkpoint` / `store`
 copy the state there, and a live state let go at a boundary can stay as one (`donation`). A hit
-is usable only as far as every kind can resume it (prefix_match.py). The burst rule
+is usable only as far as every kind can resume it (prefix_match.py); the lower tiers (host KV and
+states, disk) are seen through one rule of how deep they reach together (memory/tier_reach.py),
+which the router's probe (`usable_tokens`) and admission (`deepest_match`) share. The burst rule
 (memory/burst.py) holds a new request back a step for a running one computing the prefix they share.
 
 Owned by the HybridCacheManager (`mgr.prefix_cache`), whose verbs call it; it reads the manager's

@@ -15,13 +15,16 @@ DiskStore (disk_store.py; format: disk_format.py), keyed by the chained block ha
   blocks are computed; writing on demotion instead would lose every entry still on the device at
   a restart or a crash.) A model without recurrent layers writes every block as it fills (any
   block boundary is a usable prefix there), before a sliding window lets it go.
-- **When read: at admission**, when the device and host tiers hit less than the prompt could:
-  the deepest position whose state (hybrids) and KV are all on disk or device is loaded, each file
+- **When read: at admission**, when the tiers together reach deeper than the device's hit: which
+  position, and which of its pieces come from here, is decided for every tier at once
+  (memory/tier_reach.py: a block may come from the host KV tier and the next from here, the state
+  from a third tier). This file answers whether its index lists an entry (`has_kv`, `has_state`:
+  no I/O, so the router's probe may ask) and reads one (`read_kv`, `read_state`): each file
   verified first (disk_format.py: kind, key, position, namespace, dtypes, shapes, CRC-32); a file
-  that fails is deleted, counted (`refused_corrupt`) and the next shallower position is tried, so
+  that fails is deleted, counted (`refused_corrupt`), and the caller tries a shallower position, so
   a corrupt entry is never used. Loading PROMOTES: the KV into free device blocks that become
-  cached blocks under their hashes, the state into a device checkpoint slot. Then the ordinary
-  prefix match runs: the hybrid hit rule is unchanged.
+  cached blocks under their hashes, the state into a device checkpoint slot (`adopt_state`). Then
+  the ordinary prefix match runs: the hybrid hit rule is unchanged.
 """
 from __future__ import annotations
 

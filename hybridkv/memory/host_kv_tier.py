@@ -9,15 +9,14 @@ the host budget (`host_cache_bytes`) and found again by a later prefix match.
   they leave of the budget and give way, least recently used first, when a state or a swap needs
   room; among themselves KV entries go least recently used first. On a hybrid a KV block alone
   saves nothing (a hit needs a state at the same position), while a state saves its whole prefix.
-- **Promote.** At admission (`PrefixCache.deepest_match`), when the device hit could go deeper:
-  the deepest position past it whose KV is all on the device or here (every attention group: the
-  blocks a hit there attends to) and, on a model with state, whose state checkpoint is on the
-  device or in the host state tier. Every entry used is checked first (key, layout, CRC-32); one
-  that fails is dropped and counted (`kv_refused_corrupt`) and that position is not used. The
-  blocks go into free device blocks as cached blocks (chain order) and LEAVE the host (a block is
-  in one tier at a time: a device block that comes to answer for a hash the host holds, as when
-  the prefix is recomputed, drops the host copy; evicted again, it is demoted again). Then the
-  ordinary match runs: the
+- **Promote.** At admission (`PrefixCache.deepest_match`), when the tiers together reach deeper
+  than the device's hit (memory/tier_reach.py decides the position for every tier at once: its
+  blocks may come from here, from the disk or both, and its state from any tier). Every entry used
+  is checked first (`check`: key, layout, CRC-32); one that fails is dropped and counted
+  (`kv_refused_corrupt`) and that position is not used. The blocks go into free device blocks as
+  cached blocks (chain order) and LEAVE the host (`take`: a block is in one tier at a time: a
+  device block that comes to answer for a hash the host holds, as when the prefix is recomputed,
+  drops the host copy; evicted again, it is demoted again). Then the ordinary match runs: the
   hybrid hit rule is unchanged.
 
 A model without attention layers has no KV tier. With tensor parallelism the pool's gather

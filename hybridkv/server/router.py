@@ -3,9 +3,10 @@ least loaded replica.
 
 Two sources of "this replica has the prefix", the larger wins:
 - the replicas' own answers (`PrefixCache.usable_tokens`, asked at routing time):
-  exact under the hybrid hit rule (KV of every kind AND a state checkpoint at the same position)
-  and aware of evictions, which a router-side copy of block hashes could not be without a
-  message per eviction;
+  exact under the hybrid hit rule (KV of every kind AND a state checkpoint at the same position),
+  over every tier of the replica (device, host KV and states, disk: each piece from any of them,
+  read from the tiers' indexes, memory/tier_reach.py), and aware of evictions, which a router-side
+  copy of block hashes could not be without a message per eviction;
 - the prompts this router sent that are still in flight (their chained block hashes): a burst of
   requests sharing a system prompt arrives before the first has cached anything, and should
   still land together (where the replica's burst rule makes the followers wait for one
