@@ -4,17 +4,19 @@ memory under a byte budget of their own, still usable for prefix hits.
 When the device slots must evict a checkpoint (memory/recurrent.py), the state is DEMOTED here
 instead of dropped if it is worth its bytes: it competes with the host entries under the same
 eviction rule as the device (hybridkv/eviction.py; unreachable entries first, then the lowest
-score), and it is refused when it would be the victim itself. Two differences from the device,
-both for the states a host tier exists to keep (BENCHMARKS.md, "Memory tiers"):
+score), and it is refused when it would be the victim itself. Three differences from the device,
+all for the states a host tier exists to keep (BENCHMARKS.md, "Memory tiers"):
 - No penalty for a state some request ran past: here an inner state is a fallback for the next
   request that branches off below the deeper states of its chain (the policy's trail).
 - An output state (inside a request's answer) is worth the tokens since the nearest state kept
   before it on its path, not its whole position (Marconi's FLOPs of a tree node's edge): the
-  state after a short answer to a prompt whose end is kept saves only the answer's tokens. A prefix match sees a host entry as
-a checkpoint; the admission that uses it PROMOTES it: the state is copied into the new live slot
-(the host entry stays, as a device checkpoint stays after a copy-on-hit). Before an entry is used
-its key, position, tensor shapes, dtypes and a CRC-32 of its bytes are checked; an entry that fails
-is dropped and counted (`refused_corrupt`), never used. A key is never in both tiers: a device
+  state after a short answer to a prompt whose end is kept saves only the answer's tokens.
+- FLOPs saved weigh 1.5x more against recency (HOST_FLOP_SCALE): entries live longer here.
+
+A prefix match sees a host entry as a checkpoint; the admission that uses it PROMOTES it: the
+state is copied into the new live slot (the host entry stays, as a device checkpoint stays after a
+copy-on-hit). Before an entry is used its key, position, tensor shapes, dtypes and a CRC-32 of its
+bytes are checked; an entry that fails is dropped and counted (`refused_corrupt`), never used. A key is never in both tiers: a device
 checkpoint made under a key this tier holds supersedes the host copy (`discard`).
 
 Swap preemption uses the same host memory and budget: a request swapped out HOLDS its bytes here
@@ -32,6 +34,11 @@ from typing import Callable, Mapping, Optional
 import torch
 
 from hybridkv.eviction import choose_victim
+
+# The host weighs the FLOPs a state saves 1.5x as much as the device's rule does against recency: an
+# entry here outlives many more admissions than a device checkpoint, so its recency says less about
+# its reuse (BENCHMARKS.md, "Memory tiers": weights 1 / 1.5 / 2 / 3 over 13 trace seeds).
+HOST_FLOP_SCALE = 1.5
 
 
 def _bytes_of(t: torch.Tensor):
@@ -127,7 +134,7 @@ class HostStateTier:
     def _rank(self, keys: list[bytes], worth: list[int]) -> int:
         """The index of the rule's victim among `keys` (least recently used first), their worths in tokens."""
         branches = [self.branches(k) for k in keys]
-        return choose_victim(self.rule, worth, self.saved_flops, self.flop_weight, branches=branches,
+        return choose_victim(self.rule, worth, self.saved_flops, HOST_FLOP_SCALE * self.flop_weight, branches=branches,
                              passed_penalty=0.0)
 
     def _victims(self, key: bytes, worth: int, last_used: int, nbytes: int) -> Optional[list[bytes]]:

@@ -307,3 +307,19 @@ def test_a_requests_next_output_state_lets_its_older_one_go_from_the_host_too(pi
     assert list(mem.checkpoints) == [H[0], H[2]]  # (a's live slot is free again)
     assert list(mem.host.entries) == ([H[1]] if pinned else [])
     check_conservation(mem)
+
+
+def test_the_host_weighs_saved_flops_more_against_recency_than_the_device():
+    """flop scores (recency rank + w x FLOPs / max): deep 0 + w, mid 1/2 + 0.6 w, a newcomer at
+    10 tokens 1 + 0.1 w. The device's w = 1 would evict the deep state (1.0 < 1.1); the host's
+    w = 1.5 keeps it and refuses the newcomer (1.15 < 1.4 < 1.5)."""
+    from hybridkv.eviction import choose_victim
+    from hybridkv.memory.host_tier import HOST_FLOP_SCALE
+
+    assert choose_victim("flop", [100, 60, 10], float, 1.0) == 0
+    assert choose_victim("flop", [100, 60, 10], float, HOST_FLOP_SCALE) == 2
+    tier = _tier(2, "flop")
+    tier.put(b"deep", 100, 1, *_state())
+    tier.put(b"mid", 60, 2, *_state())
+    assert not tier.put(b"new", 10, 3, *_state())
+    assert set(tier.entries) == {b"deep", b"mid"} and tier.counters.refused_demotions == 1
