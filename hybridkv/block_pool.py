@@ -72,20 +72,19 @@ class BlockPool:
         if n > len(self.free):
             return None
         free, refcount, block_hash, out = self.free, self.refcount, self.block_hash, []
-        for b in reversed(self._unpinned_first(n) if self.pinned_until else ()):
-            free.move_to_end(b, last=False)  # the blocks to take, at the front in their order
+        reclaimed = self._unpinned_first(n) if self.pinned_until else {}
         evicted = [] if self.host_kv is not None else None
         for _ in range(n):
             b = free.popitem(last=False)[0]
             h = block_hash[b]
             if h is not None:  # a cached block: its hash goes
                 if evicted is not None and self.cached.get(h) == b:
-                    evicted.append((b, h, self.parent[b]))
+                    evicted.append((b, h, self.parent[b], reclaimed.get(b, 0.0)))
                 self._drop_hash(b)
             refcount[b] = 1
             out.append(b)
-        if evicted:
-            self.host_kv.evicting(evicted)
+        kept = self.host_kv.evicting(evicted) if evicted else 0  # pinned blocks the host took, pins and all
+        self.pins_reclaimed += len(reclaimed) - kept
         return out
 
     def pin(self, blocks: Sequence[int], until: float) -> None:
@@ -93,20 +92,21 @@ class BlockPool:
         for b in blocks:
             self.pinned_until[b] = max(until, self.pinned_until.get(b, until))
 
-    def _unpinned_first(self, n: int) -> list[int]:
-        """The n free blocks to take: unpinned ones in LRU order, then pinned ones (their pins
-        reclaimed). Pins past their deadline are dropped first."""
+    def _unpinned_first(self, n: int) -> dict[int, float]:
+        """Put the n free blocks to take at the front of the free queue: unpinned ones in LRU order,
+        then pinned ones, whose pins leave the pool: returns those {block: deadline} (the host KV
+        tier may keep them pinned; the rest are reclaimed). Pins past their deadline are dropped first."""
         now, pins = time.monotonic(), self.pinned_until
         for b in [b for b, t in pins.items() if t <= now]:
             del pins[b]
         take = list(islice((b for b in self.free if b not in pins), n))  # stops at the n-th: the front's usual
+        reclaimed = {}
         if len(take) < n:
-            reclaimed = list(islice((b for b in self.free if b in pins), n - len(take)))
-            for b in reclaimed:
-                del pins[b]
-            self.pins_reclaimed += len(reclaimed)
+            reclaimed = {b: pins.pop(b) for b in list(islice((b for b in self.free if b in pins), n - len(take)))}
             take += reclaimed
-        return take
+        for b in reversed(take):
+            self.free.move_to_end(b, last=False)  # the blocks to take, at the front in their order
+        return reclaimed
 
     def ref(self, blocks: list[int]) -> None:
         """Add one reference to each block (a prefix hit or a fork); revives free cached blocks."""
@@ -130,7 +130,7 @@ class BlockPool:
                 if h is not None and self.cached.setdefault(h, b) == b:
                     self._link(b, h)
                     if self.host_kv is not None:  # (it may answer anew: a twin that answered was evicted)
-                        self.host_kv.superseded(h)
+                        self._supersede(b, h)
                     continue  # findable: kept at the back
                 self.block_hash[b] = None  # unhashed, or a duplicate another block answers for
                 if h is not None and b in self.pinned_until:  # a pinned twin: the answering block keeps the pin
@@ -148,7 +148,13 @@ class BlockPool:
         if self.cached.setdefault(h, block) == block:
             self._link(block, h)
             if self.host_kv is not None:  # one tier at a time: the device's block supersedes a host copy
-                self.host_kv.superseded(h)
+                self._supersede(block, h)
+
+    def _supersede(self, block: int, h: bytes) -> None:
+        """`block` answers for h again: the host KV tier drops its copy, whose pin (if any) it keeps."""
+        until = self.host_kv.superseded(h)
+        if until > time.monotonic():
+            self.pin([block], until)
 
     def _link(self, block: int, h: bytes) -> None:
         if self.parent[block] is not None:

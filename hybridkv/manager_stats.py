@@ -20,7 +20,8 @@ class ManagerStats:
     tier): entries, bytes, hits, evictions; the host's also promotions, demotions, refusals; with a
     disk tier "disk" too (memory/disk_tier.py: its KV blocks as well, writes, corrupt files refused).
     pins: pinned turns (SamplingParams.cache_pin_ttl_s): turns that ended pinned, KV blocks and
-    states pinned now, and those taken before their deadline because memory ran out.
+    states pinned now in any tier (and of those, on the host), and those lost before their deadline
+    (they left every tier because memory ran out).
     """
 
     kv_blocks_used: int
@@ -78,11 +79,17 @@ class ManagerStats:
 
 
 def _pins(mgr) -> dict[str, int]:
+    """Pins before their deadline, in any tier (the host's share too), and pins lost before it: a
+    block or state that left every tier (a running request needed the memory)."""
     now = time.monotonic()
     pools = [g.pool for g in mgr.attention_groups.values()]
-    states = mgr.recurrent.pinned_until if mgr.recurrent is not None else {}
+    host_kv, rec = mgr.prefix_cache.host_kv, mgr.recurrent
+    host = rec.host if rec is not None else None
+    blocks_on_host = host_kv.pinned_entries() if host_kv is not None else 0
+    states_on_host = rec.pins.live(host.entries.__contains__) if host is not None else 0
     return {"turns": mgr.prefix_cache.pinned_turns,
-            "blocks": sum(1 for p in pools for t in p.pinned_until.values() if t > now),
-            "states": sum(1 for h, t in states.items() if t > now and h in mgr.recurrent.checkpoints),
-            "reclaimed_blocks": sum(p.pins_reclaimed for p in pools),
-            "reclaimed_states": mgr.recurrent.pins_reclaimed if mgr.recurrent is not None else 0}
+            "blocks": sum(1 for p in pools for t in p.pinned_until.values() if t > now) + blocks_on_host,
+            "states": rec.pins.live(rec.checkpoints.__contains__) + states_on_host if rec is not None else 0,
+            "blocks_on_host": blocks_on_host, "states_on_host": states_on_host,
+            "reclaimed_blocks": sum(p.pins_reclaimed for p in pools) + (host_kv.pins_reclaimed if host_kv else 0),
+            "reclaimed_states": rec.pins.reclaimed if rec is not None else 0}

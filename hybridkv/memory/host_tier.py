@@ -23,6 +23,13 @@ Swap preemption uses the same host memory and budget: a request swapped out HOLD
 (`hold`) until it is swapped back in or ends (`let_go`). Live work comes first: entries are evicted
 for it by the same rule, and a swap that would not fit even with every entry gone is refused (the
 manager then preempts by recompute). Entries never evict a swapped request's bytes.
+
+Pinned turns' states (memory/state_pins.py) come here still pinned when the device evicts them for
+a running request's slot. A pinned entry is never evicted for another entry: a demotion evicts
+unreachable and unpinned entries only, and a pinned newcomer is never refused by the rule (it
+evicts unpinned entries, the KV entries included, until it fits); one that would not fit beside
+the pins already here is dropped, its pin lost and counted (`refused_pinned`). Only a swapped
+request's bytes (a running request's memory) take a pinned entry, last and counted.
 """
 from __future__ import annotations
 
@@ -34,6 +41,8 @@ from typing import Callable, Mapping, Optional
 import torch
 
 from hybridkv.eviction import choose_victim
+
+from .state_pins import StatePins
 
 # The host weighs the FLOPs a state saves 1.5x as much as the device's rule does against recency: an
 # entry here outlives many more admissions than a device checkpoint, so its recency says less about
@@ -80,6 +89,8 @@ class TierCounters:
     evictions: int = 0         # entries dropped for room (or unreachable)
     refused_corrupt: int = 0   # entries that failed the check and were dropped unused
     swaps_refused: int = 0     # swap preemptions the budget could not hold (preempted by recompute)
+    pinned_demotions: int = 0  # pinned states taken in with their pin (counted in demotions too)
+    refused_pinned: int = 0    # pinned states that did not fit beside the pins here (their pin lost)
     promotion_seconds: float = 0.0  # wall time of the promotions' copies into device slots
 
 
@@ -87,10 +98,12 @@ class HostStateTier:
     """Host copies of state checkpoints under `budget_bytes`.
 
     rule / saved_flops / branches / reachable / flop_weight: the device's eviction rule and its
-    inputs (memory/recurrent.py), applied to the host entries."""
+    inputs (memory/recurrent.py), applied to the host entries. pins: the pinned turns' states,
+    shared with the device (a pin follows its state between the tiers)."""
 
     def __init__(self, budget_bytes: int, rule: str, saved_flops: Callable[[int], float],
-                 branches: Callable[[bytes], int], reachable: Callable[[bytes], bool], flop_weight: float = 1.0):
+                 branches: Callable[[bytes], int], reachable: Callable[[bytes], bool], flop_weight: float = 1.0,
+                 pins: Optional[StatePins] = None):
         if budget_bytes < 0:
             raise ValueError(f"host_cache_bytes={budget_bytes}; it must be >= 0 (0 turns the host tier off)")
         self.budget_bytes = budget_bytes
@@ -101,10 +114,7 @@ class HostStateTier:
         self.swapped: dict = {}  # request id -> the bytes its swapped-out memory holds here
         self.swap_bytes = 0
         self.kv = None  # the host KV tier (memory/host_kv_tier.py) sharing the budget: it gives way to states and swaps
-        # pinned turns' states (RecurrentMemory sets both): `pinned(key)`; `reclaimed(key)` when a
-        # swap (a running request's memory) takes one before its deadline. A demotion never evicts a pin.
-        self.pinned: Callable[[bytes], bool] = lambda key: False
-        self.reclaimed: Callable[[bytes], None] = lambda key: None
+        self.pins = pins if pins is not None else StatePins()
         # the prefix tree, for an output state's edge (memory/kinds.py sets both): the hash of the
         # block before the block keyed `key` (None: unknown), and whether a device checkpoint has a key
         self.parent_of: Callable[[bytes], Optional[bytes]] = lambda key: None
@@ -139,21 +149,29 @@ class HostStateTier:
 
     def _victims(self, key: bytes, worth: int, last_used: int, nbytes: int) -> Optional[list[bytes]]:
         """The entries to evict so that the state keyed `key`, of `nbytes` worth `worth` tokens, fits,
-        or None when it is not worth its bytes (the rule would evict it first, or it exceeds the budget)."""
-        free = self.budget_bytes - self.swap_bytes - self.used_bytes  # KV entries' bytes count as free: they give way
+        or None when it is not worth its bytes (the rule would evict it first, or it exceeds the budget),
+        or, pinned, when it does not fit beside the pinned entries (never refused by the rule)."""
+        # unpinned KV entries' bytes count as free: they give way
+        free = self.budget_bytes - self.swap_bytes - self.used_bytes - self._kv_pinned_bytes()
         if nbytes > free + self.used_bytes:
             return None
         gone = [k for k in self.entries if not self.reachable(k)]  # useless: their KV is gone
         free += sum(self.entries[k].nbytes for k in gone)
         if free >= nbytes:
             return gone
+        pinned = self.pins.pinned(key)
         # the candidate itself (`key`), ranked with the others by when it was last used
-        rest = sorted([k for k in self.entries if k not in gone and not self.pinned(k)] + [key],
+        rest = sorted([k for k in self.entries if k not in gone and not self.pins.pinned(k)] + [key],
                       key=lambda k: last_used if k is key else self.entries[k].last_used)
         while free < nbytes:
             if len(rest) == 1:  # only the candidate is left: the pins stay, it is not kept
                 return None
-            i = self._rank(rest, [worth if k is key else self.entries[k].worth for k in rest])
+            if pinned:  # a pinned newcomer takes the rule's victim among the others
+                rest.remove(key)
+                i = self._rank(rest, [self.entries[k].worth for k in rest])
+                rest.append(key)
+            else:
+                i = self._rank(rest, [worth if k is key else self.entries[k].worth for k in rest])
             if rest[i] is key:
                 return None
             free += self.entries[rest[i]].nbytes
@@ -173,12 +191,13 @@ class HostStateTier:
         nbytes = sum(t.numel() * t.element_size() for part in (conv, ssm) for t in part.values())
         worth = self._worth(key, position, output)
         victims = self._victims(key, worth, last_used, nbytes)
+        pinned = self.pins.pinned(key)
         if victims is None:
             self.counters.refused_demotions += 1
+            self.counters.refused_pinned += pinned
             return False
         for k in victims:
-            self._remove(k)
-            self.counters.evictions += 1
+            self._evict(k)
         self._kv_gives_way(nbytes)
         layout = {(p, i): (tuple(t.shape), t.dtype) for p, part in (("conv", conv), ("ssm", ssm))
                   for i, t in part.items()}
@@ -186,6 +205,7 @@ class HostStateTier:
         self.entries.move_to_end(key)
         self.used_bytes += nbytes
         self.counters.demotions += 1
+        self.counters.pinned_demotions += pinned
         return True
 
     # ---- swap --------------------------------------------------------------------------------
@@ -201,22 +221,27 @@ class HostStateTier:
         while self.budget_bytes - self.swap_bytes - self.used_bytes - self._kv_bytes() < nbytes:
             keys = sorted(self.entries, key=lambda k: self.entries[k].last_used)
             gone = [k for k in keys if not self.reachable(k)]
-            unpinned = [k for k in keys if not self.pinned(k)]
+            unpinned = [k for k in keys if not self.pins.pinned(k)]
+            if not keys:  # only pinned KV entries left: a running request's memory takes them (counted)
+                self.kv.shrink(nbytes - (self.budget_bytes - self.swap_bytes - self.used_bytes - self._kv_bytes()),
+                               pinned_too=True)
+                break
             if gone:
                 victim = gone[0]
             elif unpinned:  # the rule's victim among the unpinned entries (least recently used first on ties)
                 victim = unpinned[self._rank(unpinned, [self.entries[k].worth for k in unpinned])]
-            else:  # only pins left: a running request's memory takes one (counted)
+            else:  # only pins left: a running request's memory takes one (its pin lost, counted)
                 victim = keys[0]
-                self.reclaimed(victim)
-            self._remove(victim)
-            self.counters.evictions += 1
+            self._evict(victim)
         self.swapped[rid] = nbytes
         self.swap_bytes += nbytes
         return True
 
     def _kv_bytes(self) -> int:
         return self.kv.used_bytes if self.kv is not None else 0
+
+    def _kv_pinned_bytes(self) -> int:
+        return self.kv.pinned_bytes() if self.kv is not None else 0
 
     def _kv_gives_way(self, nbytes: int) -> None:
         """Evict host KV entries until `nbytes` fit beside the states and swaps (or no KV is left)."""
@@ -238,6 +263,7 @@ class HostStateTier:
                   for i, t in part.items()}
         if e.key != key or e.position != position or layout != e.layout or checksum(e.conv, e.ssm) != e.crc:
             self._remove(key)
+            self.pins.left(key)
             self.counters.refused_corrupt += 1
             return False
         return True
@@ -253,9 +279,16 @@ class HostStateTier:
         return e.conv, e.ssm
 
     def discard(self, key: bytes) -> None:
-        """Forget the host copy under `key` (a device checkpoint now holds that state)."""
+        """Forget the host copy under `key` (a device checkpoint now holds that state, a pin with it;
+        or the caller drops the state from every tier)."""
         if key in self.entries:
             self._remove(key)
+
+    def _evict(self, key: bytes) -> None:
+        """Drop the entry under `key` for room (or unreachable): its state leaves every tier."""
+        self._remove(key)
+        self.pins.left(key)
+        self.counters.evictions += 1
 
     def _remove(self, key: bytes) -> None:
         self.used_bytes -= self.entries.pop(key).nbytes
@@ -266,4 +299,6 @@ class HostStateTier:
                 "hits": c.hits, "promotions": c.promotions, "demotions": c.demotions,
                 "refused_demotions": c.refused_demotions, "evictions": c.evictions,
                 "refused_corrupt": c.refused_corrupt, "promotion_seconds": c.promotion_seconds,
-                "swap_bytes": self.swap_bytes, "swaps_refused": c.swaps_refused}
+                "swap_bytes": self.swap_bytes, "swaps_refused": c.swaps_refused,
+                "pinned_entries": self.pins.live(self.entries.__contains__), "pinned_demotions": c.pinned_demotions,
+                "refused_pinned": c.refused_pinned}

@@ -10,7 +10,9 @@ An output checkpoint (only a continuation of that answer can use it) displaces o
 checkpoints; each request keeps one, rolling forward. A draft of k tokens holds k + 1 free slots
 for a step; accepting j makes slot j - 1 the live one (`accept_draft`). A host tier (memory/
 host_tier.py) keeps evicted states worth their bytes there, seen by matches, promoted on a hit. A
-pinned turn's state (`pin`) goes only for a live slot (its pin reclaimed, counted) or unreachable.
+pinned turn's state (`pin`, memory/state_pins.py) leaves the device only for a live or draft slot
+or unreachable; evicted, it is demoted to the host still pinned (its pin is lost, counted, only
+when no tier keeps it).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from hybridkv.state_pool import CHECKPOINT, DRAFT, LIVE, StatePool
 
 from .host_tier import HostStateTier
 from .layer_memory import LayerMemory
+from .state_pins import StatePins
 
 
 @dataclass
@@ -75,16 +78,14 @@ class RecurrentMemory(LayerMemory):
         self._rolling: dict[Hashable, bytes] = {}  # rid -> key of its output checkpoint
         self._draft: dict[Hashable, list[int]] = {}  # rid -> its draft slots while it verifies a draft
         self._clock = 0
+        self.pins = StatePins()  # pinned turns' states (prefix_cache.pin), in whichever tier holds them
         self.host: Optional[HostStateTier] = None
         if host_cache_bytes:
-            self.host = HostStateTier(host_cache_bytes, eviction, self.saved_flops, branches, reachable, flop_weight)
-            self.host.pinned = self.pinned
-            self.host.reclaimed = self._reclaimed
+            self.host = HostStateTier(host_cache_bytes, eviction, self.saved_flops, branches, reachable, flop_weight,
+                                      pins=self.pins)
         self._slot_bytes = sum(t[0].numel() * t.element_size() for t in self.states._tensors())
         self.device_counts = {"hits": 0, "evictions": 0}  # the device tier's (the host's: host.counters)
         self.disk_hits = 0  # admissions that used a checkpoint the disk tier loaded (memory/disk_tier.py)
-        self.pinned_until: dict[bytes, float] = {}  # pinned turns' states (prefix_cache.pin): key -> deadline
-        self.pins_reclaimed = 0  # pinned states evicted before their deadline, for a running request
 
     @property
     def num_slots(self) -> int:
@@ -109,7 +110,9 @@ class RecurrentMemory(LayerMemory):
             self.host.discard(h)
 
     def _drop(self, h: bytes) -> None:
+        """Free the device checkpoint keyed h; its state leaves every tier (a demotion comes first)."""
         self.states.free(self.checkpoints.pop(h).slot)
+        self.pins.left(h)
 
     def _take_slot(self, kind: str, protect: Optional[bytes] = None, only_output: bool = False) -> Optional[int]:
         """A free slot marked `kind`, evicting checkpoints (unreachable first, then by the rule)
@@ -135,29 +138,18 @@ class RecurrentMemory(LayerMemory):
 
     def pin(self, h: bytes, until: float) -> None:
         """Keep the checkpoint keyed h (kept now or by the release that follows) until monotonic `until`."""
-        self.pinned_until[h] = max(until, self.pinned_until.get(h, until))
-
-    def pinned(self, h: bytes) -> bool:  # (a pin past its deadline is dropped at the next eviction)
-        return self.pinned_until.get(h, 0.0) > time.monotonic()
-
-    def _reclaimed(self, h: bytes) -> None:  # h's pin gives way (the host tier's too); counted if not expired
-        if self.pinned_until.pop(h, 0.0) > time.monotonic():
-            self.pins_reclaimed += 1
+        self.pins.pin(h, until)
 
     def _victim(self, keys: list[bytes], for_live: bool = False) -> Optional[bytes]:
         """The checkpoint the eviction rule gives up first among `keys` (least recently used first),
-        unpinned while one is; a pinned one only `for_live` (a running request needs the slot)."""
-        if self.pinned_until and keys:
-            now = time.monotonic()
-            for h in [h for h, t in self.pinned_until.items() if t <= now]:
-                del self.pinned_until[h]
-            unpinned = [h for h in keys if h not in self.pinned_until]
+        unpinned while one is; a pinned one only `for_live` (a running request needs the slot: the
+        pinned state leaves the device, demoted to the host tier with its pin when it keeps it)."""
+        if self.pins and keys:
+            self.pins.expire()
+            unpinned = [h for h in keys if h not in self.pins]
             if not unpinned and not for_live:
                 return None
-            if not unpinned:  # the pin gives way
-                self._reclaimed(h := self._victim_by_rule(keys))
-                return h
-            keys = unpinned
+            keys = unpinned or keys
         return self._victim_by_rule(keys)
 
     def _victim_by_rule(self, keys: list[bytes]) -> Optional[bytes]:
@@ -168,19 +160,23 @@ class RecurrentMemory(LayerMemory):
         return keys[i]
 
     def _evict(self, h: bytes) -> None:
-        """Evict the checkpoint keyed h from the device for room: demoted to the host tier when
-        it is worth its bytes there, else dropped."""
+        """Evict the checkpoint keyed h from the device for room: demoted to the host tier (a
+        pinned one with its pin) when the host keeps it, else dropped (a pin lost, counted)."""
         self.device_counts["evictions"] += 1
-        self._demote(h)
-        self._drop(h)
+        if self._demote(h):
+            self.states.free(self.checkpoints.pop(h).slot)
+        else:
+            self._drop(h)
 
-    def _demote(self, h: bytes) -> None:
-        """Copy the checkpoint keyed h to the host tier if it is worth its bytes there (the caller
-        then removes it from the device: a key is never in two tiers)."""
+    def _demote(self, h: bytes) -> bool:
+        """Copy the checkpoint keyed h to the host tier if it keeps it (worth its bytes there, or
+        pinned and room left beside the host's pins); True when it did. The caller then removes it
+        from the device: a key is never in two tiers."""
         c = self.checkpoints[h]
         if self.host is not None and self.host.worth(h, c.position, c.last_used, self._slot_bytes, c.output):
             conv, ssm = self.states.to_host(c.slot, "cpu", pin=any(t.is_cuda for t in self.states._tensors()))
-            self.host.put(h, c.position, c.last_used, conv, ssm, c.output)
+            return self.host.put(h, c.position, c.last_used, conv, ssm, c.output)
+        return False
 
     def _can_take_slot(self) -> bool:
         return self.states.num_free > 0 or bool(self.checkpoints)
@@ -190,14 +186,16 @@ class RecurrentMemory(LayerMemory):
         if output:  # one rolling output state per request, in every tier: the new one replaces the
             old = self._rolling.get(rid)  # old, unless a pinned turn (a twin that ended) pinned it
             self._rolling[rid] = h
-            if old is not None and old != h and not self.pinned(old):
+            if old is not None and old != h and not self.pins.pinned(old):
                 if old not in self.checkpoints:  # demoted (or dropped): it leaves the host tier too
-                    if self.host is not None:
+                    if self.host is not None and old in self.host:
                         self.host.discard(old)
+                        self.pins.left(old)  # (a pin past its deadline, if any)
                 elif h not in self.checkpoints:
                     # the new state takes the old one's slot in place: what freeing it and taking a
                     # slot would do (the free list hands the slot just freed back first)
                     c = self.checkpoints.pop(old)
+                    self.pins.left(old)  # (a pin past its deadline, if any)
                     self.states.copy(src, c.slot)
                     self._clock += 1
                     c.position, c.last_used, c.output = position, self._clock, True
@@ -241,6 +239,7 @@ class RecurrentMemory(LayerMemory):
             self._drop(h)
         if self.host is not None:
             self.host.discard(h)
+        self.pins.left(h)  # (held by neither tier now: a pin on it is lost, counted)
         return held
 
     # ---- drafts (speculative decoding) -----------------------------------------------------
@@ -310,9 +309,10 @@ class RecurrentMemory(LayerMemory):
             self.device_counts["hits"] += 1
         slot = self._take_slot(LIVE, protect=key)
         if slot is None:  # the hit's checkpoint is the only slot left: it becomes the live slot
-            self._reclaimed(key)  # (a pin on it gives way to the live slot, counted, as in _victim)
-            self._demote(key)  # (a host copy of it stays findable, when worth its bytes)
+            kept = self._demote(key)  # a host copy stays findable (a pin with it), when the host keeps it
             del self.checkpoints[key]
+            if not kept:
+                self.pins.left(key)  # (a pin on it gave way to the live slot, counted, as in _evict)
             self.states.mark(src.slot, LIVE)
             self._slot[rid] = src.slot
             return
@@ -332,13 +332,15 @@ class RecurrentMemory(LayerMemory):
     def release(self, rid: Hashable, donate: Optional[tuple[bytes, int]] = None) -> None:
         self._drop_draft(rid)
         slot = self._slot.pop(rid, 0)
-        if not slot:
-            return
-        if donate is not None and donate[0] not in self.checkpoints:  # the live state becomes it, no copy
+        if slot and donate is not None and donate[0] not in self.checkpoints:  # the live state becomes it, no copy
             self.states.mark(slot, CHECKPOINT)
             self._add(donate[0], donate[1], slot)
             return
-        self.states.free(slot)
+        if slot:
+            self.states.free(slot)
+        if donate is not None and donate[0] not in self.checkpoints and not (
+                self.host is not None and donate[0] in self.host):
+            self.pins.never_kept(donate[0])  # no live state to keep (swapped out): a pin on it holds nothing
 
     def forget(self, rid: Hashable) -> None:
         h = self._rolling.pop(rid, None)

@@ -174,14 +174,18 @@ class TierReach:
             return False
         # every host entry leaves first: placing one group's blocks evicts device blocks into the
         # host KV tier, which may drop its oldest entries
-        blocks = {w: [(i, e.kv, e.parent) for i, e in ((i, self.host_kv.take(w, hashes[i])) for i in idx)]
-                  for w, idx in reach.host_kv.items()}
+        taken = {w: [(i, self.host_kv.take(w, hashes[i])) for i in idx] for w, idx in reach.host_kv.items()}
+        blocks = {w: [(i, e.kv, e.parent) for i, e in group] for w, group in taken.items()}
         for w, loaded in disk_kv.items():
             blocks[w] += [(i, kv, hashes[i - 1] if i else b"") for i, kv in loaded]
         if any(disk_kv.values()):
             self.disk.counters.kv_promotions += sum(map(len, disk_kv.values()))
         for w, group_blocks in blocks.items():
-            self.groups[w].pool.adopt(hashes, needed[w], sorted(group_blocks, key=lambda b: b[0]))
+            pool = self.groups[w].pool
+            pool.adopt(hashes, needed[w], sorted(group_blocks, key=lambda b: b[0]))
+            for i, e in taken.get(w, ()):  # a pinned turn's block keeps its pin on the device
+                if e.pinned_until:
+                    pool.pin([pool.cached[hashes[i]]], e.pinned_until)
         if state is not None:
             self.disk.adopt_state(hashes[m - 1], m * bs, state)  # (no slot: the KV stays cached, the hit shallower)
         elif self.recurrent is None and any(disk_kv.values()):

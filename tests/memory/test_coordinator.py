@@ -355,7 +355,7 @@ def test_a_pinned_turn_pins_the_blocks_of_its_states_that_left_its_sliding_windo
     assert m.block_ids("a")[:2] == [-1, -1]  # blocks 0 and 1 left the window (cached, free)
     m.finish("a")
     assert sorted(pool.pinned_until) == sorted(pool.cached[h] for h in hashes)
-    assert sorted(m.recurrent.pinned_until) == sorted(hashes)
+    assert sorted(m.recurrent.pins.until) == sorted(hashes)
     m.admit(Request("b", list(range(100, 130))))
     for _ in range(7):  # takes 7 blocks, one at a time: only unpinned ones
         run(m, "b", 4)

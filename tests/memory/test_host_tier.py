@@ -61,7 +61,7 @@ def test_eviction_demotes_and_a_hit_promotes_the_same_bytes():
     assert tiers["host"] | {"budget_bytes": 0, "promotion_seconds": 0} == {
         "entries": 1, "bytes": SLOT_BYTES, "budget_bytes": 0, "hits": 1, "promotions": 1, "demotions": 1,
         "refused_demotions": 0, "evictions": 0, "refused_corrupt": 0, "promotion_seconds": 0,
-        "swap_bytes": 0, "swaps_refused": 0}
+        "swap_bytes": 0, "swaps_refused": 0, "pinned_entries": 0, "pinned_demotions": 0, "refused_pinned": 0}
     assert tiers["device"] == {"entries": 1, "bytes": SLOT_BYTES, "hits": 0, "evictions": 1}
     mem.admit("d", H, 2)  # a device hit still copies from the device
     assert live_value(mem, "d") == 2.5 and mem.stats()["tiers"]["device"]["hits"] == 1
@@ -214,9 +214,9 @@ def test_a_pinned_entry_stays_until_a_swap_needs_its_bytes():
     mem.pin(H[0], 1e12)
     keep(mem, "c", 2, 3.0)  # H[1] leaves the device; the host's one place is pinned: H[1] is dropped
     assert list(mem.host.entries) == [H[0]] and list(mem.checkpoints) == [H[2]]
-    assert H[1] not in mem.host and mem.pins_reclaimed == 0
+    assert H[1] not in mem.host and mem.pins.reclaimed == 0
     assert mem.host.hold("swapped", SLOT_BYTES)  # only a pin is left to give way: it does, counted
-    assert len(mem.host) == 0 and mem.pins_reclaimed == 1 and H[0] not in mem.pinned_until
+    assert len(mem.host) == 0 and mem.pins.reclaimed == 1 and H[0] not in mem.pins.until
 
 
 def _tier(entries, rule, branches=lambda h: 0):
@@ -275,10 +275,9 @@ def test_the_manager_gives_the_host_the_prefix_tree_and_the_device_keys():
     assert host.on_device(b"second") and not host.on_device(b"first")
 
 
-def test_a_pinned_checkpoint_that_becomes_the_last_live_slot_is_reclaimed_and_demoted():
-    """A hit takes the only slot, a pinned turn's state, as its live slot: the pin gives way to the
-    live slot (counted, as when a pinned state is evicted for one) and the state is demoted to the
-    host first, so it stays findable there."""
+def test_a_pinned_checkpoint_that_becomes_the_last_live_slot_is_demoted_with_its_pin():
+    """A hit takes the only slot, a pinned turn's state, as its live slot: the state is demoted to
+    the host first, still pinned, so the pin is not lost (the state stays findable there)."""
     mem = memory(checkpoint_slots=0)  # one slot
     mem.admit("a", [], 0)
     fill(mem, "a", 1.5)
@@ -286,7 +285,8 @@ def test_a_pinned_checkpoint_that_becomes_the_last_live_slot_is_reclaimed_and_de
     mem.release("a", (H[0], BS))
     mem.admit("b", H, 1)
     assert not mem.checkpoints and list(mem.host.entries) == [H[0]] and live_value(mem, "b") == 1.5
-    assert H[0] not in mem.pinned_until and mem.pins_reclaimed == 1
+    assert mem.pins.until == {H[0]: 1e12} and mem.pins.reclaimed == 0
+    assert mem.stats()["tiers"]["host"]["pinned_entries"] == 1
     assert mem.usable_prefix(H, 1) == 1
     check_conservation(mem)
 

@@ -8,11 +8,17 @@ checkpoints, swaps and recomputes, migrations), the documented rule holds (docs/
 "Memory tiers", "Pinned turns"):
 - a pinned KV block keeps the hash it was pinned for, and answers for it when free, until its pin
   is reclaimed (counted in its pool's `pins_reclaimed`) or its deadline passes;
-- a pinned state stays findable, a checkpoint on the device or an entry of the host tier, until its
-  pin is reclaimed (counted in `pins_reclaimed`), its deadline passes, or it is dropped as
-  unreachable because a pinned block's reclaim (counted there) took the KV it resumes from;
+- a pinned KV block the pool must hand out goes to the host KV tier with its pin when that tier
+  keeps it (not counted); a pinned host KV entry stays until its deadline, is promoted (or
+  superseded) back onto a device block that takes its pin, or is counted (`HostKvTier.pins_reclaimed`);
+- a pinned state stays findable WITH its pin, a checkpoint on the device or an entry of the host
+  tier (demoted there pinned when the device evicts it), until its deadline passes or it leaves
+  every tier, which is counted (`RecurrentMemory.pins.reclaimed`) whatever took it (a running
+  request's memory, or a reclaimed block that took the KV it resumes from);
+- the pin map holds no key that no tier holds (a state that leaves takes its pin along), and
+  `stats().pins` counts only live pins;
 - a pin that leaves before its deadline is counted, once, unless a pinned block passes its pin on
-  to the block that answers its hash (a pinned twin let go: block_pool.release).
+  to the block that answers its hash (a pinned twin let go: block_pool.release) or to the host.
 """
 import sys
 import types
@@ -25,7 +31,9 @@ from hypothesis.stateful import invariant, precondition, rule, run_state_machine
 
 import hybridkv.block_pool
 import hybridkv.manager_stats
+import hybridkv.memory.host_kv_tier
 import hybridkv.memory.recurrent
+import hybridkv.memory.state_pins
 import hybridkv.prefix_cache
 from hybridkv.request import RequestStatus
 from hybridkv.sampling_params import SamplingParams
@@ -52,7 +60,8 @@ def fake_clock(monkeypatch):
     """Every module that reads the pins' clock reads CLOCK (perf_counter, for timings, stays real)."""
     import time
     shim = types.SimpleNamespace(monotonic=CLOCK.monotonic, perf_counter=time.perf_counter)
-    for module in (hybridkv.block_pool, hybridkv.memory.recurrent, hybridkv.prefix_cache, hybridkv.manager_stats):
+    for module in (hybridkv.block_pool, hybridkv.memory.recurrent, hybridkv.memory.state_pins,
+                   hybridkv.memory.host_kv_tier, hybridkv.prefix_cache, hybridkv.manager_stats):
         monkeypatch.setattr(module, "time", shim)
     return CLOCK
 
@@ -91,7 +100,7 @@ class PinnedTurnsMachine(ManagerMachine):
             lead = [blocks for w, blocks in answering.items() if mgr.attention_groups[w] is mgr.attention]
             kv = {h for h, b in lead[0] if b >= 0} if lead else None
             kept = [h for h in hashes if h in rec.checkpoints and (kv is None or h in kv)]
-            assert all(rec.pinned_until.get(h, 0) >= until for h in kept), "a pinned turn's state is not pinned"
+            assert all(rec.pins.until.get(h, 0) >= until for h in kept), "a pinned turn's state is not pinned"
             EVENTS["pinned turn kept a state"] += bool(kept)
         EVENTS["pinned turn"] += 1
 
@@ -106,27 +115,29 @@ class PinnedTurnsMachine(ManagerMachine):
         mgr, now = self.mgr, CLOCK.now
         pinning, self.pinning = getattr(self, "pinning", False), False
         seen = self.__dict__.setdefault("pins_seen", {})
-        reclaimed_kv = self.__dict__.setdefault("reclaimed_kv", set())  # hashes whose lead block's pin was reclaimed
-        gone_with_kv = self.__dict__.setdefault("gone_with_kv", set())  # pinned states dropped as unreachable
+        host_kv = mgr.prefix_cache.host_kv
+        host_kv_pins = {k: e.pinned_until for k, e in host_kv.entries.items() if e.pinned_until} if host_kv else {}
+        host_kv_before = seen.get("host KV", {})  # {(window, hash): deadline} at the last check
         for w, g in mgr.attention_groups.items():
             pool = g.pool
             before, reclaimed = seen.get(w, ({}, 0))  # {block: (the hash it was pinned for, deadline)}
             gone = [b for b in before if b not in pool.pinned_until and before[b][1] > now]
             # a pin that left before its deadline was reclaimed (counted) unless it passed to the block that
-            # answers its hash (a pinned twin let go: block_pool.release)
+            # answers its hash (a pinned twin let go: block_pool.release) or went to the host KV tier with
+            # its block (demoted, pinned: host_kv_tier.py)
             holders = {pool.block_hash[b]: t for b, t in pool.pinned_until.items() if b not in before}
             passed = [b for b in gone if holders.get(before[b][0], 0) >= before[b][1]
                       or any(before[c][0] == before[b][0] and pool.pinned_until.get(c, 0) >= before[b][1] for c in before)]
-            taken = [b for b in gone if b not in passed]
-            assert len(taken) <= pool.pins_reclaimed - reclaimed <= len(gone), \
-                f"{len(taken)} pinned blocks let go before their deadline and no other holds their hash, " \
-                f"{pool.pins_reclaimed - reclaimed} reclaims counted"
-            if g is mgr.attention:
-                reclaimed_kv.update(before[b][0] for b in taken)
+            demoted = [b for b in gone if b not in passed and host_kv_pins.get((w, before[b][0]), 0) >= before[b][1]]
+            taken = [b for b in gone if b not in passed and b not in demoted]
+            assert len(taken) <= pool.pins_reclaimed - reclaimed <= len(gone) - len(demoted), \
+                f"{len(taken)} pinned blocks let go before their deadline and no tier holds their hash pinned, " \
+                f"{pool.pins_reclaimed - reclaimed} reclaims counted ({len(demoted)} demoted to the host pinned)"
             passed_hashes = {before[b][0] for b in passed}
             for b, until in pool.pinned_until.items():
                 h = before[b][0] if b in before else pool.block_hash[b]
-                assert b in before or pinning or h in passed_hashes, f"block {b} was pinned by a verb that ends no pinned turn"
+                assert b in before or pinning or h in passed_hashes or (w, h) in host_kv_before, \
+                    f"block {b} was pinned by a verb that ends no pinned turn (nor promoted from the host)"
                 if until <= now:
                     continue  # past its deadline: eviction may take it
                 assert pool.block_hash[b] == h, f"pinned block {b} lost its hash without being reclaimed"
@@ -134,33 +145,49 @@ class PinnedTurnsMachine(ManagerMachine):
                 EVENTS["pinned block checked"] += 1
             EVENTS["pinned block reclaimed"] += pool.pins_reclaimed - reclaimed
             EVENTS["pinned block passed its pin on"] += len(passed)
+            EVENTS["pinned block demoted to host"] += len(demoted)
             EVENTS["pinned block expired"] += sum(1 for b in before if b not in pool.pinned_until and before[b][1] <= now)
             seen[w] = ({b: (before[b][0] if b in before else pool.block_hash[b], t)
                         for b, t in pool.pinned_until.items()}, pool.pins_reclaimed)
+        if host_kv is not None:  # a pinned host KV entry stays until its deadline, back on the device, or counted
+            reclaimed = seen.get("host KV reclaimed", 0)
+            gone = [k for k, t in host_kv_before.items() if k not in host_kv_pins and t > now]
+            back = [k for k in gone if any(mgr.attention_groups[k[0]].pool.block_hash[b] == k[1] and t >= host_kv_before[k]
+                                           for b, t in mgr.attention_groups[k[0]].pool.pinned_until.items())]
+            assert len(gone) - len(back) <= host_kv.pins_reclaimed - reclaimed <= len(gone), \
+                f"{len(gone) - len(back)} pinned host KV entries left before their deadline, " \
+                f"{host_kv.pins_reclaimed - reclaimed} counted"
+            EVENTS["pinned host KV entry checked"] += sum(1 for t in host_kv_pins.values() if t > now)
+            EVENTS["pinned host KV block promoted with its pin"] += len(back)
+            seen["host KV"], seen["host KV reclaimed"] = host_kv_pins, host_kv.pins_reclaimed
         rec = mgr.recurrent
         if rec is None:
             return
         host = rec.host.entries if rec.host is not None else {}
-        before, reclaimed = seen.get("states", ({}, 0))
-        gone = [h for h in before if h not in rec.pinned_until]
+        before, reclaimed, on_host_before = seen.get("states", ({}, 0, set()))
+        gone = [h for h in before if h not in rec.pins.until]
         taken = [h for h in gone if before[h] > now]
-        assert len(taken) == rec.pins_reclaimed - reclaimed, \
-            f"{len(taken)} pinned states let go before their deadline, {rec.pins_reclaimed - reclaimed} reclaims counted"
-        for h, until in rec.pinned_until.items():
+        # every pin that left every tier before its deadline is counted (once; a finish may pin a key again
+        # in the step its state left, so then the count may run ahead of the keys gone)
+        assert len(taken) <= rec.pins.reclaimed - reclaimed, \
+            f"{len(taken)} pinned states left every tier before their deadline, " \
+            f"{rec.pins.reclaimed - reclaimed} counted"
+        assert pinning or len(taken) == rec.pins.reclaimed - reclaimed, "a pin counted as lost twice"
+        for h, until in rec.pins.until.items():
             assert h in before or pinning, "a state was pinned by a verb that ends no pinned turn"
-            if until <= now:
-                continue
-            if h in rec.checkpoints or h in host:
+            # the pin map holds no key that no tier holds: a state that leaves takes its pin along
+            assert h in rec.checkpoints or h in host, f"a pin on a state no tier holds (deadline passed: {until <= now})"
+            assert not (h in rec.checkpoints and h in host), "a pinned state in two tiers"
+            if until > now:
                 EVENTS["pinned state checked"] += 1
-                continue
-            # gone only as an unreachable checkpoint: a pinned block's reclaim (counted there) took its KV
-            # (the KV may be back by now: the prefix recomputed; the stale pin then stays in pinned_until)
-            assert h in reclaimed_kv, f"a pinned state was dropped without being reclaimed (its KV reachable: " \
-                                      f"{rec.reachable(h)})"
-            EVENTS["pinned state unreachable after its block's reclaim"] += h not in gone_with_kv
-            gone_with_kv.add(h)
+                EVENTS["pinned state checked on the host"] += h in host
+        on_host = {h for h in rec.pins.until if h in host}
+        EVENTS["pinned state demoted to host"] += len({h for h in on_host - on_host_before if h in before})
         EVENTS["pinned state reclaimed"] += len(taken)
-        seen["states"] = (dict(rec.pinned_until), rec.pins_reclaimed)
+        stats = mgr.stats().pins  # counts only live pins: those a tier holds before their deadline
+        assert stats["states"] == sum(1 for t in rec.pins.until.values() if t > now)
+        assert stats["states_on_host"] == sum(1 for h in on_host if rec.pins.until[h] > now)
+        seen["states"] = (dict(rec.pins.until), rec.pins.reclaimed, on_host)
 
 
 class PinnedTurnsHostTierMachine(PinnedTurnsMachine):

@@ -52,7 +52,7 @@ def test_a_pinned_checkpoint_that_becomes_the_last_live_slot_is_counted_as_recla
         mem.pin(b"h0", deadline)
         mem.admit("a", [b"h0"], 1)
         assert mem.live_slot("a") == slot and not mem.checkpoints
-        assert mem.pins_reclaimed == counted and b"h0" not in mem.pinned_until
+        assert mem.pins.reclaimed == counted and b"h0" not in mem.pins.until
 
 
 def test_a_rolling_output_state_a_pinned_turn_pinned_is_not_replaced_by_the_next():
@@ -66,7 +66,7 @@ def test_a_rolling_output_state_a_pinned_turn_pinned_is_not_replaced_by_the_next
         assert mem.checkpoint("a", b"o1", 8, True)
         mem.pin(b"o1", deadline)
         assert mem.checkpoint("a", b"o2", 12, True) == (kept == [b"o2"])
-        assert list(mem.checkpoints) == kept and mem.pins_reclaimed == 0
+        assert list(mem.checkpoints) == kept and mem.pins.reclaimed == 0
 
 
 def test_take_slot_reclaims_unreachable_first_then_lru():
@@ -166,11 +166,11 @@ def test_a_pinned_state_yields_to_a_live_slot_not_to_another_checkpoint():
     mem.pin(b"pinned", until=float("inf"))
     mem.admit("a", [], 0)  # the last free slot
     assert not mem.checkpoint("a", b"other", 8, False)  # no unpinned victim: the new state is not kept
-    assert b"pinned" in mem.checkpoints and mem.pins_reclaimed == 0
+    assert b"pinned" in mem.checkpoints and mem.pins.reclaimed == 0
     mem.admit("b", [], 0)  # a running request needs a slot: the pin gives way
-    assert b"pinned" not in mem.checkpoints and mem.pins_reclaimed == 1 and not mem.pinned_until
+    assert b"pinned" not in mem.checkpoints and mem.pins.reclaimed == 1 and not mem.pins.until
     mem.release("a")
     checkpoint(mem, b"late", 4)
     mem.pin(b"late", until=0.0)  # (monotonic time is past it)
     mem.admit("c", [], 0)  # evicts "late" as any checkpoint: an expired pin is no pin
-    assert b"late" not in mem.checkpoints and mem.live_slot("c") and mem.pins_reclaimed == 1
+    assert b"late" not in mem.checkpoints and mem.live_slot("c") and mem.pins.reclaimed == 1
