@@ -191,10 +191,8 @@ class HostStateTier:
         nbytes = sum(t.numel() * t.element_size() for part in (conv, ssm) for t in part.values())
         worth = self._worth(key, position, output)
         victims = self._victims(key, worth, last_used, nbytes)
-        pinned = self.pins.pinned(key)
         if victims is None:
-            self.counters.refused_demotions += 1
-            self.counters.refused_pinned += pinned
+            self.refused(key)
             return False
         for k in victims:
             self._evict(k)
@@ -205,8 +203,13 @@ class HostStateTier:
         self.entries.move_to_end(key)
         self.used_bytes += nbytes
         self.counters.demotions += 1
-        self.counters.pinned_demotions += pinned
+        self.counters.pinned_demotions += self.pins.pinned(key)
         return True
+
+    def refused(self, key: bytes) -> None:
+        """Count a demotion of the state keyed `key` not kept here (the device drops it)."""
+        self.counters.refused_demotions += 1
+        self.counters.refused_pinned += self.pins.pinned(key)
 
     # ---- swap --------------------------------------------------------------------------------
     def hold(self, rid, nbytes: int) -> bool:

@@ -172,10 +172,12 @@ class RecurrentMemory(LayerMemory):
         """Copy the checkpoint keyed h to the host tier if it keeps it (worth its bytes there, or
         pinned and room left beside the host's pins); True when it did. The caller then removes it
         from the device: a key is never in two tiers."""
-        c = self.checkpoints[h]
-        if self.host is not None and self.host.worth(h, c.position, c.last_used, self._slot_bytes, c.output):
+        c, host = self.checkpoints[h], self.host
+        if host is not None and host.worth(h, c.position, c.last_used, self._slot_bytes, c.output):
             conv, ssm = self.states.to_host(c.slot, "cpu", pin=any(t.is_cuda for t in self.states._tensors()))
-            return self.host.put(h, c.position, c.last_used, conv, ssm, c.output)
+            return host.put(h, c.position, c.last_used, conv, ssm, c.output)
+        if host is not None:
+            host.refused(h)  # counted there
         return False
 
     def _can_take_slot(self) -> bool:

@@ -323,3 +323,63 @@ def test_the_host_weighs_saved_flops_more_against_recency_than_the_device():
     tier.put(b"mid", 60, 2, *_state())
     assert not tier.put(b"new", 10, 3, *_state())
     assert set(tier.entries) == {b"deep", b"mid"} and tier.counters.refused_demotions == 1
+
+
+def _live(mem, *rids):
+    for rid in rids:
+        mem.admit(rid, [], 0)
+
+
+def test_a_pinned_state_evicted_for_a_live_slot_reaches_the_host_pinned():
+    """A running request needs the slot of a pinned turn's state: the state is demoted to the host
+    WITH its pin (not a lost pin: it stays findable), and a later hit promotes it from there."""
+    mem = memory(checkpoint_slots=1, live=1)
+    keep(mem, "a", 0, 1.5)
+    mem.pin(H[0], 1e12)
+    _live(mem, "x", "y")  # two live slots, one checkpoint slot: H[0] leaves the device for "y"
+    assert not mem.checkpoints and list(mem.host.entries) == [H[0]]
+    assert mem.pins.until == {H[0]: 1e12} and mem.pins.reclaimed == 0
+    host = mem.stats()["tiers"]["host"]
+    assert host["pinned_demotions"] == 1 and host["pinned_entries"] == 1
+    mem.release("x")
+    mem.release("y")
+    assert mem.usable_prefix(H, 2) == 1
+    mem.admit("z", H, 1)
+    assert live_value(mem, "z") == 1.5 and H[0] in mem.pins.until
+    check_conservation(mem)
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_a_pinned_newcomer_evicts_unpinned_host_entries_the_rule_would_keep(pinned):
+    """The host's rule would refuse a state worth less than its entry (flop: an old, shallow state
+    against a deep, just-used one); pinned, the newcomer takes the unpinned entry's place instead."""
+    mem = memory(checkpoint_slots=1, host_entries=1, rule="flop")
+    keep(mem, "a", 3, 4.0)
+    keep(mem, "b", 0, 1.0)  # H[3] goes to the host, H[0] holds the device's checkpoint slot
+    mem.admit("c", H[:3] + [H[3]], 4)  # a host hit: H[3] is the most recently used now
+    mem.release("c")
+    if pinned:
+        mem.pin(H[0], 1e12)
+    _live(mem, "x", "y")  # H[0] leaves the device for a live slot
+    assert list(mem.host.entries) == ([H[0]] if pinned else [H[3]])
+    assert mem.pins.reclaimed == 0 and list(mem.pins.until) == ([H[0]] if pinned else [])
+    check_conservation(mem)
+
+
+def test_a_pinned_newcomer_that_does_not_fit_beside_the_hosts_pins_is_dropped_and_counted():
+    """Only pins in the host and no room for another: the newcomer (a pinned state the device gives
+    up for a live slot) is dropped; its pin is lost, counted, and leaves the pin map."""
+    mem = memory(checkpoint_slots=1, host_entries=1)
+    keep(mem, "a", 3, 4.0)
+    mem.pin(H[3], 1e12)
+    _live(mem, "x", "y")  # H[3] to the host, pinned
+    mem.release("x")
+    mem.release("y")
+    keep(mem, "b", 0, 1.0)
+    mem.pin(H[0], 1e12)
+    _live(mem, "x", "y")  # H[0] leaves the device; the host holds only a pin: H[0] is not kept
+    assert list(mem.host.entries) == [H[3]] and not mem.checkpoints
+    assert mem.pins.until == {H[3]: 1e12} and mem.pins.reclaimed == 1
+    host = mem.stats()["tiers"]["host"]
+    assert host["refused_pinned"] == 1 and host["pinned_entries"] == 1
+    check_conservation(mem)

@@ -174,3 +174,28 @@ def test_a_pinned_state_yields_to_a_live_slot_not_to_another_checkpoint():
     mem.pin(b"late", until=0.0)  # (monotonic time is past it)
     mem.admit("c", [], 0)  # evicts "late" as any checkpoint: an expired pin is no pin
     assert b"late" not in mem.checkpoints and mem.live_slot("c") and mem.pins.reclaimed == 1
+
+
+def test_a_pinned_state_that_leaves_takes_its_pin_along():
+    """A pin belongs to a state some tier holds: a pinned checkpoint dropped as unreachable (its KV
+    went) loses its pin (counted: it left every tier before its deadline), so a later checkpoint
+    under the same key is not pinned; an invalidated one too; and a pinned turn's final state that
+    no release kept (no live slot) leaves no pin behind (uncounted: it was never held)."""
+    gone = set()
+    mem = make(n_slots=3, reachable=lambda h: h not in gone)  # null + 2
+    checkpoint(mem, b"p", 4)
+    mem.pin(b"p", 1e12)
+    gone.add(b"p")
+    mem.admit("a", [], 0)
+    mem.admit("b", [], 0)  # a slot is needed: the unreachable pinned state is dropped
+    assert b"p" not in mem.checkpoints and not mem.pins.until and mem.pins.reclaimed == 1
+    mem.release("b")
+    gone.clear()
+    checkpoint(mem, b"p", 4)  # the prefix recomputed: a new state under the same key, unpinned
+    assert mem.checkpoint("a", b"q", 8, False)  # so another checkpoint may displace it
+    assert list(mem.checkpoints) == [b"q"] and mem.pins.reclaimed == 1
+    mem.pin(b"q", 1e12)
+    assert mem.invalidate(b"q") and not mem.pins.until and mem.pins.reclaimed == 2
+    mem.pin(b"never", 1e12)
+    mem.release("not-running", (b"never", 4))
+    assert not mem.pins.until and mem.pins.reclaimed == 2
