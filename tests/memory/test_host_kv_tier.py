@@ -120,3 +120,51 @@ def test_on_a_hybrid_kv_gives_way_to_states_and_a_hit_needs_both():
     computed(m, other, 2)  # no state kept for this one: its evicted blocks alone deepen nothing
     evict_everything(m, seed=98)
     assert m.admit(Request("no-state", other + [50])) == 0
+
+
+def _pinned_turn(m, prompt, seed):
+    """A pinned turn (600 s) that computes `prompt` but its last token, then ends: its blocks' hashes."""
+    from hybridkv.sampling_params import SamplingParams
+
+    m.admit(Request(f"r{seed}", prompt, SamplingParams(max_tokens=1, cache_pin_ttl_s=600.0)))
+    run(m, f"r{seed}", len(prompt) - 1, seed)
+    m.finish(f"r{seed}")
+    return m.prefix_cache.prompt_hashes(prompt, None)
+
+
+def test_a_pinned_turns_blocks_go_to_the_host_pinned_and_come_back_pinned():
+    """Pinned blocks the device must hand out go to the host KV tier WITH their pin (not a lost
+    pin); there, later KV demotions pass them by; a hit promotes them back into device blocks that
+    keep the pin."""
+    m = HybridCacheManager(ATTN, BS, 6, 0, host_cache_bytes=4 * BLOCK_BYTES, fingerprint="f")
+    prompt = list(range(1, 14))
+    hashes = _pinned_turn(m, prompt, 1)
+    pool, host = m.attention.pool, m.prefix_cache.host_kv
+    evict_everything(m)  # every free block is taken: the 3 pinned ones last, demoted pinned
+    assert all(host.entries[(None, h)].pinned_until > 0 for h in hashes) and pool.pins_reclaimed == 0
+    pins = m.stats().pins
+    assert pins["blocks"] == pins["blocks_on_host"] == 3 and pins["reclaimed_blocks"] == 0, pins
+    evict_everything(m, seed=98)  # 6 more evicted blocks; room for one beside the pins
+    assert tiers(m)["kv_entries"] == 4 and all((None, h) in host for h in hashes)
+    assert m.admit(Request("again", prompt + [50])) == 12  # the whole prefix, from the host
+    assert sorted(pool.pinned_until) == sorted(pool.cached[h] for h in hashes)  # the pin came back with them
+    pins = m.stats().pins
+    assert pins["blocks"] == 3 and pins["blocks_on_host"] == 0 and pins["reclaimed_blocks"] == 0, pins
+
+
+def test_on_a_hybrid_only_a_swap_takes_a_pinned_host_block_counted():
+    """A state demotion never evicts a pinned KV entry; a swapped request's bytes (a running
+    request's memory) do, last, and each is counted as a lost pin."""
+    probe = HybridCacheManager(HYBRID, BS, 6, 4, fingerprint="f")
+    slot_bytes = probe.recurrent._slot_bytes
+    m = HybridCacheManager(HYBRID, BS, 6, 4, host_cache_bytes=3 * BLOCK_BYTES + slot_bytes, fingerprint="f",
+                           checkpoint_policy="none")
+    hashes = _pinned_turn(m, list(range(1, 14)), 1)
+    evict_everything(m)
+    host = m.recurrent.host
+    assert host.kv.pinned_entries() == 3 and host.kv._block_bytes[None] == BLOCK_BYTES
+    assert host._victims(b"new", 4, 0, slot_bytes) == []  # a state fits beside the pins: no KV needed
+    assert host._victims(b"new", 4, 0, slot_bytes + 1) is None  # but it never evicts a pinned block
+    assert host.hold("swapped", 3 * BLOCK_BYTES + slot_bytes)  # a swap takes everything, the pins too
+    assert not host.kv.entries and host.kv.pins_reclaimed == 3
+    assert m.stats().pins["reclaimed_blocks"] == 3 and all(m.attention.pool.lookup(h) is None for h in hashes)
