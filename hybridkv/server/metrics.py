@@ -35,6 +35,12 @@ _TIER_SERIES = (
     ("gauge", "swap_bytes", "swap_bytes", "Bytes of swapped-out requests the tier's budget holds (host only)."),
     ("counter", "swaps_refused", "swaps_refused", "Swap preemptions the budget could not hold: preempted by "
      "recompute instead (host only)."),
+    ("gauge", "pinned_entries", "pinned_entries", "Pinned turns' states held before their deadline (host only)."),
+    ("counter", "pinned_demotions", "pinned_demotions", "Pinned states taken in from the device with their pin."),
+    ("counter", "refused_pinned", "refused_pinned", "Pinned states that did not fit beside the tier's pins "
+     "(dropped: their pin lost)."),
+    ("gauge", "kv_pinned_entries", "kv_pinned_entries", "Pinned turns' KV blocks held before their deadline "
+     "(host only)."),
     ("gauge", "kv_entries", "kv_entries", "KV blocks held (host and disk)."),
     ("gauge", "kv_bytes", "kv_bytes", "Bytes of the KV blocks held (host only)."),
     ("counter", "kv_promotions", "kv_promotions", "KV blocks loaded from the tier into device blocks (host and disk)."),

@@ -100,7 +100,8 @@ def test_the_cli_flag_and_metrics_carry_the_tiers(bamba, tiers):
     assert by_tier["host"]["promotions"] >= 4 and by_tier["host"]["promotion_seconds"] > 0, by_tier
     for tier, st in by_tier.items():
         for key, v in st.items():
-            gauge = key in ("entries", "bytes", "budget_bytes", "swap_bytes", "kv_entries", "kv_bytes")
+            gauge = key in ("entries", "bytes", "budget_bytes", "swap_bytes", "kv_entries", "kv_bytes", "pinned_entries",
+                            "kv_pinned_entries")
             name = f"checkpoint_tier_{key}" + ("" if gauge else "_total")
             assert f'hybridkv:{name}{{model_name="m",tier="{tier}"}} {float(v)}' in text, (name, tier, v)
     assert 'hybridkv:checkpoint_tier_demotions_total{model_name="m",tier="device"}' not in text
