@@ -203,16 +203,20 @@ def run_pinned_turns(machine, max_examples: int, steps: int = 50) -> None:
 
 
 def test_pinned_turns_state_machine(fake_clock):
-    # ~7 s on one core; the runs do not depend on PYTHONHASHSEED (checked under 0-5: the same events)
+    # ~7 s on one core; the runs do not depend on PYTHONHASHSEED (checked under 0-5: the same events),
+    # but they do on what else the session collected (the whole suite gives other examples than this
+    # file alone: 0 block pins reclaimed there, 15 here), so rare events are counted, not required
     EVENTS.clear()
     run_pinned_turns(PinnedTurnsMachine, 150)
     run_pinned_turns(PinnedTurnsHostTierMachine, 40)
     print(dict(EVENTS))
-    for what in ["pinned turn", "pinned turn kept a state", "pinned block checked", "pinned block reclaimed",
-                 "pinned block expired", "pinned state checked", "pinned state reclaimed",
+    for what in ["pinned turn", "pinned turn kept a state", "pinned block checked", "pinned state checked",
+                 "pinned state reclaimed",
                  "pinned state demoted to host", "pinned state checked on the host",
                  "host demotion", "resumed after swap",
                  "prefix hit"]:
         assert EVENTS[what] > 0, f"the random runs never exercised {what}: {EVENTS}"
-    # counted, not required (rare in these runs; each has a deterministic test in test_host_kv_tier.py):
-    # "pinned block demoted to host", "pinned host KV entry checked", "pinned host KV block promoted with its pin"
+    # counted, not required (rare in some sessions' runs; each has a deterministic test): "pinned block
+    # reclaimed" and "pinned block expired" (test_block_pool.py::test_pinned_blocks_go_last_and_only_until_their_deadline),
+    # "pinned block demoted to host", "pinned host KV entry checked", "pinned host KV block promoted with
+    # its pin" (test_host_kv_tier.py)
