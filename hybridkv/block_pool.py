@@ -13,6 +13,7 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
+from hybridkv.layer_loads import Charge, LayerLoads
 from hybridkv.specs import AttentionSpec
 
 
@@ -53,6 +54,7 @@ class BlockPool:
         self.pinned_until: dict[int, float] = {}
         self.pins_reclaimed = 0  # pinned blocks taken before their deadline
         self.mirror = None
+        self.loads = LayerLoads(device)  # writes from the host, layer by layer (hybridkv/layer_loads.py)
         # the host KV tier of this pool (memory/host_kv_tier.py; None: none): told of the cached
         # blocks an allocation evicts, before their new owner writes them (`evicting([(block, hash,
         # parent hash)])`), and of each hash a device block answers for again (`superseded(hash)`)
@@ -189,17 +191,18 @@ class BlockPool:
         kept = sum(1 for i in needed if hashes[i] in self.cached and self.refcount[self.cached[hashes[i]]] == 0)
         return self.num_free - kept >= n
 
-    def adopt(self, hashes: Sequence[bytes], needed: range, blocks: Sequence[tuple]) -> None:
+    def adopt(self, hashes: Sequence[bytes], needed: range, blocks: Sequence[tuple], charge: Charge = None) -> None:
         """Make loaded blocks cached blocks: `blocks` = (index into hashes, {layer: one block's
         tensor}, parent hash) for the indices of the prefix `needed` that the pool lacks
         (has_room_for first). The prefix's own blocks are held meanwhile, so none is evicted for
-        these, and all are released in chain order (the prefix's first block kept longest)."""
+        these, and all are released in chain order (the prefix's first block kept longest). The
+        data is written layer by layer (`scatter`), `charge(seconds)` told the time it takes."""
         if not blocks:
             return
         held = {i: self.cached[hashes[i]] for i in needed if hashes[i] in self.cached}
         self.ref(list(held.values()))
         new = self.allocate(len(blocks))
-        self.scatter(new, {layer: torch.stack([kv[layer] for _, kv, _ in blocks]) for layer in self.kv})
+        self.scatter(new, {layer: torch.stack([kv[layer] for _, kv, _ in blocks]) for layer in self.kv}, charge)
         for b, (i, _, parent) in zip(new, blocks):
             self.set_hash(b, hashes[i], parent)
             held[i] = b
@@ -207,6 +210,8 @@ class BlockPool:
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy block `src` into `dst` in every layer (copy-on-write of a shared partial block)."""
+        if self.loads.pending:
+            self.loads.settle()
         for t in self.kv.values():
             t[dst].copy_(t[src])
         if self.mirror is not None:
@@ -214,6 +219,8 @@ class BlockPool:
 
     def gather(self, blocks: list[int], device: torch.device | str = "cpu", pin: bool = False) -> dict[int, torch.Tensor]:
         """Copy blocks out: `{layer: [len(blocks), 2, block_size, kv_heads, head_dim]}` on `device`."""
+        if self.loads.pending:
+            self.loads.settle()
         if self.mirror is not None:  # every rank's heads
             return self.mirror.gathered(blocks, self._copy_out(blocks, "cpu", False), device, pin)
         return self._copy_out(blocks, device, pin)
@@ -227,14 +234,20 @@ class BlockPool:
             out[i] = dst.copy_(src)
         return out
 
-    def scatter(self, blocks: list[int], data: Mapping[int, torch.Tensor]) -> None:
-        """Write `data[layer] : [len(blocks), 2, block_size, kv_heads, head_dim]` into `blocks`."""
+    def scatter(self, blocks: list[int], data: Mapping[int, torch.Tensor], charge: Charge = None) -> None:
+        """Write `data[layer] : [len(blocks), 2, block_size, kv_heads, head_dim]` (host tensors) into
+        `blocks`, each layer's before that layer next runs (`loads`)."""
         if self.mirror is not None:  # data holds every rank's heads: this pool keeps its own
             data = self.mirror.scattered(blocks, data)
-        idx = torch.tensor(blocks, dtype=torch.long, device=self._device)
-        for i, t in self.kv.items():
-            t.index_copy_(0, idx, data[i].to(t.device, t.dtype, non_blocking=True))
+        self.loads.load({i: _blocks_write(t, blocks, data[i]) for i, t in self.kv.items()}, charge)
 
     @property
     def _device(self) -> torch.device:
         return next(iter(self.kv.values())).device if self.kv else torch.device("cpu")
+
+
+def _blocks_write(pool: torch.Tensor, blocks: list[int], data: torch.Tensor):
+    def write() -> None:  # (the index made on the stream that writes: the copy stream on CUDA)
+        idx = torch.tensor(blocks, dtype=torch.long, device=pool.device)
+        pool.index_copy_(0, idx, data.to(pool.device, pool.dtype, non_blocking=True))
+    return write

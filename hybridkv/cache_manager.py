@@ -28,6 +28,7 @@ from hybridkv.decode_rows import DecodeRows
 from hybridkv.draft_runs import DraftRuns
 from hybridkv.eviction import DEFAULT_EVICTION
 from hybridkv.errors import MemoryBudgetError, RequestStateError, RequestTooLargeError
+from hybridkv.layer_loads import LayerLoads
 from hybridkv.manager_stats import ManagerStats
 from hybridkv.memory.disk_tier import DEFAULT_DISK_CACHE_BYTES, DiskTier
 from hybridkv.memory.full_attention import FullAttentionMemory
@@ -70,6 +71,10 @@ class HybridCacheManager:
         self.allocating_kinds = [k for k in self.kinds if type(k).allocate is not LayerMemory.allocate]
         self.committing_kinds = [k for k in self.kinds if type(k).commit is not LayerMemory.commit]
         self.commit_checking_kinds = [k for k in self.committing_kinds if not k.decode_commit_always_idle]
+        # every pool's writes from the host, done layer by layer in the step's forward (layer_loads.py)
+        self.loads = LayerLoads(device)
+        for pool in [g.pool for g in self.attention_groups.values()] + ([self.recurrent.states] if self.recurrent else []):
+            pool.loads = self.loads
         self._reqs: dict[Hashable, Request] = {}
         self.disk: Optional[DiskTier] = None  # KV and states in files that outlive the process
         if disk_cache_dir is not None and enable_prefix_caching:

@@ -14,6 +14,7 @@ from typing import Mapping, Optional
 import numpy as np
 import torch
 
+from hybridkv.layer_loads import Charge, LayerLoads
 from hybridkv.specs import RecurrentSpec
 
 FREE, LIVE, CHECKPOINT, DRAFT, NULL = "free", "live", "checkpoint", "draft", "null"
@@ -44,6 +45,10 @@ class StatePool:
     `mirror` (None unless tensor-parallel: hybridkv/parallel/pool_mirror.py) is told of every data
     move: `copied(src, dst)`; `gathered(slot, mine, device, pin)` turns this pool's copy into every
     rank's channels; `scattered(slot, conv, ssm, layers)` takes every rank's and returns this pool's.
+
+    `loads` (hybridkv/layer_loads.py; the manager's, shared with its block pools) takes every write
+    from the host (`from_host`), done layer by layer before each layer runs; every other move and
+    read here settles it first.
     """
 
     def __init__(self, specs: Mapping[int, RecurrentSpec], num_slots: int, device: torch.device | str = "cpu"):
@@ -60,6 +65,7 @@ class StatePool:
         self._free: list[int] = list(range(self.num_slots - 1, 0, -1))  # pop() hands out low ids first
         self._pending: Optional[dict[int, int]] = None  # dst -> src while copies are deferred
         self.mirror = None
+        self.loads = LayerLoads(device)
         # On the CPU every tensor also as numpy views of its bytes (no copy): rows [num_slots, bytes
         # a slot], and [num_slots] of one void element a slot (a gather moves whole slots); a slot
         # copy there costs ~1 us against ~9 us for torch's index + copy_ dispatch
@@ -87,6 +93,8 @@ class StatePool:
         return slot
 
     def free(self, slot: int) -> None:
+        if self.loads.pending:  # (its pending writes land before a new owner's)
+            self.loads.settle()
         if slot <= 0 or self.kind[slot] == FREE:
             raise RuntimeError(f"slot {slot} freed twice or is the null slot")
         self.kind[slot] = FREE
@@ -105,6 +113,8 @@ class StatePool:
             self._pending.pop(dst, None)  # a later copy into the same slot wins, as it would in order
             self._pending[dst] = src
             return
+        if self.loads.pending:
+            self.loads.settle()
         if self._rows is not None:
             for a in self._rows:
                 a[dst] = a[src]
@@ -134,6 +144,8 @@ class StatePool:
 
     def _copy_all(self, srcs: list[int], dsts: list[int]) -> None:
         """Copy slot srcs[i] into dsts[i] for all i in every tensor (no dst is a src)."""
+        if self.loads.pending:
+            self.loads.settle()
         index = None
         if self._rows is not None:  # CPU: numpy on the bytes
             gather = len(dsts) >= _ROWS_GATHER_MIN_SLOTS
@@ -160,6 +172,8 @@ class StatePool:
         Inside `deferred_copies()` a slot that a pending copy fills is read from that copy's source."""
         if self._pending:
             slot = self._pending.get(slot, slot)
+        if self.loads.pending:
+            self.loads.settle()
         if self.mirror is not None:  # every rank's channels
             return self.mirror.gathered(slot, self._slot_out(slot, "cpu", False), device, pin)
         return self._slot_out(slot, device, pin)
@@ -169,17 +183,33 @@ class StatePool:
             return torch.empty(t.shape[1:], dtype=t.dtype, device=device, pin_memory=pin).copy_(t[slot])
         return {i: out(t) for i, t in self.conv.items()}, {i: out(t) for i, t in self.ssm.items()}
 
-    def from_host(self, slot: int, conv: Mapping[int, torch.Tensor], ssm: Mapping[int, torch.Tensor]) -> None:
-        """Write one slot's conv and ssm tensors (shapes as `to_host` returns them) into `slot`."""
+    def from_host(self, slot: int, conv: Mapping[int, torch.Tensor], ssm: Mapping[int, torch.Tensor],
+                  charge: Charge = None) -> None:
+        """Write one slot's conv and ssm tensors (shapes as `to_host` returns them) into `slot`, each
+        layer's before that layer next runs (`loads`); `charge(seconds)` is told the time it takes."""
         if self._pending:  # a pending copy into this slot (made for its previous owner) must not overwrite it
             self._pending.pop(slot, None)
         if self.mirror is not None:  # every rank's channels: this pool keeps its own
             conv, ssm = self.mirror.scattered(slot, conv, ssm, (tuple(self.conv), tuple(self.ssm)))
-        for i, t in self.conv.items():
-            t[slot].copy_(conv[i], non_blocking=True)
-        for i, t in self.ssm.items():
-            t[slot].copy_(ssm[i], non_blocking=True)
+        writes = {}
+        for tensors, src in ((self.conv, conv), (self.ssm, ssm)):
+            for i, t in tensors.items():
+                write = _slot_write(t[slot], src[i])
+                before = writes.get(i)  # (a layer with conv and ssm: one key, both writes)
+                writes[i] = write if before is None else _both(before, write)
+        self.loads.load(writes, charge)
 
     def _tensors(self):
         yield from self.conv.values()
         yield from self.ssm.values()
+
+
+def _slot_write(dst: torch.Tensor, src: torch.Tensor):
+    return lambda: dst.copy_(src, non_blocking=True)
+
+
+def _both(a, b):
+    def write() -> None:
+        a()
+        b()
+    return write

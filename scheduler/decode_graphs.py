@@ -189,6 +189,7 @@ class DecodeGraphs:
         groups = engine.mgr.attention_groups
         graphs = cls(engine.runner.model, engine.runner.caches, engine.scheduler.max_seqs, engine.max_model_len,
                      engine.mgr.block_size, mode, windows=list(groups) if len(groups) > 1 else ())
+        engine.runner.loads.settle()  # no event is waited on inside a capture (hybridkv/layer_loads.py)
         graphs.capture()
         return graphs
 

@@ -194,6 +194,7 @@ class Engine:
                     self._counts["processed_tokens"] += out.num_tokens
             else:
                 result = RunnerOutput()
+                self.runner.loads.settle()  # (an import's loads: nothing stays pending across steps)
             reported = sched.update_from_output(out, result, finished_only)
             if spec is not None:
                 spec.step_done(out, sched.counters["generated_tokens"] - generated, time.perf_counter() - started)

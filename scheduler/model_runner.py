@@ -25,6 +25,7 @@ from typing import Callable, Hashable, Optional
 import numpy as np
 import torch
 
+from hybridkv.layer_loads import LoadedLayers
 from hybridkv.models.forward_batch import ForwardBatch, ModelCaches
 
 from .batch_builder import BatchBuilder
@@ -107,8 +108,11 @@ class ModelRunner:
         self.mgr = manager  # read only: block tables and slots for the batch
         self.sampler = Sampler(seed, eos_ids=model.eos_token_ids, device=self.device)
         self.batch_builder = BatchBuilder(manager, self.device)
-        self.caches = ModelCaches(kv=manager.kv_caches, conv=manager.conv_states,
-                                  state=manager.ssm_states, block_size=manager.block_size)
+        # the pools as the model reads them: each layer's pending loads done before it runs (layer_loads.py)
+        self.loads = manager.loads
+        self.caches = ModelCaches(kv=LoadedLayers(manager.kv_caches, self.loads),
+                                  conv=LoadedLayers(manager.conv_states, self.loads),
+                                  state=LoadedLayers(manager.ssm_states, self.loads), block_size=manager.block_size)
         # Quantized pools: each step's rows decoded for the model and encoded back (cache_staging.py)
         staging = CacheStaging(manager, quantize_stochastic, seed)
         self.staging = staging if staging.active else None
@@ -158,14 +162,18 @@ class ModelRunner:
             if step.error is not None:
                 raise step.error
             with torch.inference_mode():  # no autograd graph (it would also chain the pools across steps)
-                if step.graph_inputs is not None:
-                    logits = self.decode_graphs.run(step.graph_inputs)
-                elif self.staging is not None:
-                    batch, caches, store = self.staging.stage(step.batch, self.caches)
-                    logits = self.model(batch, caches)
-                    store()
-                else:
-                    logits = self.model(step.batch, self.caches)
+                try:
+                    if step.graph_inputs is not None:
+                        self.loads.settle()  # a replay runs no Python per layer (nor waits inside a capture)
+                        logits = self.decode_graphs.run(step.graph_inputs)
+                    elif self.staging is not None:
+                        batch, caches, store = self.staging.stage(step.batch, self.caches)
+                        logits = self.model(batch, caches)
+                        store()
+                    else:
+                        logits = self.model(step.batch, self.caches)
+                finally:
+                    self.loads.settle()  # what no layer read (a failed forward's rest): nothing stays pending
             if step.rows is None:
                 result = self._decode_batch(step.out.decodes, logits)
             else:

@@ -175,10 +175,10 @@ class DiskTier:
         st = self.recurrent.states
         return {i: t[f"conv.{i}"] for i in st.conv}, {i: t[f"ssm.{i}"] for i in st.ssm}
 
-    def adopt_state(self, key: bytes, position: int, state: tuple[dict, dict]) -> bool:
+    def adopt_state(self, key: bytes, position: int, state: tuple[dict, dict], charge=None) -> bool:
         """Make a state read_state() returned the device checkpoint keyed `key` (its first hit
         counts as the disk's); False when no checkpoint slot can be freed."""
-        if not self.recurrent.adopt(key, position, *state):
+        if not self.recurrent.adopt(key, position, *state, charge):
             return False
         self.counters.promotions += 1
         return True

@@ -218,17 +218,17 @@ class RecurrentMemory(LayerMemory):
         return True
 
     def adopt(self, h: bytes, position: int, conv: Mapping[int, torch.Tensor],
-              ssm: Mapping[int, torch.Tensor]) -> bool:
+              ssm: Mapping[int, torch.Tensor], charge=None) -> bool:
         """Make a state loaded from the disk tier (host tensors, verified) the checkpoint keyed h,
         in a slot taken as any checkpoint takes one; False (nothing changed) when none can be freed.
-        Its first hit counts as the disk tier's."""
+        Its first hit counts as the disk tier's. `charge`: as StatePool.from_host's."""
         if h in self.checkpoints:
             self._touch(h)
             return True
         slot = self._take_slot(CHECKPOINT)
         if slot is None:
             return False
-        self.states.from_host(slot, conv, ssm)
+        self.states.from_host(slot, conv, ssm, charge)
         self._add(h, position, slot)
         self.checkpoints[h].from_disk = True
         return True
@@ -300,7 +300,7 @@ class RecurrentMemory(LayerMemory):
             conv, ssm = self.host.promote(key, self._clock)
             self._slot[rid] = slot = self._take_slot(LIVE)
             t0 = time.perf_counter()
-            self.states.from_host(slot, conv, ssm)
+            self.states.from_host(slot, conv, ssm, self._charge_host)
             self.host.counters.promotion_seconds += time.perf_counter() - t0
             return
         src = self.checkpoints[key]
@@ -321,6 +321,9 @@ class RecurrentMemory(LayerMemory):
         self._touch(key)
         self.states.copy(src.slot, slot)
         self._slot[rid] = slot
+
+    def _charge_host(self, seconds: float) -> None:  # a promotion's writes, run layer by layer
+        self.host.counters.promotion_seconds += seconds
 
     # ---- a request's life ------------------------------------------------------------------
     def can_fork(self) -> bool:

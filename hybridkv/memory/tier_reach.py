@@ -131,12 +131,9 @@ class TierReach:
             if loaded is None:
                 limit = reach.blocks - 1  # the failing entries are gone: look below this position
                 continue
-            placed = self._place(hashes, reach, *loaded)
-            seconds = time.perf_counter() - t0
-            if any(reach.disk_kv.values()) or reach.state == DISK:
-                self.disk.counters.promotion_seconds += seconds
-            else:
-                self.host_kv.counters.kv_promotion_seconds += seconds
+            charge = self._charge_disk if any(reach.disk_kv.values()) or reach.state == DISK else self._charge_host
+            placed = self._place(hashes, reach, *loaded, charge)
+            charge(time.perf_counter() - t0)  # (and, on the CPU, the writes' time as each layer runs)
             return placed
 
     def _load(self, hashes: Sequence[bytes], reach: Reach):
@@ -163,9 +160,16 @@ class TierReach:
             ok = ok and state is not None
         return (disk_kv, state) if ok else None
 
-    def _place(self, hashes: Sequence[bytes], reach: Reach, disk_kv: dict, state) -> bool:
+    def _charge_disk(self, seconds: float) -> None:
+        self.disk.counters.promotion_seconds += seconds
+
+    def _charge_host(self, seconds: float) -> None:
+        self.host_kv.counters.kv_promotion_seconds += seconds
+
+    def _place(self, hashes: Sequence[bytes], reach: Reach, disk_kv: dict, state, charge) -> bool:
         """Make the checked pieces device memory: each group's blocks (host and disk together)
-        cached blocks in one adoption, then a disk state a device checkpoint. False, touching
+        cached blocks in one adoption, then a disk state a device checkpoint (their data written
+        layer by layer in the step's forward: hybridkv/layer_loads.py). False, touching
         nothing, when a pool lacks room for the blocks (every group's room is counted first)."""
         m, bs = reach.blocks, self.block_size
         needed = {w: range(g.first_needed_block(m * bs), m) for w, g in self.groups.items()}
@@ -182,12 +186,12 @@ class TierReach:
             self.disk.counters.kv_promotions += sum(map(len, disk_kv.values()))
         for w, group_blocks in blocks.items():
             pool = self.groups[w].pool
-            pool.adopt(hashes, needed[w], sorted(group_blocks, key=lambda b: b[0]))
+            pool.adopt(hashes, needed[w], sorted(group_blocks, key=lambda b: b[0]), charge)
             for i, e in taken.get(w, ()):  # a pinned turn's block keeps its pin on the device
                 if e.pinned_until:
                     pool.pin([pool.cached[hashes[i]]], e.pinned_until)
         if state is not None:
-            self.disk.adopt_state(hashes[m - 1], m * bs, state)  # (no slot: the KV stays cached, the hit shallower)
+            self.disk.adopt_state(hashes[m - 1], m * bs, state, charge)  # (no slot: the KV stays cached, the hit shallower)
         elif self.recurrent is None and any(disk_kv.values()):
             self.disk.counters.kv_hits += 1
         return True

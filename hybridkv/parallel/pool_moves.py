@@ -15,6 +15,7 @@ from typing import Hashable, Mapping
 import torch
 
 from hybridkv.block_pool import BlockPool
+from hybridkv.layer_loads import LayerLoads
 from hybridkv.specs import LayerSpec, RecurrentSpec
 from hybridkv.state_pool import StatePool
 
@@ -43,6 +44,9 @@ class ShardedPools:
                        for key, (layers, n) in plan.blocks.items()}
         rec = {i: s for i, s in specs.items() if isinstance(s, RecurrentSpec)}
         self.states = StatePool(rec, plan.slots, device)
+        self.loads = LayerLoads(device)  # one for all this rank's pools (hybridkv/layer_loads.py)
+        for pool in [*self.blocks.values(), self.states]:
+            pool.loads = self.loads
 
     @property
     def kv(self) -> dict[int, torch.Tensor]:

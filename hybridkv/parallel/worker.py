@@ -18,6 +18,8 @@ from typing import Optional
 
 import torch
 
+from hybridkv.layer_loads import LoadedLayers
+
 from .messages import Forward, Stop, moved
 from .pool_moves import READS, PoolPlan, ShardedPools
 
@@ -65,10 +67,13 @@ class RankRunner:
     def forward(self, fields: dict) -> None:
         from hybridkv.models.forward_batch import ForwardBatch, ModelCaches
 
-        pools = self.pools
-        caches = ModelCaches(kv=pools.kv, conv=pools.states.conv, state=pools.states.ssm,
-                             block_size=pools.block_size)
-        self.model(ForwardBatch(**moved(fields, self.device)), caches)
+        pools, loads = self.pools, self.pools.loads
+        caches = ModelCaches(kv=LoadedLayers(pools.kv, loads), conv=LoadedLayers(pools.states.conv, loads),
+                             state=LoadedLayers(pools.states.ssm, loads), block_size=pools.block_size)
+        try:
+            self.model(ForwardBatch(**moved(fields, self.device)), caches)
+        finally:
+            loads.settle()  # (nothing stays pending across steps)
 
 
 def _wait_message(group, n: int, parent: int) -> None:

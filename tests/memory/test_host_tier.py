@@ -27,6 +27,7 @@ def fill(mem, rid, value):
 
 
 def live_value(mem, rid):
+    mem.states.loads.settle()  # (a promotion's writes wait for each layer's turn: hybridkv/layer_loads.py)
     vals = {float(v) for t in mem.states._tensors() for v in t[mem.live_slot(rid)].reshape(-1)}
     assert len(vals) == 1, vals
     return vals.pop()

@@ -47,6 +47,7 @@ def test_copy_and_host_roundtrip():
     conv, ssm = p.to_host(3)
     assert torch.equal(conv[0], p.conv[0][1]) and torch.equal(ssm[0], p.ssm[0][1]) and set(ssm) == {0}
     p.from_host(2, conv, ssm)
+    p.loads.settle()  # (the writes wait for each layer's turn: hybridkv/layer_loads.py)
     assert torch.equal(p.conv[2][2], p.conv[2][1]) and torch.equal(p.ssm[0][2], p.ssm[0][1])
     assert not torch.equal(p.conv[0][0], p.conv[0][1])  # other slots untouched
 

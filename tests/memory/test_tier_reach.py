@@ -84,6 +84,7 @@ def test_a_prefix_only_in_the_host_tiers_is_probed_without_a_change_and_then_hit
     assert m.prefix_cache.usable_tokens(PROMPT + [50]) == 12
     assert snapshot(m) == before  # nothing counted, promoted or reordered
     assert m.admit(Request("again", PROMPT + [50])) == 12  # the admission hits what the probe announced
+    m.loads.settle()  # (promoted blocks are written as each layer runs: hybridkv/layer_loads.py)
     assert all(torch.equal(m.kv_caches[i][m.block_ids("again")[:3]], kv[i]) for i in kv)
     assert all(torch.equal(a, b) for a, b in zip(state_of(m, m.live_slot("again")), states[12]))
 
@@ -98,6 +99,7 @@ def test_a_prefix_only_on_disk_is_probed_without_reading_a_file_and_then_hit(tmp
     assert snapshot(m) == before and m.disk.store.stats()["reads"] == 0
     assert m.admit(Request("again", PROMPT + [50])) == 12
     assert m.disk.store.stats()["reads"] == 4  # three KV blocks and the state
+    m.loads.settle()  # (promoted blocks are written as each layer runs: hybridkv/layer_loads.py)
     assert all(torch.equal(m.kv_caches[i][m.block_ids("again")[:3]], kv[i]) for i in kv)
     assert all(torch.equal(a, b) for a, b in zip(state_of(m, m.live_slot("again")), states[12]))
     m.close()
@@ -139,6 +141,7 @@ def test_a_hit_takes_blocks_from_the_host_and_the_disk_together(tmp_path, blocks
     assert m.prefix_cache.usable_tokens(PROMPT + [50]) == 12
     assert snapshot(m) == before
     assert m.admit(Request("again", PROMPT + [50])) == 12
+    m.loads.settle()  # (promoted blocks are written as each layer runs: hybridkv/layer_loads.py)
     assert all(torch.equal(m.kv_caches[i][m.block_ids("again")[:3]], kv[i]) for i in kv)
     assert all(torch.equal(a, b) for a, b in zip(state_of(m, m.live_slot("again")), states[12]))
     host, disk = m.stats().tiers["host"], m.stats().tiers["disk"]
@@ -164,6 +167,7 @@ def test_a_damaged_file_in_a_mixed_hit_is_refused_and_a_shallower_position_taken
     assert m.admit(Request("again", PROMPT + [50])) == 8  # blocks 0-1 from the host, the state at 8
     disk = m.stats().tiers["disk"]
     assert disk["refused_corrupt"] == 1 and not path.exists() and not m.disk.has_kv(None, 2, hashes[2]), disk
+    m.loads.settle()  # (promoted blocks are written as each layer runs: hybridkv/layer_loads.py)
     assert all(torch.equal(m.kv_caches[i][m.block_ids("again")[:2]], kv[i][:2]) for i in kv)
     assert all(torch.equal(a, b) for a, b in zip(state_of(m, m.live_slot("again")), states[8]))
     assert m.prefix_cache.usable_tokens(PROMPT + [50]) == 8  # the refused file is gone from the index
