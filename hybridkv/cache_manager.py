@@ -105,7 +105,9 @@ class HybridCacheManager:
     @property
     def kv_caches(self) -> dict[int, torch.Tensor]:
         """{attention layer: [num_blocks, parts, block_size, kv_heads, head_dim]} (parts: AttentionSpec.kv_parts;
-        num_blocks: the layer's group's)"""
+        num_blocks: the layer's group's). Like conv_states and ssm_states, read outside a step: the
+        pending loads are done first (the model runner reads them through layer_loads.LoadedLayers)."""
+        self.loads.settle()
         kv: dict[int, torch.Tensor] = {}
         for group in self.attention_groups.values():
             kv.update(group.pool.kv)
@@ -114,11 +116,13 @@ class HybridCacheManager:
     @property
     def conv_states(self) -> dict[int, torch.Tensor]:
         """{recurrent layer: [num_slots, *conv_shape]} (layers without a conv window are absent)"""
+        self.loads.settle()
         return self.recurrent.states.conv if self.recurrent else {}
 
     @property
     def ssm_states(self) -> dict[int, torch.Tensor]:
         """{recurrent layer: [num_slots, *state_shape]} (short-conv layers are absent)"""
+        self.loads.settle()
         return self.recurrent.states.ssm if self.recurrent else {}
 
     @property

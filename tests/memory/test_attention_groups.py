@@ -44,6 +44,7 @@ def held(m, w, rid):
 def window_kv(m, rid):
     """{layer: [parts, tokens, h, d]} of the tokens each layer's next token attends to."""
     n, out = m.request(rid).num_computed_tokens, {}
+    m.loads.settle()  # (writes from the host wait for each layer's turn: hybridkv/layer_loads.py)
     for group in m.attention_groups.values():
         ids = group.block_ids(rid)
         for p in range(group.first_needed_token(n), n):
@@ -168,6 +169,7 @@ def test_fork_export_import_and_discard_go_through_every_group():
     assert snap.kv_start == {1: 23 - W1 + 1 - (23 - W1 + 1) % BS, 3: 23 - W2 + 1 - (23 - W2 + 1) % BS}
     other = HybridCacheManager(MIXED, 8, {None: 20, W1: 6, W2: 8}, 4, fingerprint="mixed")
     assert other.import_snapshot(snap, request_of(snap, "q"))
+    other.loads.settle()
     for w, g in other.attention_groups.items():  # the window's (or every) token, now in blocks of 8
         ids, n = g.block_ids("q"), 23
         for i, t in g.pool.kv.items():

@@ -66,6 +66,7 @@ def test_copy_gather_scatter_roundtrip():
     out = p.gather([0, 2])
     assert out[3].shape == (2, 2, 4, 2, 8)
     p.scatter([4, 1], out)
+    p.loads.settle()  # (each layer's write waits for its turn: hybridkv/layer_loads.py)
     for i, t in p.kv.items():
         assert torch.equal(t[4], t[0]) and torch.equal(t[1], t[2]) and torch.equal(out[i][0], t[0])
 

@@ -82,6 +82,7 @@ def kv_of(mgr, group, r):
     the request's held blocks in one attention group."""
     out = {}
     n = r.num_computed_tokens
+    mgr.loads.settle()
     first = held_from(group, r.request_id)
     for i, t in group.pool.kv.items():
         nb = -(-n // mgr.block_size)
@@ -98,6 +99,7 @@ def write_step(mgr, rid, slot_mapping, start, end):
     r = mgr.request(rid)
     vals = kv_values(r.token_ids, end)[start:end]
     bs = mgr.block_size
+    mgr.loads.settle()  # as the model's reads through ModelCaches would (hybridkv/layer_loads.py)
     for group in mgr.attention_groups.values():
         slots = slot_mapping if group is mgr.attention else group.slot_mapping(rid, start, end)
         for s, v in zip(slots, vals.tolist()):
