@@ -9,6 +9,9 @@
 #      Bamba-9B-width layers, the tiny Bamba engine, and decode steps with CUDA graphs on vs off
 #      at batch 1 and 64, CPU and GPU time; each section isolated, JSON after each)
 #      under a 7-minute timeout, writing $OUT/gpu_kernels.json and $OUT/gpu_kernels.log.
+#   4. run benchmarks/gpu_layer_loads.py (a host-tier hit promoted on the copy stream, layer by
+#      layer: tokens against caching off, the hit pass's time against HYBRIDKV_IMMEDIATE_LOADS=1)
+#      under a 2-minute timeout, writing $OUT/gpu_layer_loads.json.
 # Exits non-zero on a wrong result, a section that raised, or the timeout.
 #
 #   OUT=/tmp/gpu bash benchmarks/gpu_first.sh                # on the GPU machine
@@ -55,5 +58,9 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,m
 echo "== benchmarks/gpu_kernels.py $DRY =="
 OUT="$OUT" timeout 420 "$PY" benchmarks/gpu_kernels.py $DRY 2>&1 | tee "$OUT/gpu_kernels.log"
 rc=${PIPESTATUS[0]}
+
+echo "== benchmarks/gpu_layer_loads.py $DRY =="  # promotion on the copy stream: tokens, step time vs immediate
+OUT="$OUT" timeout 120 "$PY" benchmarks/gpu_layer_loads.py $DRY 2>&1 | tee "$OUT/gpu_layer_loads.log"
+[ "$rc" = 0 ] && rc=${PIPESTATUS[0]}
 echo "== done in $(( $(date +%s) - start )) s, exit $rc (124: the 7-minute timeout); $OUT/gpu_kernels.json =="
 exit "$rc"
