@@ -61,6 +61,7 @@ rc=${PIPESTATUS[0]}
 
 echo "== benchmarks/gpu_layer_loads.py $DRY =="  # promotion on the copy stream: tokens, step time vs immediate
 OUT="$OUT" timeout 120 "$PY" benchmarks/gpu_layer_loads.py $DRY 2>&1 | tee "$OUT/gpu_layer_loads.log"
-[ "$rc" = 0 ] && rc=${PIPESTATUS[0]}
+loads_rc=${PIPESTATUS[0]}
+[ "$rc" = 0 ] && rc=$loads_rc
 echo "== done in $(( $(date +%s) - start )) s, exit $rc (124: the 7-minute timeout); $OUT/gpu_kernels.json =="
 exit "$rc"

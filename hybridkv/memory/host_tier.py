@@ -91,7 +91,7 @@ class TierCounters:
     swaps_refused: int = 0     # swap preemptions the budget could not hold (preempted by recompute)
     pinned_demotions: int = 0  # pinned states taken in with their pin (counted in demotions too)
     refused_pinned: int = 0    # pinned states that did not fit beside the pins here (their pin lost)
-    promotion_seconds: float = 0.0  # wall time of the promotions' copies into device slots
+    promotion_seconds: float = 0.0  # host time of the promotions: issue + (CPU) the layer-wise writes
 
 
 class HostStateTier:
