@@ -30,6 +30,7 @@ from hybridkv.eviction import DEFAULT_EVICTION
 from hybridkv.errors import MemoryBudgetError, RequestStateError, RequestTooLargeError
 from hybridkv.layer_loads import LayerLoads
 from hybridkv.manager_stats import ManagerStats
+from hybridkv.memory.disk_reader import DEFAULT_READ_AHEAD_BYTES
 from hybridkv.memory.disk_tier import DEFAULT_DISK_CACHE_BYTES, DiskTier
 from hybridkv.memory.full_attention import FullAttentionMemory
 from hybridkv.memory.kinds import make_kinds
@@ -54,7 +55,7 @@ class HybridCacheManager:
                  checkpoint_eviction: str = DEFAULT_EVICTION, fingerprint: str = "",
                  flops_per_token: Optional[float] = None, max_num_batched_tokens: Optional[int] = None,
                  draft_slots: int = 0, host_cache_bytes: int = 0, disk_cache_dir: Optional[str] = None,
-                 disk_cache_bytes: int = DEFAULT_DISK_CACHE_BYTES):
+                 disk_cache_bytes: int = DEFAULT_DISK_CACHE_BYTES, disk_read_ahead: bool = True):
         if not isinstance(block_size, int) or block_size <= 0:
             raise MemoryBudgetError(f"block_size={block_size!r} must be a positive integer (e.g. 16)")
         kinds = make_kinds(specs, block_size, num_blocks, num_slots, device, checkpoint_eviction,
@@ -78,7 +79,8 @@ class HybridCacheManager:
         self._reqs: dict[Hashable, Request] = {}
         self.disk: Optional[DiskTier] = None  # KV and states in files that outlive the process
         if disk_cache_dir is not None and enable_prefix_caching:
-            self.disk = DiskTier(kinds, block_size, disk_cache_dir, disk_cache_bytes, fingerprint)
+            self.disk = DiskTier(kinds, block_size, disk_cache_dir, disk_cache_bytes, fingerprint,
+                                 read_ahead_bytes=DEFAULT_READ_AHEAD_BYTES if disk_read_ahead else 0)
         self.prefix_cache = PrefixCache(kinds, block_size, self._reqs,
                                         CheckpointPolicy(checkpoint_policy, block_size, checkpoint_every_n,
                                                          trail=HOST_TIER_TRAIL if host_cache_bytes else 0),
@@ -366,7 +368,8 @@ class HybridCacheManager:
         return mode
 
     def close(self) -> None:
-        """Finish the disk tier's queued writes and stop its writer (nothing to do without one)."""
+        """Stop the disk tier's reader, finish its queued writes and stop its writer (nothing to do
+        without one)."""
         if self.disk is not None:
             self.disk.close()
 

@@ -68,7 +68,8 @@ class LLM:
     'prompt_end' | 'every_n_blocks' | 'branch_points'), `checkpoint_every_n`, `checkpoint_eviction`
     ('utility' (default) | 'lru' | 'flop'), `checkpoint_share` (share of the budget for state
     checkpoints), `host_cache_bytes` (a host tier for checkpoints evicted from the device),
-    `disk_cache_dir` / `disk_cache_bytes` (a disk tier of KV and states that survives restarts),
+    `disk_cache_dir` / `disk_cache_bytes` (a disk tier of KV and states that survives restarts;
+    `disk_read_ahead=False` reads its files in the admission, on the step's thread, not ahead of it),
     `verify_cache_hits` (the fraction of prefix hits recomputed cold and compared). docs/design.md and BENCHMARKS.md say what each does.
     `tensor_parallel_size` N > 1 shards the model and its pools over N ranks (this process is rank
     0; hybridkv/parallel/); `close()` stops the other ranks.
@@ -142,6 +143,7 @@ class LLM:
             checkpoint_policy=c.checkpoint_policy, checkpoint_every_n=c.checkpoint_every_n,
             checkpoint_eviction=c.checkpoint_eviction, fingerprint=self.model.fingerprint,
             host_cache_bytes=c.host_cache_bytes, disk_cache_dir=c.disk_cache_dir, disk_cache_bytes=c.disk_cache_bytes,
+            disk_read_ahead=c.disk_read_ahead,
             flops_per_token=2.0 * params, max_num_batched_tokens=max_num_batched_tokens,
             draft_slots=draft_slots)
         policy = PreemptionPolicy(preemption_mode, specs, block_size, self.profile, enable_prefix_caching)

@@ -9,7 +9,9 @@ copy the state there, and a live state let go at a boundary can stay as one (`do
 is usable only as far as every kind can resume it (prefix_match.py); the lower tiers (host KV and
 states, disk) are seen through one rule of how deep they reach together (memory/tier_reach.py),
 which the router's probe (`usable_tokens`) and admission (`deepest_match`) share. The burst rule
-(memory/burst.py) holds a new request back a step for a running one computing the prefix they share.
+(memory/burst.py) holds a new request back a step for a running one computing the prefix they share;
+the read-ahead rule (memory/disk_read_ahead.py) holds a waiting one while the disk files its hit
+takes are read off the step (`waits_for_disk_read`), and its admission promotes from those bytes.
 
 Owned by the HybridCacheManager (`mgr.prefix_cache`), whose verbs call it; it reads the manager's
 requests by id and changes only their hash and checkpoint fields (extra_key, block_hashes,
@@ -27,6 +29,7 @@ from hybridkv.block_hash import extend_hashes, extra_key
 from hybridkv.checkpoint_policy import CheckpointPolicy
 from hybridkv.errors import RequestStateError
 from hybridkv.memory.burst import BurstRule
+from hybridkv.memory.disk_read_ahead import DiskReadAhead
 from hybridkv.memory.disk_tier import DiskTier
 from hybridkv.memory.full_attention import NO_BLOCK, FullAttentionMemory
 from hybridkv.memory.kinds import ModelKinds
@@ -59,6 +62,8 @@ class PrefixCache:
         self.tiers = TierReach(kinds, block_size, disk)  # how deep device, host and disk reach together
         # without recurrent layers no checkpoint writes a prefix's KV through: each full block goes as it fills
         self._kv_write_through = disk is not None and kinds.recurrent is None
+        self.read_ahead = DiskReadAhead(self.tiers, disk.reader, disk.counters) \
+            if disk is not None and disk.reader is not None else None  # disk reads off the step
         self.bursts = BurstRule(block_size, self.prompt_hashes, lambda hashes, n: self._match(hashes, n).blocks)
 
     # ---- hashes ----------------------------------------------------------------------------
@@ -105,13 +110,15 @@ class PrefixCache:
         the deepest position whose every piece is on the device, the host or the disk (each piece
         from any of them, memory/tier_reach.py) is promoted into the device pools, then r is
         matched again (a lower-tier entry that fails its check is refused and a shallower position
-        promoted). The deeper hit is taken only when `fits` (every kind can take it and its
+        promoted). Disk files read ahead for r (waits_for_disk_read) are taken as read; what
+        nothing staged is read here. The deeper hit is taken only when `fits` (every kind can take it and its
         first chunk now); else the shallower one, if the promotions left it usable."""
         match = self.match(r)
         if self.host_kv is None and self.disk is None or not self.enabled:
             return match
         limit = min((len(r.token_ids) - 1) // self.block_size, len(r.block_hashes))
-        if not self.tiers.promote(r.block_hashes, limit, match.blocks):
+        staged = self.read_ahead.take(r.request_id) if self.read_ahead is not None else None
+        if not self.tiers.promote(r.block_hashes, limit, match.blocks, staged):
             return match
         deeper = self.match(r)
         if fits(deeper) or not all(k.usable_prefix(r.block_hashes, match.blocks) == match.blocks for k in self.kinds):
@@ -210,6 +217,30 @@ class PrefixCache:
             lead.shared.append(boundary)
         self.bursts.waits += 1
         return True
+
+    # ---- disk reads ahead of admission ----------------------------------------------------------
+    def waits_for_disk_read(self, r: Request) -> bool:
+        """The read-ahead rule (memory/disk_read_ahead.py): True while r, waiting (new, or preempted
+        by recompute), should be held a step because the disk files its hit takes are being read
+        off the step; starts those reads when the disk takes r's prefix deeper than the device and
+        the host do. False when there is nothing (left) to read: admit r as usual. Sets only r's
+        hash fields (as admission does)."""
+        if self.read_ahead is None or not self.enabled or len(r.token_ids) <= self.block_size:
+            return False
+        hashes = self.hashes(self.keyed(r))
+        limit = min((len(r.token_ids) - 1) // self.block_size, len(hashes))
+        return self.read_ahead.waits(r.request_id, hashes, limit, self.match(r).blocks)
+
+    def forget_disk_read(self, req_id: Hashable) -> None:
+        """A waiting request left (finished, aborted, failed): its disk reads end unused."""
+        if self.read_ahead is not None:
+            self.read_ahead.forget(req_id)
+
+    def wait_for_disk_reads(self, timeout: float) -> None:
+        """Block until a disk read in flight finishes or `timeout` seconds pass (at once when none
+        is): for a step that scheduled nothing while requests wait for reads."""
+        if self.read_ahead is not None:
+            self.read_ahead.wait(timeout)
 
     # ---- state checkpoints -----------------------------------------------------------------
     def checkpoint_due(self, req_id: Hashable, start: int, end: int) -> Optional[int]:

@@ -27,7 +27,9 @@ class EngineConfig:
     config.py), kept as a SpeculativeConfig. host_cache_bytes: the host tier's budget for state
     checkpoints evicted from the device (0: off; hybridkv/memory/host_tier.py). disk_cache_dir: a
     directory for the disk tier of KV blocks and state checkpoints, which survives restarts (None:
-    off; hybridkv/memory/disk_tier.py), within disk_cache_bytes (default 16 GiB). verify_cache_hits:
+    off; hybridkv/memory/disk_tier.py), within disk_cache_bytes (default 16 GiB); disk_read_ahead: a
+waiting request's disk files are read on a thread before its admission (False: in the admission,
+on the step's thread; memory/disk_read_ahead.py). verify_cache_hits:
     the fraction of prefix hits recomputed cold and compared (0: off; scheduler/hit_guard.py).
     kv_cache_dtype / state_cache_dtype: "auto" (the model's dtype), "int8" or "fp8_e4m3": KV pages /
     state slots kept as one-byte codes with a scale per row (hybridkv/cache_dtype.py);
@@ -46,6 +48,7 @@ class EngineConfig:
     host_cache_bytes: int = 0
     disk_cache_dir: Optional[str] = None
     disk_cache_bytes: int = DEFAULT_DISK_CACHE_BYTES
+    disk_read_ahead: bool = True
     verify_cache_hits: float = 0.0
     kv_cache_dtype: str = "auto"
     state_cache_dtype: str = "auto"
@@ -84,6 +87,8 @@ class EngineConfig:
         if isinstance(self.disk_cache_bytes, bool) or not isinstance(self.disk_cache_bytes, int) \
                 or self.disk_cache_bytes <= 0:
             raise ValueError(f"disk_cache_bytes={self.disk_cache_bytes!r} must be an integer > 0")
+        if not isinstance(self.disk_read_ahead, bool):
+            raise ValueError(f"disk_read_ahead={self.disk_read_ahead!r} must be True or False")
         if isinstance(self.verify_cache_hits, bool) or not isinstance(self.verify_cache_hits, (int, float)) \
                 or not 0.0 <= self.verify_cache_hits <= 1.0:
             raise ValueError(f"verify_cache_hits={self.verify_cache_hits!r} must be a fraction in [0, 1] (0: off)")

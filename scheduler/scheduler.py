@@ -4,7 +4,8 @@ Each step: the running decodes as one DecodeBatch (step_plan.py: it allocates an
 rows in one manager call each), then running chunked prefills, then swapped-out requests, then
 waiting ones (priority, then arrival), under a token budget and a cap on running requests.
 FCFS: nobody overtakes the head of the swapped or waiting queue, except a new request the
-prefix cache holds back for a running one computing the prefix they share (burst rule). Prefill
+prefix cache holds back for a running one computing the prefix they share (burst rule) or while
+the disk files of its hit are read off the step (read-ahead rule; an idle step waits for one). Prefill
 chunks are cut where a state checkpoint is due. When a pool is short after eviction, the
 lowest-priority, latest-arriving running request is preempted (recompute or swap, per
 PreemptionPolicy). A verb that raises for one request ends it alone with "error" (`fail`); the
@@ -33,6 +34,7 @@ from .step_plan import DecodeBatch, ScheduledChunk, SchedulerOutput
 from .token_append import TokenAppender
 
 log = logging.getLogger(__name__)
+IDLE_READ_WAIT_S = 0.05  # a step with nothing to run waits this long at most for a disk read ahead
 
 
 class Scheduler:
@@ -82,6 +84,7 @@ class Scheduler:
             self.speculation.forget(seq.request_id)
         if self.hit_guard is not None:
             self.hit_guard.forget(seq.request_id)
+        self.mgr.prefix_cache.forget_disk_read(seq.request_id)
 
     def fail(self, seq: Request, error: BaseException | str, discard: bool = False) -> None:
         """End `seq` with finish_reason "error" and free its memory. discard: its live memory ran
@@ -148,21 +151,23 @@ class Scheduler:
             budget = self._admit_from(queue, budget, out)
             if budget < 0:
                 break
+        if out.held and out.decodes is None and not out.chunks:  # only held requests: wait for a read, not spin
+            self.mgr.prefix_cache.wait_for_disk_reads(IDLE_READ_WAIT_S)
         return out
 
     def _admit_from(self, queue: SequenceQueue, budget: int, out: SchedulerOutput) -> int:
         """Start sequences from the head of `queue` while they fit; the budget left, or -1 when
         the scan must stop here (budget or seat cap reached, or the head does not fit now)."""
-        held: list[Request] = []  # waiting one step for a shared prefix: back in place afterwards
+        held: list[Request] = []  # waiting a step for a shared prefix or disk reads: back in place afterwards
         try:
             while (seq := queue.peek()) is not None:
                 if budget == 0 or len(self.running) >= self.max_seqs:
                     return -1
                 known = seq.request_id in self.mgr.requests  # swapped, or preempted by recompute
                 try:
-                    if not known and self.mgr.prefix_cache.waits_for_shared_prefix(
-                            seq.request_id, seq.token_ids, cache_salt=seq.cache_salt):
+                    if self._holds(seq, known):
                         held.append(queue.pop())
+                        out.held += 1
                         if len(held) >= self.max_seqs:
                             return -1  # bound the scan: a burst must not make a step cost the queue
                         continue
@@ -181,6 +186,12 @@ class Scheduler:
         finally:
             for seq in held:
                 queue.add(seq)
+
+    def _holds(self, seq: Request, known: bool) -> bool:
+        """Hold seq a step (skipped, not refused): by the burst rule, or while its disk reads run."""
+        pc = self.mgr.prefix_cache
+        return not known and pc.waits_for_shared_prefix(seq.request_id, seq.token_ids, cache_salt=seq.cache_salt) \
+            or seq.status is RequestStatus.WAITING and pc.waits_for_disk_read(seq)
 
     def _cut(self, seq: Request, start: int, n: int) -> tuple[int, bool]:
         due = self.mgr.prefix_cache.checkpoint_due(seq.request_id, start, start + n)  # a chunk ends at a checkpoint
@@ -272,7 +283,7 @@ class Scheduler:
             self.speculation.commit_runs(
                 self.mgr, out.chunks, result, lambda seq, e: self.fail_request(seq, e, reported, discard=True),
                 lambda seqs, tokens, lps: self._append(seqs, tokens, lps, reported, finished_only))
-        if not (out.decodes or out.chunks or out.preempted or out.failed) and self.has_unfinished():
+        if not (out.decodes or out.chunks or out.preempted or out.failed or out.held) and self.has_unfinished():
             self._fail_stuck(reported)
         return reported
 

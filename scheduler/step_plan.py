@@ -217,12 +217,13 @@ class DecodeBatch:
 class SchedulerOutput:
     """chunks: in batch order; decodes: the step's steady decodes (they run before the chunks),
     or None; preempted: (sequence, "recompute" | "swap"); failed: ended with "error" while
-    scheduling."""
+    scheduling; held: waiting requests held back this step (burst rule, disk reads ahead)."""
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[tuple[Request, str]] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)
     decodes: Optional[DecodeBatch] = None
+    held: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -4,6 +4,7 @@ a writer thread that writes each entry atomically.
     store = DiskStore(root, namespace, budget_bytes, describe={...})
     store.has(name);  store.put(name, kind, key, position, tensors)   queue a write (no I/O here)
     store.read(name, kind, key, position, layout) -> {tensor name: tensor} | None   verified, or refused
+    store.serial(name)   which indexing of `name` this is (a staged read is usable only while it holds)
     store.flush();  store.close();  store.stats()
 
 `root/<namespace>/` holds the entries of one model, block size and cache layout (the namespace is
@@ -15,7 +16,9 @@ and renamed over the final name (`os.replace`): a reader sees a whole entry or n
 leaves at most a temporary file, removed at the next start. The index (name -> bytes, least
 recently used first) is read from the directory at start; entries past the budget are evicted
 least recently used first. A read checks everything (disk_format.py); a file that fails is
-deleted and counted (`refused_corrupt`), and the caller treats it as a miss.
+deleted and counted (`refused_corrupt`), and the caller treats it as a miss. Reads may run on
+the disk tier's reader thread (disk_reader.py) as well as the step's: the index and the counters
+change under the store's lock, which no file I/O ever holds.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import atexit
 import json
 import logging
 import os
+import itertools
 import queue
 import threading
 import time
@@ -82,6 +86,8 @@ class DiskStore:
         self._pending_bytes = 0
         self._used = 0
         self._kinds: Counter = Counter()  # entries by the part of their name before the first "-"
+        self._serials: dict[str, int] = {}  # name -> when it was indexed (a new entry of a name, a new serial)
+        self._next_serial = itertools.count(1)
         self._scan()
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="hybridkv-disk-writer", daemon=True)
@@ -123,6 +129,15 @@ class DiskStore:
     def __len__(self) -> int:
         return len(self._index)
 
+    def size(self, name: str) -> int:
+        """The entry's bytes as indexed (0: not indexed)."""
+        return self._index.get(name, 0)
+
+    def serial(self, name: str) -> Optional[int]:
+        """Which indexing of `name` the index holds (None: not indexed): a read staged under one serial
+        is stale once the entry was dropped, even if a later write brought the name back."""
+        return self._serials.get(name)
+
     def names(self, prefix: str = "") -> list[str]:
         with self._lock:
             return [n for n in self._index if n.startswith(prefix)]
@@ -140,6 +155,7 @@ class DiskStore:
     def _add(self, name: str, size: int) -> None:
         """Index an entry (lock held, or at start)."""
         self._index[name] = size
+        self._serials[name] = next(self._next_serial)
         self._used += size
         self._kinds[name.split("-", 1)[0]] += 1
 
@@ -147,6 +163,7 @@ class DiskStore:
         """Unindex an entry (lock held); its size, or None when it was not indexed."""
         size = self._index.pop(name, None)
         if size is not None:
+            del self._serials[name]
             self._used -= size
             self._kinds[name.split("-", 1)[0]] -= 1
         return size
@@ -255,13 +272,16 @@ class DiskStore:
             tensors = decode(data, kind, key, position, self.namespace, layout)
         except DiskEntryError as e:
             log.warning("disk cache: refused %s: %s; it is deleted and recomputed", name, e)
-            self._forget(name)
-            _unlink(path)
-            self.counters.refused_corrupt += 1
+            _unlink(path)  # before unindexing: a write of the name, accepted only then, is never deleted here
+            with self._lock:
+                self._drop(name)
+                self.counters.refused_corrupt += 1
             return None
-        self.counters.reads += 1
-        self.counters.read_seconds += time.perf_counter() - t0
-        self.touch(name)
+        with self._lock:
+            self.counters.reads += 1
+            self.counters.read_seconds += time.perf_counter() - t0
+            if name in self._index:  # the use: the last to be evicted now
+                self._index.move_to_end(name)
         try:  # the use outlives the process: the next start orders entries by modification time
             os.utime(path)
         except OSError:

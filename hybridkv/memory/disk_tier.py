@@ -15,24 +15,29 @@ DiskStore (disk_store.py; format: disk_format.py), keyed by the chained block ha
   blocks are computed; writing on demotion instead would lose every entry still on the device at
   a restart or a crash.) A model without recurrent layers writes every block as it fills (any
   block boundary is a usable prefix there), before a sliding window lets it go.
-- **When read: at admission**, when the tiers together reach deeper than the device's hit: which
-  position, and which of its pieces come from here, is decided for every tier at once
-  (memory/tier_reach.py: a block may come from the host KV tier and the next from here, the state
-  from a third tier). This file answers whether its index lists an entry (`has_kv`, `has_state`:
-  no I/O, so the router's probe may ask) and reads one (`read_kv`, `read_state`): each file
-  verified first (disk_format.py: kind, key, position, namespace, dtypes, shapes, CRC-32); a file
-  that fails is deleted, counted (`refused_corrupt`), and the caller tries a shallower position, so
-  a corrupt entry is never used. Loading PROMOTES: the KV into free device blocks that become
-  cached blocks under their hashes, the state into a device checkpoint slot (`adopt_state`). Then
-  the ordinary prefix match runs: the hybrid hit rule is unchanged.
+- **When read: ahead of admission, on the reader thread**, when the tiers together reach deeper
+  than the device's hit: which position, and which of its pieces come from here, is decided for
+  every tier at once (memory/tier_reach.py: a block may come from the host KV tier and the next from
+  here, the state from a third tier). This file answers whether its index lists an entry (`has_kv`,
+  `has_state`: no I/O, so the router's probe may ask) and reads one (`read_entry`, the one read of
+  a file: disk_format.py checks kind, key, position, namespace, dtypes, shapes, CRC-32; a file that
+  fails is deleted, counted (`refused_corrupt`), and the caller tries a shallower position, so a
+  corrupt entry is never used). A waiting request's files are read by `reader` (disk_reader.py, a
+  thread; memory/disk_read_ahead.py holds the request meanwhile), and its admission's `read_kv` /
+  `read_state` take those staged, verified bytes; what nothing staged (the reader off or over its
+  bound, the position changed meanwhile) they read on the step's thread, counted (`sync_reads`).
+  Loading PROMOTES: the KV into free device blocks that become cached blocks under their hashes,
+  the state into a device checkpoint slot (`adopt_state`). Then the ordinary prefix match runs:
+  the hybrid hit rule is unchanged.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
+from .disk_reader import DEFAULT_READ_AHEAD_BYTES, DiskReader, EntryRead, Staged
 from .disk_store import DiskStore
 from .kinds import ModelKinds
 
@@ -62,7 +67,9 @@ class DiskTierCounters:
     kv_hits: int = 0             # admissions of a model without state that used disk KV
     promotions: int = 0          # states loaded from disk into a device checkpoint slot
     kv_promotions: int = 0       # KV blocks loaded from disk into device blocks
-    promotion_seconds: float = 0.0  # reading, verifying and copying them in
+    promotion_seconds: float = 0.0  # reading (what nothing staged), verifying and copying them in
+    sync_reads: int = 0          # entries the admission read on the step's thread (nothing staged them)
+    read_wait_seconds: float = 0.0  # requests held back while the reader read their entries
     demotions: int = 0           # states queued for writing
     kv_demotions: int = 0        # KV blocks queued for writing
 
@@ -70,7 +77,10 @@ class DiskTierCounters:
 class DiskTier:
     """The disk tier of a manager's kinds (`kinds`: every attention group and the recurrent kind)."""
 
-    def __init__(self, kinds: ModelKinds, block_size: int, root: str, budget_bytes: int, fingerprint: str):
+    def __init__(self, kinds: ModelKinds, block_size: int, root: str, budget_bytes: int, fingerprint: str,
+                 read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES):
+        """read_ahead_bytes: the reader thread's bound on bytes in flight or staged (0: no reader,
+        every read on the step's thread, as at admission before it existed)."""
         self.groups = kinds.attention_groups
         self.recurrent = kinds.recurrent
         self.block_size = block_size
@@ -84,6 +94,7 @@ class DiskTier:
             st = self.recurrent.states
             self._state_layout = [(f"conv.{i}", t.dtype, tuple(t.shape[1:])) for i, t in st.conv.items()] + \
                                  [(f"ssm.{i}", t.dtype, tuple(t.shape[1:])) for i, t in st.ssm.items()]
+        self.reader = DiskReader(self.read_entry, read_ahead_bytes) if read_ahead_bytes else None
 
     # ---- names -------------------------------------------------------------------------------
     @staticmethod
@@ -160,16 +171,49 @@ class DiskTier:
         """Whether the index lists the state after `position` tokens keyed `key` (no I/O, no LRU touch)."""
         return self.recurrent is not None and self.store.has(self.state_name(key, position))
 
-    def read_kv(self, window: Optional[int], index: int, key: bytes) -> Optional[dict]:
-        """{layer: one block's host tensor} of that file, verified; None when it is missing or
-        fails a check (then deleted and counted)."""
-        t = self.store.read(self.kv_name(window, index, key), "kv", key, (index + 1) * self.block_size,
-                            self._kv_layout[window])
+    def kv_entry(self, window: Optional[int], index: int, key: bytes) -> EntryRead:
+        """What reading block `index` (hash `key`) of group `window` expects of its file."""
+        name = self.kv_name(window, index, key)
+        return EntryRead(name, "kv", key, (index + 1) * self.block_size, self._kv_layout[window],
+                         self.store.size(name))
+
+    def state_entry(self, key: bytes, position: int) -> EntryRead:
+        """What reading the state after `position` tokens keyed `key` expects of its file."""
+        name = self.state_name(key, position)
+        return EntryRead(name, "state", key, position, self._state_layout, self.store.size(name))
+
+    def read_entry(self, e: EntryRead) -> Optional[Staged]:
+        """The one read of an entry file, on either thread: its tensors, verified, with the store's
+        serial of the name; None when it is missing or fails a check (then deleted and counted)."""
+        serial = self.store.serial(e.name)  # taken first: a newer entry read under it is only re-read
+        t = self.store.read(e.name, e.kind, e.key, e.position, e.layout)
+        return None if t is None else Staged(t, serial)
+
+    def fresh(self, s: Optional[Staged], name: str) -> bool:
+        """Whether `s`, read ahead from file `name`, is of the entry the store holds under it now."""
+        return s is not None and s.serial is not None and s.serial == self.store.serial(name)
+
+    def _tensors(self, e: EntryRead, staged: Optional[Mapping[str, Staged]]) -> Optional[dict]:
+        """e's tensors: staged ones while the store still holds the entry they were read from, else
+        read now (on the step's thread, counted)."""
+        s = staged.get(e.name) if staged else None
+        if self.fresh(s, e.name):
+            return s.tensors
+        self.counters.sync_reads += 1
+        got = self.read_entry(e)
+        return None if got is None else got.tensors
+
+    def read_kv(self, window: Optional[int], index: int, key: bytes,
+                staged: Optional[Mapping[str, Staged]] = None) -> Optional[dict]:
+        """{layer: one block's host tensor} of that file, verified (staged: read ahead, by name);
+        None when it is missing or fails a check (then deleted and counted)."""
+        t = self._tensors(self.kv_entry(window, index, key), staged)
         return None if t is None else {layer: t[f"kv.{layer}"] for layer in self.groups[window].pool.kv}
 
-    def read_state(self, key: bytes, position: int) -> Optional[tuple[dict, dict]]:
+    def read_state(self, key: bytes, position: int,
+                   staged: Optional[Mapping[str, Staged]] = None) -> Optional[tuple[dict, dict]]:
         """(conv, ssm) {layer: host tensor} of that state file, verified; None as read_kv."""
-        t = self.store.read(self.state_name(key, position), "state", key, position, self._state_layout)
+        t = self._tensors(self.state_entry(key, position), staged)
         if t is None:
             return None
         st = self.recurrent.states
@@ -188,10 +232,14 @@ class DiskTier:
         self.store.flush()
 
     def close(self) -> None:
+        """Stop the reader, then finish the queued writes and stop the writer."""
+        if self.reader is not None:
+            self.reader.close()
         self.store.close()
 
     def stats(self) -> dict:
         s, c = self.store.stats(), self.counters
+        r = self.reader.counters if self.reader is not None else None
         states = self.store.count("state")
         hits = self.recurrent.disk_hits if self.recurrent is not None else c.kv_hits
         return {"entries": states, "kv_entries": self.store.count("kv"), "bytes": s["bytes"],
@@ -199,4 +247,6 @@ class DiskTier:
                 "kv_promotions": c.kv_promotions, "promotion_seconds": c.promotion_seconds,
                 "demotions": c.demotions, "kv_demotions": c.kv_demotions, "evictions": s["evictions"],
                 "refused_corrupt": s["refused_corrupt"], "write_seconds": s["write_seconds"],
-                "write_errors": s["write_errors"], "dropped_writes": s["dropped_writes"]}
+                "write_errors": s["write_errors"], "dropped_writes": s["dropped_writes"],
+                "background_reads": r.reads if r else 0, "background_read_seconds": r.read_seconds if r else 0.0,
+                "sync_reads": c.sync_reads, "read_wait_seconds": c.read_wait_seconds}

@@ -22,13 +22,18 @@ kind and a state at the same position), only where each piece comes from is free
   (one tier at a time), the disk's blocks are copied (the disk keeps its files), all become cached
   blocks of their group in one adoption, and a disk state becomes a device checkpoint. A state in
   the host tier stays there: the admission copies it into the request's live slot.
+- `disk_entries` names the files a position takes from the disk, so they can be read before the
+  admission (memory/disk_read_ahead.py, on the reader thread); `promote` then takes those staged,
+  verified bytes in place of reading them (`staged`), and reads what nothing staged: one path,
+  the same checks and placement, only the read moved earlier.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence
 
+from .disk_reader import EntryRead, Staged
 from .disk_tier import DiskTier
 from .kinds import ModelKinds
 
@@ -115,19 +120,29 @@ class TierReach:
         """The deepest position (in blocks, at most `limit`) every piece of which some tier lists; 0 if none."""
         return next((r.blocks for r in self.reaches(hashes, limit)), 0)
 
+    def disk_entries(self, hashes: Sequence[bytes], reach: Reach) -> list[EntryRead]:
+        """The files `reach` takes from the disk (its KV blocks, group by group, then its state)."""
+        entries = [self.disk.kv_entry(w, i, hashes[i]) for w, idx in reach.disk_kv.items() for i in idx]
+        if reach.state == DISK:
+            entries.append(self.disk.state_entry(hashes[reach.blocks - 1], reach.blocks * self.block_size))
+        return entries
+
     # ---- bringing a position onto the device ------------------------------------------------------
-    def promote(self, hashes: Sequence[bytes], limit: int, floor: int) -> bool:
+    def promote(self, hashes: Sequence[bytes], limit: int, floor: int,
+                staged: Optional[Mapping[str, Staged]] = None) -> bool:
         """Bring onto the device what the deepest hit past `floor` blocks (at most `limit`) lacks,
         every piece checked first (a failing one is refused by its tier and a shallower position
-        tried). Returns whether the device pools changed (then match again: the hit is there,
-        unless a pool lacked room, or no checkpoint slot could take a disk state); False when no
-        position past `floor` is reached or the pools lack room for its blocks."""
+        tried). staged: disk entries read ahead {file name: Staged}, used in place of reading those
+        files while the disk still holds them (what they lack is read now). Returns whether the
+        device pools changed (then match again: the hit is there, unless a pool lacked room, or no
+        checkpoint slot could take a disk state); False when no position past `floor` is reached
+        or the pools lack room for its blocks."""
         while True:
             reach = next(self.reaches(hashes, limit, floor), None)
             if reach is None or not reach.promotes:
                 return False
             t0 = time.perf_counter()
-            loaded = self._load(hashes, reach)
+            loaded = self._load(hashes, reach, staged)
             if loaded is None:
                 limit = reach.blocks - 1  # the failing entries are gone: look below this position
                 continue
@@ -136,7 +151,7 @@ class TierReach:
             charge(time.perf_counter() - t0)  # (and, on the CPU, the writes' time as each layer runs)
             return placed
 
-    def _load(self, hashes: Sequence[bytes], reach: Reach):
+    def _load(self, hashes: Sequence[bytes], reach: Reach, staged: Optional[Mapping[str, Staged]]):
         """({window: [(block index, {layer: tensor})]} read from disk, the disk state or None) when
         every piece `reach` takes from a lower tier passes its check; else None. Every piece is
         checked even after one fails, so each damaged one is refused (and recomputed) now."""
@@ -148,7 +163,7 @@ class TierReach:
         for w, idx in reach.disk_kv.items():
             disk_kv[w] = []
             for i in idx:
-                t = self.disk.read_kv(w, i, hashes[i])
+                t = self.disk.read_kv(w, i, hashes[i], staged)
                 ok = ok and t is not None
                 if ok:
                     disk_kv[w].append((i, t))
@@ -156,7 +171,7 @@ class TierReach:
         if reach.state == HOST:
             ok = self.host_states.usable(key, position) and ok
         elif reach.state == DISK:
-            state = self.disk.read_state(key, position)
+            state = self.disk.read_state(key, position, staged)
             ok = ok and state is not None
         return (disk_kv, state) if ok else None
 

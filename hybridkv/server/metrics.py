@@ -53,6 +53,14 @@ _TIER_SERIES = (
     ("counter", "write_seconds", "write_seconds", "Seconds the tier's writer spent writing entries (disk only)."),
     ("counter", "write_errors", "write_errors", "Entries whose write failed (disk only; logged, dropped)."),
     ("counter", "dropped_writes", "dropped_writes", "Entries not written: too many writes were pending (disk only)."),
+    ("counter", "background_reads", "background_reads", "Entries read and verified ahead of admission on the "
+     "reader thread (disk only; failures included)."),
+    ("counter", "background_read_seconds", "background_read_seconds", "Seconds the reader thread spent reading "
+     "and verifying entries (disk only)."),
+    ("counter", "sync_reads", "sync_reads", "Entries the admission read on the engine step's thread: nothing "
+     "read them ahead (disk only)."),
+    ("counter", "read_wait_seconds", "read_wait_seconds", "Seconds requests were held back while their entries "
+     "were read ahead (disk only; summed over requests)."),
 )
 
 
