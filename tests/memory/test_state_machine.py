@@ -339,7 +339,12 @@ class ManagerMachine(RuleBasedStateMachine):
             assert any(g._blocks_to_hold(len(prompt) + max_tokens) > g.num_blocks
                        for g in mgr.attention_groups.values())
             return
-        hit = mgr.admit(Request(rid, prompt, max_tokens=max_tokens, cache_salt=salt), num_new_tokens=num_new)
+        r = Request(rid, prompt, max_tokens=max_tokens, cache_salt=salt)
+        ahead = mgr.disk is not None and mgr.disk.reader is not None and rid % 2 == 0
+        if ahead:  # every other admission promotes what the reader thread read, reading nothing itself
+            sync = self.read_ahead(r)
+        hit = mgr.admit(r, num_new_tokens=num_new)
+        assert not ahead or mgr.disk.counters.sync_reads == sync, "the admission read what was read ahead"
         assert (hit is not None) == can
         if hit is None:
             return
@@ -354,6 +359,19 @@ class ManagerMachine(RuleBasedStateMachine):
         check_request_data(mgr, mgr.request(rid))  # the hit's blocks and copied state are this prefix's
         assert self.run_chunk(rid, min(first if limit_new else len(prompt), len(prompt) - hit)), \
             "allocate right after admit must succeed"
+
+    def read_ahead(self, r):
+        """The read-ahead rule until it lets r go (each job waited for: a condition wait): what the
+        reader read is what the tiers list, so the admission then reads nothing on its own thread.
+        Returns the count of reads on the step's thread."""
+        pc, reader = self.mgr.prefix_cache, self.mgr.disk.reader
+        sync = self.mgr.disk.counters.sync_reads
+        while pc.waits_for_disk_read(r):
+            EVENTS["disk read ahead"] += 1
+            while reader.busy(r.request_id):
+                reader.wait(30)
+        assert self.mgr.disk.counters.sync_reads == sync and not reader.busy(r.request_id)
+        return sync
 
     @precondition(lambda self: self.ids(RequestStatus.RUNNING))
     @rule(data=st.data(), n=st.integers(1, 8), tok=st.integers(0, 3))
@@ -537,6 +555,9 @@ class ManagerMachine(RuleBasedStateMachine):
         EVENTS["disk state promotion"] += disk["promotions"]
         EVENTS["disk KV promotion"] += disk["kv_promotions"]
         EVENTS["disk write"] += disk["demotions"] + disk["kv_demotions"]
+        EVENTS["disk read on the reader thread"] += disk["background_reads"]
+        EVENTS["disk read on the step"] += disk["sync_reads"]
+        assert self.mgr.disk.reader.staged_bytes == 0, "staged bytes outlived their requests"
 
     def check_disk_files(self):
         """Every file on disk decodes, and holds the values of its prefix (state) or block (KV)."""
@@ -625,5 +646,6 @@ def test_manager_state_machine_with_disk_tier():
         suppress_health_check=[HealthCheck.too_slow]))
     print(dict(EVENTS))
     for what in ["restart", "disk write", "disk hit", "disk state promotion", "disk KV promotion",
+                 "disk read ahead", "disk read on the reader thread", "disk read on the step",
                  "a lower tier deepened a hit as probed", "disk file checked", "prefix hit", "quantized pools"]:
         assert EVENTS[what] > 0, f"the random runs never exercised {what}: {EVENTS}"
