@@ -28,9 +28,9 @@ class EngineConfig:
     checkpoints evicted from the device (0: off; hybridkv/memory/host_tier.py). disk_cache_dir: a
     directory for the disk tier of KV blocks and state checkpoints, which survives restarts (None:
     off; hybridkv/memory/disk_tier.py), within disk_cache_bytes (default 16 GiB); disk_read_ahead: a
-waiting request's disk files are read on a thread before its admission (False: in the admission,
-on the step's thread; memory/disk_read_ahead.py). verify_cache_hits:
-    the fraction of prefix hits recomputed cold and compared (0: off; scheduler/hit_guard.py).
+    waiting request's disk files are read on a thread before its admission (False: in the admission,
+    on the step's thread; memory/disk_read_ahead.py). verify_cache_hits: the fraction of prefix
+    hits recomputed cold and compared (0: off; scheduler/hit_guard.py).
     kv_cache_dtype / state_cache_dtype: "auto" (the model's dtype), "int8" or "fp8_e4m3": KV pages /
     state slots kept as one-byte codes with a scale per row (hybridkv/cache_dtype.py);
     quantize_stochastic: int8 codes rounded stochastically (seeded by `seed`)."""
