@@ -1,9 +1,11 @@
-"""Layer-wise promotion on a GPU (hybridkv/layer_loads.py): the tiny Bamba engine with a host tier,
+"""Layer-wise promotion on a GPU (hybridkv/layer_loads.py): first one state slot promoted from pinned
+memory (pending on the copy stream until its layer's wait, then read on the compute stream), then the
+tiny Bamba engine with a host tier,
 two passes over six prefixes (the second hits the host tier), checked against caching off, and the
 second pass's wall time with the copy stream vs the old immediate copy (HYBRIDKV_IMMEDIATE_LOADS=1).
 
     python benchmarks/gpu_layer_loads.py [--cpu-dry-run]     (run by benchmarks/gpu_first.sh)
-Writes $OUT/gpu_layer_loads.json; exits 1 when tokens differ or no promotion happened.
+Writes $OUT/gpu_layer_loads.json; exits 1 when the slot check fails, tokens differ or no promotion happened.
 """
 import json
 import os
@@ -17,6 +19,8 @@ import torch
 from hybridkv import LLM, SamplingParams
 from hybridkv.models.tiny import make_tiny_checkpoint
 from hybridkv.plan import kv_bytes_per_block, state_bytes_per_slot
+from hybridkv.specs import RecurrentSpec
+from hybridkv.state_pool import StatePool
 
 
 def passes(llm, prefixes, rng_seed=1):
@@ -33,8 +37,27 @@ def passes(llm, prefixes, rng_seed=1):
     return outs, seconds
 
 
+def pool_check(device: str) -> bool:
+    """One state slot promoted from pinned host memory: on CUDA pending on the copy stream until a
+    layer's wait, then read on the compute stream; settle finishes the rest (on the CPU: deferred)."""
+    spec = RecurrentSpec(conv_shape=(3, 2), state_shape=(2, 2), dtype=torch.float32)
+    p = StatePool({0: spec, 1: spec}, 5, device)
+    pin = device == "cuda"
+    conv = {i: torch.full((3, 2), 2.5).pin_memory() if pin else torch.full((3, 2), 2.5) for i in (0, 1)}
+    ssm = {i: torch.full((2, 2), 2.5).pin_memory() if pin else torch.full((2, 2), 2.5) for i in (0, 1)}
+    p.from_host(2, conv, ssm)
+    ok = p.loads.pending and (p.loads.stream is not None) == (device == "cuda")
+    p.loads.wait(0)
+    ok = ok and bool((p.conv[0][2] == 2.5).all())  # (read on the compute stream, after its wait)
+    p.loads.settle()
+    return bool(ok and (p.ssm[1][2] == 2.5).all() and not p.loads.pending)
+
+
 def main() -> int:
     device = "cpu" if "--cpu-dry-run" in sys.argv or not torch.cuda.is_available() else "cuda"
+    if os.environ.get("HYBRIDKV_IMMEDIATE_LOADS") != "1" and not pool_check(device):
+        print("pool check failed: a promoted slot was not loaded at its layer's wait", flush=True)
+        return 1
     path = make_tiny_checkpoint("bamba", tempfile.mkdtemp())
     specs = LLM(str(path), device=device, memory_budget_bytes=16 << 20).model.cache_specs()
     budget = kv_bytes_per_block(specs, 16) * 64 + state_bytes_per_slot(specs) * 5

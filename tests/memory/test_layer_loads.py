@@ -106,15 +106,3 @@ def test_immediate_loads_write_at_once(monkeypatch):
     p = rec_pool()
     p.from_host(2, *host(1.5))
     assert not p.loads.pending and bool((p.conv[1][2] == 1.5).all())
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy stream needs CUDA (benchmarks/gpu_first.sh)")
-def test_on_cuda_a_layers_copy_is_waited_on_by_the_compute_stream():
-    p = rec_pool(device="cuda")
-    conv, ssm = host(2.5)
-    p.from_host(2, {i: t.pin_memory() for i, t in conv.items()}, {i: t.pin_memory() for i, t in ssm.items()})
-    assert p.loads.stream is not None and p.loads.pending
-    p.loads.wait(0)
-    assert bool((p.conv[0][2] == 2.5).all())  # (read on the compute stream, after its wait)
-    p.loads.settle()
-    assert bool((p.ssm[1][2] == 2.5).all()) and not p.loads.pending
