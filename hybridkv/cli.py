@@ -63,6 +63,9 @@ def add_llm_args(ap: argparse.ArgumentParser) -> None:
                         "(default: none)")
     g.add_argument("--disk-cache-gb", type=float, default=16.0,
                    help="GiB the disk tier may keep in DIR for this model (default 16)")
+    g.add_argument("--no-disk-read-ahead", dest="disk_read_ahead", action="store_false",
+                   help="read a hit's disk files in its admission, on the step's thread (default: on a reader "
+                        "thread while the request waits)")
     g.add_argument("--verify-cache-hits", type=float, default=0.0,
                    help="fraction of prefix hits recomputed cold in the background and compared (default 0: off)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(CACHE_DTYPES),
@@ -90,7 +93,8 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
                 checkpoint_eviction=args.checkpoint_eviction, checkpoint_share=args.checkpoint_share,
                 cuda_graphs=args.cuda_graphs, speculative_config=args.speculative_config,
                 host_cache_bytes=args.host_cache_mb << 20, disk_cache_dir=args.disk_cache,
-                disk_cache_bytes=int(args.disk_cache_gb * (1 << 30)), verify_cache_hits=args.verify_cache_hits,
+                disk_cache_bytes=int(args.disk_cache_gb * (1 << 30)), disk_read_ahead=args.disk_read_ahead,
+                verify_cache_hits=args.verify_cache_hits,
                 kv_cache_dtype=args.kv_cache_dtype, state_cache_dtype=args.state_cache_dtype,
                 quantize_stochastic=args.quantize_stochastic)
 

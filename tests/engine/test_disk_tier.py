@@ -150,10 +150,12 @@ def test_the_cli_flags_metrics_and_a_bad_directory(checkpoints, tmp_path):
 
     ap = argparse.ArgumentParser()
     add_llm_args(ap)
-    kw = llm_kwargs(ap.parse_args(["--disk-cache", str(tmp_path), "--disk-cache-gb", "0.5"]))
+    kw = llm_kwargs(ap.parse_args(["--disk-cache", str(tmp_path), "--disk-cache-gb", "0.5", "--no-disk-read-ahead"]))
     assert kw["disk_cache_dir"] == str(tmp_path) and kw["disk_cache_bytes"] == 1 << 29
+    assert kw["disk_read_ahead"] is False
     default = llm_kwargs(ap.parse_args([]))
     assert default["disk_cache_dir"] is None and default["disk_cache_bytes"] == 16 << 30
+    assert default["disk_read_ahead"] is True
     first_run(checkpoints["bamba"], tmp_path)
     llm = LLM(str(checkpoints["bamba"]), disk_cache_dir=str(tmp_path), **KW)
     run(llm, prompts())
