@@ -157,7 +157,7 @@ class PrefixCache:
         if self.recurrent is not None:  # every state kept at its blocks whose KV the lead group keeps pinned
             kept = [h for h in hashes if h in self.recurrent.checkpoints and (kv_pinned is None or h in kv_pinned)]
             for h in kept + ([donate[0]] if donate else []):  # (one whose KV went is dropped), and the one it leaves
-                self.recurrent.pin(h, until)
+                self.recurrent.pins.pin(h, until)  # kept now or by the release that follows
         self.pinned_turns += 1
 
     def _match(self, hashes: Sequence[bytes], num_tokens: int) -> PrefixMatch:
@@ -297,7 +297,7 @@ class PrefixCache:
         """Drop the state checkpoint keyed `key` (a block hash) from every tier, so no later match
         uses it (the prefix-hit guard found it wrong); False when no tier held it."""
         on_disk = self.disk is not None and self.disk.invalidate(key)
-        return self.recurrent is not None and self.recurrent.invalidate(key) or on_disk
+        return self.recurrent is not None and self.recurrent.store.invalidate(key) or on_disk
 
     def batched_checkpoints(self):
         """A context in which checkpoints keep their bookkeeping but copy the states at the exit,

@@ -222,7 +222,7 @@ class DiskTier:
     def adopt_state(self, key: bytes, position: int, state: tuple[dict, dict], charge=None) -> bool:
         """Make a state read_state() returned the device checkpoint keyed `key` (its first hit
         counts as the disk's); False when no checkpoint slot can be freed."""
-        if not self.recurrent.adopt(key, position, *state, charge):
+        if not self.recurrent.store.adopt(key, position, *state, charge):
             return False
         self.counters.promotions += 1
         return True
@@ -241,7 +241,7 @@ class DiskTier:
         s, c = self.store.stats(), self.counters
         r = self.reader.counters if self.reader is not None else None
         states = self.store.count("state")
-        hits = self.recurrent.disk_hits if self.recurrent is not None else c.kv_hits
+        hits = self.recurrent.store.disk_hits if self.recurrent is not None else c.kv_hits
         return {"entries": states, "kv_entries": self.store.count("kv"), "bytes": s["bytes"],
                 "budget_bytes": s["budget_bytes"], "hits": hits, "promotions": c.promotions,
                 "kv_promotions": c.kv_promotions, "promotion_seconds": c.promotion_seconds,

@@ -288,7 +288,7 @@ def test_a_hit_mixing_host_and_disk_blocks_gives_the_no_cache_tokens(checkpoints
             else:
                 host_kv.drop(None, hashes[i])
         if state == "disk":
-            mgr.recurrent.invalidate(hashes[2])  # off the device and the host; its file stays
+            mgr.recurrent.store.invalidate(hashes[2])  # off the device and the host; its file stays
     disk.flush()
     if damaged:
         hashes = mgr.prefix_cache.prompt_hashes(ps[0], None)

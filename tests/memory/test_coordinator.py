@@ -359,5 +359,5 @@ def test_a_pinned_turn_pins_the_blocks_of_its_states_that_left_its_sliding_windo
     m.admit(Request("b", list(range(100, 130))))
     for _ in range(7):  # takes 7 blocks, one at a time: only unpinned ones
         run(m, "b", 4)
-    assert all(h in pool.cached and m.recurrent.reachable(h) and h in m.recurrent.checkpoints for h in hashes)
+    assert all(h in pool.cached and m.recurrent.store.reachable(h) and h in m.recurrent.checkpoints for h in hashes)
     assert m.stats().pins["reclaimed_blocks"] == 0

@@ -101,7 +101,7 @@ def test_on_a_hybrid_kv_gives_way_to_states_and_a_hit_needs_both():
     """One budget: the KV blocks use what states and swaps leave; a promotion deepens a hit only
     where a state checkpoint is (device or host) at the same position."""
     probe = HybridCacheManager(HYBRID, BS, 6, 4, fingerprint="f")
-    slot_bytes = probe.recurrent._slot_bytes
+    slot_bytes = probe.recurrent.store.slot_bytes
     m = HybridCacheManager(HYBRID, BS, 6, 4, host_cache_bytes=4 * BLOCK_BYTES + slot_bytes, fingerprint="f",
                            checkpoint_policy="none")
     prompt = list(range(1, 14))
@@ -156,7 +156,7 @@ def test_on_a_hybrid_only_a_swap_takes_a_pinned_host_block_counted():
     """A state demotion never evicts a pinned KV entry; a swapped request's bytes (a running
     request's memory) do, last, and each is counted as a lost pin."""
     probe = HybridCacheManager(HYBRID, BS, 6, 4, fingerprint="f")
-    slot_bytes = probe.recurrent._slot_bytes
+    slot_bytes = probe.recurrent.store.slot_bytes
     m = HybridCacheManager(HYBRID, BS, 6, 4, host_cache_bytes=3 * BLOCK_BYTES + slot_bytes, fingerprint="f",
                            checkpoint_policy="none")
     hashes = _pinned_turn(m, list(range(1, 14)), 1)

@@ -212,7 +212,7 @@ def test_a_pinned_entry_stays_until_a_swap_needs_its_bytes():
     keep(mem, "a", 0, 1.0)
     keep(mem, "b", 1, 2.0)  # one device checkpoint slot: H[0] is demoted to the host
     assert list(mem.host.entries) == [H[0]]
-    mem.pin(H[0], 1e12)
+    mem.pins.pin(H[0], 1e12)
     keep(mem, "c", 2, 3.0)  # H[1] leaves the device; the host's one place is pinned: H[1] is dropped
     assert list(mem.host.entries) == [H[0]] and list(mem.checkpoints) == [H[2]]
     assert H[1] not in mem.host and mem.pins.reclaimed == 0
@@ -282,7 +282,7 @@ def test_a_pinned_checkpoint_that_becomes_the_last_live_slot_is_demoted_with_its
     mem = memory(checkpoint_slots=0)  # one slot
     mem.admit("a", [], 0)
     fill(mem, "a", 1.5)
-    mem.pin(H[0], 1e12)  # a pinned turn that ends after one block: its live state stays as H[0]
+    mem.pins.pin(H[0], 1e12)  # a pinned turn that ends after one block: its live state stays as H[0]
     mem.release("a", (H[0], BS))
     mem.admit("b", H, 1)
     assert not mem.checkpoints and list(mem.host.entries) == [H[0]] and live_value(mem, "b") == 1.5
@@ -303,7 +303,7 @@ def test_a_requests_next_output_state_lets_its_older_one_go_from_the_host_too(pi
     keep(mem, "a", 0, 1.5)  # a prompt state takes the one device slot: b's output state is demoted
     assert list(mem.checkpoints) == [H[0]] and list(mem.host.entries) == [H[1]]
     if pinned:
-        mem.pin(H[1], time.monotonic() + 600)
+        mem.pins.pin(H[1], time.monotonic() + 600)
     assert mem.checkpoint("b", H[2], 3 * BS, True)  # b's next output state
     assert list(mem.checkpoints) == [H[0], H[2]]  # (a's live slot is free again)
     assert list(mem.host.entries) == ([H[1]] if pinned else [])
@@ -336,7 +336,7 @@ def test_a_pinned_state_evicted_for_a_live_slot_reaches_the_host_pinned():
     WITH its pin (not a lost pin: it stays findable), and a later hit promotes it from there."""
     mem = memory(checkpoint_slots=1, live=1)
     keep(mem, "a", 0, 1.5)
-    mem.pin(H[0], 1e12)
+    mem.pins.pin(H[0], 1e12)
     _live(mem, "x", "y")  # two live slots, one checkpoint slot: H[0] leaves the device for "y"
     assert not mem.checkpoints and list(mem.host.entries) == [H[0]]
     assert mem.pins.until == {H[0]: 1e12} and mem.pins.reclaimed == 0
@@ -360,7 +360,7 @@ def test_a_pinned_newcomer_evicts_unpinned_host_entries_the_rule_would_keep(pinn
     mem.admit("c", H[:3] + [H[3]], 4)  # a host hit: H[3] is the most recently used now
     mem.release("c")
     if pinned:
-        mem.pin(H[0], 1e12)
+        mem.pins.pin(H[0], 1e12)
     _live(mem, "x", "y")  # H[0] leaves the device for a live slot
     assert list(mem.host.entries) == ([H[0]] if pinned else [H[3]])
     assert mem.pins.reclaimed == 0 and list(mem.pins.until) == ([H[0]] if pinned else [])
@@ -372,12 +372,12 @@ def test_a_pinned_newcomer_that_does_not_fit_beside_the_hosts_pins_is_dropped_an
     up for a live slot) is dropped; its pin is lost, counted, and leaves the pin map."""
     mem = memory(checkpoint_slots=1, host_entries=1)
     keep(mem, "a", 3, 4.0)
-    mem.pin(H[3], 1e12)
+    mem.pins.pin(H[3], 1e12)
     _live(mem, "x", "y")  # H[3] to the host, pinned
     mem.release("x")
     mem.release("y")
     keep(mem, "b", 0, 1.0)
-    mem.pin(H[0], 1e12)
+    mem.pins.pin(H[0], 1e12)
     _live(mem, "x", "y")  # H[0] leaves the device; the host holds only a pin: H[0] is not kept
     assert list(mem.host.entries) == [H[3]] and not mem.checkpoints
     assert mem.pins.until == {H[3]: 1e12} and mem.pins.reclaimed == 1

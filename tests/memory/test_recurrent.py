@@ -19,7 +19,7 @@ def make(n_slots=4, eviction="lru", saved=None, reachable=lambda h: True):
 def checkpoint(mem, h, pos, value=0.0):
     slot = mem.states.allocate(CHECKPOINT)
     mem.states.conv[1][slot] = value
-    mem._add(h, pos, slot)
+    mem.store.add(h, pos, slot)
     return slot
 
 
@@ -49,7 +49,7 @@ def test_a_pinned_checkpoint_that_becomes_the_last_live_slot_is_counted_as_recla
     for deadline, counted in [(1e12, 1), (0.0, 0)]:
         mem = make(n_slots=2)  # one usable slot, held by the checkpoint
         slot = checkpoint(mem, b"h0", 4)
-        mem.pin(b"h0", deadline)
+        mem.pins.pin(b"h0", deadline)
         mem.admit("a", [b"h0"], 1)
         assert mem.live_slot("a") == slot and not mem.checkpoints
         assert mem.pins.reclaimed == counted and b"h0" not in mem.pins.until
@@ -64,7 +64,7 @@ def test_a_rolling_output_state_a_pinned_turn_pinned_is_not_replaced_by_the_next
         mem = make(n_slots=3)  # the live slot and one more
         mem.admit("a", [], 0)
         assert mem.checkpoint("a", b"o1", 8, True)
-        mem.pin(b"o1", deadline)
+        mem.pins.pin(b"o1", deadline)
         assert mem.checkpoint("a", b"o2", 12, True) == (kept == [b"o2"])
         assert list(mem.checkpoints) == kept and mem.pins.reclaimed == 0
 
@@ -73,10 +73,10 @@ def test_take_slot_reclaims_unreachable_first_then_lru():
     gone = {b"c"}
     mem = make(n_slots=4, reachable=lambda h: h not in gone)  # 3 usable slots
     _, b, c = checkpoint(mem, b"a", 4), checkpoint(mem, b"b", 8), checkpoint(mem, b"c", 12)
-    mem._touch(b"a")  # LRU order now b, c, a
-    assert mem._take_slot("live") == c and set(mem.checkpoints) == {b"a", b"b"}
-    assert mem._take_slot("live") == b  # LRU
-    assert mem._take_slot("live", protect=b"a") is None and b"a" in mem.checkpoints
+    mem.store.touch(b"a")  # LRU order now b, c, a
+    assert mem.store.take_slot("live") == c and set(mem.checkpoints) == {b"a", b"b"}
+    assert mem.store.take_slot("live") == b  # LRU
+    assert mem.store.take_slot("live", protect=b"a") is None and b"a" in mem.checkpoints
 
 
 def test_flop_aware_eviction_prefers_short_prefixes():
@@ -85,7 +85,7 @@ def test_flop_aware_eviction_prefers_short_prefixes():
     short_mid = checkpoint(mem, b"short", 4)
     checkpoint(mem, b"mid", 8)
     # LRU would drop the oldest (32 tokens); FLOP-aware keeps it: it saves 64x the prefill of 4 tokens
-    assert mem._take_slot("live") == short_mid and b"long" in mem.checkpoints
+    assert mem.store.take_slot("live") == short_mid and b"long" in mem.checkpoints
     assert long_old in [c.slot for c in mem.checkpoints.values()]
 
 
@@ -104,15 +104,15 @@ def test_checkpoint_copies_and_dedups_and_output_states_roll():
 def _drop_then_checkpoint(mem, rid, h, pos, output):
     """checkpoint() as it was before the rolling state reused its slot in place: the old
     rolling state freed first, then a slot taken (the free list, eviction) for the new one."""
-    old = mem._rolling.get(rid) if output else None
+    old = mem.store.rolling.get(rid) if output else None
     if old is not None and old != h and old in mem.checkpoints and h not in mem.checkpoints:
-        mem._drop(old)
+        mem.store.drop(old)
     return mem.checkpoint(rid, h, pos, output)
 
 
 def _observed(mem):
     return ([(h, c.slot, c.position, c.last_used, c.output) for h, c in mem.checkpoints.items()],
-            list(mem.states.kind), list(mem.states._free), mem._clock, dict(mem._slot), dict(mem._rolling),
+            list(mem.states.kind), list(mem.states._free), mem.store.clock, dict(mem._slot), dict(mem.store.rolling),
             [t.clone() for t in mem.states._tensors()])
 
 
@@ -163,7 +163,7 @@ def test_a_pinned_state_yields_to_a_live_slot_not_to_another_checkpoint():
     but gives way when a running request needs its slot (counted); a past deadline unpins it."""
     mem = make(n_slots=3)  # null + 2
     checkpoint(mem, b"pinned", 4)
-    mem.pin(b"pinned", until=float("inf"))
+    mem.pins.pin(b"pinned", until=float("inf"))
     mem.admit("a", [], 0)  # the last free slot
     assert not mem.checkpoint("a", b"other", 8, False)  # no unpinned victim: the new state is not kept
     assert b"pinned" in mem.checkpoints and mem.pins.reclaimed == 0
@@ -171,7 +171,7 @@ def test_a_pinned_state_yields_to_a_live_slot_not_to_another_checkpoint():
     assert b"pinned" not in mem.checkpoints and mem.pins.reclaimed == 1 and not mem.pins.until
     mem.release("a")
     checkpoint(mem, b"late", 4)
-    mem.pin(b"late", until=0.0)  # (monotonic time is past it)
+    mem.pins.pin(b"late", until=0.0)  # (monotonic time is past it)
     mem.admit("c", [], 0)  # evicts "late" as any checkpoint: an expired pin is no pin
     assert b"late" not in mem.checkpoints and mem.live_slot("c") and mem.pins.reclaimed == 1
 
@@ -184,7 +184,7 @@ def test_a_pinned_state_that_leaves_takes_its_pin_along():
     gone = set()
     mem = make(n_slots=3, reachable=lambda h: h not in gone)  # null + 2
     checkpoint(mem, b"p", 4)
-    mem.pin(b"p", 1e12)
+    mem.pins.pin(b"p", 1e12)
     gone.add(b"p")
     mem.admit("a", [], 0)
     mem.admit("b", [], 0)  # a slot is needed: the unreachable pinned state is dropped
@@ -194,8 +194,8 @@ def test_a_pinned_state_that_leaves_takes_its_pin_along():
     checkpoint(mem, b"p", 4)  # the prefix recomputed: a new state under the same key, unpinned
     assert mem.checkpoint("a", b"q", 8, False)  # so another checkpoint may displace it
     assert list(mem.checkpoints) == [b"q"] and mem.pins.reclaimed == 1
-    mem.pin(b"q", 1e12)
-    assert mem.invalidate(b"q") and not mem.pins.until and mem.pins.reclaimed == 2
-    mem.pin(b"never", 1e12)
+    mem.pins.pin(b"q", 1e12)
+    assert mem.store.invalidate(b"q") and not mem.pins.until and mem.pins.reclaimed == 2
+    mem.pins.pin(b"never", 1e12)
     mem.release("not-running", (b"never", 4))
     assert not mem.pins.until and mem.pins.reclaimed == 2

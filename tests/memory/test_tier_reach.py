@@ -121,7 +121,7 @@ def split(m, prompt, blocks: str, states: dict):
         tier = "device" if key in m.recurrent.checkpoints else "host" if key in m.recurrent.host else None
         assert tier is not None and m.disk.has_state(key, p)
         if where == "disk":
-            m.recurrent.invalidate(key)  # off the device and the host; the file stays
+            m.recurrent.store.invalidate(key)  # off the device and the host; the file stays
         else:
             assert where == tier, f"the state at {p} is on the {tier}, not the {where}"
             m.disk.store.remove(m.disk.state_name(key, p))
