@@ -1,7 +1,7 @@
 """The host tier of recurrent-state checkpoints: states evicted from the device slots, kept in host
 memory under a byte budget of their own, still usable for prefix hits.
 
-When the device slots must evict a checkpoint (memory/recurrent.py), the state is DEMOTED here
+When the device slots must evict a checkpoint (memory/state_checkpoints.py), the state is DEMOTED here
 instead of dropped if it is worth its bytes: it competes with the host entries under the same
 eviction rule as the device (hybridkv/eviction.py; unreachable entries first, then the lowest
 score), and it is refused when it would be the victim itself. Three differences from the device,
@@ -98,7 +98,7 @@ class HostStateTier:
     """Host copies of state checkpoints under `budget_bytes`.
 
     rule / saved_flops / branches / reachable / flop_weight: the device's eviction rule and its
-    inputs (memory/recurrent.py), applied to the host entries. pins: the pinned turns' states,
+    inputs (memory/state_checkpoints.py), applied to the host entries. pins: the pinned turns' states,
     shared with the device (a pin follows its state between the tiers)."""
 
     def __init__(self, budget_bytes: int, rule: str, saved_flops: Callable[[int], float],

@@ -2,7 +2,7 @@
 keys are pinned, until when, and how many pins were lost before their deadline.
 
 A pin belongs to the key, not to a tier: a pinned state evicted from the device slots is demoted
-to the host tier still pinned (memory/recurrent.py), and the host tier keeps it by its own rule
+to the host tier still pinned (memory/state_checkpoints.py), and the host tier keeps it by its own rule
 (memory/host_tier.py). So a pin is lost (`reclaimed`, counted) only when its state leaves EVERY
 tier before the deadline; the key then leaves this map too, so no later state kept under the same
 key inherits the pin, and the map never holds a key that no tier holds (once the release that
