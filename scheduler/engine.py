@@ -1,8 +1,9 @@
-"""The engine step: `scheduler.schedule()` -> `executor.execute()` -> `scheduler.update_from_output()`,
+"""The engine step: `scheduler.schedule()` -> `executor.execute()` -> `results.apply()`,
 then the outputs asked for (request_outputs.py).
 
-The scheduler (scheduler.py) makes every memory-manager call: admission, allocation, preemption,
-and after the forward pass the commits, state checkpoints and forks; the model runner
+The scheduler (scheduler.py) makes the plan's memory-manager calls: admission, allocation,
+preemption; its `StepResults` (step_results.py) after the forward pass the commits, state
+checkpoints and forks, and appends the sampled tokens; the model runner
 (model_runner.py) builds the batch, runs the model, checks the logits and samples, and never
 changes the manager. The engine only sequences them and keeps the request-level API for a
 server: `add_request`, `step`, `abort`, `export_request` / `import_request` (migration), `stats`.
@@ -42,6 +43,7 @@ from .model_runner import ModelRunner, RunnerOutput
 from .request_inbox import RequestInbox
 from .request_outputs import request_output
 from .scheduler import Scheduler
+from .step_results import StepResults
 from .request_group import RequestGroup
 from .token_append import TokenAppender
 
@@ -60,8 +62,8 @@ class Engine:
         self.executor = executor(self.runner) if executor is not None else self.runner
         self.tokenizer = getattr(model, "tokenizer", None)
         self.max_model_len = model.max_model_len
-        scheduler.appender = TokenAppender(set(model.eos_token_ids), self.max_model_len, self.tokenizer,
-                                           scheduler.finish)
+        self.results = StepResults(scheduler, TokenAppender(set(model.eos_token_ids), self.max_model_len,
+                                                            self.tokenizer, scheduler.finish))
         self.validator = RequestValidator(model.vocab_size, model.max_model_len, scheduler.max_seqs, manager.check_fits)
         self.groups = scheduler.groups  # by key: user ids (str) and generate's keys (tuples)
         self.generate_done: dict[Hashable, RequestOutput] = {}  # finished requests added by generate
@@ -195,7 +197,7 @@ class Engine:
             else:
                 result = RunnerOutput()
                 self.runner.loads.settle()  # (an import's loads: nothing stays pending across steps)
-            reported = sched.update_from_output(out, result, finished_only)
+            reported = self.results.apply(out, result, finished_only)
             if spec is not None:
                 spec.step_done(out, sched.counters["generated_tokens"] - generated, time.perf_counter() - started)
             return self._outputs(reported, finished_only)

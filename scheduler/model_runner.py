@@ -2,7 +2,7 @@
 
 It owns the model, the batch builder (batch_builder.py), the CUDA graphs (decode_graphs.py)
 and the sampler (sampler.py); it reads the manager's block tables and slots to build a batch
-and never changes the manager (the scheduler alone does, `Scheduler.update_from_output`).
+and never changes the manager (the scheduler does, and after the pass `StepResults.apply`).
 
 `execute(scheduler_output)` is `run(prepare(scheduler_output))`: `prepare` builds the model's
 inputs over the decode batch's rows then the chunks (a `StepInputs`: what a tensor-parallel

@@ -9,29 +9,24 @@ the disk files of its hit are read off the step (read-ahead rule; an idle step w
 chunks are cut where a state checkpoint is due. When a pool is short after eviction, the
 lowest-priority, latest-arriving running request is preempted (recompute or swap, per
 PreemptionPolicy). A verb that raises for one request ends it alone with "error" (`fail`); the
-scan goes on. After the forward pass, `update_from_output` applies what the model runner
-computed: commits, state checkpoints, forks (n > 1), draft runs (speculation.py), the sampled
-tokens and the stops. The scheduler is the only caller that changes the memory manager.
+scan goes on. This file plans a step and owns the queues; what the model runner computed is
+applied to the requests after the forward pass by step_results.py (`StepResults`). The two are
+the only callers that change the memory manager.
 """
 from __future__ import annotations
 
 import logging
-from contextlib import nullcontext
 from typing import Hashable, Optional
-
-import numpy as np
 
 from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.request import Request, RequestStatus, run_order
 
 from .hit_guard import HitGuard
-from .model_runner import NONFINITE, RunnerOutput
 from .preemption import PreemptionPolicy
 from .request_group import RequestGroup
 from .sequence_queue import SequenceQueue
 from .speculation import Speculation
 from .step_plan import DecodeBatch, ScheduledChunk, SchedulerOutput
-from .token_append import TokenAppender
 
 log = logging.getLogger(__name__)
 IDLE_READ_WAIT_S = 0.05  # a step with nothing to run waits this long at most for a disk read ahead
@@ -49,12 +44,11 @@ class Scheduler:
         self.running = SequenceQueue()
         # False: the decode batch is made afresh each step, never carried over (for twin tests)
         self.carry_decode_batch = True
-        self._advanced: Optional[DecodeBatch] = None  # the last batch, run and committed whole
+        self.last_batch: Optional[DecodeBatch] = None  # run and committed whole (step_results.py): may carry over
         self.batches_cut = 0  # batches made by cutting the last one to the sequences left (internal)
         self.groups: dict[Hashable, RequestGroup] = {}  # the requests, by key (engine.py)
         self.counters = {"generated_tokens": 0, "forks": 0, "failed": 0,
                          "decode_batch_steps": 0, "carried_decode_batches": 0}
-        self.appender: Optional[TokenAppender] = None  # the model's stop rules (set by the engine)
         self.speculation: Optional[Speculation] = None  # drafts for the decodes (speculation.py), or off
         self.hit_guard: Optional[HitGuard] = None  # verify_cache_hits > 0 (hit_guard.py), or off
 
@@ -117,7 +111,7 @@ class Scheduler:
 
     def _plan(self) -> SchedulerOutput:
         out, budget = SchedulerOutput(), self.max_tokens
-        last, self._advanced = self._advanced, None  # a kept batch serves the very next step only
+        last, self.last_batch = self.last_batch, None  # a kept batch serves the very next step only
         batch, rest = None, []
         if self.running and budget > 0:
             batch, rest = DecodeBatch.of_running(self.running, last if self.carry_decode_batch else None,
@@ -252,157 +246,3 @@ class Scheduler:
             g.background = True
             self.groups[g.key] = g
             self.waiting.add(shadow)
-
-    # ---- after the forward pass: the manager's commits, forks and the sampled tokens ----------
-    def update_from_output(self, out: SchedulerOutput, result: RunnerOutput, finished_only: bool = False
-                           ) -> dict[Hashable, RequestGroup]:
-        """Apply a computed step: commit its tokens, take the state checkpoints due, fork n > 1,
-        append the sampled tokens and end the sequences that stop. A failure in any of these ends
-        its request alone. Returns {key: group} of the requests that advanced or ended (with
-        finished_only: that ended)."""
-        reported: dict[Hashable, RequestGroup] = {}
-        for seq in out.failed:
-            self.fail_request(seq, seq.error or "failed while scheduling", reported)
-        e = result.error
-        if e is not None:
-            for seq in out.seqs():
-                self.fail_request(seq, f"the forward pass of its batch failed: {type(e).__name__}: {e}",
-                                  reported, discard=True)
-            return reported
-        if result.kept_logits:
-            self.hit_guard.observe(result.kept_logits)
-        if result.drafts:  # the target's MTP head proposed these in the forward pass (speculative/mtp.py)
-            self.speculation.drafter.record(result.drafts)
-        checkpoints = out.chunks or (out.decodes is not None and out.decodes.checkpoints)
-        with self.mgr.prefix_cache.batched_checkpoints() if checkpoints else nullcontext():  # they copy together
-            if out.decodes is not None:
-                self._update_batch(out.decodes, result, reported, finished_only, bool(out.failed))
-            if out.chunks:
-                self._update_chunks(out.chunks, result, reported, finished_only)
-        if self.speculation is not None and out.chunks:  # outside: their checkpoints read draft slots
-            self.speculation.commit_runs(
-                self.mgr, out.chunks, result, lambda seq, e: self.fail_request(seq, e, reported, discard=True),
-                lambda seqs, tokens, lps: self._append(seqs, tokens, lps, reported, finished_only))
-        if not (out.decodes or out.chunks or out.preempted or out.failed or out.held) and self.has_unfinished():
-            self._fail_stuck(reported)
-        return reported
-
-    def _update_batch(self, batch: DecodeBatch, result: RunnerOutput, reported: dict, finished_only: bool,
-                      some_failed: bool) -> None:
-        """The decode batch: a row with non-finite logits fails alone; the others commit in one
-        manager call, take their checkpoints, and append their tokens (all greedy: through the
-        batch's stop rules). A batch run and committed whole may be carried to the next step.
-        some_failed: a request failed while scheduling (its siblings in the batch ended with it)."""
-        seqs = batch.seqs
-        self.counters["decode_batch_steps"] += batch.whole  # a steady step: every running request decoded
-        finite = result.batch_finite
-        if finite is not None:
-            for j in np.flatnonzero(~np.asarray(finite)).tolist():
-                if not seqs[j].finished:  # (a sibling's failure may have ended it)
-                    self.fail_request(seqs[j], NONFINITE, reported, discard=True)  # its new KV and state are suspect
-        ran_whole = batch.commit(finite is not None or some_failed,
-                                 lambda j, e, discard: self.fail_request(seqs[j], e, reported, discard=discard))
-        tokens = result.batch_tokens
-        if not ran_whole:  # those left append one by one; the batch ends here
-            keep = [j for j, seq in enumerate(seqs) if not seq.finished]
-            lps = result.batch_logprobs or [None] * len(seqs)
-            self._append([seqs[j] for j in keep], [tokens[j] for j in keep], [lps[j] for j in keep],
-                         reported, finished_only)
-            return
-        if result.sampled is None:  # not all greedy (or its argmax failed): row by row
-            self._append(seqs, tokens, result.batch_logprobs, reported, finished_only)
-        else:
-            if batch.stops is None:
-                batch.stops = self.appender.batch_stops(seqs)
-            appended, stopped = self.appender.append_batch(
-                seqs, tokens, batch.stops, batch.positions + 2, lambda seq, e: self.fail_request(seq, e, reported),
-                result.sampled_np)
-            batch.sampled = result.sampled
-            self._advanced_by(appended, stopped if finished_only else seqs, reported)
-        if batch.whole:
-            self._advanced = batch  # the next step may carry it over
-
-    def _update_chunks(self, chunks: list[ScheduledChunk], result: RunnerOutput, reported: dict,
-                       finished_only: bool) -> None:
-        """Commit, checkpoint, fork and append for a step's chunks; one with NaN or inf fails alone."""
-        seqs, tokens, lps = [], [], []  # the sampled rows, in batch order
-        mgr = self.mgr
-        for i, c in enumerate(chunks):
-            seq = c.seq
-            if seq.finished or c.draft:
-                continue  # its group failed earlier in this step; a draft run: Speculation.commit_runs
-            if not result.finite[i]:
-                self.fail_request(seq, NONFINITE, reported, discard=True)  # its new KV and state are suspect
-                continue
-            try:
-                mgr.commit(seq.request_id, c.num_tokens)
-            except Exception as e:
-                self.fail_request(seq, e, reported, discard=True)
-                continue
-            try:
-                if c.checkpoint:
-                    mgr.prefix_cache.checkpoint(seq.request_id)
-                if i in result.prompt_logprobs:
-                    self.groups[seq.group_id].record_prompt_logprobs(*result.prompt_logprobs[i],
-                                                                     self.appender.tokenizer)
-                if i not in result.tokens:
-                    continue  # a prefill chunk short of the end: nothing sampled yet
-                children = self._fork(seq)
-            except Exception as e:
-                self.fail_request(seq, e, reported)
-                continue
-            for s, j in [(seq, 0), *children]:  # a fork's draw is the j-th of its parent's row
-                seqs.append(s)
-                tokens.append(result.tokens[i][j])
-                lps.append(result.logprobs[i][j])
-        self._append(seqs, tokens, lps, reported, finished_only)
-
-    def _append(self, seqs: list[Request], tokens: list, lps: list, reported: dict, finished_only: bool) -> None:
-        appended, stopped = self.appender(seqs, tokens, lps, lambda seq, e: self.fail_request(seq, e, reported))
-        self._advanced_by(appended, stopped if finished_only else seqs, reported)
-
-    def _advanced_by(self, appended: int, seqs: list[Request], reported: dict) -> None:
-        self.counters["generated_tokens"] += appended
-        groups = self.groups
-        for seq in seqs:
-            reported[seq.group_id] = groups[seq.group_id]
-
-    # ---- n > 1 ------------------------------------------------------------------------------
-    def _fork(self, parent: Request) -> list[tuple[Request, int]]:
-        """Make the request's pending siblings once its first sequence finished its prompt. A fork
-        shares the parent's blocks and starts from a copy of its state (the manager's `fork`), so
-        it takes its draw from the parent's row this step; one that finds no state slot or no seat
-        waits in the queue and prefills on its own (a prefix hit on the parent's blocks).
-        Returns (fork, its draw's index in the parent's row) of the forks that run now."""
-        g, out = self.groups.get(parent.group_id), []
-        for k, child in enumerate(g.make_forks(parent) if g is not None else [], start=1):
-            if len(self.running) < self.max_seqs and self.mgr.fork(parent.request_id, child):
-                self.add_running(child)
-                self.counters["forks"] += 1
-                out.append((child, k))
-            else:
-                self.add(child)
-        return out
-
-    # ---- failures ---------------------------------------------------------------------------
-    def fail_request(self, seq: Request, error, reported: dict, discard: bool = False) -> None:
-        """End the request `seq` belongs to with "error": every unfinished sequence of it.
-        discard: this step ran past what the manager committed for it (see `fail`)."""
-        g = self.groups.get(seq.group_id)
-        message = seq.error or (f"{type(error).__name__}: {error}" if isinstance(error, BaseException)
-                                else str(error))
-        for s in (g.seqs if g is not None else [seq]):
-            self.fail(s, message if s is seq else f"another sequence of this request failed: {message}",
-                      discard=discard)
-        if g is not None:
-            g.failed = True
-            reported[g.key] = g
-        self.counters["failed"] += 1
-
-    def _fail_stuck(self, reported: dict) -> None:
-        """Nothing ran and nothing was preempted: the head of the queue cannot fit even an idle
-        engine (checked when it was added, so this is a bug); it fails so the rest can go on."""
-        head = (self.swapped or self.waiting).peek()
-        if head is not None:
-            self.fail_request(head, f"the scheduler could not fit it in the pools; stats: {self.mgr.stats()}",
-                              reported)

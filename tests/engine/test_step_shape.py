@@ -14,7 +14,7 @@ STEADY = ["scheduler/engine.py", "scheduler/request_inbox.py", "scheduler/schedu
           "scheduler/sequence_queue.py", "scheduler/step_plan.py", "hybridkv/decode_rows.py",
           "scheduler/model_runner.py", "scheduler/batch_builder.py",
           "hybridkv/layer_loads.py",  # each layer's pools read through LoadedLayers (its pending loads first)
-          "scheduler/sampler.py",
+          "scheduler/sampler.py", "scheduler/step_results.py",
           "scheduler/token_append.py"]
 
 
@@ -37,7 +37,7 @@ def files_called(step) -> list[str]:
     return order
 
 
-def test_a_steady_decode_step_calls_eleven_files(tmp_path):
+def test_a_steady_decode_step_calls_twelve_files(tmp_path):
     llm = LLM(str(make_tiny_checkpoint("bamba", tmp_path, seed=1)), memory_budget_bytes=64 << 20)
     params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
     for i in range(8):
