@@ -9,46 +9,13 @@ import torch
 from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.request import Request
 from hybridkv.specs import AttentionSpec, RecurrentSpec
+from tier_steps import computed_with_states, state_of
 
 BS = 4
 HYBRID = {0: RecurrentSpec((3, 2), (2, 4), torch.float32), 1: AttentionSpec(2, 4, torch.float32),
           2: AttentionSpec(1, 8, torch.float16)}
-PROMPT = list(range(1, 14))  # 3 full blocks before the last token (as test_tier_reach.py)
+PROMPT = list(range(1, 14))  # 3 full blocks before the last token
 BIG = 1 << 20  # host bytes: room for every state and block these tests make
-
-
-def run(m, rid, n, seed):
-    """A model step: random KV at the handed-out slots, random state in the live slot; commit."""
-    g = torch.Generator().manual_seed(seed)
-    slots = m.allocate(rid, n)
-    assert slots is not None
-    for t in m.kv_caches.values():
-        for s in slots:
-            t[s // BS, :, s % BS] = torch.randn(t.shape[1:2] + t.shape[3:], generator=g).to(t.dtype)
-    for t in list(m.conv_states.values()) + list(m.ssm_states.values()):
-        t[m.live_slot(rid)] = torch.randn(t.shape[1:], generator=g).to(t.dtype)
-    m.commit(rid, n)
-
-
-def state_of(m, slot):
-    return [t[slot].clone() for t in list(m.conv_states.values()) + list(m.ssm_states.values())]
-
-
-def computed(m, prompt, seed, at=(12,)):
-    """A request that computes `prompt` but its last token, keeping a state checkpoint at each
-    position of `at`, then finishes: ({position: state}, its KV blocks {layer: [3 blocks]})."""
-    rid, done, states = f"r{seed}", 0, {}
-    m.admit(Request(rid, prompt))
-    for p in sorted({*at, len(prompt) - 1}):
-        if p > done:
-            run(m, rid, p - done, seed + p)
-            done = p
-        if p in at:
-            assert m.prefix_cache.checkpoint(rid)
-            states[p] = state_of(m, m.live_slot(rid))
-    kv = {i: t[m.block_ids(rid)[:3]].clone() for i, t in m.kv_caches.items()}
-    m.finish(rid)
-    return states, kv
 
 
 OTHER = list(range(30, 43))
@@ -63,7 +30,7 @@ def restarted(tmp_path, *prompts):
     """A manager on a directory where an earlier one computed `prompts` (state at 12 each): {prompt
     index: (states, kv)} of them, and the new manager, which holds them on disk only."""
     first = manager(tmp_path)
-    kept = {i: computed(first, p, i + 1) for i, p in enumerate(prompts)}
+    kept = {i: computed_with_states(first, p, i + 1) for i, p in enumerate(prompts)}
     first.close()
     return kept, manager(tmp_path)
 

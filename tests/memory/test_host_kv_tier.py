@@ -9,25 +9,12 @@ import torch
 from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.request import Request
 from hybridkv.specs import AttentionSpec, RecurrentSpec
+from tier_steps import evict_everything, run
 
 BS = 4
 ATTN = {0: AttentionSpec(2, 4, torch.float32), 1: AttentionSpec(1, 8, torch.float16)}
 BLOCK_BYTES = BS * 2 * (2 * 4 * 4 + 1 * 8 * 2)  # per block: both layers' keys and values
 HYBRID = {0: RecurrentSpec((3, 2), (2, 4), torch.float32), **{i + 1: s for i, s in ATTN.items()}}
-
-
-def run(m, rid, n, seed):
-    """A model step: random KV at the handed-out slots, random state in the live slot; commit."""
-    g = torch.Generator().manual_seed(seed)
-    slots = m.allocate(rid, n)
-    assert slots is not None
-    for t in m.kv_caches.values():
-        for s in slots:
-            t[s // BS, :, s % BS] = torch.randn(t.shape[1:2] + t.shape[3:], generator=g).to(t.dtype)
-    if m.recurrent is not None:
-        for t in list(m.conv_states.values()) + list(m.ssm_states.values()):
-            t[m.live_slot(rid)] = torch.randn(t.shape[1:], generator=g).to(t.dtype)
-    m.commit(rid, n)
 
 
 def kv_of(m, rid, n_blocks):
@@ -44,14 +31,6 @@ def computed(m, prompt, seed, checkpoint=False):
     kv = kv_of(m, rid, (len(prompt) - 1) // BS)
     m.finish(rid)
     return kv
-
-
-def evict_everything(m, seed=99):
-    """Another prompt that takes every free block (the cached ones are evicted), then ends."""
-    n = m.attention.pool.num_free * BS
-    m.admit(Request("filler", [seed] * n), num_new_tokens=n)
-    run(m, "filler", n, seed)
-    m.finish("filler")
 
 
 def tiers(m):

@@ -10,54 +10,13 @@ import torch
 from hybridkv.cache_manager import HybridCacheManager
 from hybridkv.request import Request
 from hybridkv.specs import AttentionSpec, RecurrentSpec
+from tier_steps import computed_with_states, evict_everything, state_of
 
 BS = 4
 HYBRID = {0: RecurrentSpec((3, 2), (2, 4), torch.float32), 1: AttentionSpec(2, 4, torch.float32),
           2: AttentionSpec(1, 8, torch.float16)}
 PROMPT = list(range(1, 14))  # 3 full blocks before the last token
 BIG = 1 << 20  # host bytes: room for every state and block these tests make
-
-
-def run(m, rid, n, seed):
-    """A model step: random KV at the handed-out slots, random state in the live slot; commit."""
-    g = torch.Generator().manual_seed(seed)
-    slots = m.allocate(rid, n)
-    assert slots is not None
-    for t in m.kv_caches.values():
-        for s in slots:
-            t[s // BS, :, s % BS] = torch.randn(t.shape[1:2] + t.shape[3:], generator=g).to(t.dtype)
-    for t in list(m.conv_states.values()) + list(m.ssm_states.values()):
-        t[m.live_slot(rid)] = torch.randn(t.shape[1:], generator=g).to(t.dtype)
-    m.commit(rid, n)
-
-
-def state_of(m, slot):
-    return [t[slot].clone() for t in list(m.conv_states.values()) + list(m.ssm_states.values())]
-
-
-def computed(m, prompt, seed, at=(12,)):
-    """A request that computes `prompt` but its last token, keeping a state checkpoint at each
-    position of `at`, then finishes: ({position: state}, its KV blocks {layer: [3 blocks]})."""
-    rid, done, states = f"r{seed}", 0, {}
-    m.admit(Request(rid, prompt))
-    for p in sorted({*at, len(prompt) - 1}):
-        if p > done:
-            run(m, rid, p - done, seed + p)
-            done = p
-        if p in at:
-            assert m.prefix_cache.checkpoint(rid)
-            states[p] = state_of(m, m.live_slot(rid))
-    kv = {i: t[m.block_ids(rid)[:3]].clone() for i, t in m.kv_caches.items()}
-    m.finish(rid)
-    return states, kv
-
-
-def evict_everything(m, seed=99):
-    """Another prompt takes every free block (the cached ones are demoted to the host KV tier), then ends."""
-    n = m.attention.pool.num_free * BS
-    m.admit(Request("filler", [seed] * n), num_new_tokens=n)
-    run(m, "filler", n, seed)
-    m.finish("filler")
 
 
 def snapshot(m):
@@ -74,8 +33,8 @@ def manager(tmp_path=None, **kw):
 
 def test_a_prefix_only_in_the_host_tiers_is_probed_without_a_change_and_then_hit():
     m = manager()
-    states, kv = computed(m, PROMPT, 1)
-    computed(m, list(range(30, 43)), 2)  # its checkpoint takes the last slot: the first state goes to the host
+    states, kv = computed_with_states(m, PROMPT, 1)
+    computed_with_states(m, list(range(30, 43)), 2)  # its checkpoint takes the last slot: the first state goes to the host
     evict_everything(m)  # and every KV block to the host KV tier
     hashes = m.prefix_cache.prompt_hashes(PROMPT, None)
     assert hashes[2] in m.recurrent.host and hashes[2] not in m.recurrent.checkpoints
@@ -91,7 +50,7 @@ def test_a_prefix_only_in_the_host_tiers_is_probed_without_a_change_and_then_hit
 
 def test_a_prefix_only_on_disk_is_probed_without_reading_a_file_and_then_hit(tmp_path):
     first = manager(tmp_path)
-    states, kv = computed(first, PROMPT, 1)
+    states, kv = computed_with_states(first, PROMPT, 1)
     first.close()
     m = manager(tmp_path)
     before = snapshot(m)
@@ -131,9 +90,9 @@ def split(m, prompt, blocks: str, states: dict):
 @pytest.mark.parametrize("blocks, state", [("HHD", "disk"), ("DHH", "host"), ("HDD", "device"), ("DDH", "disk")])
 def test_a_hit_takes_blocks_from_the_host_and_the_disk_together(tmp_path, blocks, state):
     m = manager(tmp_path)
-    states, kv = computed(m, PROMPT, 1)
+    states, kv = computed_with_states(m, PROMPT, 1)
     if state == "host":
-        computed(m, list(range(30, 43)), 2)  # its checkpoint pushes the first state to the host
+        computed_with_states(m, list(range(30, 43)), 2)  # its checkpoint pushes the first state to the host
     evict_everything(m)
     m.disk.flush()
     split(m, PROMPT, blocks, {12: state})
@@ -154,7 +113,7 @@ def test_a_hit_takes_blocks_from_the_host_and_the_disk_together(tmp_path, blocks
 
 def test_a_damaged_file_in_a_mixed_hit_is_refused_and_a_shallower_position_taken(tmp_path):
     m = manager(tmp_path)
-    states, kv = computed(m, PROMPT, 1, at=(8, 12))
+    states, kv = computed_with_states(m, PROMPT, 1, at=(8, 12))
     evict_everything(m)
     m.disk.flush()
     split(m, PROMPT, "HHD", {8: "host", 12: "disk"})
