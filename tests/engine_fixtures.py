@@ -22,6 +22,18 @@ def tight_budget(llm_specs: dict, block_size: int, blocks: int, slots: int) -> i
     return kv_bytes_per_block(llm_specs, block_size) * blocks + state_bytes_per_slot(llm_specs) * slots
 
 
+def three_block_prompts(n: int = 3, length: int = 52, seed: int = 0) -> list[list[int]]:
+    """n prompts of `length` tokens: 3 full blocks of 16 before the last one."""
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 128) for _ in range(length)] for _ in range(n)]
+
+
+def tokens_and_cached(llm: LLM, prompts: list[list[int]], max_tokens: int = 6) -> tuple[list, list]:
+    """Greedy outputs of `prompts` and each one's cached prompt tokens."""
+    outs = llm.generate(prompts, greedy(max_tokens), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
+
+
 def greedy(max_tokens: int = 20) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 

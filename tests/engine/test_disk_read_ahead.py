@@ -4,13 +4,12 @@ no-cache engine's tokens and nothing leaked, and with `disk_read_ahead=False` th
 on the step's thread; a damaged file read ahead is refused, counted and deleted, and the request
 admitted at the shallower position that still hits; a request whose reads are in flight is held
 while another is scheduled and decodes (the reader stopped at a gate, no sleeping)."""
-import random
 import threading
 from pathlib import Path
 
 import pytest
 
-from engine_fixtures import assert_no_leaks, greedy
+from engine_fixtures import assert_no_leaks, greedy, three_block_prompts, tokens_and_cached
 from hybridkv import LLM
 from hybridkv.models.tiny import make_tiny_checkpoint
 
@@ -23,25 +22,14 @@ def bamba(tmp_path_factory):
     return make_tiny_checkpoint("bamba", tmp_path_factory.mktemp("bamba"), seed=0)
 
 
-def prompts(n=3, length=52, seed=0):
-    """n prompts of `length` tokens: 3 full blocks of 16 before the last one."""
-    rng = random.Random(seed)
-    return [[rng.randrange(4, 128) for _ in range(length)] for _ in range(n)]
-
-
-def run(llm, ps):
-    outs = llm.generate(ps, greedy(6), use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
-
-
 def oracle(path, ps):
-    return run(LLM(str(path), enable_prefix_caching=False, **KW), ps)[0]
+    return tokens_and_cached(LLM(str(path), enable_prefix_caching=False, **KW), ps)[0]
 
 
 def write_first(path, root, ps, **kw):
     """A first engine answers `ps` on a disk tier at `root`, and is closed (every write done)."""
     llm = LLM(str(path), disk_cache_dir=str(root), **KW, **kw)
-    assert run(llm, ps)[1] == [0] * len(ps)
+    assert tokens_and_cached(llm, ps)[1] == [0] * len(ps)
     llm.close()
 
 
@@ -57,11 +45,11 @@ def readers() -> int:
 
 @pytest.mark.parametrize("read_ahead", [True, False], ids=["read_ahead", "on_the_step"])
 def test_a_restart_reads_its_hits_off_the_step(bamba, tmp_path, read_ahead):
-    ps = prompts()
+    ps = three_block_prompts()
     want = oracle(bamba, ps)
     write_first(bamba, tmp_path, ps)
     again = LLM(str(bamba), disk_cache_dir=str(tmp_path), disk_read_ahead=read_ahead, **KW)
-    got, cached = run(again, ps)
+    got, cached = tokens_and_cached(again, ps)
     assert got == want and cached == [48, 48, 48], cached
     disk = again.stats()["checkpoint_tiers"]["disk"]
     files = 3 * (3 + 1)  # each prompt's 3 KV blocks and its state
@@ -83,7 +71,7 @@ def test_a_damaged_file_read_ahead_is_refused_and_a_shallower_hit_taken(bamba, t
     bit-flipped. Its read ahead refuses it (counted, deleted); the position is then 32, whose state
     the reader reads in a second round, so the admission reads nothing itself and hits 32; the
     recomputed prefix writes the state at 48 afresh."""
-    ps, kw = prompts(), dict(checkpoint_policy="every_n_blocks", checkpoint_every_n=1)
+    ps, kw = three_block_prompts(), dict(checkpoint_policy="every_n_blocks", checkpoint_every_n=1)
     want = oracle(bamba, ps)
     write_first(bamba, tmp_path, ps, **kw)
     again = LLM(str(bamba), disk_cache_dir=str(tmp_path), **KW, **kw)
@@ -93,7 +81,7 @@ def test_a_damaged_file_read_ahead_is_refused_and_a_shallower_hit_taken(bamba, t
     data = bytearray(damaged.read_bytes())
     data[len(data) // 2] ^= 0x01
     damaged.write_bytes(bytes(data))
-    got, cached = run(again, ps)
+    got, cached = tokens_and_cached(again, ps)
     assert got == want and cached == [32, 48, 48], cached
     s = again.stats()["checkpoint_tiers"]["disk"]
     assert s["refused_corrupt"] == 1 and s["background_reads"] == 4 + 1 + 4 + 4 and s["sync_reads"] == 0, s
@@ -107,7 +95,7 @@ def test_a_request_is_held_while_its_reads_are_in_flight_and_others_run(bamba, t
     stays waiting step after step while a request needing no disk is admitted and decodes; once
     the gate opens and the reads are done, the held request is admitted at 48 from the staged
     bytes (no read on the step's thread), and both answer as the no-cache engine."""
-    ps, fresh = prompts(1), prompts(1, seed=7)[0]
+    ps, fresh = three_block_prompts(1), three_block_prompts(1, seed=7)[0]
     want = oracle(bamba, [ps[0], fresh])
     write_first(bamba, tmp_path, ps)
     llm = LLM(str(bamba), disk_cache_dir=str(tmp_path), **KW)

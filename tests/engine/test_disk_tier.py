@@ -6,12 +6,11 @@ same tokens. Hybrid (Bamba), pure attention (Llama), two attention groups (gpt-o
 sliding window) and pure recurrent (Falcon-Mamba: states only), int8 caches (bytes carried as they are), another cache layout in the same
 directory, the CLI flags and /metrics."""
 import os
-import random
 from pathlib import Path
 
 import pytest
 
-from engine_fixtures import assert_no_leaks, greedy
+from engine_fixtures import assert_no_leaks, greedy, three_block_prompts, tokens_and_cached
 from hybridkv import LLM
 from hybridkv.models.tiny import make_tiny_checkpoint
 
@@ -24,17 +23,6 @@ def checkpoints(tmp_path_factory):
     return {f: make_tiny_checkpoint(f, tmp_path_factory.mktemp(f), seed=s) for f, s in FAMILIES.items()}
 
 
-def prompts(n=3, length=52, seed=0):
-    """n prompts of `length` tokens: 3 full blocks of 16 before the last one."""
-    rng = random.Random(seed)
-    return [[rng.randrange(4, 128) for _ in range(length)] for _ in range(n)]
-
-
-def run(llm, ps):
-    outs = llm.generate(ps, greedy(6), use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
-
-
 def entry_files(root) -> list[Path]:
     return sorted(p for p in Path(root).glob("*/*.hkv"))
 
@@ -42,7 +30,7 @@ def entry_files(root) -> list[Path]:
 def first_run(path, root, **kw):
     """The first engine's tokens on the disk tier at `root` (closed: every write done)."""
     llm = LLM(str(path), disk_cache_dir=str(root), **KW, **kw)
-    tokens, cached = run(llm, prompts())
+    tokens, cached = tokens_and_cached(llm, three_block_prompts())
     assert cached == [0, 0, 0]
     llm.close()
     return tokens, llm.stats()["checkpoint_tiers"]["disk"]
@@ -52,7 +40,7 @@ def first_run(path, root, **kw):
                                     for f in FAMILIES])  # sliding windows and a pure-recurrent model: slow tier
 def test_a_restarted_engine_answers_from_disk(checkpoints, tmp_path, family):
     path = checkpoints[family]
-    oracle, _ = run(LLM(str(path), enable_prefix_caching=False, **KW), prompts())
+    oracle, _ = tokens_and_cached(LLM(str(path), enable_prefix_caching=False, **KW), three_block_prompts())
     tokens, wrote = first_run(path, tmp_path)
     assert tokens == oracle
     assert wrote["kv_demotions"] >= (0 if family == "falcon_mamba" else 3 * 3), wrote
@@ -60,7 +48,7 @@ def test_a_restarted_engine_answers_from_disk(checkpoints, tmp_path, family):
     files = entry_files(tmp_path)
     assert len(files) == wrote["entries"] + wrote["kv_entries"]
     again = LLM(str(path), disk_cache_dir=str(tmp_path), **KW)
-    got, cached = run(again, prompts())
+    got, cached = tokens_and_cached(again, three_block_prompts())
     assert got == tokens == oracle
     assert cached == [48, 48, 48], cached
     disk = again.stats()["checkpoint_tiers"]["disk"]
@@ -107,7 +95,7 @@ def test_damaged_entries_are_refused_and_recomputed(checkpoints, tmp_path, damag
         for p in files:
             (flip if damage == "flip" else truncate)(p)
     again = LLM(str(path), disk_cache_dir=str(tmp_path), **KW)
-    got, cached = run(again, prompts())
+    got, cached = tokens_and_cached(again, three_block_prompts())
     assert got == tokens and cached == [0, 0, 0]
     disk = again.stats()["checkpoint_tiers"]["disk"]
     # each prompt's 3 KV blocks and state: all read (not only the first that failed) and refused
@@ -116,7 +104,7 @@ def test_damaged_entries_are_refused_and_recomputed(checkpoints, tmp_path, damag
     again.close()
     # the refused files were deleted and the recomputed prefixes written afresh: a third engine hits
     third = LLM(str(path), disk_cache_dir=str(tmp_path), **KW)
-    got, cached = run(third, prompts())
+    got, cached = tokens_and_cached(third, three_block_prompts())
     assert got == tokens and cached == [48, 48, 48]
     assert third.stats()["checkpoint_tiers"]["disk"]["refused_corrupt"] == 0
     third.close()
@@ -130,11 +118,11 @@ def test_quantized_caches_and_another_layout_in_one_directory(checkpoints, tmp_p
     q = dict(kv_cache_dtype="int8", state_cache_dtype="int8")
     tokens, _ = first_run(path, tmp_path, **q)
     again = LLM(str(path), disk_cache_dir=str(tmp_path), **KW, **q)
-    got, cached = run(again, prompts())
+    got, cached = tokens_and_cached(again, three_block_prompts())
     again.close()
     assert got == tokens and cached == [48, 48, 48]
     plain = LLM(str(path), disk_cache_dir=str(tmp_path), **KW)
-    _, cached = run(plain, prompts())
+    _, cached = tokens_and_cached(plain, three_block_prompts())
     plain.close()
     assert cached == [0, 0, 0] and plain.stats()["checkpoint_tiers"]["disk"]["refused_corrupt"] == 0
     assert len(os.listdir(tmp_path)) == 2  # two namespaces
@@ -158,7 +146,7 @@ def test_the_cli_flags_metrics_and_a_bad_directory(checkpoints, tmp_path):
     assert default["disk_read_ahead"] is True
     first_run(checkpoints["bamba"], tmp_path)
     llm = LLM(str(checkpoints["bamba"]), disk_cache_dir=str(tmp_path), **KW)
-    run(llm, prompts())
+    tokens_and_cached(llm, three_block_prompts())
     llm.close()
     s = llm.stats()
     samples = {(x.name, x.labels.get("tier")): x.value
@@ -190,25 +178,25 @@ def test_with_a_host_tier_a_tight_device_and_a_small_disk_budget(checkpoints, tm
     path = checkpoints["bamba"]
     specs = LLM(str(path), memory_budget_bytes=16 << 20).model.cache_specs()
     kw = dict(max_num_seqs=2, checkpoint_share=0.1, memory_budget_bytes=tight_budget(specs, 16, blocks=64, slots=5))
-    ps = prompts(6, seed=3)
-    oracle, _ = run(LLM(str(path), enable_prefix_caching=False, **kw), ps + ps)
+    ps = three_block_prompts(6, seed=3)
+    oracle, _ = tokens_and_cached(LLM(str(path), enable_prefix_caching=False, **kw), ps + ps)
     host = 4 * state_bytes_per_slot(specs)  # (the probe too: with a host tier a prompt also leaves a trail)
     probe = LLM(str(path), disk_cache_dir=str(tmp_path / "probe"), host_cache_bytes=host, **kw)
-    run(probe, ps[:1])
+    tokens_and_cached(probe, ps[:1])
     probe.close()
     per_prompt = probe.stats()["checkpoint_tiers"]["disk"]["bytes"]
     budget = 3 * per_prompt + per_prompt // 2
     tiers = dict(host_cache_bytes=host, disk_cache_dir=str(tmp_path / "d"),
                  disk_cache_bytes=budget)
     llm = LLM(str(path), **kw, **tiers)
-    got, _ = run(llm, ps + ps)
+    got, _ = tokens_and_cached(llm, ps + ps)
     llm.close()
     assert got == oracle
     disk = llm.stats()["checkpoint_tiers"]["disk"]
     assert disk["evictions"] > 0 and disk["bytes"] <= budget and disk["refused_corrupt"] == 0, disk
     assert llm.stats()["checkpoint_tiers"]["host"]["demotions"] > 0
     again = LLM(str(path), **kw, **tiers)
-    got, cached = run(again, ps[::-1])  # the most recently written first: the budget kept those
+    got, cached = tokens_and_cached(again, ps[::-1])  # the most recently written first: the budget kept those
     again.close()
     assert got == oracle[:6][::-1]
     # the newest entries survive the budget: a prefix of the reversed prompts hits whole, the rest
@@ -225,13 +213,13 @@ def test_the_guards_invalidation_deletes_the_state_files(checkpoints, tmp_path):
     llm = LLM(str(path), disk_cache_dir=str(tmp_path), **KW)
     states = {p.name.split("-")[-1][:-4]: p for p in Path(tmp_path).glob("*/state-*.hkv")}
     assert len(states) == 3
-    key = llm.manager.prefix_cache.prompt_hashes(prompts()[0], None)[2]
+    key = llm.manager.prefix_cache.prompt_hashes(three_block_prompts()[0], None)[2]
     assert llm.manager.prefix_cache.invalidate(key)
     assert not llm.manager.prefix_cache.invalidate(bytes(32))  # held by no tier
     llm.close()
     assert not states[key.hex()].exists() and sum(p.exists() for p in states.values()) == 2
     again = LLM(str(path), disk_cache_dir=str(tmp_path), **KW)
-    got, cached = run(again, prompts())
+    got, cached = tokens_and_cached(again, three_block_prompts())
     again.close()
     assert got == tokens and cached == [0, 48, 48]
 
@@ -270,12 +258,12 @@ def test_a_hit_mixing_host_and_disk_blocks_gives_the_no_cache_tokens(checkpoints
     path = checkpoints["bamba"]
     specs = LLM(str(path), memory_budget_bytes=16 << 20).model.cache_specs()
     kw = dict(max_num_seqs=4, memory_budget_bytes=tight_budget(specs, 16, blocks=16, slots=1 + 4 + 2))
-    ps = prompts()
-    oracle, _ = run(LLM(str(path), enable_prefix_caching=False, **kw), ps)
+    ps = three_block_prompts()
+    oracle, _ = tokens_and_cached(LLM(str(path), enable_prefix_caching=False, **kw), ps)
     llm = LLM(str(path), disk_cache_dir=str(tmp_path), host_cache_bytes=64 << 20, **kw)
-    assert run(llm, ps) == (oracle, [0, 0, 0])
+    assert tokens_and_cached(llm, ps) == (oracle, [0, 0, 0])
     for seed in (9, 10):  # other prompts take every block (16 and a rounding): the first ones' KV goes to the host
-        run(llm, prompts(4, seed=seed))
+        tokens_and_cached(llm, three_block_prompts(4, seed=seed))
     mgr = llm.manager
     mgr.disk.flush()
     host_kv, disk = mgr.prefix_cache.host_kv, mgr.disk
@@ -294,7 +282,7 @@ def test_a_hit_mixing_host_and_disk_blocks_gives_the_no_cache_tokens(checkpoints
         hashes = mgr.prefix_cache.prompt_hashes(ps[0], None)
         flip(Path(disk.store.dir) / disk.kv_name(None, 1, hashes[1]))
     assert [llm.manager.prefix_cache.usable_tokens(p) for p in ps] == [48, 48, 48]  # the probe reads no file
-    got, cached = run(llm, ps)
+    got, cached = tokens_and_cached(llm, ps)
     assert got == oracle
     s = llm.stats()["checkpoint_tiers"]
     if damaged:  # block 1 of the first prompt is gone: no hit past 16 tokens there
