@@ -123,20 +123,18 @@ def ceiling_manager(kv_tokens: int = KV_TOKENS) -> HybridCacheManager:
 def traces(small: bool, seed: Optional[int] = None) -> dict:
     """name -> (trace, max_active): how many sessions are open at once (the burst: all of it).
     seed: every trace drawn with this seed instead of its own (the tier table's robustness runs)."""
-    if seed is not None:
-        return {"agent": (agent_sessions(seed=seed), MAX_NUM_SEQS), "few_shot": (few_shot(seed=seed), MAX_NUM_SEQS),
-                "short_prefix": (short_prefixes(seed=seed), MAX_NUM_SEQS), "burst": (burst(seed=seed), 32),
-                "chat": (multi_tenant_chat(seed=seed), MAX_NUM_SEQS)}
+    s = {} if seed is None else {"seed": seed}
     if small:
         out = (20, 60)  # shorter answers (decode steps are most of the replay time), each past a block
-        return {"agent": (agent_sessions(num_sessions=6, turns=3, output_len=out), MAX_NUM_SEQS),
-                "few_shot": (few_shot(num_tasks=3, queries_per_task=5, output_len=out), MAX_NUM_SEQS),
-                "short_prefix": (short_prefixes(num_prefixes=4, requests_per_prefix=5, output_len=out), MAX_NUM_SEQS),
-                "burst": (burst(num_requests=12, output_len=out), 12),
-                "chat": (multi_tenant_chat(chats_per_tenant=2, turns=4, output_len=out), MAX_NUM_SEQS)}
-    return {"agent": (agent_sessions(), MAX_NUM_SEQS), "few_shot": (few_shot(), MAX_NUM_SEQS),
-            "short_prefix": (short_prefixes(), MAX_NUM_SEQS), "burst": (burst(), 32),
-            "chat": (multi_tenant_chat(), MAX_NUM_SEQS)}
+        return {"agent": (agent_sessions(num_sessions=6, turns=3, output_len=out, **s), MAX_NUM_SEQS),
+                "few_shot": (few_shot(num_tasks=3, queries_per_task=5, output_len=out, **s), MAX_NUM_SEQS),
+                "short_prefix": (short_prefixes(num_prefixes=4, requests_per_prefix=5, output_len=out, **s),
+                                 MAX_NUM_SEQS),
+                "burst": (burst(num_requests=12, output_len=out, **s), 12),
+                "chat": (multi_tenant_chat(chats_per_tenant=2, turns=4, output_len=out, **s), MAX_NUM_SEQS)}
+    return {"agent": (agent_sessions(**s), MAX_NUM_SEQS), "few_shot": (few_shot(**s), MAX_NUM_SEQS),
+            "short_prefix": (short_prefixes(**s), MAX_NUM_SEQS), "burst": (burst(**s), 32),
+            "chat": (multi_tenant_chat(**s), MAX_NUM_SEQS)}
 
 
 def run(small: bool = False, budgets=None, max_num_seqs: int = MAX_NUM_SEQS) -> dict:
