@@ -181,24 +181,9 @@ class StateCheckpoints:
         if output:  # one rolling output state per request, in every tier: the new one replaces the
             old = self.rolling.get(rid)  # old, unless a pinned turn (a twin that ended) pinned it
             self.rolling[rid] = h
-            if old is not None and old != h and not self.pins.pinned(old):
-                if old not in self.checkpoints:  # demoted (or dropped): it leaves the host tier too
-                    if self.host is not None and old in self.host:
-                        self.host.discard(old)
-                        self.pins.left(old)  # (a pin past its deadline, if any)
-                elif h not in self.checkpoints:
-                    # the new state takes the old one's slot in place: what freeing it and taking a
-                    # slot would do (the free list hands the slot just freed back first)
-                    c = self.checkpoints.pop(old)
-                    self.pins.left(old)  # (a pin past its deadline, if any)
-                    self.states.copy(src, c.slot)
-                    c.position, c.last_used, c.output = position, self.tick(), True
-                    self.checkpoints[h] = c
-                    if self.host is not None:
-                        self.host.discard(h)
-                    return True
-                else:
-                    self.drop(old)
+            if old is not None and old != h and not self.pins.pinned(old) \
+                    and self._replace_rolling(old, h, position, src):
+                return True
         if h in self.checkpoints:
             self.touch(h)
             return False
@@ -207,6 +192,25 @@ class StateCheckpoints:
             return False
         self.states.copy(src, slot)
         self.add(h, position, slot, output)
+        return True
+
+    def _replace_rolling(self, old: bytes, h: bytes, position: int, src: int) -> bool:
+        """A request's previous rolling output state `old` leaves every tier for the new one keyed h:
+        the host tier's copy if it was demoted there; else its device slot, which the new state takes
+        in place when h is new (what freeing it and taking a slot would do: the free list hands the
+        slot just freed back first). True when the new state was written so."""
+        if old not in self.checkpoints:
+            if self.host is not None and old in self.host:
+                self.host.discard(old)
+                self.pins.left(old)  # (a pin past its deadline, if any)
+            return False
+        if h in self.checkpoints:
+            self.drop(old)
+            return False
+        slot = self.checkpoints.pop(old).slot
+        self.pins.left(old)  # (a pin past its deadline, if any)
+        self.states.copy(src, slot)
+        self.add(h, position, slot, True)
         return True
 
     def forget(self, rid: Hashable) -> None:
