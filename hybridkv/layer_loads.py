@@ -20,8 +20,9 @@ waited on inside a capture), the end of each step (nothing stays pending across 
 Time: a promotion's caller times the issue (the tiers' `promotion_seconds`), and on the CPU its
 `charge(seconds)` adds the time its writes take when they run at the wait; so promotion_seconds
 is the host time a promotion costs (on CUDA the issue alone: the wait only enqueues an event wait,
-and the copy's device time overlaps the step's compute; benchmarks/gpu_first.sh times the step). With HYBRIDKV_IMMEDIATE_LOADS=1 the
-writes run when made (the old immediate copy; for benchmarks/gpu_first.sh's comparison).
+and the copy's device time overlaps the step's compute; benchmarks/gpu_first.sh times the step).
+With HYBRIDKV_IMMEDIATE_LOADS=1 the writes run when made (the old immediate copy; for
+benchmarks/gpu_first.sh's comparison).
 """
 from __future__ import annotations
 
